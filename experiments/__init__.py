@@ -1,0 +1,1 @@
+"""jaxcomp experiments: runners, benchmarks and demos (not part of the library API)."""

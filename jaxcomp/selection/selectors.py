@@ -1,0 +1,650 @@
+"""Top-k threshold selectors: LDTE-BS and the baselines it is measured against.
+
+Every selector is a pure, jit-able function ``selector(x, k, **options)`` on a
+1-D array ``x`` (a residual, already accumulated) and a static target count
+``k``. It returns a :class:`Selection`: a threshold ``t`` such that the
+communication set is ``{i : |x_i| > t}`` (strictly greater, for every
+selector), the size of that set, and how many counting passes or search
+iterations it took. Selectors never sort the whole array unless their name
+says so (``sort_top_k``), never move data to the host, and have static output
+shapes, so they compose with ``jit``, ``lax.switch`` and ``shard_map``.
+
+``random_k`` is the one index-based selector: it returns the chosen indices in
+``Selection.indices`` instead of a meaningful threshold.
+
+The formulas follow ``ALGORITHMS.md`` section 2 (reconstructed from the LDTE-BS
+paper, RedSync, DGC and Gaussian-k).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+try:
+    from jaxcomp.selection import _kernels as kernels
+except ImportError:  # pragma: no cover
+    from jaxcomp.selection import _kernels_ref as kernels
+
+__all__ = [
+    "Selection",
+    "SELECTORS",
+    "binary_search",
+    "dgc_sample",
+    "exact_top_k",
+    "fixed_threshold",
+    "gaussian_k",
+    "get_selector",
+    "ldte_bs",
+    "random_k",
+    "sort_top_k",
+    "target_count",
+    "trimmed_top_k",
+]
+
+
+class Selection(NamedTuple):
+    """What a selector decided for one 1-D tensor.
+
+    Attributes:
+      threshold: float32 scalar; the communication set is ``{i: |x_i| > t}``.
+      count: int32 scalar, the size of that set (may exceed any capacity: the
+        caller sends at most its capacity and keeps the rest in the residual).
+      iterations: int32 scalar, counting passes after the first estimate
+        (search iterations for LDTE-BS and binary search, adaptation rounds
+        for DGC, trimmed top-k and Gaussian-k; 0 for exact top-k).
+      indices: for index-based selectors (``random_k``) the chosen indices,
+        else ``None``.
+    """
+
+    threshold: jax.Array
+    count: jax.Array
+    iterations: jax.Array
+    indices: jax.Array | None = None
+
+
+def target_count(ratio: float, n: int) -> int:
+    """``k = max(1, ceil(ratio * n))`` clipped to ``n`` (0 for an empty tensor)."""
+    if n == 0:
+        return 0
+    # The epsilon keeps 1e-3 * 1000 from rounding up to 2.
+    return min(n, max(1, math.ceil(ratio * n - 1e-9 * n)))
+
+
+def _abs32(x: jax.Array) -> jax.Array:
+    return jnp.abs(x.astype(jnp.float32))
+
+
+def _just_below(v: jax.Array) -> jax.Array:
+    """Largest float32 below ``v`` (so that ``a > result`` iff ``a >= v``), never < 0.
+
+    Selecting zeros sends nothing, so a k-th value of 0 gives threshold 0.
+    """
+    return jnp.where(v > 0, jnp.nextafter(v, jnp.float32(-jnp.inf)), jnp.float32(0))
+
+
+def _selection(t, count, iterations=0) -> Selection:
+    return Selection(
+        threshold=jnp.asarray(t, jnp.float32),
+        count=jnp.asarray(count, jnp.int32),
+        iterations=jnp.asarray(iterations, jnp.int32),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Exact top-k.
+# ---------------------------------------------------------------------------
+
+
+def _kth_largest(a: jax.Array, k: int) -> jax.Array:
+    # jnp.min of the top-k values, not values[k - 1]: indexing the output of
+    # lax.top_k makes XLA:CPU compile a full sort (35x slower at 2^24).
+    return jnp.min(lax.top_k(a, k)[0])
+
+
+def exact_top_k(x: jax.Array, k: int) -> Selection:
+    """Exact top-k by magnitude with ``lax.top_k`` ("radixSelect" on GPU).
+
+    Ties at the k-th value are all selected (the set is ``{|x| >= kth}``), so
+    ``count`` may exceed ``k`` when values repeat; zeros are never selected.
+
+    Args:
+      x: 1-D array.
+      k: static number of elements to keep, ``1 <= k <= x.size``.
+
+    Returns:
+      A :class:`Selection` with ``iterations == 0``.
+    """
+    a = _abs32(x)
+    t = _just_below(_kth_largest(a, k))
+    return _selection(t, kernels.count_above(a, t))
+
+
+def sort_top_k(x: jax.Array, k: int) -> Selection:
+    """Exact top-k through a full sort: the O(n log n) reference."""
+    a = _abs32(x)
+    t = _just_below(jnp.sort(a)[a.shape[0] - k])
+    return _selection(t, kernels.count_above(a, t))
+
+
+def fixed_threshold(x: jax.Array, k: int, *, threshold: float) -> Selection:
+    """ "fixed-v": a user-given threshold; ``k`` only sizes the caller's capacity."""
+    del k
+    t = jnp.float32(threshold)
+    return _selection(t, kernels.count_above(_abs32(x), t))
+
+
+# ---------------------------------------------------------------------------
+# Search-based selectors: LDTE-BS and RedSync's binary search.
+# ---------------------------------------------------------------------------
+
+_SEARCHES = ("bisect", "fibonacci", "interpolate")
+
+
+def _fibonacci_fractions(max_iters: int) -> jax.Array:
+    """Probe positions F[j-1]/F[j] (-> 0.618...) for Fibonacci search."""
+    fib = [1, 2]
+    while len(fib) < max_iters + 2:
+        fib.append(fib[-1] + fib[-2])
+    # Early probes use the fractions of the largest Fibonacci numbers; the
+    # last one is 1/2, so the final steps are plain bisection.
+    fr = [fib[j - 1] / fib[j] for j in range(max_iters + 1, 0, -1)]
+    return jnp.asarray(fr, jnp.float32)
+
+
+def _search(
+    a: jax.Array,
+    k: int,
+    lo: jax.Array,
+    hi: jax.Array,
+    c_lo: jax.Array,
+    c_hi: jax.Array,
+    *,
+    upper: float,
+    search: str,
+    max_iters: int,
+    delta: float,
+    lo_is_zero: jax.Array,
+):
+    """Shrinks ``[lo, hi]`` (counts ``c_lo > ub``, ``c_hi < k``) until ``k <= nnz <= ub``.
+
+    ``c_lo`` may be an upper estimate (``n``) when ``lo`` is the initial 0 and
+    was never counted (``lo_is_zero``). Returns ``(t, count, iterations)``.
+    """
+    ub = math.floor(upper * k)
+    n = a.shape[0]
+    target = math.log(math.sqrt(k * max(ub, k)) + 1.0)
+    fib = _fibonacci_fractions(max_iters)
+
+    def cond(s):
+        lo, hi, _, _, _, c, it, _, _, _ = s
+        feasible = (c >= k) & (c <= ub)
+        # Stop when the bracket no longer shrinks in float32 or is below delta.
+        mid = lo + (hi - lo) * 0.5
+        stuck = (mid <= lo) | (mid >= hi) | (hi - lo <= delta)
+        return ~feasible & ~stuck & (it < max_iters)
+
+    def body(s):
+        lo, hi, c_lo, c_hi, _, _, it, last, repeat, lo_zero = s
+        if search == "bisect":
+            frac = jnp.float32(0.5)
+        elif search == "fibonacci":
+            frac = fib[it]
+        else:
+            # Regula falsi on log(count): Laplacian (exponential) tails make
+            # log(count) nearly linear in t, so one or two probes usually land
+            # in [k, ub]. Illinois-style safeguard: after the same end moved
+            # twice in a row, bisect once, so it never stalls at one end.
+            f_lo = jnp.log(c_lo.astype(jnp.float32) + 1.0) - target
+            f_hi = jnp.log(c_hi.astype(jnp.float32) + 1.0) - target
+            interp = f_lo / jnp.maximum(f_lo - f_hi, 1e-6)
+            frac = jnp.where(repeat, 0.5, jnp.clip(interp, 0.02, 0.98))
+        t = jnp.clip(lo + (hi - lo) * frac, lo, hi)
+        c = kernels.count_above(a, t)
+        too_many = c > ub
+        too_few = c < k
+        moved = jnp.where(too_many, 1, jnp.where(too_few, -1, 0))
+        return (
+            jnp.where(too_many, t, lo),
+            jnp.where(too_few, t, hi),
+            jnp.where(too_many, c, c_lo),
+            jnp.where(too_few, c, c_hi),
+            t,
+            c,
+            it + 1,
+            moved,
+            (moved != 0) & (moved == last),
+            lo_zero & ~too_many,
+        )
+
+    # Start "not feasible" (c = c_hi < k); callers skip the search when their
+    # first estimate is already in the window.
+    init = (
+        lo,
+        hi,
+        c_lo,
+        c_hi,
+        hi,
+        c_hi,
+        jnp.int32(0),
+        jnp.int32(0),
+        jnp.bool_(False),
+        lo_is_zero,
+    )
+    lo, hi, c_lo, c_hi, t, c, it, _, _, lo_zero = lax.while_loop(cond, body, init)
+    feasible = (c >= k) & (c <= ub)
+
+    def fallback(_):
+        # No threshold gives k <= nnz <= ub (ties, too few nonzeros, or the
+        # iteration cap): take the bracket end with the larger count that still
+        # fits the capacity ceil(upper * k); else the smaller one. Never more.
+        cap = min(n, math.ceil(upper * k))
+        c_lo_true = jnp.where(lo_zero, kernels.count_above(a, lo), c_lo)
+        use_lo = c_lo_true <= cap
+        return jnp.where(use_lo, lo, hi), jnp.where(use_lo, c_lo_true, c_hi)
+
+    t, c = lax.cond(feasible, lambda _: (t, c), fallback, None)
+    return t, c, it
+
+
+def _check_search_options(search: str, upper: float, max_iters: int):
+    if search not in _SEARCHES:
+        raise ValueError(f"search must be one of {_SEARCHES}, got {search!r}")
+    if not upper >= 1.0:
+        raise ValueError(f"upper must be >= 1 (the count window is [k, upper*k]), got {upper}")
+    if not (isinstance(max_iters, int) and max_iters >= 0):
+        raise ValueError(f"max_iters must be an int >= 0, got {max_iters!r}")
+
+
+def _log_cosh(z: jax.Array) -> jax.Array:
+    z = jnp.abs(z)
+    return z + jnp.log1p(jnp.exp(-2.0 * z)) - math.log(2.0)
+
+
+def _strided_sample(a: jax.Array, size: int) -> jax.Array:
+    n = a.shape[0]
+    if n <= size:
+        return a
+    stride = n // size
+    return a[: stride * size : stride]
+
+
+def laplace_threshold(
+    x: jax.Array, k: int, *, estimator: str = "moments", aim: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """The LDTE estimate ``t = b * ln(cosh(mu / b) / eta)`` with ``eta = aim * k / n``.
+
+    Args:
+      x: 1-D array.
+      k: static target count.
+      estimator: ``"moments"`` (the paper: ``mu = mean``,
+        ``b = sqrt(var / 2)``) or ``"mle"`` (``mu = median``,
+        ``b = mean|x - mu|``; the median is taken on a strided sample of at
+        most 65536 elements, exact for smaller tensors, so the estimator stays
+        O(n) without a sort).
+      aim: multiplies ``eta``; 1 is the paper's formula (expected count
+        ``k``, the lower edge of the window, so about half the time one
+        search probe follows); 1.25 aims at the middle of ``[k, 1.5 k]``.
+
+    Returns:
+      ``(t, max_abs)``: the estimate (clipped to ``[0, max|x|]``) and
+      ``max|x|``, which the search uses as its upper end.
+    """
+    n = x.shape[0]
+    mean, var, amax = kernels.moments(x)
+    if estimator == "moments":
+        mu, b = mean, jnp.sqrt(var / 2.0)
+    elif estimator == "mle":
+        x32 = x.astype(jnp.float32)
+        mu = jnp.median(_strided_sample(x32, 65536))
+        b = jnp.mean(jnp.abs(x32 - mu))
+    else:
+        raise ValueError(f"estimator must be 'moments' or 'mle', got {estimator!r}")
+    eta = min(1.0, aim * k / n)
+    safe_b = jnp.where(b > 0, b, 1.0)
+    # ln(cosh(z)) written stably: cosh overflows float32 for |mu/b| > 89.
+    t = safe_b * (_log_cosh(mu / safe_b) - math.log(eta))
+    t = jnp.where(b > 0, t, 0.0)
+    return jnp.clip(t, 0.0, amax), amax
+
+
+def ldte_bs(
+    x: jax.Array,
+    k: int,
+    *,
+    estimator: str = "moments",
+    search: str = "interpolate",
+    aim: float = 1.25,
+    upper: float = 1.5,
+    max_iters: int = 40,
+    delta: float = 0.0,
+) -> Selection:
+    """LDTE-BS: Laplacian threshold estimate, corrected by a search on counts.
+
+    One fused pass computes mean, variance and ``max|x|``; the Laplacian fit
+    gives ``t = b * ln(cosh(mu/b) / eta)``; one pass counts ``nnz = #{|x| > t}``.
+    If ``nnz`` is outside ``[k, upper*k]`` a ``lax.while_loop`` searches
+    ``[t, max|x|]`` (too many) or ``[0, t]`` (too few), recounting each probe,
+    until ``k <= nnz <= upper*k``, the bracket is narrower than ``delta`` (or
+    stops shrinking in float32), or ``max_iters`` probes were made.
+
+    If no threshold can satisfy the window (ties, fewer than ``k`` nonzeros),
+    the result is the bracket end with the most elements that still fit the
+    capacity ``ceil(upper * k)``; the caller keeps everything unsent in the
+    residual.
+
+    Args:
+      x: 1-D array (the residual).
+      k: static target count, ``1 <= k <= x.size``.
+      estimator: ``"moments"`` (paper default) or ``"mle"``, see
+        :func:`laplace_threshold`.
+      search: ``"bisect"`` (the paper's binary search: midpoint probes),
+        ``"fibonacci"`` (probes at ratios of consecutive Fibonacci numbers, as
+        the paper suggests), or ``"interpolate"`` (default: regula falsi on
+        log counts inside the same bracket, so an estimate that is close is
+        refined from where it is, not from the middle of the whole interval;
+        falls back to bisection steps when it stalls).
+      aim: the estimate targets ``aim * k`` elements (default 1.25, the
+        middle of the window; ``aim=1, search="bisect"`` is the paper's
+        algorithm exactly).
+      upper: the window's upper factor (paper: 1.5).
+      max_iters: cap on search probes.
+      delta: stop when ``hi - lo < delta`` (the paper's termination parameter).
+
+    Returns:
+      A :class:`Selection`; ``iterations`` counts search probes (0 when the
+      estimate was already in the window).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxcomp.selection import ldte_bs
+      >>> x = jax.random.laplace(jax.random.key(0), (100_000,))
+      >>> sel = jax.jit(ldte_bs, static_argnums=1)(x, 100)
+      >>> bool(100 <= sel.count <= 150)
+      True
+    """
+    _check_search_options(search, upper, max_iters)
+    a = _abs32(x)
+    if not 0.0 < aim <= upper:
+        raise ValueError(f"aim must be in (0, upper], got {aim!r}")
+    t0, amax = laplace_threshold(x, k, estimator=estimator, aim=aim)
+    c0 = kernels.count_above(a, t0)
+    ub = math.floor(upper * k)
+    n = a.shape[0]
+
+    def searched(_):
+        too_many = c0 > ub
+        lo = jnp.where(too_many, t0, 0.0)
+        hi = jnp.where(too_many, amax, t0)
+        c_lo = jnp.where(too_many, c0, n)  # n: upper estimate, lo = 0 not counted
+        c_hi = jnp.where(too_many, 0, c0)  # nothing is > max|x|
+        return _search(
+            a,
+            k,
+            lo,
+            hi,
+            c_lo,
+            c_hi,
+            upper=upper,
+            search=search,
+            max_iters=max_iters,
+            delta=delta,
+            lo_is_zero=~too_many,
+        )
+
+    ok = (c0 >= k) & (c0 <= ub)
+    t, c, it = lax.cond(ok, lambda _: (t0, c0, jnp.int32(0)), searched, None)
+    return _selection(t, c, it)
+
+
+def binary_search(
+    x: jax.Array,
+    k: int,
+    *,
+    start: str = "zero",
+    upper: float = 1.5,
+    max_iters: int = 40,
+    delta: float = 0.0,
+) -> Selection:
+    """RedSync's threshold binary search, with no distribution estimate.
+
+    Args:
+      x: 1-D array.
+      k: static target count.
+      start: ``"zero"`` bisects ``[0, max|x|]`` (ALGORITHMS.md); ``"mean"``
+        bisects ``[mean|x|, max|x|]`` as RedSync's code does (falls back to
+        ``[0, mean|x|]`` if fewer than ``k`` exceed the mean).
+      upper: accept ``k <= nnz <= upper*k`` (RedSync's code uses 2).
+      max_iters: cap on probes.
+      delta: stop when the bracket is narrower than this.
+
+    Returns:
+      A :class:`Selection`; ``iterations`` counts probes.
+    """
+    _check_search_options("bisect", upper, max_iters)
+    if start not in ("zero", "mean"):
+        raise ValueError(f"start must be 'zero' or 'mean', got {start!r}")
+    a = _abs32(x)
+    n = a.shape[0]
+    amax = jnp.max(a)
+    if start == "zero":
+        t, c, it = _search(
+            a,
+            k,
+            jnp.float32(0),
+            amax,
+            jnp.int32(n),
+            jnp.int32(0),
+            upper=upper,
+            search="bisect",
+            max_iters=max_iters,
+            delta=delta,
+            lo_is_zero=jnp.bool_(True),
+        )
+        return _selection(t, c, it)
+    m = jnp.mean(a)
+    cm = kernels.count_above(a, m)
+    ub = math.floor(upper * k)
+    many = cm > ub
+    t, c, it = _search(
+        a,
+        k,
+        jnp.where(many, m, 0.0),
+        jnp.where(many, amax, m),
+        jnp.where(many, cm, n),
+        jnp.where(many, 0, cm),
+        upper=upper,
+        search="bisect",
+        max_iters=max_iters,
+        delta=delta,
+        lo_is_zero=~many,
+    )
+    ok = (cm >= k) & (cm <= ub)
+    return _selection(jnp.where(ok, m, t), jnp.where(ok, cm, c), jnp.where(ok, 0, it + 1))
+
+
+# ---------------------------------------------------------------------------
+# Hierarchical and fitted baselines.
+# ---------------------------------------------------------------------------
+
+
+def _top_k_above(a: jax.Array, t: jax.Array, count: jax.Array, k: int, buffer: int):
+    """Exact k-th largest among ``{a > t}``, which holds ``count >= k`` elements.
+
+    When the survivors fit ``buffer`` they are compacted first, so ``lax.top_k``
+    runs on ``buffer`` elements instead of ``n`` (the point of DGC's and
+    RedSync's two-stage selection); otherwise it runs on the masked array.
+    """
+    n = a.shape[0]
+    buffer = min(buffer, n)
+
+    def small(_):
+        _, vals, _ = kernels.extract(a, t, buffer)  # padding values are 0
+        return _kth_largest(vals, k)
+
+    def large(_):
+        return _kth_largest(jnp.where(a > t, a, 0.0), k)
+
+    if buffer >= n:
+        kth = large(None)
+    else:
+        kth = lax.cond(count <= buffer, small, large, None)
+    t2 = _just_below(kth)
+    return t2, kernels.count_above(a, t2)
+
+
+def dgc_sample(
+    x: jax.Array,
+    k: int,
+    *,
+    sample_ratio: float = 0.01,
+    upper: float = 1.3,
+    decay: float = 0.8,
+    max_adaptations: int = 10,
+) -> Selection:
+    """DGC's hierarchical selection (Lin et al., ICLR 2018, reference code).
+
+    A strided sample of ``max(sample_ratio * n, 1)`` elements (the reference
+    code takes at least 1%) gives a threshold: the smallest of the sample's top
+    ``eta`` fraction. If fewer than ``k`` elements pass, the threshold is
+    multiplied by ``decay`` (at most ``max_adaptations`` times). If more than
+    ``upper * k`` pass, exact top-k among the survivors. The achieved count can
+    still end below ``k``; it is reported, not hidden.
+
+    Returns:
+      A :class:`Selection`; ``iterations`` counts the decay rounds plus one if
+      the survivors' top-k ran.
+    """
+    if not 0.0 < sample_ratio <= 1.0:
+        raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
+    a = _abs32(x)
+    n = a.shape[0]
+    m = max(1, min(n, math.ceil(sample_ratio * n)))
+    sample = _strided_sample(a, m)
+    ks = target_count(k / n, sample.shape[0])
+    t = _kth_largest(sample, ks)
+    t = _just_below(t)
+    c = kernels.count_above(a, t)
+
+    def cond(s):
+        t, c, it = s
+        return (c < k) & (it < max_adaptations) & (t > 0)
+
+    def body(s):
+        t, _, it = s
+        t = t * decay
+        return t, kernels.count_above(a, t), it + 1
+
+    t, c, it = lax.while_loop(cond, body, (t, c, jnp.int32(0)))
+    hi = math.ceil(upper * k)
+
+    def refine(_):
+        t2, c2 = _top_k_above(a, t, c, k, buffer=4 * hi)
+        return t2, c2, it + 1
+
+    t, c, it = lax.cond(c > hi, refine, lambda _: (t, c, it), None)
+    return _selection(t, c, it)
+
+
+def trimmed_top_k(x: jax.Array, k: int, *, start: float = 0.8, step: float = 0.2) -> Selection:
+    """RedSync's trimmed top-k.
+
+    Threshold ``mean + r * (max - mean)`` of ``|x|``, starting at ``r = start``
+    and lowering ``r`` by ``step`` until at least ``k`` elements survive (down
+    to ``r = 0``, then all nonzeros), then exact top-k among the survivors.
+    """
+    if not 0.0 <= start <= 1.0 or not step > 0:
+        raise ValueError(f"start must be in [0, 1] and step > 0, got {start}, {step}")
+    a = _abs32(x)
+    mean = jnp.mean(a)
+    amax = jnp.max(a)
+    rounds = math.floor(start / step + 1e-9) + 1  # r = start, start - step, ..., >= 0
+
+    def cond(s):
+        _, c, it = s
+        return (c < k) & (it < rounds + 1)
+
+    def body(s):
+        _, _, it = s
+        r = start - step * it.astype(jnp.float32)
+        t = jnp.where(it < rounds, mean + r * (amax - mean), 0.0)
+        return t, kernels.count_above(a, t), it + 1
+
+    t, c, it = lax.while_loop(cond, body, (jnp.float32(0), jnp.int32(-1), jnp.int32(0)))
+    # it >= 1 here; report adaptation rounds after the first.
+    t, c = lax.cond(
+        c > k,
+        lambda _: _top_k_above(a, t, c, k, buffer=4 * k),
+        lambda _: (t, c),
+        None,
+    )
+    return _selection(t, c, it - 1)
+
+
+def gaussian_k(
+    x: jax.Array, k: int, *, corrections: int = 3, lower: float = 2 / 3, upper: float = 4 / 3
+) -> Selection:
+    """Gaussian-k (Shi et al.): threshold from a Gaussian fit, then corrections.
+
+    ``t = mu + sigma * Phi^-1(1 - eta / 2)``; then up to ``corrections`` times,
+    ``t *= 0.5`` if fewer than ``lower * k`` pass or ``t *= 1.5`` if more than
+    ``upper * k`` pass.
+    """
+    a = _abs32(x)
+    n = a.shape[0]
+    mean, var, _ = kernels.moments(x)
+    eta = k / n
+    t = mean + jnp.sqrt(var) * jax.scipy.special.ndtri(jnp.float32(1.0 - eta / 2.0))
+    t = jnp.maximum(t, 0.0)
+    c = kernels.count_above(a, t)
+
+    def cond(s):
+        _, c, it = s
+        return ((c < lower * k) | (c > upper * k)) & (it < corrections)
+
+    def body(s):
+        t, c, it = s
+        t = jnp.where(c < lower * k, t * 0.5, t * 1.5)
+        return t, kernels.count_above(a, t), it + 1
+
+    t, c, it = lax.while_loop(cond, body, (t, c, jnp.int32(0)))
+    return _selection(t, c, it)
+
+
+def random_k(x: jax.Array, k: int, *, key: jax.Array) -> Selection:
+    """k coordinates drawn uniformly without replacement (index-based).
+
+    Draws are the top-k of i.i.d. uniform keys (every k-subset equally
+    likely), so the cost is one ``lax.top_k`` over random numbers, independent
+    of ``x``'s values. ``threshold`` is meaningless (0) and ``count == k``.
+    """
+    n = x.shape[0]
+    u = jax.random.uniform(key, (n,))
+    _, idx = lax.top_k(u, k)
+    sel = _selection(0.0, k)
+    return sel._replace(indices=jnp.sort(idx).astype(jnp.int32))
+
+
+SELECTORS = {
+    "top_k": exact_top_k,
+    "sort_top_k": sort_top_k,
+    "ldte_bs": ldte_bs,
+    "binary_search": binary_search,
+    "dgc": dgc_sample,
+    "trimmed_top_k": trimmed_top_k,
+    "gaussian_k": gaussian_k,
+    "random_k": random_k,
+    "threshold": fixed_threshold,
+}
+
+
+def get_selector(name: str):
+    """Returns the selector function registered under ``name``."""
+    try:
+        return SELECTORS[name]
+    except KeyError:
+        raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}") from None
