@@ -25,10 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-try:
-    from jaxcomp.selection import _kernels as kernels
-except ImportError:  # pragma: no cover
-    from jaxcomp.selection import _kernels_ref as kernels
+from jaxcomp._vma import varying_like
+from jaxcomp.selection import _kernels as kernels
 
 __all__ = [
     "Selection",
@@ -77,6 +75,12 @@ def target_count(ratio: float, n: int) -> int:
 
 def _abs32(x: jax.Array) -> jax.Array:
     return jnp.abs(x.astype(jnp.float32))
+
+
+def _count(x: jax.Array, t: jax.Array) -> jax.Array:
+    # |x| is recomputed inside each counting pass rather than materialised once:
+    # a fresh n-sized temporary costs more than the pass itself on XLA:CPU.
+    return kernels.count_above(jnp.abs(x), t)
 
 
 def _just_below(v: jax.Array) -> jax.Array:
@@ -157,7 +161,7 @@ def _fibonacci_fractions(max_iters: int) -> jax.Array:
 
 
 def _search(
-    a: jax.Array,
+    x: jax.Array,
     k: int,
     lo: jax.Array,
     hi: jax.Array,
@@ -169,6 +173,7 @@ def _search(
     max_iters: int,
     delta: float,
     lo_is_zero: jax.Array,
+    start: tuple[jax.Array, jax.Array] | None = None,
 ):
     """Shrinks ``[lo, hi]`` (counts ``c_lo > ub``, ``c_hi < k``) until ``k <= nnz <= ub``.
 
@@ -176,7 +181,7 @@ def _search(
     was never counted (``lo_is_zero``). Returns ``(t, count, iterations)``.
     """
     ub = math.floor(upper * k)
-    n = a.shape[0]
+    n = x.shape[0]
     target = math.log(math.sqrt(k * max(ub, k)) + 1.0)
     fib = _fibonacci_fractions(max_iters)
 
@@ -204,7 +209,7 @@ def _search(
             interp = f_lo / jnp.maximum(f_lo - f_hi, 1e-6)
             frac = jnp.where(repeat, 0.5, jnp.clip(interp, 0.02, 0.98))
         t = jnp.clip(lo + (hi - lo) * frac, lo, hi)
-        c = kernels.count_above(a, t)
+        c = _count(x, t)
         too_many = c > ub
         too_few = c < k
         moved = jnp.where(too_many, 1, jnp.where(too_few, -1, 0))
@@ -221,20 +226,22 @@ def _search(
             lo_zero & ~too_many,
         )
 
-    # Start "not feasible" (c = c_hi < k); callers skip the search when their
-    # first estimate is already in the window.
+    # The current probe: the caller's estimate, else hi (count c_hi < k, so
+    # the loop runs at least once).
+    t0, c0 = start if start is not None else (hi, c_hi)
     init = (
         lo,
         hi,
         c_lo,
         c_hi,
-        hi,
-        c_hi,
+        t0,
+        c0,
         jnp.int32(0),
         jnp.int32(0),
         jnp.bool_(False),
         lo_is_zero,
     )
+    init = varying_like(init, x)
     lo, hi, c_lo, c_hi, t, c, it, _, _, lo_zero = lax.while_loop(cond, body, init)
     feasible = (c >= k) & (c <= ub)
 
@@ -243,7 +250,7 @@ def _search(
         # iteration cap): take the bracket end with the larger count that still
         # fits the capacity ceil(upper * k); else the smaller one. Never more.
         cap = min(n, math.ceil(upper * k))
-        c_lo_true = jnp.where(lo_zero, kernels.count_above(a, lo), c_lo)
+        c_lo_true = jnp.where(lo_zero, _count(x, lo), c_lo)
         use_lo = c_lo_true <= cap
         return jnp.where(use_lo, lo, hi), jnp.where(use_lo, c_lo_true, c_hi)
 
@@ -368,36 +375,30 @@ def ldte_bs(
       True
     """
     _check_search_options(search, upper, max_iters)
-    a = _abs32(x)
     if not 0.0 < aim <= upper:
         raise ValueError(f"aim must be in (0, upper], got {aim!r}")
     t0, amax = laplace_threshold(x, k, estimator=estimator, aim=aim)
-    c0 = kernels.count_above(a, t0)
+    c0 = _count(x, t0)
     ub = math.floor(upper * k)
-    n = a.shape[0]
-
-    def searched(_):
-        too_many = c0 > ub
-        lo = jnp.where(too_many, t0, 0.0)
-        hi = jnp.where(too_many, amax, t0)
-        c_lo = jnp.where(too_many, c0, n)  # n: upper estimate, lo = 0 not counted
-        c_hi = jnp.where(too_many, 0, c0)  # nothing is > max|x|
-        return _search(
-            a,
-            k,
-            lo,
-            hi,
-            c_lo,
-            c_hi,
-            upper=upper,
-            search=search,
-            max_iters=max_iters,
-            delta=delta,
-            lo_is_zero=~too_many,
-        )
-
-    ok = (c0 >= k) & (c0 <= ub)
-    t, c, it = lax.cond(ok, lambda _: (t0, c0, jnp.int32(0)), searched, None)
+    n = x.shape[0]
+    too_many = c0 > ub
+    # The search's while loop starts at the estimate and runs zero times when
+    # it is already in the window (no lax.cond around it: XLA:CPU runs
+    # conditional branches as separate, slower computations).
+    t, c, it = _search(
+        x,
+        k,
+        jnp.where(too_many, t0, 0.0),
+        jnp.where(too_many, amax, t0),
+        jnp.where(too_many, c0, n),  # n: upper estimate, lo = 0 not counted
+        jnp.where(too_many, 0, c0),  # nothing is > max|x|
+        upper=upper,
+        search=search,
+        max_iters=max_iters,
+        delta=delta,
+        lo_is_zero=~too_many,
+        start=(t0, c0),
+    )
     return _selection(t, c, it)
 
 
@@ -428,12 +429,11 @@ def binary_search(
     _check_search_options("bisect", upper, max_iters)
     if start not in ("zero", "mean"):
         raise ValueError(f"start must be 'zero' or 'mean', got {start!r}")
-    a = _abs32(x)
-    n = a.shape[0]
-    amax = jnp.max(a)
+    n = x.shape[0]
+    amax = jnp.max(_abs32(x))
     if start == "zero":
         t, c, it = _search(
-            a,
+            x,
             k,
             jnp.float32(0),
             amax,
@@ -446,12 +446,12 @@ def binary_search(
             lo_is_zero=jnp.bool_(True),
         )
         return _selection(t, c, it)
-    m = jnp.mean(a)
-    cm = kernels.count_above(a, m)
+    m = jnp.mean(_abs32(x))
+    cm = _count(x, m)
     ub = math.floor(upper * k)
     many = cm > ub
     t, c, it = _search(
-        a,
+        x,
         k,
         jnp.where(many, m, 0.0),
         jnp.where(many, amax, m),
@@ -472,21 +472,22 @@ def binary_search(
 # ---------------------------------------------------------------------------
 
 
-def _top_k_above(a: jax.Array, t: jax.Array, count: jax.Array, k: int, buffer: int):
-    """Exact k-th largest among ``{a > t}``, which holds ``count >= k`` elements.
+def _top_k_above(x: jax.Array, t: jax.Array, count: jax.Array, k: int, buffer: int):
+    """Exact k-th largest ``|x|`` among ``{|x| > t}``, which holds ``count >= k`` elements.
 
     When the survivors fit ``buffer`` they are compacted first, so ``lax.top_k``
     runs on ``buffer`` elements instead of ``n`` (the point of DGC's and
     RedSync's two-stage selection); otherwise it runs on the masked array.
     """
-    n = a.shape[0]
+    n = x.shape[0]
     buffer = min(buffer, n)
 
     def small(_):
-        _, vals, _ = kernels.extract(a, t, buffer)  # padding values are 0
-        return _kth_largest(vals, k)
+        _, vals, _ = kernels.extract(x, t, buffer)  # padding values are 0
+        return _kth_largest(_abs32(vals), k)
 
     def large(_):
+        a = _abs32(x)
         return _kth_largest(jnp.where(a > t, a, 0.0), k)
 
     if buffer >= n:
@@ -494,7 +495,7 @@ def _top_k_above(a: jax.Array, t: jax.Array, count: jax.Array, k: int, buffer: i
     else:
         kth = lax.cond(count <= buffer, small, large, None)
     t2 = _just_below(kth)
-    return t2, kernels.count_above(a, t2)
+    return t2, _count(x, t2)
 
 
 def dgc_sample(
@@ -521,14 +522,13 @@ def dgc_sample(
     """
     if not 0.0 < sample_ratio <= 1.0:
         raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
-    a = _abs32(x)
-    n = a.shape[0]
+    n = x.shape[0]
     m = max(1, min(n, math.ceil(sample_ratio * n)))
-    sample = _strided_sample(a, m)
+    sample = _abs32(_strided_sample(x, m))
     ks = target_count(k / n, sample.shape[0])
     t = _kth_largest(sample, ks)
     t = _just_below(t)
-    c = kernels.count_above(a, t)
+    c = _count(x, t)
 
     def cond(s):
         t, c, it = s
@@ -537,13 +537,13 @@ def dgc_sample(
     def body(s):
         t, _, it = s
         t = t * decay
-        return t, kernels.count_above(a, t), it + 1
+        return t, _count(x, t), it + 1
 
-    t, c, it = lax.while_loop(cond, body, (t, c, jnp.int32(0)))
+    t, c, it = lax.while_loop(cond, body, varying_like((t, c, jnp.int32(0)), x))
     hi = math.ceil(upper * k)
 
     def refine(_):
-        t2, c2 = _top_k_above(a, t, c, k, buffer=4 * hi)
+        t2, c2 = _top_k_above(x, t, c, k, buffer=4 * hi)
         return t2, c2, it + 1
 
     t, c, it = lax.cond(c > hi, refine, lambda _: (t, c, it), None)
@@ -559,9 +559,8 @@ def trimmed_top_k(x: jax.Array, k: int, *, start: float = 0.8, step: float = 0.2
     """
     if not 0.0 <= start <= 1.0 or not step > 0:
         raise ValueError(f"start must be in [0, 1] and step > 0, got {start}, {step}")
-    a = _abs32(x)
-    mean = jnp.mean(a)
-    amax = jnp.max(a)
+    mean = jnp.mean(_abs32(x))
+    amax = jnp.max(_abs32(x))
     rounds = math.floor(start / step + 1e-9) + 1  # r = start, start - step, ..., >= 0
 
     def cond(s):
@@ -572,13 +571,14 @@ def trimmed_top_k(x: jax.Array, k: int, *, start: float = 0.8, step: float = 0.2
         _, _, it = s
         r = start - step * it.astype(jnp.float32)
         t = jnp.where(it < rounds, mean + r * (amax - mean), 0.0)
-        return t, kernels.count_above(a, t), it + 1
+        return t, _count(x, t), it + 1
 
-    t, c, it = lax.while_loop(cond, body, (jnp.float32(0), jnp.int32(-1), jnp.int32(0)))
+    init = varying_like((jnp.float32(0), jnp.int32(-1), jnp.int32(0)), x)
+    t, c, it = lax.while_loop(cond, body, init)
     # it >= 1 here; report adaptation rounds after the first.
     t, c = lax.cond(
         c > k,
-        lambda _: _top_k_above(a, t, c, k, buffer=4 * k),
+        lambda _: _top_k_above(x, t, c, k, buffer=4 * k),
         lambda _: (t, c),
         None,
     )
@@ -594,13 +594,12 @@ def gaussian_k(
     ``t *= 0.5`` if fewer than ``lower * k`` pass or ``t *= 1.5`` if more than
     ``upper * k`` pass.
     """
-    a = _abs32(x)
-    n = a.shape[0]
+    n = x.shape[0]
     mean, var, _ = kernels.moments(x)
     eta = k / n
     t = mean + jnp.sqrt(var) * jax.scipy.special.ndtri(jnp.float32(1.0 - eta / 2.0))
     t = jnp.maximum(t, 0.0)
-    c = kernels.count_above(a, t)
+    c = _count(x, t)
 
     def cond(s):
         _, c, it = s
@@ -609,9 +608,9 @@ def gaussian_k(
     def body(s):
         t, c, it = s
         t = jnp.where(c < lower * k, t * 0.5, t * 1.5)
-        return t, kernels.count_above(a, t), it + 1
+        return t, _count(x, t), it + 1
 
-    t, c, it = lax.while_loop(cond, body, (t, c, jnp.int32(0)))
+    t, c, it = lax.while_loop(cond, body, varying_like((t, c, jnp.int32(0)), x))
     return _selection(t, c, it)
 
 

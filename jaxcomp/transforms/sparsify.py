@@ -32,13 +32,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp._vma import varying_like
 from jaxcomp.comm import collectives
+from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import selectors
-
-try:
-    from jaxcomp.selection import _kernels as kernels
-except ImportError:  # pragma: no cover
-    from jaxcomp.selection import _kernels_ref as kernels
 
 __all__ = [
     "DGC_WARMUP",
@@ -95,6 +92,12 @@ class SparsifyState(NamedTuple):
 class _StepContext(NamedTuple):
     step: jax.Array  # int32, drives the warm-up phase
     send_ok: jax.Array  # bool, False on a skipped (non-finite) step
+    include: jax.Array | None  # bool, False for a left-out backup worker; None: all in
+
+    @property
+    def sends(self) -> jax.Array:
+        """Whether this device's message goes into the mean this step."""
+        return self.send_ok if self.include is None else self.send_ok & self.include
 
 
 class _LeafOut(NamedTuple):
@@ -132,6 +135,7 @@ def sparsify(
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
     nonfinite: str = "skip",
+    exchange: str = "auto",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """A sparsifying compressor with error feedback around any selector.
@@ -169,6 +173,11 @@ def sparsify(
         the residual. ``optax.apply_if_finite`` around the compressor also
         protects the residual on one device; under ``shard_map`` its
         ``lax.cond`` decides per device, so prefer ``"skip"`` there.
+      exchange: how messages travel with ``axis_name``: ``"sparse"``
+        (all-gather of the (index, value) pairs), ``"dense"`` (all-reduce of
+        the decompressed message) or ``"auto"`` (per leaf and warm-up phase,
+        whichever moves fewer bytes: :func:`jaxcomp.comm.prefer_sparse`).
+        Same update either way, up to float summation order.
       seed: seed of the PRNG stream of random selectors (``random_k``).
 
     Returns:
@@ -204,6 +213,8 @@ def sparsify(
         raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
     if granularity not in _GRANULARITY:
         raise ValueError(f"granularity must be one of {_GRANULARITY}, got {granularity!r}")
+    if exchange not in collectives.EXCHANGES:
+        raise ValueError(f"exchange must be one of {collectives.EXCHANGES}, got {exchange!r}")
     if nonfinite not in _NONFINITE:
         raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
     if not jnp.issubdtype(jnp.dtype(residual_dtype), jnp.floating):
@@ -248,12 +259,12 @@ def sparsify(
             acc = residual.reshape(-1) + g32
 
         if n == 0 or n <= min_dense_size:
-            sent_out = jnp.where(ctx.send_ok, acc, 0).astype(out_dtype)
+            sent_out = jnp.where(ctx.sends, acc, 0).astype(out_dtype)
             new_res = acc - sent_out.astype(residual_dtype)
             new_u = u
             if u is not None and momentum_masking:
-                new_u = jnp.where(ctx.send_ok, 0, u)
-            update, wire = _exchange_dense(sent_out)
+                new_u = jnp.where(ctx.sends, 0, u)
+            update, wire = _exchange_dense(sent_out, ctx.include)
             nbytes = n * out_dtype.itemsize
             return _LeafOut(
                 update.reshape(shape),
@@ -269,14 +280,17 @@ def sparsify(
         def phase(ratio_p):
             k = selectors.target_count(ratio_p, n)
             cap = _capacity(k, n, capacity_factor)
-            return lambda: _select_and_send(acc, u, k, cap, out_dtype, key, ctx.send_ok)
+            return lambda: _select_and_send(acc, u, k, cap, out_dtype, key, ctx)
 
         branches = [phase(r) for r in phase_ratios]
         if len(branches) == 1:
             out = branches[0]()
         else:
             idx = jnp.minimum(ctx.step // steps_per_epoch, len(branches) - 1)
-            out = lax.switch(idx, [lambda _, b=b: b() for b in branches], None)
+            # Branch outputs must agree in device variance under shard_map.
+            out = lax.switch(
+                idx, [lambda _, b=b: varying_like(b(), acc) for b in branches], None
+            )
         update, new_res, new_u, count, t, it, nbytes, wire = out
         return _LeafOut(
             update.reshape(shape),
@@ -289,12 +303,15 @@ def sparsify(
             wire,
         )
 
-    def _exchange_dense(sent_out):
+    def _exchange_dense(sent_out, include):
         if axis_name is None:
             return sent_out, jnp.float32(0)
-        return collectives.dense_mean(sent_out, axis_name)
+        return collectives.dense_mean(sent_out, axis_name, include=include)
 
-    def _select_and_send(acc, u, k, cap, out_dtype, key, send_ok):
+    def _select_and_send(acc, u, k, cap, out_dtype, key, ctx):
+        # A left-out backup worker selects nothing: its message is absent from
+        # the mean and everything stays in its residual (nothing lost).
+        send_ok = ctx.sends
         n = acc.shape[0]
         if needs_key:
             sel = select_fn(acc, k, key=key, **options)
@@ -309,25 +326,24 @@ def sparsify(
         item = jnp.dtype(out_dtype).itemsize
 
         if sel.indices is None and axis_name is None:
-            # One device: a mask is enough while the set fits the capacity;
-            # stream compaction runs only on overflow (ties, fixed thresholds).
-            def by_mask(_):
-                mask = jnp.abs(acc) > sel.threshold
-                sent_out = jnp.where(mask, acc, 0).astype(out_dtype)
-                new_res = _keep_rest(acc, mask, sent_out)
-                new_u = _mask_velocity(u, mask)
-                return sent_out, new_res, new_u, sel.count
-
-            def by_extraction(_):
-                idx, vals, _ = kernels.extract(acc, sel.threshold, cap)
-                sent_out, new_res, new_u = _scatter_message(acc, u, idx, vals, out_dtype)
-                return sent_out, new_res, new_u, jnp.int32(cap)
-
-            sent_out, new_res, new_u, sent = lax.cond(
-                sel.count <= cap, by_mask, by_extraction, None
+            # One device: a dense mask is enough, no stream compaction. On
+            # overflow (count > capacity: ties, fixed thresholds) the message
+            # holds the first `cap` selected elements in index order, i.e. the
+            # selected ones up to the index of the cap-th; only then is that
+            # index extracted. The cond returns a scalar: the dense work stays
+            # outside it (XLA:CPU runs conditional branches unfused).
+            limit = lax.cond(
+                sel.count > cap,
+                lambda _: kernels.extract(acc, sel.threshold, cap)[0][cap - 1],
+                lambda _: jnp.int32(n),
+                None,
             )
-            wire = jnp.float32(0)
-            update = sent_out
+            mask = (jnp.abs(acc) > sel.threshold) & (lax.iota(jnp.int32, n) <= limit)
+            sent_out = jnp.where(mask, acc, 0).astype(out_dtype)
+            new_res = _keep_rest(acc, mask, sent_out)
+            new_u = _mask_velocity(u, mask)
+            sent = jnp.minimum(sel.count, cap)
+            update, wire = sent_out, jnp.float32(0)
         else:
             if sel.indices is not None:
                 idx = sel.indices
@@ -340,7 +356,15 @@ def sparsify(
             if axis_name is None:
                 update, wire = sent_out, jnp.float32(0)
             else:
-                update, wire = collectives.sparse_mean(idx, vals.astype(out_dtype), n, axis_name)
+                update, wire = collectives.exchange_mean(
+                    idx,
+                    vals.astype(out_dtype),
+                    n,
+                    axis_name,
+                    exchange=exchange,
+                    dense=sent_out,
+                    include=ctx.include,
+                )
         nbytes = sent * (4 + item)
         return update, new_res, new_u, sent, sel.threshold, sel.iterations, nbytes, wire
 
@@ -391,7 +415,8 @@ def sparsify(
             nonfinite_steps=jnp.zeros([], jnp.int32),
         )
 
-    def update(updates, state, params=None, **extra_args):
+    def update(updates, state, params=None, *, include=None, **extra_args):
+        """``include``: optional bool scalar, this device's backup-worker flag."""
         del params, extra_args
         grads = jax.tree.map(jnp.asarray, updates)
         finite = jnp.all(
@@ -412,7 +437,9 @@ def sparsify(
         key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
         if axis_name is not None and needs_key:
             key = jax.random.fold_in(key, lax.axis_index(axis_name))
-        ctx = _StepContext(state.step, send_ok)
+        if include is not None:
+            include = jnp.asarray(include, jnp.bool_)
+        ctx = _StepContext(state.step, send_ok, include)
 
         if granularity == "global":
             (o,) = _compress_global(grads, state, key, ctx)
