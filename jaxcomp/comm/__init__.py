@@ -1,5 +1,37 @@
-"""Collectives that move compressed gradients inside ``jax.shard_map``."""
+"""Collectives that move (compressed) gradients inside ``jax.shard_map``."""
 
-from jaxcomp.comm.collectives import axis_size, dense_mean, sparse_mean
+from jaxcomp.comm.collectives import (
+    EXCHANGES,
+    allgather_bytes,
+    allreduce_bytes,
+    axis_size,
+    dense_mean,
+    exchange_mean,
+    fastest_mask,
+    gossip_mean,
+    include_fastest,
+    prefer_sparse,
+    server_link_bytes,
+    server_mean,
+    server_sparse_mean,
+    sparse_mean,
+    weighted_mean,
+)
 
-__all__ = ["axis_size", "dense_mean", "sparse_mean"]
+__all__ = [
+    "EXCHANGES",
+    "allgather_bytes",
+    "allreduce_bytes",
+    "axis_size",
+    "dense_mean",
+    "exchange_mean",
+    "fastest_mask",
+    "gossip_mean",
+    "include_fastest",
+    "prefer_sparse",
+    "server_link_bytes",
+    "server_mean",
+    "server_sparse_mean",
+    "sparse_mean",
+    "weighted_mean",
+]

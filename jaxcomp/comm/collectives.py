@@ -1,25 +1,60 @@
 """Collectives for compressed gradients, run inside ``jax.shard_map`` (or ``pmap``).
 
-Every function takes the mesh axis name and returns the averaged dense update
-together with the bytes this device put on the wire for it, counted from the
-shapes and dtypes of what the collective actually moves (not estimated from a
-ratio). Byte counts follow the usual cost model of each collective: a ring
-all-reduce of ``B`` bytes over ``N`` devices sends ``2 (N - 1) / N * B`` bytes
-per device; an all-gather of a ``B``-byte message sends ``(N - 1) * B`` bytes
-per device (each device's message travels to the ``N - 1`` others).
+Every function takes the mesh axis name and returns the averaged (or mixed)
+dense result together with the bytes this device put on the wire for it, a
+float32 scalar counted from the shapes and dtypes of what the collective
+actually moves (not estimated from a ratio). Byte counts follow the usual cost
+model of each collective, with ``B`` the bytes of one device's message and
+``N`` the number of devices along the axis:
+
+=====================  ==============================  ================================
+collective             per-device bytes reported        what it models
+=====================  ==============================  ================================
+:func:`dense_mean`     ``2 (N - 1) / N * B``            ring all-reduce
+:func:`sparse_mean`    ``(N - 1) * B``                  all-gather of (index, value)
+:func:`server_mean`    ``B_push + B_pull``              parameter server, a worker's link
+:func:`gossip_mean`    ``2 * B``                        two ring neighbours (ppermute)
+:func:`weighted_mean`  ``2 (N - 1) / N * (B + 4)``      all-reduce of ``w x`` and ``w``
+=====================  ==============================  ================================
+
+Backup workers (partial aggregation): :func:`dense_mean`, :func:`sparse_mean`
+and :func:`exchange_mean` take ``include``, this device's boolean flag; the
+result is the mean over the included devices only. Fixed shapes mean the
+excluded devices' buffers still travel (zeroed), so the bytes are unchanged,
+plus one scalar all-reduce for the count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
+    "EXCHANGES",
+    "allgather_bytes",
+    "allreduce_bytes",
     "axis_size",
     "dense_mean",
+    "exchange_mean",
+    "fastest_mask",
+    "gossip_mean",
+    "include_fastest",
+    "prefer_sparse",
+    "server_link_bytes",
+    "server_mean",
+    "server_sparse_mean",
     "sparse_mean",
+    "weighted_mean",
 ]
+
+# Values of the ``exchange`` argument of :func:`exchange_mean`.
+EXCHANGES = ("auto", "sparse", "dense")
+
+_INDEX_ITEMSIZE = 4  # messages carry int32 indices
 
 
 def axis_size(axis_name) -> int:
@@ -31,42 +66,449 @@ def _nbytes(x: jax.Array) -> int:
     return x.size * jnp.dtype(x.dtype).itemsize
 
 
-def dense_mean(x: jax.Array, axis_name) -> tuple[jax.Array, jax.Array]:
+def allreduce_bytes(nbytes: float, n_devices: int) -> float:
+    """Bytes one device sends in a ring all-reduce of an ``nbytes`` buffer."""
+    return 2.0 * (n_devices - 1) / n_devices * nbytes if n_devices > 1 else 0.0
+
+
+def allgather_bytes(nbytes: float, n_devices: int) -> float:
+    """Bytes one device sends in an all-gather of its ``nbytes`` message."""
+    return float((n_devices - 1) * nbytes)
+
+
+def prefer_sparse(
+    capacity: int,
+    size: int,
+    itemsize: int,
+    n_devices: int,
+    *,
+    index_itemsize: int = _INDEX_ITEMSIZE,
+) -> bool:
+    """Whether the sparse all-gather moves fewer bytes than a dense all-reduce.
+
+    A static (Python) decision from message sizes, so it can pick the code path
+    at trace time: the all-gather sends ``capacity * (index_itemsize +
+    itemsize) * (N - 1)`` bytes per device, the ring all-reduce
+    ``2 (N - 1) / N * size * itemsize``. Sparse wins below a density of about
+    ``2 / (N (1 + index_itemsize / itemsize))``: 1/8 for float32 on 8 devices,
+    so DGC's 25% warm-up phase goes dense.
+
+    Args:
+      capacity: (index, value) pairs in one device's message.
+      size: elements of the dense tensor.
+      itemsize: bytes per value (``jnp.dtype(dtype).itemsize``).
+      n_devices: devices along the axis (``lax.axis_size(axis_name)``).
+      index_itemsize: bytes per index (int32: 4).
+
+    Returns:
+      ``True`` when the sparse message is strictly cheaper; ``False`` on one
+      device (nothing moves either way, and the dense path skips the scatter).
+
+    Example:
+      >>> from jaxcomp.comm import prefer_sparse
+      >>> prefer_sparse(capacity=6292, size=2**22, itemsize=4, n_devices=8)
+      True
+      >>> prefer_sparse(capacity=2**20, size=2**22, itemsize=4, n_devices=8)
+      False
+    """
+    if n_devices <= 1:
+        return False
+    sparse = allgather_bytes(capacity * (index_itemsize + itemsize), n_devices)
+    dense = allreduce_bytes(size * itemsize, n_devices)
+    return sparse < dense
+
+
+def _include_count(include, axis_name):
+    """(this device's flag as bool, number of included devices as float32)."""
+    include = jnp.asarray(include, jnp.bool_)
+    count = lax.psum(include.astype(jnp.float32), axis_name)
+    return include, count
+
+
+def dense_mean(
+    x: jax.Array, axis_name, *, include: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """All-reduce mean of a dense tensor (the uncompressed baseline).
+
+    Args:
+      x: this device's tensor.
+      axis_name: mesh axis to average over.
+      include: optional boolean scalar, this device's backup-worker flag. When
+        given, the result is the mean over the devices whose flag is ``True``
+        (zeros if none is).
 
     Returns:
       ``(mean, bytes_sent)`` with ``bytes_sent`` a float32 scalar: a ring
-      all-reduce's ``2 (N - 1) / N`` times the tensor's size.
+      all-reduce's ``2 (N - 1) / N`` times the tensor's size (plus one float32
+      for the included count when ``include`` is given).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp.comm import dense_mean
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(lambda x: dense_mean(x, "data")[0], mesh=mesh,
+      ...                   in_specs=P(), out_specs=P())
+      >>> f(jnp.arange(3.0)).tolist()
+      [0.0, 1.0, 2.0]
     """
     n_dev = axis_size(axis_name)
-    mean = lax.pmean(x, axis_name)
-    sent = 2.0 * (n_dev - 1) / n_dev * _nbytes(x)
-    return mean, jnp.float32(sent)
+    if include is None:
+        mean = lax.pmean(x, axis_name)
+        return mean, jnp.float32(allreduce_bytes(_nbytes(x), n_dev))
+    include, count = _include_count(include, axis_name)
+    total = lax.psum(jnp.where(include, x, jnp.zeros_like(x)), axis_name)
+    mean = (total / jnp.maximum(count, 1.0)).astype(x.dtype)
+    return mean, jnp.float32(allreduce_bytes(_nbytes(x) + 4, n_dev))
 
 
 def sparse_mean(
-    indices: jax.Array, values: jax.Array, size: int, axis_name
+    indices: jax.Array,
+    values: jax.Array,
+    size: int,
+    axis_name,
+    *,
+    include: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mean over devices of sparse messages, as a dense 1-D array of ``size``.
 
     Each device holds a fixed-capacity message: ``indices`` (int32, padding
     entries equal to ``size``, an out-of-range sentinel) and ``values``
-    (padding 0). The messages are all-gathered and scatter-added into one
-    dense buffer, then divided by the number of devices.
+    (padding 0). The messages are all-gathered and all ``N * capacity`` pairs
+    scatter-added into one dense buffer in a single scatter (``mode="drop"``
+    discards the padding).
+
+    Speed (8 simulated devices, 2^22 float32, capacity 6292, this CPU): the
+    all-gather takes ~1 ms and writing the dense output ~19 ms (the floor: a
+    zero-fill alone), so the values are divided by ``N`` before the scatter
+    rather than dividing the dense result (an extra pass: 52 ms -> 22 ms).
+    Sorting the pairs to pass ``indices_are_sorted`` (56 ms), one scatter per
+    device with ``unique_indices`` (25 ms) and ``segment_sum`` (20 ms) were no
+    faster.
 
     Summation order: contributions to one coordinate are added device by
     device in axis order, the same on every device, so every device gets a
-    bit-identical result; it equals ``sum_d dense_d / N`` up to float
-    rounding of that order.
+    bit-identical result. It equals ``sum_d dense_d / N`` up to float rounding
+    of that order; each value is divided by ``N`` before summing, which is
+    exact when ``N`` is a power of two (barring underflow) and otherwise adds
+    at most one rounding per term.
+
+    Args:
+      indices: int32 ``[capacity]``, this device's indices (``size`` = padding).
+      values: ``[capacity]``, the matching values (any float dtype).
+      size: length of the dense result.
+      axis_name: mesh axis to average over.
+      include: optional boolean scalar, this device's backup-worker flag; the
+        result is then the mean over the included devices' messages only.
 
     Returns:
       ``(mean, bytes_sent)``: the dense mean (``values.dtype``) and the bytes
       this device sends, ``(N - 1) * (capacity * (4 + itemsize))``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp.comm import sparse_mean
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(
+      ...     lambda i, v: sparse_mean(i, v, 4, "data")[0], mesh=mesh,
+      ...     in_specs=(P(), P()), out_specs=P("data"))
+      >>> f(jnp.array([2, 4], jnp.int32), jnp.array([5.0, 0.0])).tolist()
+      [0.0, 0.0, 5.0, 0.0]
     """
     n_dev = axis_size(axis_name)
-    all_idx = lax.all_gather(indices, axis_name)  # [N, capacity]
-    all_val = lax.all_gather(values, axis_name)
-    out = jnp.zeros((size,), values.dtype)
-    out = out.at[all_idx.reshape(-1)].add(all_val.reshape(-1), mode="drop")
-    sent = (n_dev - 1) * (_nbytes(indices) + _nbytes(values))
-    return out / n_dev, jnp.float32(sent)
+    extra = 0
+    if include is None:
+        values = values / jnp.asarray(n_dev, values.dtype) if n_dev > 1 else values
+    else:
+        include, count = _include_count(include, axis_name)
+        # Excluded messages travel (static shapes) but carry nothing.
+        indices = jnp.where(include, indices, size)
+        values = jnp.where(include, values / jnp.maximum(count, 1.0).astype(values.dtype), 0)
+        extra = allreduce_bytes(4, n_dev)
+    all_idx = lax.all_gather(indices, axis_name).reshape(-1)  # [N * capacity]
+    all_val = lax.all_gather(values, axis_name).reshape(-1)
+    out = jnp.zeros((size,), values.dtype).at[all_idx].add(all_val, mode="drop")
+    sent = allgather_bytes(_nbytes(indices) + _nbytes(values), n_dev) + extra
+    return out, jnp.float32(sent)
+
+
+def exchange_mean(
+    indices: jax.Array,
+    values: jax.Array,
+    size: int,
+    axis_name,
+    *,
+    exchange: str = "auto",
+    dense: jax.Array | None = None,
+    include: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Mean of sparse messages, sent sparse or dense (chosen statically).
+
+    The same result as :func:`sparse_mean` (up to summation order): with
+    ``exchange="auto"`` the sparse all-gather is used when
+    :func:`prefer_sparse` says it moves fewer bytes, otherwise the message is
+    scattered into a local dense tensor and all-reduced.
+
+    Args:
+      indices: int32 ``[capacity]`` (``size`` = padding).
+      values: ``[capacity]`` message values.
+      size: length of the dense result.
+      axis_name: mesh axis.
+      exchange: ``"auto"``, ``"sparse"`` or ``"dense"``.
+      dense: optional, the message already scattered into a dense ``[size]``
+        tensor of ``values.dtype`` (saves the local scatter on the dense path).
+      include: optional backup-worker flag, see :func:`sparse_mean`.
+
+    Returns:
+      ``(mean, bytes_sent)`` of the chosen collective.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp.comm import exchange_mean
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(
+      ...     lambda i, v: exchange_mean(i, v, 3, "data")[0], mesh=mesh,
+      ...     in_specs=(P(), P()), out_specs=P("data"))
+      >>> f(jnp.array([1], jnp.int32), jnp.array([2.0])).tolist()
+      [0.0, 2.0, 0.0]
+    """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if exchange == "auto":
+        itemsize = jnp.dtype(values.dtype).itemsize
+        use_sparse = prefer_sparse(indices.shape[0], size, itemsize, axis_size(axis_name))
+    else:
+        use_sparse = exchange == "sparse"
+    if use_sparse:
+        return sparse_mean(indices, values, size, axis_name, include=include)
+    if dense is None:
+        dense = jnp.zeros((size,), values.dtype).at[indices].add(values, mode="drop")
+    return dense_mean(dense, axis_name, include=include)
+
+
+def weighted_mean(x: jax.Array, weight: jax.Array, axis_name) -> tuple[jax.Array, jax.Array]:
+    """Weighted average ``sum_d w_d x_d / sum_d w_d`` over devices.
+
+    Args:
+      x: this device's tensor.
+      weight: this device's non-negative scalar weight (e.g. its batch size).
+      axis_name: mesh axis.
+
+    Returns:
+      ``(weighted mean in x.dtype, bytes_sent)``: an all-reduce of ``w x``
+      and of ``w`` (float32).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp.comm import weighted_mean
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(lambda x: weighted_mean(x, 2.0, "data")[0], mesh=mesh,
+      ...                   in_specs=P(), out_specs=P())
+      >>> f(jnp.ones(2)).tolist()
+      [1.0, 1.0]
+    """
+    n_dev = axis_size(axis_name)
+    w = jnp.asarray(weight, jnp.float32)
+    total, wsum = lax.psum((w.astype(x.dtype) * x, w), axis_name)
+    mean = (total / wsum.astype(x.dtype)).astype(x.dtype)
+    return mean, jnp.float32(allreduce_bytes(_nbytes(x) + 4, n_dev))
+
+
+# --- backup workers --------------------------------------------------------
+
+
+def fastest_mask(delays, num_backup: int):
+    """Include mask of the ``N - num_backup`` fastest devices.
+
+    Args:
+      delays: ``[N]`` simulated per-device step times (numpy or jax), the same
+        on every device.
+      num_backup: ``b``, how many of the slowest devices to leave out,
+        ``0 <= b < N``. Ties go to the lower device index.
+
+    Returns:
+      bool ``[N]``, ``True`` for the devices whose messages are aggregated.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxcomp.comm import fastest_mask
+      >>> fastest_mask(np.array([3.0, 1.0, 9.0, 2.0]), 1).tolist()
+      [True, True, False, True]
+    """
+    delays = jnp.asarray(delays)
+    n = delays.shape[0]
+    if not (isinstance(num_backup, int) and 0 <= num_backup < n):
+        raise ValueError(f"num_backup must be an int in [0, {n}), got {num_backup!r}")
+    order = jnp.argsort(delays, stable=True)
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return rank < n - num_backup
+
+
+def include_fastest(delays, num_backup: int, axis_name) -> jax.Array:
+    """This device's backup-worker flag from replicated per-device delays.
+
+    Inside shard_map: ``fastest_mask(delays, num_backup)[axis_index]``, the
+    ``include`` argument of :func:`dense_mean`, :func:`sparse_mean` and
+    :func:`exchange_mean`.
+    """
+    return fastest_mask(delays, num_backup)[lax.axis_index(axis_name)]
+
+
+# --- parameter server --------------------------------------------------------
+
+
+def server_link_bytes(push_nbytes: float, pull_nbytes: float, n_devices: int) -> dict:
+    """Per-step bytes of the parameter-server pattern, by link.
+
+    Args:
+      push_nbytes: bytes of one worker's push (its gradient message).
+      pull_nbytes: bytes of the averaged result each worker pulls.
+      n_devices: ``N``, the workers (the server is co-located with one of them
+        in :func:`server_mean`, whose own push and pull stay local).
+
+    Returns:
+      dict with ``worker`` (push + pull on one worker's link) and
+      ``server_in`` / ``server_out`` (what the server's link carries: the
+      ``N - 1`` remote pushes in, ``N - 1`` pulls out).
+    """
+    remote = max(n_devices - 1, 0)
+    return {
+        "worker": float(push_nbytes + pull_nbytes) if n_devices > 1 else 0.0,
+        "server_in": float(remote * push_nbytes),
+        "server_out": float(remote * pull_nbytes),
+    }
+
+
+def _push(x, axis_name, root, n_dev):
+    """Root receives every device's ``x``: one single-pair ppermute per worker.
+
+    Returns ``[x_0, ..., x_{N-1}]`` as seen on the root (zeros elsewhere for
+    remote entries). A ppermute pairs each source with one destination, so a
+    many-to-one gather takes ``N - 1`` of them; only worker -> root moves data.
+    """
+    return [x if d == root else lax.ppermute(x, axis_name, perm=[(d, root)]) for d in range(n_dev)]
+
+
+def _pull(x, axis_name, root, n_dev):
+    """Every device gets the root's ``x`` (``N - 1`` single-pair ppermutes)."""
+    received = [lax.ppermute(x, axis_name, perm=[(root, d)]) for d in range(n_dev) if d != root]
+    # Each device receives from exactly one of the ppermutes, zeros from the rest.
+    got = sum(received[1:], received[0]) if received else x
+    return jnp.where(lax.axis_index(axis_name) == root, x, got)
+
+
+def _check_root(root, n_dev):
+    if not (isinstance(root, int) and 0 <= root < n_dev):
+        raise ValueError(f"root must be an int in [0, {n_dev}), got {root!r}")
+
+
+def server_mean(x: jax.Array, axis_name, *, root: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Parameter-server averaging (DLGS): workers push, the server averages, workers pull.
+
+    Device ``root`` plays the server: every other device pushes its ``x`` to it
+    (single-pair ``ppermute``s, so nothing moves between workers), the server
+    sums the pushes in device order and divides by ``N``, and sends the mean
+    back to every worker. All devices end with the root's bit-identical mean.
+
+    Args:
+      x: this worker's tensor.
+      axis_name: mesh axis.
+      root: index of the server device along the axis.
+
+    Returns:
+      ``(mean, bytes)``: ``bytes`` is one worker's link per step, push + pull
+      ``= 2 B``; the server's link carries ``(N - 1) B`` in and ``(N - 1) B``
+      out (:func:`server_link_bytes`), the bottleneck that all-reduce avoids.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp.comm import server_mean
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(lambda x: server_mean(x, "data")[0], mesh=mesh,
+      ...                   in_specs=P(), out_specs=P("data"))
+      >>> f(jnp.arange(2.0)).tolist()
+      [0.0, 1.0]
+    """
+    n_dev = axis_size(axis_name)
+    _check_root(root, n_dev)
+    pushed = _push(x, axis_name, root, n_dev)
+    total = pushed[0]
+    for term in pushed[1:]:
+        total = total + term
+    mean = _pull(total / n_dev, axis_name, root, n_dev)
+    nbytes = _nbytes(x)
+    return mean, jnp.float32(server_link_bytes(nbytes, nbytes, n_dev)["worker"])
+
+
+def server_sparse_mean(
+    indices: jax.Array, values: jax.Array, size: int, axis_name, *, root: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """Parameter server with sparse pushes (DLGS): push (index, value), pull dense.
+
+    Workers push their fixed-capacity messages (see :func:`sparse_mean`) to
+    the server ``root``, which scatter-adds them in device order, divides by
+    ``N`` and sends the dense mean back.
+
+    Returns:
+      ``(mean, bytes)``: a worker's push ``capacity * (4 + itemsize)`` plus its
+      pull ``size * itemsize``.
+    """
+    n_dev = axis_size(axis_name)
+    _check_root(root, n_dev)
+    all_idx = jnp.concatenate(_push(indices, axis_name, root, n_dev))
+    all_val = jnp.concatenate(_push(values, axis_name, root, n_dev))
+    all_val = all_val / jnp.asarray(n_dev, values.dtype)
+    total = jnp.zeros((size,), values.dtype).at[all_idx].add(all_val, mode="drop")
+    mean = _pull(total, axis_name, root, n_dev)
+    push = _nbytes(indices) + _nbytes(values)
+    link = server_link_bytes(push, size * jnp.dtype(values.dtype).itemsize, n_dev)
+    return mean, jnp.float32(link["worker"])
+
+
+# --- gossip ------------------------------------------------------------------
+
+
+def gossip_mean(
+    x: jax.Array, axis_name, *, weights: Sequence[float] = (1 / 3, 1 / 3, 1 / 3)
+) -> tuple[jax.Array, jax.Array]:
+    """One gossip step on a ring (D-PSGD): mix with the two ring neighbours.
+
+    ``x_i <- w_self x_i + w_left x_{i-1} + w_right x_{i+1}`` (indices mod
+    ``N``), with two ``ppermute``s. Replicas may differ (``x`` is per device);
+    with a doubly stochastic mixing matrix (these symmetric weights, summing
+    to 1) repeated steps converge to the average of the initial replicas.
+
+    Args:
+      x: this device's replica.
+      axis_name: mesh axis (the ring follows the axis order).
+      weights: ``(w_self, w_left, w_right)``, non-negative, summing to 1.
+
+    Returns:
+      ``(mixed, bytes_sent)``: each device sends ``x`` to both neighbours,
+      ``2 B`` (0 on one device).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp.comm import gossip_mean
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(lambda x: gossip_mean(x, "data")[0], mesh=mesh,
+      ...                   in_specs=P(), out_specs=P("data"))
+      >>> f(jnp.ones(2)).tolist()
+      [1.0, 1.0]
+    """
+    w = np.asarray(weights, np.float64)
+    if w.shape != (3,) or np.any(w < 0) or not np.isclose(w.sum(), 1.0):
+        raise ValueError(f"weights must be 3 non-negative numbers summing to 1, got {weights!r}")
+    n_dev = axis_size(axis_name)
+    if n_dev == 1:
+        return x, jnp.float32(0)
+    from_left = lax.ppermute(x, axis_name, perm=[(i, (i + 1) % n_dev) for i in range(n_dev)])
+    from_right = lax.ppermute(x, axis_name, perm=[(i, (i - 1) % n_dev) for i in range(n_dev)])
+    w_self, w_left, w_right = (jnp.asarray(v, x.dtype) for v in w)
+    mixed = w_self * x + w_left * from_left + w_right * from_right
+    return mixed, jnp.float32(2 * _nbytes(x))

@@ -1,0 +1,233 @@
+"""Benchmark: dense all-reduce vs sparse all-gather vs automatic exchange, 8 simulated devices.
+
+Per gradient size (2^18..2^24) and ratio (1e-2, 1e-3), one data-parallel
+exchange step inside ``jax.shard_map`` over 8 simulated CPU devices:
+
+- ``dense``: the uncompressed baseline, ``pmean`` of the gradient
+  (``jaxcomp.distributed.dense_exchange``);
+- ``sparse``: ``jaxcomp.ldte_bs(ratio, axis_name="data")`` update: compress
+  (threshold + index extraction + error feedback), all-gather the
+  (index, value) messages, scatter-add them into the dense mean;
+- ``exchange_only``: just :func:`jaxcomp.comm.sparse_mean` on a ready message
+  of the same capacity (all-gather + decompress), the collective's own cost;
+- ``auto``: ``exchange="auto"`` when ``jaxcomp.sparsify`` has it, else the
+  path :func:`jaxcomp.comm.prefer_sparse` picks, timed as that path.
+
+Times are medians after warm-up with every step blocked on (several collective
+steps in flight deadlock simulated devices). Bytes are per device per step as
+reported by the collectives. Writes ``bench_exchange.json`` and
+``bench_exchange.png`` to ``--out``.
+
+    python -m experiments.bench_exchange --out results/ [--max_log2 24]
+"""
+
+from __future__ import annotations
+
+import os
+
+N_DEVICES = 8
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
+    ).strip()
+
+import argparse  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxcomp  # noqa: E402
+from jaxcomp import comm  # noqa: E402
+from jaxcomp import distributed as dist  # noqa: E402
+from jaxcomp.selection import selectors  # noqa: E402
+
+try:  # noqa: E402
+    from experiments.timing import median_ms
+except ImportError:  # run as a script from experiments/
+    from timing import median_ms  # type: ignore
+
+__all__ = ["bench_one", "main"]
+
+AXIS = "data"
+UPPER = 1.5  # ldte_bs capacity factor (its default ``upper``)
+
+
+def _stacked_state(tx, size, mesh):
+    return dist.init_opt_state(tx, {"g": jnp.zeros((size,), jnp.float32)}, mesh)
+
+
+def _update_step(tx, mesh):
+    """jit(shard_map(tx.update)) over per-device gradients and stacked state."""
+
+    def body(g, state):
+        state = jax.tree.map(lambda x: x[0], state)
+        upd, state = tx.update({"g": g[0]}, state)
+        return upd["g"][None], jax.tree.map(lambda x: x[None], state)
+
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(AXIS), P(AXIS)),
+            out_specs=(P(AXIS), P(AXIS)),
+            check_vma=False,
+        )
+    )
+
+
+def _exchange_only_step(size, mesh):
+    def body(idx, vals):
+        mean, sent = comm.sparse_mean(idx[0], vals[0], size, AXIS)
+        return mean[None], sent[None]
+
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS), check_vma=False
+        )
+    )
+
+
+def _wire_bytes(state) -> float:
+    return float(np.asarray(optax.tree.get(state, "wire_bytes"))[0])
+
+
+def bench_one(size: int, ratio: float, mesh, repeats: int, has_exchange: bool) -> dict:
+    """Times and bytes of the exchange variants for one size and ratio."""
+    sh = NamedSharding(mesh, P(AXIS))
+    key = jax.random.key(size)
+    grads = jax.device_put(jax.random.laplace(key, (N_DEVICES, size), jnp.float32), sh)
+    k = selectors.target_count(ratio, size)
+    capacity = min(size, math.ceil(UPPER * k))
+    row = {"size": size, "ratio": ratio, "k": k, "capacity": capacity}
+
+    def run(tx):
+        step = _update_step(tx, mesh)
+        state = _stacked_state(tx, size, mesh)
+        ms = median_ms(step, grads, state, repeats=repeats)
+        _, new_state = jax.block_until_ready(step(grads, state))
+        return ms, new_state
+
+    row["dense_ms"], dstate = run(dist.dense_exchange(AXIS))
+    row["dense_bytes"] = _wire_bytes(dstate)
+
+    kwargs = {"exchange": "sparse"} if has_exchange else {}
+    row["sparse_ms"], sstate = run(jaxcomp.ldte_bs(ratio=ratio, axis_name=AXIS, **kwargs))
+    row["sparse_bytes"] = _wire_bytes(sstate)
+    row["sent_count_mean"] = float(np.mean(np.asarray(optax.tree.get(sstate, "sent_count")["g"])))
+    row["message_bytes_mean"] = float(
+        np.mean(np.asarray(optax.tree.get(sstate, "message_bytes")["g"]))
+    )
+
+    rng = np.random.default_rng(0)
+    idx = np.stack([np.sort(rng.choice(size, capacity, replace=False)) for _ in range(N_DEVICES)])
+    vals = rng.standard_normal((N_DEVICES, capacity)).astype(np.float32)
+    ex = _exchange_only_step(size, mesh)
+    row["exchange_only_ms"] = median_ms(
+        ex,
+        jax.device_put(idx.astype(np.int32), sh),
+        jax.device_put(vals, sh),
+        repeats=repeats,
+    )
+
+    row["auto_picks_sparse"] = comm.prefer_sparse(capacity, size, 4, N_DEVICES)
+    if has_exchange:
+        row["auto_ms"], astate = run(jaxcomp.ldte_bs(ratio=ratio, axis_name=AXIS, exchange="auto"))
+        row["auto_bytes"] = _wire_bytes(astate)
+        row["auto_measured"] = True
+    else:
+        pick = "sparse" if row["auto_picks_sparse"] else "dense"
+        row["auto_ms"], row["auto_bytes"] = row[f"{pick}_ms"], row[f"{pick}_bytes"]
+        row["auto_measured"] = False
+    row["wire_vs_dense"] = row["sparse_bytes"] / row["dense_bytes"]
+    row["message_vs_dense_tensor"] = capacity * 8 / (size * 4)
+    row["sparse_vs_dense_time"] = row["sparse_ms"] / row["dense_ms"]
+    return row
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    ratios = sorted({r["ratio"] for r in rows}, reverse=True)
+    sizes = sorted({r["size"] for r in rows})
+    dense = [next(r["dense_ms"] for r in rows if r["size"] == s) for s in sizes]
+    ax_t.plot(sizes, dense, "k-o", label="dense all-reduce")
+    dense_b = [next(r["dense_bytes"] for r in rows if r["size"] == s) for s in sizes]
+    ax_b.plot(sizes, dense_b, "k-o", label="dense all-reduce")
+    for ratio, style in zip(ratios, ["-s", "-^", "-v"], strict=False):
+        sel = [r for r in rows if r["ratio"] == ratio]
+        xs = [r["size"] for r in sel]
+        ax_t.plot(xs, [r["sparse_ms"] for r in sel], "C0" + style, label=f"ldte_bs step {ratio:g}")
+        ax_t.plot(
+            xs, [r["exchange_only_ms"] for r in sel], "C1" + style, label=f"exchange only {ratio:g}"
+        )
+        ax_b.plot(xs, [r["sparse_bytes"] for r in sel], "C0" + style, label=f"sparse {ratio:g}")
+    for ax, title in ((ax_t, "time per step (median ms)"), (ax_b, "bytes per device per step")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("gradient elements")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"exchange on {N_DEVICES} simulated CPU devices")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results", help="output directory")
+    parser.add_argument("--min_log2", type=int, default=18)
+    parser.add_argument("--max_log2", type=int, default=22)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[1e-2, 1e-3])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    if jax.device_count() < N_DEVICES:
+        raise SystemExit(
+            f"need {N_DEVICES} devices, have {jax.device_count()} (XLA_FLAGS set late?)"
+        )
+    mesh = jax.make_mesh((N_DEVICES,), (AXIS,))
+    has_exchange = "exchange" in inspect.signature(jaxcomp.sparsify).parameters
+    rows = []
+    for log2 in range(args.min_log2, args.max_log2 + 1):
+        for ratio in args.ratios:
+            row = bench_one(2**log2, ratio, mesh, args.repeats, has_exchange)
+            rows.append(row)
+            print(
+                f"2^{log2} ratio={ratio:g}: dense {row['dense_ms']:.1f} ms "
+                f"{row['dense_bytes'] / 1e6:.2f} MB | ldte_bs step {row['sparse_ms']:.1f} ms "
+                f"{row['sparse_bytes'] / 1e6:.3f} MB ({100 * row['wire_vs_dense']:.2f}% of dense "
+                f"wire, message {100 * row['message_vs_dense_tensor']:.2f}% of the tensor) | "
+                f"exchange only {row['exchange_only_ms']:.1f} ms | auto -> "
+                f"{'sparse' if row['auto_picks_sparse'] else 'dense'} {row['auto_ms']:.1f} ms",
+                flush=True,
+            )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "devices": N_DEVICES,
+        "jax": jax.__version__,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "repeats": args.repeats,
+        "sparsify_has_exchange": has_exchange,
+    }
+    (out / "bench_exchange.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    _plot(rows, out / "bench_exchange.png")
+    print(f"wrote {out / 'bench_exchange.json'} and {out / 'bench_exchange.png'}")
+
+
+if __name__ == "__main__":
+    main()
