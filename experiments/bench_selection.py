@@ -1,0 +1,208 @@
+"""Selection benchmark: the LDTE-BS paper's Fig. 5 on this machine.
+
+For every selector, every size and three data sets (Laplacian with mean 5e-4
+and std 5e-3 as in the paper, a 90% N(0, 1e-4) + 10% Laplace mixture, and
+99%-zeros data) at ``eta = 1e-3`` it measures, as medians after warm-up:
+
+- ``threshold``: the selector alone (threshold and count);
+- ``step``: the full compress step of one leaf, ``acc = e + g``, selection,
+  fixed-capacity extraction of the (index, value) message and the residual
+  update (for exact top-k the natural baseline: ``lax.top_k`` indices, gather,
+  residual scatter);
+- ``floor``: one memory pass, ``jnp.sum(jnp.abs(x))``, in the same run.
+
+Ratios are against exact ``lax.top_k`` and the floor measured in the same run,
+so machine drift cancels. Writes ``<out>/bench_selection.json`` and
+``<out>/bench_selection.png`` (log-log time against size, per data set).
+
+Run: ``python -m experiments.bench_selection [--sizes 10,12,...,24]
+[--repeats 7] [--out results]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.timing import median_ms
+from jaxcomp.selection import _kernels as kernels
+from jaxcomp.selection import selectors
+
+ETA = 1e-3
+
+# name -> selector(x, k); random_k needs a key.
+SELECTORS = {
+    "top_k": selectors.exact_top_k,
+    "sort_top_k": selectors.sort_top_k,
+    "ldte_bs": selectors.ldte_bs,
+    "ldte_bs_paper": lambda x, k: selectors.ldte_bs(x, k, search="bisect", aim=1.0),
+    "ldte_bs_fibonacci": lambda x, k: selectors.ldte_bs(x, k, search="fibonacci"),
+    "binary_search": selectors.binary_search,
+    "dgc": selectors.dgc_sample,
+    "trimmed_top_k": selectors.trimmed_top_k,
+    "gaussian_k": selectors.gaussian_k,
+    "random_k": lambda x, k: selectors.random_k(x, k, key=jax.random.key(0)),
+}
+# A full sort costs seconds above 2^20 on XLA:CPU (10 s at 2^24): skipped there.
+SORT_MAX_LOG2 = 20
+
+
+def make_data(kind: str, n: int, seed: int = 0) -> np.ndarray:
+    """The benchmark's data sets (float32)."""
+    rng = np.random.default_rng(seed)
+    if kind == "laplace":
+        return rng.laplace(5e-4, 5e-3 / math.sqrt(2), n).astype(np.float32)
+    if kind == "mixture":
+        normal = rng.normal(0.0, 1e-4, n)
+        lap = rng.laplace(0.0, 5e-3 / math.sqrt(2), n)
+        return np.where(rng.random(n) < 0.9, normal, lap).astype(np.float32)
+    if kind == "zeros99":
+        lap = rng.laplace(0.0, 5e-3 / math.sqrt(2), n)
+        return np.where(rng.random(n) < 0.99, 0.0, lap).astype(np.float32)
+    raise ValueError(f"unknown data kind {kind!r}")
+
+
+def threshold_fn(select, k):
+    return jax.jit(lambda x: select(x, k)[:3])
+
+
+def step_fn(name, select, k, capacity):
+    """One leaf's compress step: accumulate, select, extract, update residual."""
+    if name == "top_k":
+
+        def step(e, g):
+            acc = e + g
+            _, idx = jax.lax.top_k(jnp.abs(acc), k)
+            vals = acc[idx]
+            return idx, vals, acc.at[idx].set(0.0)
+
+    elif name == "random_k":
+
+        def step(e, g):
+            acc = e + g
+            idx = select(acc, k).indices
+            return idx, acc[idx], acc.at[idx].set(0.0)
+
+    else:
+
+        def step(e, g):
+            acc = e + g
+            sel = select(acc, k)
+            idx, vals, _ = kernels.extract(acc, sel.threshold, capacity)
+            return idx, vals, acc.at[idx].set(0.0, mode="drop")
+
+    return jax.jit(step)
+
+
+def run(sizes_log2, kinds, repeats, out_dir):
+    results = []
+    for kind in kinds:
+        for lg in sizes_log2:
+            n = 2**lg
+            x = jnp.asarray(make_data(kind, n))
+            zeros = jnp.zeros_like(x)
+            k = selectors.target_count(ETA, n)
+            cap = min(n, math.ceil(1.5 * k))
+            floor = median_ms(jax.jit(lambda v: jnp.sum(jnp.abs(v))), x, repeats=repeats)
+            row = {"data": kind, "log2_n": lg, "n": n, "k": k, "floor_ms": floor, "methods": {}}
+            for name, select in SELECTORS.items():
+                if name == "sort_top_k" and lg > SORT_MAX_LOG2:
+                    continue
+                f = threshold_fn(select, k)
+                t_ms = median_ms(f, x, repeats=repeats)
+                _, count, iters = f(x)
+                s_ms = median_ms(step_fn(name, select, k, cap), zeros, x, repeats=repeats)
+                row["methods"][name] = {
+                    "threshold_ms": t_ms,
+                    "step_ms": s_ms,
+                    "count": int(count),
+                    "count_over_k": int(count) / k,
+                    "iterations": int(iters),
+                }
+            base = row["methods"]["top_k"]
+            for m in row["methods"].values():
+                m["threshold_speedup_vs_top_k"] = base["threshold_ms"] / m["threshold_ms"]
+                m["step_speedup_vs_top_k"] = base["step_ms"] / m["step_ms"]
+                m["threshold_floors"] = m["threshold_ms"] / floor
+                m["step_floors"] = m["step_ms"] / floor
+            results.append(row)
+            ld = row["methods"]["ldte_bs"]
+            print(
+                f"{kind:8s} 2^{lg:<2d} floor {floor:7.3f} ms | top_k {base['threshold_ms']:8.2f}"
+                f" / step {base['step_ms']:8.2f} ms | ldte_bs {ld['threshold_ms']:7.2f}"
+                f" ({ld['threshold_speedup_vs_top_k']:5.1f}x, {ld['threshold_floors']:5.1f} floors,"
+                f" {ld['iterations']} it, {ld['count_over_k']:.2f}k) / step {ld['step_ms']:7.2f}"
+                f" ({ld['step_speedup_vs_top_k']:5.1f}x, {ld['step_floors']:5.1f} floors)",
+                flush=True,
+            )
+    meta = {
+        "eta": ETA,
+        "repeats": repeats,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_selection.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    png = plot(results, os.path.join(out_dir, "bench_selection.png"))
+    print(f"wrote {path} and {png}")
+    return results
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({r["data"] for r in results}, key=["laplace", "mixture", "zeros99"].index)
+    fig, axes = plt.subplots(2, len(kinds), figsize=(5.5 * len(kinds), 8.5), squeeze=False)
+    for col, kind in enumerate(kinds):
+        rows = [r for r in results if r["data"] == kind]
+        for line, metric in enumerate(("threshold_ms", "step_ms")):
+            ax = axes[line][col]
+            names = list(rows[0]["methods"])
+            for name in names:
+                pts = [(r["n"] * 4, r["methods"][name][metric]) for r in rows if name in r["methods"]]
+                style = "-o" if name.startswith("ldte") else "--."
+                ax.loglog(*zip(*pts, strict=True), style, label=name, ms=4)
+            ax.loglog([r["n"] * 4 for r in rows], [r["floor_ms"] for r in rows], "k:", label="floor")
+            ax.set_title(f"{kind}: {'selection' if line == 0 else 'full compress step'}")
+            ax.set_xlabel("tensor bytes (float32)")
+            ax.set_ylabel("median ms")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"top-{ETA:g} selection on {jax.default_backend()} ({jax.__version__})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10,12,14,16,18,20,22,24", help="log2 sizes")
+    parser.add_argument("--data", default="laplace,mixture,zeros99")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args(argv)
+    if args.repeats < 5:
+        parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    run(sizes, args.data.split(","), args.repeats, args.out)
+
+
+if __name__ == "__main__":
+    main()
