@@ -22,7 +22,9 @@ from experiments.timing import median_ms
 COMPRESSORS = {
     "top_k": lambda r: jaxcomp.top_k(ratio=r),
     "ldte_bs": lambda r: jaxcomp.ldte_bs(ratio=r),
-    "ldte_bs (paper: bisect)": lambda r: jaxcomp.ldte_bs(ratio=r, search="bisect", aim=1.0),
+    "ldte_bs (paper: bisect)": lambda r: jaxcomp.ldte_bs(
+        ratio=r, search="bisect", aim=1.0, moment_sample=None
+    ),
     "binary_search": lambda r: jaxcomp.binary_search(ratio=r),
     "dgc": lambda r: jaxcomp.dgc(ratio=r),
     "trimmed_top_k": lambda r: jaxcomp.trimmed_top_k(ratio=r),

@@ -288,9 +288,7 @@ def sparsify(
         else:
             idx = jnp.minimum(ctx.step // steps_per_epoch, len(branches) - 1)
             # Branch outputs must agree in device variance under shard_map.
-            out = lax.switch(
-                idx, [lambda _, b=b: varying_like(b(), acc) for b in branches], None
-            )
+            out = lax.switch(idx, [lambda _, b=b: varying_like(b(), acc) for b in branches], None)
         update, new_res, new_u, count, t, it, nbytes, wire = out
         return _LeafOut(
             update.reshape(shape),
