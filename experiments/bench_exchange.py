@@ -10,11 +10,12 @@ exchange step inside ``jax.shard_map`` over 8 simulated CPU devices:
   (index, value) messages, scatter-add them into the dense mean;
 - ``exchange_only``: just :func:`jaxcomp.comm.sparse_mean` on a ready message
   of the same capacity (all-gather + decompress), the collective's own cost;
-- ``auto``: ``exchange="auto"`` when ``jaxcomp.sparsify`` has it, else the
-  path :func:`jaxcomp.comm.prefer_sparse` picks, timed as that path.
+- ``auto``: ``exchange="auto"``, which picks per leaf the path that moves
+  fewer bytes (:func:`jaxcomp.comm.prefer_sparse`).
 
 Times are medians after warm-up with every step blocked on (several collective
-steps in flight deadlock simulated devices). Bytes are per device per step as
+steps in flight deadlock simulated devices); the optimizer state is donated
+and threaded from step to step, as in a training loop. Bytes are per device per step as
 reported by the collectives. Writes ``bench_exchange.json`` and
 ``bench_exchange.png`` to ``--out``.
 
@@ -32,7 +33,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -46,14 +46,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
+from experiments.timing import median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import comm  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 from jaxcomp.selection import selectors  # noqa: E402
-
-try:  # noqa: E402
-    from experiments.timing import median_ms
-except ImportError:  # run as a script from experiments/
-    from timing import median_ms  # type: ignore
 
 __all__ = ["bench_one", "main"]
 
@@ -66,12 +62,12 @@ def _stacked_state(tx, size, mesh):
 
 
 def _update_step(tx, mesh):
-    """jit(shard_map(tx.update)) over per-device gradients and stacked state."""
+    """jit(shard_map(tx.update)) over stacked state (donated) and per-device gradients."""
 
-    def body(g, state):
+    def body(state, g):
         state = jax.tree.map(lambda x: x[0], state)
         upd, state = tx.update({"g": g[0]}, state)
-        return upd["g"][None], jax.tree.map(lambda x: x[None], state)
+        return jax.tree.map(lambda x: x[None], state), upd["g"][None]
 
     return jax.jit(
         jax.shard_map(
@@ -80,7 +76,8 @@ def _update_step(tx, mesh):
             in_specs=(P(AXIS), P(AXIS)),
             out_specs=(P(AXIS), P(AXIS)),
             check_vma=False,
-        )
+        ),
+        donate_argnums=0,
     )
 
 
@@ -100,7 +97,7 @@ def _wire_bytes(state) -> float:
     return float(np.asarray(optax.tree.get(state, "wire_bytes"))[0])
 
 
-def bench_one(size: int, ratio: float, mesh, repeats: int, has_exchange: bool) -> dict:
+def bench_one(size: int, ratio: float, mesh, repeats: int) -> dict:
     """Times and bytes of the exchange variants for one size and ratio."""
     sh = NamedSharding(mesh, P(AXIS))
     key = jax.random.key(size)
@@ -111,16 +108,20 @@ def bench_one(size: int, ratio: float, mesh, repeats: int, has_exchange: bool) -
 
     def run(tx):
         step = _update_step(tx, mesh)
-        state = _stacked_state(tx, size, mesh)
-        ms = median_ms(step, grads, state, repeats=repeats)
-        _, new_state = jax.block_until_ready(step(grads, state))
+        ms = median_ms_threaded(
+            step,
+            _stacked_state(tx, size, mesh),
+            grads,
+            next_state=lambda out: out[0],
+            repeats=repeats,
+        )
+        new_state, _ = jax.block_until_ready(step(_stacked_state(tx, size, mesh), grads))
         return ms, new_state
 
     row["dense_ms"], dstate = run(dist.dense_exchange(AXIS))
     row["dense_bytes"] = _wire_bytes(dstate)
 
-    kwargs = {"exchange": "sparse"} if has_exchange else {}
-    row["sparse_ms"], sstate = run(jaxcomp.ldte_bs(ratio=ratio, axis_name=AXIS, **kwargs))
+    row["sparse_ms"], sstate = run(jaxcomp.ldte_bs(ratio=ratio, axis_name=AXIS, exchange="sparse"))
     row["sparse_bytes"] = _wire_bytes(sstate)
     row["sent_count_mean"] = float(np.mean(np.asarray(optax.tree.get(sstate, "sent_count")["g"])))
     row["message_bytes_mean"] = float(
@@ -139,14 +140,8 @@ def bench_one(size: int, ratio: float, mesh, repeats: int, has_exchange: bool) -
     )
 
     row["auto_picks_sparse"] = comm.prefer_sparse(capacity, size, 4, N_DEVICES)
-    if has_exchange:
-        row["auto_ms"], astate = run(jaxcomp.ldte_bs(ratio=ratio, axis_name=AXIS, exchange="auto"))
-        row["auto_bytes"] = _wire_bytes(astate)
-        row["auto_measured"] = True
-    else:
-        pick = "sparse" if row["auto_picks_sparse"] else "dense"
-        row["auto_ms"], row["auto_bytes"] = row[f"{pick}_ms"], row[f"{pick}_bytes"]
-        row["auto_measured"] = False
+    row["auto_ms"], astate = run(jaxcomp.ldte_bs(ratio=ratio, axis_name=AXIS, exchange="auto"))
+    row["auto_bytes"] = _wire_bytes(astate)
     row["wire_vs_dense"] = row["sparse_bytes"] / row["dense_bytes"]
     row["message_vs_dense_tensor"] = capacity * 8 / (size * 4)
     row["sparse_vs_dense_time"] = row["sparse_ms"] / row["dense_ms"]
@@ -199,11 +194,10 @@ def main(argv=None):
             f"need {N_DEVICES} devices, have {jax.device_count()} (XLA_FLAGS set late?)"
         )
     mesh = jax.make_mesh((N_DEVICES,), (AXIS,))
-    has_exchange = "exchange" in inspect.signature(jaxcomp.sparsify).parameters
     rows = []
     for log2 in range(args.min_log2, args.max_log2 + 1):
         for ratio in args.ratios:
-            row = bench_one(2**log2, ratio, mesh, args.repeats, has_exchange)
+            row = bench_one(2**log2, ratio, mesh, args.repeats)
             rows.append(row)
             print(
                 f"2^{log2} ratio={ratio:g}: dense {row['dense_ms']:.1f} ms "
@@ -222,7 +216,6 @@ def main(argv=None):
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "repeats": args.repeats,
-        "sparsify_has_exchange": has_exchange,
     }
     (out / "bench_exchange.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     _plot(rows, out / "bench_exchange.png")

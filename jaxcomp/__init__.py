@@ -5,7 +5,8 @@ Compressors are optax gradient transformations with error-feedback state::
     tx = optax.chain(jaxcomp.ldte_bs(ratio=1e-3, axis_name="data"), optax.sgd(0.1))
 """
 
-from jaxcomp import comm, selection
+from jaxcomp import comm, distributed, selection
+from jaxcomp.distributed import dense_exchange
 from jaxcomp.transforms import (
     DGC_WARMUP,
     SparsifyState,
@@ -27,7 +28,9 @@ __all__ = [
     "SparsifyState",
     "binary_search",
     "comm",
+    "dense_exchange",
     "dgc",
+    "distributed",
     "gaussian_k",
     "ldte_bs",
     "random_k",

@@ -37,6 +37,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp._vma import varying_axes
 from jaxcomp.comm import collectives
 
 __all__ = [
@@ -60,12 +61,7 @@ def _axis_names(axis_name) -> tuple:
 
 def _is_varying(x, axis_name) -> bool:
     """Whether ``x`` is already typed device-varying along ``axis_name``."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    varying = getattr(manual, "varying", None) if manual is not None else None
-    if varying is None:
-        varying = getattr(aval, "vma", frozenset())
-    return all(name in varying for name in _axis_names(axis_name))
+    return all(name in varying_axes(x) for name in _axis_names(axis_name))
 
 
 def _to_varying(tree, axis_name):

@@ -165,10 +165,11 @@ def sparsify(
       granularity: ``"layer"`` (per-leaf selection, the papers' default) or
         ``"global"`` (one selection over all leaves concatenated).
       nonfinite: policy for NaN/Inf gradients. ``"skip"`` (default): if any
-        gradient element is not finite (on any device along ``axis_name``:
-        the devices agree through a one-integer ``pmin`` so that all skip the
-        exchange together), the step sends nothing (zero update) and keeps
-        residual and velocity unchanged. ``"zero"``: non-finite elements are
+        gradient element of this device is not finite, this device sends
+        nothing this step (an empty message; with one device the update is
+        zero) and keeps its residual and velocity unchanged; the other
+        devices' messages are averaged as usual (divided by the number of
+        devices), and the collective runs unconditionally. ``"zero"``: non-finite elements are
         replaced by 0 and the rest is used. Neither ever writes NaN/Inf into
         the residual. ``optax.apply_if_finite`` around the compressor also
         protects the residual on one device; under ``shard_map`` its
@@ -417,19 +418,15 @@ def sparsify(
         """``include``: optional bool scalar, this device's backup-worker flag."""
         del params, extra_args
         grads = jax.tree.map(jnp.asarray, updates)
-        finite = jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)] or [True])
-        )
+        finite = jnp.all(jnp.stack([_all_finite(g) for g in jax.tree.leaves(grads)] or [True]))
         if nonfinite == "zero":
             grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0).astype(g.dtype), grads)
             send_ok = jnp.bool_(True)
         else:
-            if axis_name is not None:
-                # Devices agree (one-integer pmin) so all skip together.
-                finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
             send_ok = finite
             # No lax.cond around the step: XLA:CPU runs conditional branches
-            # single-threaded and unfused (measured 4x slower at 2^22).
+            # as separate computations (a cond around the step measured ~2x
+            # slower at 2^22).
             # Instead a skipped step accumulates zero and selects nothing.
             grads = jax.tree.map(lambda g: jnp.where(finite, g, 0).astype(g.dtype), grads)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
@@ -514,6 +511,19 @@ def sparsify(
         return [o._replace(update=upd, residual=res, velocity=vel)]
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _all_finite(g: jax.Array) -> jax.Array:
+    """Whether every element of ``g`` is finite, in one fast pass.
+
+    ``sum(g * 0)`` is 0 for finite ``g`` and NaN as soon as one element is NaN
+    or +-Inf (``inf * 0`` is NaN), and cannot overflow. It is a plain float
+    reduction that XLA:CPU streams like ``sum(|g|)``; ``all(isfinite(g))``
+    writes an n-sized boolean temporary first (measured 1.2 vs 10.7 passes).
+    """
+    if g.size == 0:
+        return jnp.bool_(True)
+    return jnp.isfinite(jnp.sum(g * jnp.zeros((), g.dtype)))
 
 
 def _concat(parts, dtype):
