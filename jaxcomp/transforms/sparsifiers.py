@@ -87,7 +87,9 @@ def ldte_bs(
         max_iters=max_iters,
         delta=delta,
     )
-    return sparsify("ldte_bs", ratio, selector_options=opts, capacity_factor=upper, **kwargs)
+    # The message holds the whole window [k, upper * k] unless told otherwise.
+    kwargs.setdefault("capacity_factor", upper)
+    return sparsify("ldte_bs", ratio, selector_options=opts, **kwargs)
 
 
 def binary_search(
@@ -101,7 +103,8 @@ def binary_search(
 ) -> _Tx:
     """RedSync's binary search on the threshold, without a distribution estimate."""
     opts = dict(start=start, upper=upper, max_iters=max_iters, delta=delta)
-    return sparsify("binary_search", ratio, selector_options=opts, capacity_factor=upper, **kwargs)
+    kwargs.setdefault("capacity_factor", upper)
+    return sparsify("binary_search", ratio, selector_options=opts, **kwargs)
 
 
 def dgc(

@@ -150,7 +150,8 @@ def sparsify(
         fixed-capacity (index, value) messages are all-gathered and summed.
         ``None``: return the local decompressed update (one device).
       min_dense_size: leaves with at most this many elements are sent dense
-        and keep no residual (the papers send biases and small tensors dense).
+        (the papers send biases and small tensors dense); their residual keeps
+        only the rounding to the gradient dtype (zero for float32).
       residual_dtype: dtype of the residual (and of the accumulation).
       capacity_factor: messages hold at most ``ceil(capacity_factor * k)``
         pairs; selected elements beyond that (ties, a fixed threshold) stay in
@@ -254,7 +255,8 @@ def sparsify(
         if velocity is not None:
             v = velocity.reshape(-1)
             u = jnp.where(ctx.send_ok, momentum * v + g32, v)
-            acc = residual.reshape(-1) + u
+            # A skipped step leaves both the velocity and the residual as they were.
+            acc = residual.reshape(-1) + jnp.where(ctx.send_ok, u, 0)
         else:
             u = None
             acc = residual.reshape(-1) + g32
@@ -266,15 +268,15 @@ def sparsify(
             if u is not None and momentum_masking:
                 new_u = jnp.where(ctx.sends, 0, u)
             update, wire = _exchange_dense(sent_out, ctx.include)
-            nbytes = n * out_dtype.itemsize
+            sent = jnp.where(ctx.sends, n, 0).astype(jnp.int32)
             return _LeafOut(
                 update.reshape(shape),
                 new_res.reshape(shape),
                 None if new_u is None else new_u.reshape(shape),
-                jnp.int32(n),
+                sent,
                 jnp.float32(0),
                 jnp.int32(0),
-                jnp.int32(nbytes),
+                sent * out_dtype.itemsize,
                 wire,
             )
 
@@ -484,7 +486,9 @@ def sparsify(
         """One selection over all leaves concatenated (ravel and split back)."""
         g_leaves, treedef = jax.tree.flatten(grads)
         sizes = [g.size for g in g_leaves]
-        wire_dtype = jnp.result_type(*g_leaves) if g_leaves else residual_dtype
+        dtypes = {jnp.dtype(g.dtype) for g in g_leaves}
+        # Mixed gradient dtypes travel in the residual dtype, one message.
+        wire_dtype = dtypes.pop() if len(dtypes) == 1 else residual_dtype
         flat_g = _concat([g.reshape(-1).astype(wire_dtype) for g in g_leaves], wire_dtype)
         flat_r = _concat(
             [r.reshape(-1) for r in treedef.flatten_up_to(state.residual)], residual_dtype
@@ -496,19 +500,23 @@ def sparsify(
             )
         o = compress_leaf(flat_g, flat_r, flat_v, key, ctx)
 
-        def split(flat, like):
-            parts = jnp.split(flat, list(itertools.accumulate(sizes))[:-1]) if like else []
-            return treedef.unflatten(
-                [
-                    p.reshape(g.shape).astype(dt)
-                    for p, g, dt in zip(parts, g_leaves, like, strict=True)
-                ]
-            )
+        def split(flat):
+            parts = jnp.split(flat, list(itertools.accumulate(sizes))[:-1]) if sizes else []
+            return [p.reshape(g.shape) for p, g in zip(parts, g_leaves, strict=True)]
 
-        upd = split(o.update, [g.dtype for g in g_leaves])
-        res = split(o.residual, [residual_dtype] * len(g_leaves))
-        vel = None if o.velocity is None else split(o.velocity, [residual_dtype] * len(g_leaves))
-        return [o._replace(update=upd, residual=res, velocity=vel)]
+        upd = [u.astype(g.dtype) for u, g in zip(split(o.update), g_leaves, strict=True)]
+        res = split(o.residual)
+        if axis_name is None:
+            # Casting a leaf's share of the message to its own dtype rounds it:
+            # keep that rounding in the residual too (exact, as for one leaf).
+            res = [
+                r + (u_wide.astype(residual_dtype) - u.astype(residual_dtype))
+                for r, u_wide, u in zip(res, split(o.update), upd, strict=True)
+            ]
+        vel = None if o.velocity is None else treedef.unflatten(split(o.velocity))
+        return [
+            o._replace(update=treedef.unflatten(upd), residual=treedef.unflatten(res), velocity=vel)
+        ]
 
     return optax.GradientTransformationExtraArgs(init, update)
 

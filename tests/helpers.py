@@ -1,0 +1,163 @@
+"""Shared data generators and numpy references for the selector and conformance tests."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxcomp
+
+# ---------------------------------------------------------------------------
+# Data (numpy, float32 unless cast).
+# ---------------------------------------------------------------------------
+
+
+def laplacian(n: int, seed: int, mean: float = 5e-4, std: float = 5e-3) -> np.ndarray:
+    """The LDTE-BS paper's test data: Laplace with the given mean and std."""
+    rng = np.random.default_rng(seed)
+    return rng.laplace(mean, std / math.sqrt(2.0), size=n).astype(np.float32)
+
+
+def mixture(n: int, seed: int) -> np.ndarray:
+    """90% N(0, 1e-4) + 10% Laplace(0, 5e-3), shuffled."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0.0, 1e-4, size=n)
+    heavy = rng.random(n) < 0.1
+    x[heavy] = rng.laplace(0.0, 5e-3, size=int(heavy.sum()))
+    return x.astype(np.float32)
+
+
+def mostly_zeros(n: int, seed: int) -> np.ndarray:
+    """99% exact zeros, exactly ``int(0.01 n)`` Laplace nonzeros."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros(n, np.float32)
+    m = int(0.01 * n)
+    idx = rng.choice(n, size=m, replace=False)
+    vals = rng.laplace(0.0, 5e-3, size=m)
+    vals[vals == 0] = 1e-3
+    x[idx] = vals
+    return x
+
+
+DATA = {"laplacian": laplacian, "mixture": mixture, "mostly_zeros": mostly_zeros}
+
+
+def k_of(ratio: float, n: int) -> int:
+    """Independent ``k = max(1, ceil(ratio n))`` (tests use ratios where ratio*n is not integral
+    or exactly representable)."""
+    return min(n, max(1, math.ceil(round(ratio * n, 9))))
+
+
+def cap_of(k: int, n: int, factor: float = 1.5) -> int:
+    return min(n, max(k, math.ceil(factor * k)))
+
+
+# ---------------------------------------------------------------------------
+# numpy references.
+# ---------------------------------------------------------------------------
+
+
+def abs32(x) -> np.ndarray:
+    return np.abs(np.asarray(x).astype(np.float32))
+
+
+def count_above(x, t) -> int:
+    return int(np.sum(abs32(x) > np.float32(t)))
+
+
+def topk_set(x, k: int) -> np.ndarray:
+    """Reference top-k set by magnitude: ``{|x| >= kth}`` if kth > 0, else all nonzeros."""
+    a = abs32(x)
+    kth = np.sort(a)[::-1][k - 1]
+    return a >= kth if kth > 0 else a > 0
+
+
+def to_np(tree):
+    return jax.tree.map(lambda a: np.asarray(a), tree)
+
+
+def f32(a) -> np.ndarray:
+    return np.asarray(a).astype(np.float32)
+
+
+def bits(a) -> bytes:
+    a = np.asarray(a)
+    return a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
+
+
+@functools.cache
+def jit_selector(fn, **options):
+    """A jitted ``fn(x, k, **options)`` with ``k`` static (cached per options)."""
+    return jax.jit(functools.partial(fn, **options), static_argnums=1)
+
+
+def cast(x: np.ndarray, dtype) -> jax.Array:
+    return jnp.asarray(x).astype(dtype)
+
+
+# ---------------------------------------------------------------------------
+# Compressor factories (the conformance suite runs every one).
+# ---------------------------------------------------------------------------
+
+# Laplace(0, 1) data in the conformance tests: P(|x| > 2) = e^-2 ~ 13.5%, so the fixed
+# threshold often overflows a 10% capacity (exercises the extraction path).
+FIXED_T = 2.0
+
+FACTORIES = {
+    "top_k": lambda ratio, **kw: jaxcomp.top_k(ratio, **kw),
+    "top_k_sort": lambda ratio, **kw: jaxcomp.top_k(ratio, method="sort", **kw),
+    "ldte_bs": lambda ratio, **kw: jaxcomp.ldte_bs(ratio, **kw),
+    "binary_search": lambda ratio, **kw: jaxcomp.binary_search(ratio, **kw),
+    "dgc": lambda ratio, **kw: jaxcomp.dgc(ratio, **kw),
+    "trimmed_top_k": lambda ratio, **kw: jaxcomp.trimmed_top_k(ratio, **kw),
+    "gaussian_k": lambda ratio, **kw: jaxcomp.gaussian_k(ratio, **kw),
+    "random_k": lambda ratio, **kw: jaxcomp.random_k(ratio, **kw),
+    "threshold": lambda ratio, **kw: jaxcomp.threshold(ratio, threshold=FIXED_T, **kw),
+}
+
+# Selectors that guarantee at least k sent (when k nonzero, tie-free values exist).
+AT_LEAST_K = ("top_k", "top_k_sort", "ldte_bs", "binary_search", "random_k")
+# Selectors that send exactly k on tie-free data.
+EXACTLY_K = ("top_k", "top_k_sort", "random_k")
+
+
+class Counted:
+    """``jax.jit`` of ``tx.update`` that counts how often it was traced."""
+
+    def __init__(self, tx):
+        self.tx = tx
+        self.traces = 0
+
+        def update(g, s):
+            self.traces += 1
+            return tx.update(g, s)
+
+        self.fn = jax.jit(update)
+
+    def __call__(self, g, s):
+        out = self.fn(g, s)
+        jax.block_until_ready(out)
+        return out
+
+
+_TX_CACHE: dict = {}
+
+
+def compressor(name: str, ratio: float, **kw) -> Counted:
+    """Memoized (factory, options) -> counted jitted update, so tests share compilations."""
+    key = (name, ratio, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+    if key not in _TX_CACHE:
+        _TX_CACHE[key] = Counted(FACTORIES[name](ratio, **kw))
+    return _TX_CACHE[key]
+
+
+def laplace_tree(spec: dict, rng: np.random.Generator, scale: float = 1.0) -> dict:
+    """A dict of leaves ``{name: (shape, dtype)}`` with Laplace(0, scale) values."""
+    return {
+        name: jnp.asarray(rng.laplace(0.0, scale, size=shape)).astype(dtype)
+        for name, (shape, dtype) in spec.items()
+    }

@@ -1,0 +1,328 @@
+"""The pure selectors of jaxcomp.selection against numpy references."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    DATA,
+    abs32,
+    count_above,
+    jit_selector,
+    k_of,
+    laplacian,
+    mixture,
+    topk_set,
+)
+
+from jaxcomp import selection as sel
+
+SEEDS = (0, 1, 2)
+
+# ---------------------------------------------------------------------------
+# Exact top-k (lax.top_k and sort).
+# ---------------------------------------------------------------------------
+
+EXACT = [sel.exact_top_k, sel.sort_top_k]
+
+
+def _check_exact(fn, x, k):
+    s = jit_selector(fn)(x, k)
+    a = abs32(x)
+    expected = topk_set(a, k)
+    got = a > np.float32(s.threshold)
+    np.testing.assert_array_equal(got, expected)
+    assert int(s.count) == int(expected.sum())
+    assert int(s.iterations) == 0
+    return s
+
+
+@pytest.mark.parametrize("fn", EXACT, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 1), (7, 7), (1000, 1), (1000, 10), (4096, 4096)])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_exact_top_k_matches_numpy_on_laplacian(fn, n, k, seed):
+    s = _check_exact(fn, jnp.asarray(laplacian(n, seed)), k)
+    assert int(s.count) == k  # continuous data: no ties
+
+
+@pytest.mark.parametrize("fn", EXACT, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("k", [1, 5, 50, 200, 999, 1000])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_exact_top_k_ties_select_the_whole_tie_group(fn, k, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-4, 5, size=1000).astype(np.float32)  # many ties and zeros
+    s = _check_exact(fn, jnp.asarray(x), k)
+    assert int(s.count) >= min(k, int(np.count_nonzero(x)))
+
+
+@pytest.mark.parametrize("fn", EXACT, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("k", [10, 37, 100])
+def test_exact_top_k_more_k_than_nonzeros_selects_all_nonzeros(fn, k):
+    x = np.zeros(100, np.float32)
+    x[[3, 17, 40, 41, 99]] = [1.0, -2.0, 0.5, -0.25, 3.0]
+    s = _check_exact(fn, jnp.asarray(x), k)
+    assert int(s.count) == 5 < k
+    assert float(s.threshold) == 0.0
+
+
+@pytest.mark.parametrize("fn", EXACT, ids=lambda f: f.__name__)
+def test_exact_top_k_all_zeros_selects_nothing(fn):
+    s = jit_selector(fn)(jnp.zeros(64), 8)
+    assert int(s.count) == 0
+
+
+@pytest.mark.parametrize("fn", EXACT, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("k", [1, 16, 300, 2048])
+def test_exact_top_k_low_precision(fn, dtype, k):
+    x = jnp.asarray(laplacian(2048, 3, mean=0.0, std=1.0)).astype(dtype)  # ties after rounding
+    _check_exact(fn, x, k)
+
+
+# ---------------------------------------------------------------------------
+# LDTE-BS and binary search: window [k, 1.5k].
+# ---------------------------------------------------------------------------
+
+SEARCH_CONFIGS = [
+    (sel.ldte_bs, dict(search=s, estimator=e, aim=a))
+    for s in ("bisect", "fibonacci", "interpolate")
+    for e in ("moments", "mle")
+    for a in (1.0, 1.25)
+] + [(sel.binary_search, dict(start="zero")), (sel.binary_search, dict(start="mean"))]
+
+
+def _cfg_id(c):
+    fn, opts = c
+    return fn.__name__ + "-" + "-".join(str(v) for v in opts.values())
+
+
+@pytest.mark.parametrize("cfg", SEARCH_CONFIGS, ids=_cfg_id)
+@pytest.mark.parametrize("n", [2**16, 2**18])
+@pytest.mark.parametrize("ratio", [1e-3, 1e-2])
+def test_search_selectors_land_in_window(cfg, n, ratio):
+    fn, opts = cfg
+    f = jit_selector(fn, **opts)
+    k = k_of(ratio, n)
+    ub = math.floor(1.5 * k)
+    for kind, make in DATA.items():
+        for seed in SEEDS:
+            x = make(n, seed)
+            s = f(jnp.asarray(x), k)
+            c = int(s.count)
+            assert c == count_above(x, s.threshold), (kind, seed)
+            nnz = int(np.count_nonzero(x))
+            if nnz >= k:
+                assert k <= c <= ub, (kind, seed, k, c)
+            else:  # infeasible: the closest feasible count is all nonzeros
+                assert c == nnz, (kind, seed, k, c, nnz)
+
+
+@pytest.mark.parametrize("cfg", SEARCH_CONFIGS, ids=_cfg_id)
+@pytest.mark.parametrize(
+    "kind", ["all_equal", "all_zero", "few_nonzeros", "two_levels", "integers"]
+)
+def test_search_selectors_infeasible_never_exceed_capacity(cfg, kind):
+    fn, opts = cfg
+    n, k = 4096, 100
+    cap = math.ceil(1.5 * k)
+    rng = np.random.default_rng(0)
+    if kind == "all_equal":
+        x = np.full(n, -0.375, np.float32)
+    elif kind == "all_zero":
+        x = np.zeros(n, np.float32)
+    elif kind == "few_nonzeros":
+        x = np.zeros(n, np.float32)
+        x[rng.choice(n, 60, replace=False)] = rng.laplace(size=60)
+    elif kind == "two_levels":  # 90 at 2.0, the rest at 1.0: window [100, 150] impossible
+        x = np.ones(n, np.float32)
+        x[rng.choice(n, 90, replace=False)] = 2.0
+    else:
+        x = rng.integers(-3, 4, size=n).astype(np.float32)
+    s = jit_selector(fn, **opts)(jnp.asarray(x), k)
+    c = int(s.count)
+    assert c == count_above(x, s.threshold)
+    assert c <= cap
+    if kind == "few_nonzeros":
+        assert c == 60  # all nonzeros is the closest feasible count
+    if kind == "two_levels":
+        assert c == 90
+
+
+# ---------------------------------------------------------------------------
+# The Laplacian threshold estimate.
+# ---------------------------------------------------------------------------
+
+
+def _analytic_t(mu, b, eta):
+    return b * math.log(math.cosh(mu / b) / eta)
+
+
+@pytest.mark.parametrize(
+    "mu,b", [(0.0, 1.0), (5e-4, 5e-3 / math.sqrt(2)), (0.5, 1.0), (-0.3, 0.2), (3.0, 1.0)]
+)
+@pytest.mark.parametrize("estimator", ["moments", "mle"])
+@pytest.mark.parametrize("k", [1000, 10000])
+def test_laplace_threshold_matches_analytic(mu, b, estimator, k):
+    n = 2**20
+    x = np.random.default_rng(7).laplace(mu, b, size=n).astype(np.float32)
+    f = jax.jit(lambda x: sel.laplace_threshold(x, k, estimator=estimator, aim=1.0))
+    t = f(jnp.asarray(x))
+    expected = _analytic_t(mu, b, k / n)
+    # Sampling error of the fitted b at n = 2^20 is ~0.1-0.2%; 1% is > 5 sigma.
+    np.testing.assert_allclose(float(t), expected, rtol=1e-2)
+
+
+@pytest.mark.parametrize("n", [1000, 4096, 65536])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_laplace_threshold_mle_is_median_and_mean_abs_deviation(n, seed):
+    mu_true, b_true = 0.2, 0.7
+    x = np.random.default_rng(seed).laplace(mu_true, b_true, size=n).astype(np.float32)
+    k = max(1, n // 100)
+    t = jax.jit(lambda x: sel.laplace_threshold(x, k, estimator="mle", aim=1.0))(jnp.asarray(x))
+    x64 = x.astype(np.float64)
+    mu = np.median(x64)
+    b = np.mean(np.abs(x64 - mu))
+    np.testing.assert_allclose(float(t), _analytic_t(mu, b, k / n), rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1000, 65536])
+def test_laplace_threshold_moments_is_mean_and_std(n):
+    x = np.random.default_rng(3).laplace(0.1, 0.5, size=n).astype(np.float32)
+    k = max(1, n // 100)
+    t = jax.jit(lambda x: sel.laplace_threshold(x, k, estimator="moments", aim=1.0))(jnp.asarray(x))
+    x64 = x.astype(np.float64)
+    mu, b = x64.mean(), math.sqrt(x64.var() / 2)
+    np.testing.assert_allclose(float(t), _analytic_t(mu, b, k / n), rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# DGC, trimmed top-k, Gaussian-k.
+# ---------------------------------------------------------------------------
+
+BASELINES = [sel.dgc_sample, sel.trimmed_top_k, sel.gaussian_k]
+
+
+@pytest.mark.parametrize("fn", BASELINES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("kind", list(DATA))
+@pytest.mark.parametrize("ratio", [1e-3, 1e-2])
+def test_baselines_count_matches_numpy(fn, kind, ratio):
+    n = 2**16
+    k = k_of(ratio, n)
+    f = jit_selector(fn)
+    for seed in SEEDS:
+        x = DATA[kind](n, seed)
+        s = f(jnp.asarray(x), k)
+        assert int(s.count) == count_above(x, s.threshold), (seed, float(s.threshold))
+        assert float(s.threshold) >= 0.0
+
+
+@pytest.mark.parametrize("kind", ["laplacian", "mixture"])
+@pytest.mark.parametrize("ratio", [1e-3, 1e-2, 0.1])
+@pytest.mark.parametrize("n", [1000, 2**16])
+def test_trimmed_top_k_is_exact_top_k(kind, ratio, n):
+    k = k_of(ratio, n)
+    f = jit_selector(sel.trimmed_top_k)
+    for seed in SEEDS:
+        x = DATA[kind](n, seed)
+        a = np.sort(abs32(x))[::-1]
+        assert a[k] < a[k - 1]  # no tie at the k-th value
+        s = f(jnp.asarray(x), k)
+        t = np.float32(s.threshold)
+        assert a[k] <= t < a[k - 1]  # between the (k+1)-th and the k-th largest
+        np.testing.assert_array_equal(abs32(x) > t, topk_set(x, k))
+        assert int(s.count) == k
+
+
+@pytest.mark.parametrize("n", [2**16, 2**18])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_dgc_reaches_k_on_laplacian(n, seed):
+    k = k_of(1e-2, n)
+    x = laplacian(n, seed)
+    s = jit_selector(sel.dgc_sample)(jnp.asarray(x), k)
+    c = int(s.count)
+    assert c == count_above(x, s.threshold)
+    assert k <= c <= math.ceil(1.3 * k)
+
+
+# ---------------------------------------------------------------------------
+# random_k.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (1000, 1000)])
+def test_random_k_indices(n, k):
+    f = jit_selector(sel.random_k)
+    x = jnp.zeros(n)
+    s = f(x, k, key=jax.random.key(0))
+    idx = np.asarray(s.indices)
+    assert idx.shape == (k,)
+    assert idx.dtype == np.int32
+    assert np.all(np.diff(idx) > 0)  # sorted and distinct
+    assert idx.min() >= 0 and idx.max() < n
+    assert int(s.count) == k
+    again = f(x, k, key=jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(again.indices), idx)
+    if 0 < k < n:
+        others = [np.asarray(f(x, k, key=jax.random.key(i)).indices) for i in range(1, 6)]
+        assert any(not np.array_equal(o, idx) for o in others)
+
+
+def test_random_k_marginals_are_uniform():
+    n, k, trials = 64, 8, 4000
+    keys = jax.random.split(jax.random.key(123), trials)
+    idx = jax.jit(jax.vmap(lambda key: sel.random_k(jnp.zeros(n), k, key=key).indices))(keys)
+    idx = np.asarray(idx)
+    assert all(len(set(row)) == k for row in idx[:200])
+    counts = np.bincount(idx.reshape(-1), minlength=n)
+    p = k / n
+    expected = trials * p
+    sd = math.sqrt(trials * p * (1 - p))
+    assert np.all(np.abs(counts - expected) < 5 * sd), counts
+    chi2 = float(np.sum((counts - expected) ** 2 / (expected * (1 - p))))
+    df = n - 1
+    assert chi2 < df + 5 * math.sqrt(2 * df), chi2
+
+
+# ---------------------------------------------------------------------------
+# jit with static k: same answer as eager.
+# ---------------------------------------------------------------------------
+
+ALL_THRESHOLD_SELECTORS = [
+    (sel.exact_top_k, {}),
+    (sel.sort_top_k, {}),
+    (sel.ldte_bs, {}),
+    (sel.binary_search, {}),
+    (sel.dgc_sample, {}),
+    (sel.trimmed_top_k, {}),
+    (sel.gaussian_k, {}),
+    (sel.fixed_threshold, {"threshold": 4e-3}),
+]
+
+
+@pytest.mark.parametrize("cfg", ALL_THRESHOLD_SELECTORS, ids=lambda c: c[0].__name__)
+def test_jit_matches_eager(cfg):
+    fn, opts = cfg
+    x = jnp.asarray(laplacian(2048, 5))
+    k = 20
+    eager = fn(x, k, **opts)
+    jitted = jit_selector(fn, **opts)(x, k)
+    assert float(eager.threshold) == float(jitted.threshold)
+    assert int(eager.count) == int(jitted.count) == count_above(x, jitted.threshold)
+    assert jitted.threshold.dtype == jnp.float32
+    assert jitted.count.dtype == jnp.int32
+
+
+def test_fixed_threshold_counts():
+    x = laplacian(4096, 2)
+    s = jit_selector(sel.fixed_threshold, threshold=4e-3)(jnp.asarray(x), 5)
+    assert float(s.threshold) == np.float32(4e-3)
+    assert int(s.count) == count_above(x, np.float32(4e-3))
+
+
+def test_mixture_generator_shape():
+    x = mixture(1000, 0)
+    assert x.dtype == np.float32 and x.shape == (1000,)
