@@ -326,3 +326,17 @@ def test_fixed_threshold_counts():
 def test_mixture_generator_shape():
     x = mixture(1000, 0)
     assert x.dtype == np.float32 and x.shape == (1000,)
+
+
+def test_ldte_bs_exact_below_dispatches_small_tensors_to_exact_top_k():
+    x = np.random.default_rng(11).laplace(size=5000).astype(np.float32)
+    k = 50
+    kth = np.sort(np.abs(x))[::-1][k - 1]
+    small = jax.jit(lambda v: sel.ldte_bs(v, k, exact_below=5001))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.abs(x) > float(small.threshold), np.abs(x) >= kth)
+    assert int(small.count) == k
+    # At or above the size, the Laplacian estimate runs (generally not exact k).
+    big = jax.jit(lambda v: sel.ldte_bs(v, k, exact_below=5000))(jnp.asarray(x))
+    assert k <= int(big.count) <= 75
+    with pytest.raises(ValueError, match="exact_below"):
+        sel.ldte_bs(jnp.asarray(x), k, exact_below=-1)

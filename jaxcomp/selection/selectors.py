@@ -376,6 +376,7 @@ def ldte_bs(
     upper: float = 1.5,
     max_iters: int = 40,
     delta: float = 0.0,
+    exact_below: int = 0,
 ) -> Selection:
     """LDTE-BS: Laplacian threshold estimate, corrected by a search on counts.
 
@@ -412,6 +413,10 @@ def ldte_bs(
       upper: the window's upper factor (paper: 1.5).
       max_iters: cap on search probes.
       delta: stop when ``hi - lo < delta`` (the paper's termination parameter).
+      exact_below: tensors with fewer elements use exact top-k instead (the
+        paper's crossover: LDTE-BS only pays off above some size; measured
+        here between 2^16 and 2^18 elements, see ``bench_selection``).
+        Default 0: always LDTE-BS.
 
     Returns:
       A :class:`Selection`; ``iterations`` counts search probes (0 when the
@@ -426,6 +431,10 @@ def ldte_bs(
       True
     """
     _check_search_options(search, upper, max_iters)
+    if not (isinstance(exact_below, int) and exact_below >= 0):
+        raise ValueError(f"exact_below must be an int >= 0, got {exact_below!r}")
+    if x.shape[0] < exact_below:
+        return exact_top_k(x, k)
     if not 0.0 < aim <= upper:
         raise ValueError(f"aim must be in (0, upper], got {aim!r}")
     if moment_sample is not None and not (isinstance(moment_sample, int) and moment_sample >= 2):

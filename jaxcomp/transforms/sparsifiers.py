@@ -59,6 +59,7 @@ def ldte_bs(
     upper: float = 1.5,
     max_iters: int = 40,
     delta: float = 0.0,
+    exact_below: int = 0,
     **kwargs,
 ) -> _Tx:
     """LDTE-BS: Laplacian threshold estimate with a binary-search correction.
@@ -86,6 +87,7 @@ def ldte_bs(
         upper=upper,
         max_iters=max_iters,
         delta=delta,
+        exact_below=exact_below,
     )
     # The message holds the whole window [k, upper * k] unless told otherwise.
     kwargs.setdefault("capacity_factor", upper)
