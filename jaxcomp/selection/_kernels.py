@@ -76,6 +76,7 @@ __all__ = [
     "count_above_many",
     "dense_split",
     "extract",
+    "extract_block_size",
     "moments",
 ]
 
@@ -225,13 +226,27 @@ def _block_counts(x: jax.Array, t: jax.Array, block: int) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
+def extract_block_size(n: int, capacity: int) -> int:
+    """Block size for :func:`extract`: the gather touches ``capacity x B`` elements.
+
+    ``B = 64`` is fastest at density 1e-3 (the block-count pass gets slower
+    for small B), but at 1e-2 the ``capacity x 64`` gather outgrows the tensor
+    (measured 22.6 floors at 2^22 vs 7.4 with B = 8). So B is the largest power
+    of two in [8, 64] with ``capacity * B <= n / 16``.
+    """
+    b = _EXTRACT_BLOCK
+    while b > 8 and capacity * b * 16 > n:
+        b //= 2
+    return b
+
+
 @functools.partial(jax.jit, static_argnames=("capacity", "block_size"))
 def extract(
     x: jax.Array,
     t: jax.Array | float,
     capacity: int,
     *,
-    block_size: int = _EXTRACT_BLOCK,
+    block_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Indices and values of the first ``capacity`` elements with ``|x| > t``.
 
@@ -258,7 +273,8 @@ def extract(
         x: 1-D float array (any float dtype), n >= 1, n < 2^31 - block_size.
         t: scalar threshold; the comparison ``|x| > t`` is done in float32.
         capacity: static number of output slots, >= 1.
-        block_size: static block size (tuning knob; 64 is fastest here).
+        block_size: static block size; ``None`` picks one from the density
+            (:func:`extract_block_size`).
 
     Returns:
         ``(indices, values, count)``: int32[capacity] ascending indices,
@@ -267,7 +283,7 @@ def extract(
     """
     x = jnp.ravel(x)
     n = x.shape[0]
-    bsz = block_size
+    bsz = extract_block_size(n, capacity) if block_size is None else block_size
     t = jnp.asarray(t, jnp.float32)
     counts = _block_counts(x, t, bsz)
     nb = counts.shape[0]
