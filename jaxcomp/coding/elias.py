@@ -123,7 +123,7 @@ def _codewords_generic(v: np.ndarray, code: str):
     return hi, lo, length
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _encode_table(code: str):
     v = np.arange(1, _TABLE_VALUES, dtype=_U64)
     _, lo, length = _codewords_generic(v, code)
@@ -177,7 +177,10 @@ def pack_items(values: np.ndarray, lengths: np.ndarray) -> tuple[bytes, int]:
     offsets = np.cumsum(lengths) - lengths
     word = offsets >> 6
     end = (offsets & 63) + lengths  # in (0, 127]
-    head = np.where(end <= 64, _shl(values, 64 - end), _shr(values, end - 64))
+    # Left-align within the word; an item crossing into the next word keeps its head.
+    left = np.clip(64 - end, 0, 63).astype(_U64)
+    right = np.clip(end - 64, 0, 63).astype(_U64)
+    head = (values << left) >> right
     out = np.zeros((total + 63) // 64 + 1, _U64)
     starts = np.flatnonzero(np.diff(word, prepend=-1))
     out[word[starts]] = np.bitwise_or.reduceat(head, starts)
@@ -249,7 +252,7 @@ class BitReader:
         return w[lo - 8 * b0: hi - 8 * b0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decode_table(code: str):
     """Length and value of the codeword at the top of each window (0: not within it)."""
     v = np.arange(1, _TABLE_VALUES, dtype=_U64)
@@ -307,21 +310,24 @@ def _decode_generic(reader: BitReader, pos: np.ndarray, code: str, max_value: in
 
 
 def lengths_all(reader: BitReader, lo: int, hi: int, code: str, max_value: int):
-    """Codeword length (0 = invalid or beyond bound) at every bit position in [lo, hi)."""
+    """Codeword length (0 = invalid or above max_value) at every bit position in [lo, hi).
+
+    Returns uint8 lengths (int64 when codes can exceed the table window).
+    Codes running past the end of the message are invalid.
+    """
     tab_len, tab_val, tab_max = _decode_table(code)
     w = reader.windows(lo, hi)
     lengths = tab_len[w]
     if max_value < tab_max:
-        lengths = np.where(tab_val[w] <= max_value, lengths, 0).astype(np.uint8)
+        lengths[tab_val[w] > max_value] = 0
     if _max_length(code, max_value) > _WINDOW:
         far = np.flatnonzero(lengths == 0)
         _, glen = _decode_generic(reader, far + lo, code, max_value)
         lengths = lengths.astype(np.int64)
         lengths[far] = glen
-    # Codes running past the end of the message are invalid.
-    lengths = lengths.astype(np.int64)
-    over = np.arange(lo, hi, dtype=np.int64) + lengths > reader.nbits
-    lengths[over] = 0
+    tail = max(hi - lo - 200, 0)  # only the last positions can run past the end
+    over = np.arange(lo + tail, hi) + lengths[tail:] > reader.nbits
+    lengths[tail:][over] = 0
     return lengths
 
 
@@ -387,8 +393,9 @@ def follow_chain(nxt: np.ndarray, size: int, min_step: int):
             mark[size:] = -1
             hit = mark[path[:, succ - 1]] == succ[None, :]
             first = hit.argmax(axis=0)
-            found[succ - 1] = hit.any(axis=0)
-            meet[succ - 1] = path[first, succ - 1]
+            any_hit = hit.any(axis=0)
+            found[succ - 1] = any_hit
+            meet[succ - 1] = np.where(any_hit, path[first, succ - 1], size)
             mark[sub] = -1
         absorbed = path[-1, :-1] >= size
         bad = ~found & ~absorbed
@@ -416,11 +423,16 @@ def _walk(nxt: np.ndarray, size: int):
     return np.asarray(out, np.int64), p
 
 
-def chain_next(lengths: np.ndarray, size: int, extra: np.ndarray | int = 0) -> np.ndarray:
-    """``nxt`` for ``follow_chain`` from per-position record lengths (0 = invalid)."""
-    nxt = np.empty(size + 2, np.int64)
-    step = lengths + extra
-    nxt[:size] = np.where(lengths > 0, np.minimum(np.arange(size) + step, size + 1), size + 1)
+def chain_next(steps: np.ndarray, size: int) -> np.ndarray:
+    """``nxt`` for ``follow_chain`` from per-position record lengths (0 = invalid).
+
+    An invalid position steps by one bit: speculative lanes keep walking and
+    resynchronise; callers validate every record on the true chain.
+    """
+    idx_t = np.int32 if size + 2 < 2**31 else np.int64
+    nxt = np.empty(size + 2, idx_t)
+    np.add(np.arange(size, dtype=idx_t), np.maximum(steps, 1), out=nxt[:size], dtype=idx_t)
+    np.minimum(nxt[:size], size + 1, out=nxt[:size])
     nxt[size], nxt[size + 1] = size, size + 1
     return nxt
 

@@ -1,0 +1,190 @@
+"""Host-side coding benchmark: QSGD's Elias wire format and the sparse formats.
+
+For QSGD at n = 2^16..2^22 (Gaussian data quantized with QSGD's stochastic
+rounding in numpy) it measures, as medians after warm-up, the encode and
+decode throughput in million coordinates per second on one core, and the
+exact bits per coordinate against Theorem 3.2's bound (o(1) := 0) and, at
+s = sqrt(n), the paper's 2.8n + 32. Configurations, with "b-bit" mapped to
+``s = 2^b`` levels (sign separate), the mapping the QSGD paper's own example
+uses (4 bits, bucket 512: variance bound sqrt(512) / 2^4 = 1.41):
+
+- 2-bit, bucket 128 (s = 4); 4-bit, bucket 512 (s = 16);
+  8-bit, bucket 512 (s = 256); s = sqrt(n), one bucket.
+
+Plus the sparse formats ("rle": 16-bit zero runs + 32-bit values; "elias":
+Elias gaps + 32-bit values) at density 1e-3 (throughput in coordinates of
+the dense vector per second, and bits per selected value).
+
+Targets (issue 4): >= 20 M coordinates/s encode and decode for 4-bit bucket
+512 at 2^22; measured bits never above the paper's bound.
+
+One core: numpy's element-wise kernels are single-threaded; BLAS/OpenMP
+threads are pinned to 1 below anyway. Writes ``<out>/bench_coding.json`` and
+``<out>/bench_coding.png``.
+
+Run: ``python -m experiments.bench_coding [--sizes 16,17,...,22] [--repeats 5]
+[--out results]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from jaxcomp import coding  # noqa: E402
+
+QSGD_CONFIGS = (  # (name, bits or None for s = sqrt(n), bucket size)
+    ("2-bit/128", 2, 128),
+    ("4-bit/512", 4, 512),
+    ("8-bit/512", 8, 512),
+    ("s=sqrt(n)", None, None),
+)
+SPARSE_RATIO = 1e-3
+TARGET_MCOORDS = 20.0
+
+
+def qsgd_quantize(v, s, bucket_size, rng):
+    """QSGD's stochastic rounding: l = floor(|v|/||v|| s) + Bernoulli(fraction), per bucket."""
+    n = v.size
+    d = bucket_size or n
+    nb = -(-n // d)
+    pad = np.zeros(nb * d, np.float32)
+    pad[:n] = v
+    b = pad.reshape(nb, d)
+    norm = np.linalg.norm(b, axis=1).astype(np.float32)
+    r = np.abs(b) / np.where(norm > 0, norm, 1)[:, None] * s
+    levels = np.floor(r)
+    levels += rng.random(r.shape) < (r - levels)
+    return levels.astype(np.int64).ravel()[:n], (pad < 0)[:n], norm
+
+
+def median_s(fn, warmup=1, repeats=5):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_qsgd(n, name, bits, bucket_size, rng, repeats):
+    s = 2**bits if bits else math.isqrt(n)
+    v = rng.standard_normal(n).astype(np.float32)
+    levels, signs, scales = qsgd_quantize(v, s, bucket_size, rng)
+    kw = dict(s=s, bucket_size=bucket_size)
+    data = coding.encode_qsgd(levels, signs, scales, **kw)
+    out = coding.decode_qsgd(data, n=n, **kw)
+    exact = bool((out[0] == levels).all() and (out[1] == (signs & (levels > 0))).all())
+    t_enc = median_s(lambda: coding.encode_qsgd(levels, signs, scales, **kw), repeats=repeats)
+    t_dec = median_s(lambda: coding.decode_qsgd(data, n=n, **kw), repeats=repeats)
+    msg_bits = coding.qsgd_bits(levels, **kw)
+    bound = coding.qsgd_bits_bound(n, s, bucket_size)
+    row = dict(kind="qsgd", config=name, n=n, s=s, bucket_size=bucket_size, exact=exact,
+               nonzeros=int((levels > 0).sum()), bytes=len(data), bits=msg_bits,
+               bits_per_coord=msg_bits / n, bound_bits=bound, within_bound=msg_bits <= bound,
+               encode_mcoords_s=n / t_enc / 1e6, decode_mcoords_s=n / t_dec / 1e6,
+               encode_ms=1e3 * t_enc, decode_ms=1e3 * t_dec)
+    if bits is None:
+        row["dense_bound_bits"] = coding.qsgd_dense_bound(n)
+        row["within_dense_bound"] = msg_bits <= coding.qsgd_dense_bound(n)
+    return row
+
+
+def bench_sparse(n, fmt, rng, repeats):
+    k = max(1, math.ceil(SPARSE_RATIO * n))
+    indices = np.sort(rng.choice(n, k, replace=False))
+    values = rng.standard_normal(k).astype(np.float32)
+    data = coding.encode_sparse(indices, values, n, format=fmt)
+    idx, val = coding.decode_sparse(data, n, format=fmt)
+    exact = bool((idx == indices).all() and (val.view(np.uint32) == values.view(np.uint32)).all())
+    t_enc = median_s(lambda: coding.encode_sparse(indices, values, n, format=fmt), repeats=repeats)
+    t_dec = median_s(lambda: coding.decode_sparse(data, n, format=fmt), repeats=repeats)
+    msg_bits = coding.sparse_bits(indices, n, format=fmt)
+    return dict(kind="sparse", config=fmt, n=n, k=k, exact=exact, bytes=len(data), bits=msg_bits,
+                bits_per_coord=msg_bits / n, bits_per_value=msg_bits / k,
+                encode_mcoords_s=n / t_enc / 1e6, decode_mcoords_s=n / t_dec / 1e6,
+                encode_ms=1e3 * t_enc, decode_ms=1e3 * t_dec)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    configs = [c[0] for c in QSGD_CONFIGS] + ["rle", "elias"]
+    for cfg in configs:
+        sel = [r for r in rows if r["config"] == cfg]
+        if not sel:
+            continue
+        ns = [r["n"] for r in sel]
+        axes[0].plot(ns, [r["encode_mcoords_s"] for r in sel], "o-", label=cfg)
+        axes[1].plot(ns, [r["decode_mcoords_s"] for r in sel], "o-", label=cfg)
+        if sel[0]["kind"] == "qsgd":
+            line, = axes[2].plot(ns, [r["bits_per_coord"] for r in sel], "o-", label=cfg)
+            axes[2].plot(ns, [r["bound_bits"] / r["n"] for r in sel], "--", color=line.get_color())
+    for ax, title in zip(axes, ["encode (M coords/s)", "decode (M coords/s)",
+                                "QSGD bits/coord (dashed: Thm 3.2 bound)"], strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_title(title)
+        ax.set_xlabel("n")
+        ax.grid(True, alpha=0.3)
+    for ax in axes[:2]:
+        ax.set_yscale("log")
+        ax.axhline(TARGET_MCOORDS, color="k", lw=0.8, ls=":")
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="16,17,18,19,20,21,22", help="log2 sizes")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    rows = []
+    for log_n in (int(x) for x in args.sizes.split(",")):
+        n = 2**log_n
+        for name, bits, bucket_size in QSGD_CONFIGS:
+            rows.append(bench_qsgd(n, name, bits, bucket_size, rng, args.repeats))
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()})
+        for fmt in coding.SPARSE_FORMATS:
+            rows.append(bench_sparse(n, fmt, rng, args.repeats))
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()})
+    target = [r for r in rows if r["config"] == "4-bit/512" and r["n"] == 2**22]
+    summary = dict(
+        all_exact=all(r["exact"] for r in rows),
+        all_within_bound=all(r["within_bound"] for r in rows if r["kind"] == "qsgd"),
+        target_4bit_512_2p22=(dict(encode_mcoords_s=target[0]["encode_mcoords_s"],
+                                   decode_mcoords_s=target[0]["decode_mcoords_s"],
+                                   target=TARGET_MCOORDS) if target else None),
+    )
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(machine=platform.platform(), python=platform.python_version(),
+                numpy=np.__version__, cpu_count=os.cpu_count(), bit_mapping="s = 2**b",
+                repeats=args.repeats, statistic="median after 1 warm-up")
+    with open(os.path.join(args.out, "bench_coding.json"), "w") as f:
+        json.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
+    plot(rows, os.path.join(args.out, "bench_coding.png"))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
