@@ -5,16 +5,24 @@ Compressors are optax gradient transformations with error-feedback state::
     tx = optax.chain(jaxcomp.ldte_bs(ratio=1e-3, axis_name="data"), optax.sgd(0.1))
 """
 
-from jaxcomp import comm, distributed, selection
+from jaxcomp import coding, comm, distributed, selection
 from jaxcomp.distributed import dense_exchange
 from jaxcomp.transforms import (
     DGC_WARMUP,
+    Quantizer,
+    QuantizeState,
     SparsifyState,
     binary_search,
+    bounded_sign,
     dgc,
+    ef_sign_sgd,
     gaussian_k,
     ldte_bs,
+    onebit,
+    qsgd,
+    quantize,
     random_k,
+    sign_sgd,
     sparsify,
     threshold,
     top_k,
@@ -25,16 +33,25 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DGC_WARMUP",
+    "QuantizeState",
+    "Quantizer",
     "SparsifyState",
     "binary_search",
+    "bounded_sign",
+    "coding",
     "comm",
     "dense_exchange",
     "dgc",
     "distributed",
+    "ef_sign_sgd",
     "gaussian_k",
     "ldte_bs",
+    "onebit",
+    "qsgd",
+    "quantize",
     "random_k",
     "selection",
+    "sign_sgd",
     "sparsify",
     "threshold",
     "top_k",

@@ -117,7 +117,40 @@ FACTORIES = {
     "gaussian_k": lambda ratio, **kw: jaxcomp.gaussian_k(ratio, **kw),
     "random_k": lambda ratio, **kw: jaxcomp.random_k(ratio, **kw),
     "threshold": lambda ratio, **kw: jaxcomp.threshold(ratio, threshold=FIXED_T, **kw),
+    # Quantizers take no ratio (ignored here); min_dense_size 0 unless a test sets it,
+    # so that the suite's small leaves are quantized.
+    "qsgd": lambda ratio, **kw: jaxcomp.qsgd(7, bucket_size=64, **{"min_dense_size": 0, **kw}),
+    "qsgd_ef": lambda ratio, **kw: jaxcomp.qsgd(
+        1, norm="max", error_feedback=True, **{"min_dense_size": 0, **kw}
+    ),
+    "onebit": lambda ratio, **kw: jaxcomp.onebit(bucket_size=100, **kw),
+    "sign_sgd": lambda ratio, **kw: jaxcomp.sign_sgd(**kw),
+    "ef_sign_sgd": lambda ratio, **kw: jaxcomp.ef_sign_sgd(bucket_size=64, **kw),
+    "bounded_sign": lambda ratio, **kw: jaxcomp.bounded_sign(0.5, error_bound=0.9, **kw),
 }
+
+# Quantizers: name -> (bits per coordinate, bucket size or None, float32 scales per bucket).
+QUANTIZERS = {
+    "qsgd": (4, 64, 1),
+    "qsgd_ef": (2, None, 1),
+    "onebit": (1, 100, 2),
+    "sign_sgd": (1, None, 1),
+    "ef_sign_sgd": (1, 64, 1),
+    "bounded_sign": (1, None, 1),
+}
+# Quantizers without error feedback: their residual stays zero.
+NO_ERROR_FEEDBACK = ("qsgd", "sign_sgd")
+# Quantizers drawing random numbers (the device index is folded into the key).
+RANDOMIZED = ("qsgd", "qsgd_ef")
+SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS)
+
+
+def quantized_bytes(name: str, n: int) -> int:
+    """Independent message size of quantizer ``name`` for an ``n``-element leaf."""
+    bits, bucket, per_bucket = QUANTIZERS[name]
+    d = n if bucket is None else min(bucket, n)
+    return math.ceil(n * bits / 8) + math.ceil(n / d) * per_bucket * 4
+
 
 # Selectors that guarantee at least k sent (when k nonzero, tie-free values exist).
 AT_LEAST_K = ("top_k", "top_k_sort", "ldte_bs", "binary_search", "random_k")

@@ -1,4 +1,9 @@
-"""One conformance suite that every sparsifying compressor in jaxcomp must pass."""
+"""One conformance suite that every compressor in jaxcomp must pass.
+
+Sparsifier-only features (ratio, capacity and counts, momentum correction,
+warm-up, global granularity) run on ``SPARSIFIERS``; quantizers branch to
+their own message checks where a check is about what a sparsifier sends.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,10 @@ from helpers import (
     AT_LEAST_K,
     EXACTLY_K,
     FACTORIES,
+    NO_ERROR_FEEDBACK,
+    QUANTIZERS,
+    RANDOMIZED,
+    SPARSIFIERS,
     Counted,
     bits,
     cap_of,
@@ -20,6 +29,7 @@ from helpers import (
     f32,
     k_of,
     laplace_tree,
+    quantized_bytes,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -44,15 +54,45 @@ TREE = {
 }
 
 
-def _check_lost_nothing(g, old_res, upd, new_res, rdtype=np.float32):
-    for name in g:
-        lhs = f32(upd[name]).astype(rdtype) + np.asarray(new_res[name])
-        rhs = np.asarray(old_res[name]) + f32(g[name]).astype(rdtype)
-        assert np.array_equal(lhs, rhs), (name, np.max(np.abs(lhs - rhs)))
+def _check_lost_nothing(g, old_res, upd, new_res, rdtype=np.float32, name=None):
+    """``sent + new_res == old_res + g`` bit for bit (sparsifiers).
+
+    Quantizers (``name`` given): without error feedback the residual stays 0;
+    with it, ``new_res`` is the correctly rounded ``acc - sent``, bit for bit,
+    so ``sent + new_res`` is ``acc`` up to that one rounding (a quantized
+    ``sent`` is far from ``acc``, and an exact float residual need not exist).
+    """
+    for leaf in g:
+        sent = f32(upd[leaf]).astype(rdtype)
+        acc = np.asarray(old_res[leaf]) + f32(g[leaf]).astype(rdtype)
+        res = np.asarray(new_res[leaf])
+        if name in NO_ERROR_FEEDBACK:
+            assert not np.any(res) and not np.any(np.asarray(old_res[leaf])), leaf
+        elif name in QUANTIZERS:
+            assert np.array_equal(res, acc - sent), leaf
+            gap = np.abs((sent + res).astype(np.float64) - acc.astype(np.float64))
+            ulp = np.spacing(np.abs(acc - sent)).astype(np.float64)
+            assert np.all(gap <= ulp), (leaf, np.max(gap - ulp))
+        else:
+            lhs = sent + res
+            assert np.array_equal(lhs, acc), (leaf, np.max(np.abs(lhs - acc)))
+
+
+def _check_quantized_message(name, g, upd, state, min_dense):
+    """Message bytes per leaf: the dense tensor, or packed codes + float32 scales."""
+    for leaf, gl in g.items():
+        n = gl.size
+        item = np.dtype(gl.dtype).itemsize
+        expected = n * item if n <= min_dense else quantized_bytes(name, n)
+        assert int(state.message_bytes[leaf]) == expected, (leaf, n)
+        assert np.all(np.isfinite(f32(upd[leaf]))), leaf
 
 
 def _check_message(name, g, upd, state, min_dense):
     """Capacity, sent_count == nnz, message_bytes and the selector's window, per leaf."""
+    if name in QUANTIZERS:
+        _check_quantized_message(name, g, upd, state, min_dense)
+        return
     for leaf, gl in g.items():
         n = gl.size
         u = np.asarray(upd[leaf])
@@ -83,14 +123,17 @@ def test_lost_nothing_capacity_and_counts(name):
     for _ in range(6):
         g = laplace_tree(TREE, rng)
         upd, new = cx(g, state)
-        _check_lost_nothing(g, state.residual, upd, new.residual)
+        _check_lost_nothing(g, state.residual, upd, new.residual, name=name)
         _check_message(name, g, upd, new, MIN_DENSE)
         for leaf in ("scalar", "small", "empty"):  # f32 dense leaves: residual stays 0
             assert not np.any(np.asarray(new.residual[leaf])), leaf
         for leaf, gl in g.items():
             assert upd[leaf].dtype == gl.dtype and upd[leaf].shape == gl.shape
             assert new.residual[leaf].dtype == jnp.float32
-        for field in ("sent_count", "threshold", "search_iterations", "message_bytes"):
+        fields = ("sent_count", "threshold", "search_iterations", "message_bytes")
+        if name in QUANTIZERS:
+            fields = ("message_bytes",)
+        for field in fields:
             tree = getattr(new, field)
             assert jax.tree.structure(tree) == jax.tree.structure(g), field
             assert all(np.shape(v) == () for v in jax.tree.leaves(tree)), field
@@ -131,7 +174,7 @@ def test_lost_nothing_hypothesis(name, case):
     for _ in range(4):
         g = laplace_tree(spec, rng, scale)
         upd, new = cx(g, state)
-        _check_lost_nothing(g, state.residual, upd, new.residual)
+        _check_lost_nothing(g, state.residual, upd, new.residual, name=name)
         _check_message(name, g, upd, new, 0)
         for leaf in g:
             assert np.all(np.isfinite(np.asarray(new.residual[leaf])))
@@ -141,7 +184,7 @@ def test_lost_nothing_hypothesis(name, case):
 MOM_TREE = {"w": ((40, 25), jnp.float32), "h": ((200,), jnp.bfloat16), "d": ((4,), jnp.float32)}
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SPARSIFIERS)
 @pytest.mark.parametrize("masking", [True, False])
 def test_momentum_correction_lost_nothing(name, masking):
     m = 0.9
@@ -203,7 +246,7 @@ WARM_N = 4096
 WARM_RATIO = 1e-3
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SPARSIFIERS)
 def test_warmup_phases_and_single_compilation(name):
     spe = 2
     cx = Counted(FACTORIES[name](WARM_RATIO, warmup_ratios=jaxcomp.DGC_WARMUP, steps_per_epoch=spe))
@@ -246,8 +289,13 @@ def test_state_readable_inside_chain(name):
     assert jax.tree.structure(res) == jax.tree.structure(params)
     for r, p in zip(jax.tree.leaves(res), jax.tree.leaves(params), strict=True):
         assert r.shape == p.shape
-    sent = optax.tree.get(state, "sent_count")
     mb = optax.tree.get(state, "message_bytes")
+    assert jax.tree.structure(mb) == jax.tree.structure(params)
+    if name in QUANTIZERS:
+        assert int(mb["b"]["c"]) == 8  # dense leaf
+        assert int(mb["a"]) == quantized_bytes(name, 120)
+        return
+    sent = optax.tree.get(state, "sent_count")
     assert int(sent["b"]["c"]) == 2 and int(mb["b"]["c"]) == 8
     assert int(mb["a"]) == int(sent["a"]) * 8
     # Sent where the residual was cleared (f32 leaf), sgd scales by -0.1.
@@ -264,7 +312,8 @@ def test_state_readable_inside_chain(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_nonfinite_skip_keeps_state(name, bad):
-    cx = compressor(name, RATIO, momentum=0.9, momentum_masking=True, min_dense_size=4)
+    momentum = {} if name in QUANTIZERS else dict(momentum=0.9, momentum_masking=True)
+    cx = compressor(name, RATIO, min_dense_size=4, **momentum)
     rng = np.random.default_rng(5)
     state = cx.tx.init(laplace_tree(MOM_TREE, rng))
     for _ in range(2):
@@ -275,9 +324,10 @@ def test_nonfinite_skip_keeps_state(name, bad):
     for leaf in g:
         assert not np.any(f32(upd[leaf])), leaf
         assert bits(new.residual[leaf]) == bits(state.residual[leaf]), leaf
-        assert bits(new.velocity[leaf]) == bits(state.velocity[leaf]), leaf
         assert np.all(np.isfinite(np.asarray(new.residual[leaf])))
-        assert np.all(np.isfinite(np.asarray(new.velocity[leaf])))
+        if name not in QUANTIZERS:
+            assert bits(new.velocity[leaf]) == bits(state.velocity[leaf]), leaf
+            assert np.all(np.isfinite(np.asarray(new.velocity[leaf])))
     assert int(new.nonfinite_steps) == int(state.nonfinite_steps) + 1
     # The next finite step proceeds normally.
     g2 = laplace_tree(MOM_TREE, rng)
@@ -298,7 +348,7 @@ def test_nonfinite_zero_uses_finite_part(name):
         g["h"] = g["h"].at[5].set(np.nan)
         upd, new = cx(g, state)
         clean = {k: jnp.where(jnp.isfinite(v), v, 0).astype(v.dtype) for k, v in g.items()}
-        _check_lost_nothing(clean, state.residual, upd, new.residual)
+        _check_lost_nothing(clean, state.residual, upd, new.residual, name=name)
         for leaf in g:
             assert np.all(np.isfinite(np.asarray(new.residual[leaf])))
             assert np.all(np.isfinite(f32(upd[leaf])))
@@ -330,26 +380,36 @@ def test_apply_if_finite_protects_residual(name, policy):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SPARSIFIERS)
 @pytest.mark.parametrize("ratio", [0, 0.0, -0.1, 1.5, "a", float("nan"), None])
 def test_bad_ratio(name, ratio):
     with pytest.raises(ValueError, match="ratio"):
         FACTORIES[name](ratio)
 
 
-@pytest.mark.parametrize("name", NAMES)
+BAD_COMMON = [
+    (dict(momentum=-0.1), "momentum"),
+    (dict(momentum=1.0), "momentum"),
+    (dict(min_dense_size=-1), "min_dense_size"),
+    (dict(warmup_ratios=(0.25, 0.0625)), "steps_per_epoch"),
+    (dict(warmup_ratios=(0.25,), steps_per_epoch=0), "steps_per_epoch"),
+    (dict(warmup_ratios=(0.25, 0.0), steps_per_epoch=2), "warmup_ratios"),
+    (dict(granularity="nope"), "granularity"),
+    (dict(nonfinite="nope"), "nonfinite"),
+    (dict(capacity_factor=0.5), "capacity_factor"),
+    (dict(residual_dtype=jnp.int32), "residual_dtype"),
+]
+# The arguments quantizers share with sparsifiers.
+QUANTIZER_COMMON = ("min_dense_size", "nonfinite", "residual_dtype")
+
+
 @pytest.mark.parametrize(
-    "kwargs,arg",
+    "name,kwargs,arg",
     [
-        (dict(momentum=-0.1), "momentum"),
-        (dict(momentum=1.0), "momentum"),
-        (dict(min_dense_size=-1), "min_dense_size"),
-        (dict(warmup_ratios=(0.25, 0.0625)), "steps_per_epoch"),
-        (dict(warmup_ratios=(0.25,), steps_per_epoch=0), "steps_per_epoch"),
-        (dict(warmup_ratios=(0.25, 0.0), steps_per_epoch=2), "warmup_ratios"),
-        (dict(granularity="nope"), "granularity"),
-        (dict(nonfinite="nope"), "nonfinite"),
-        (dict(capacity_factor=0.5), "capacity_factor"),
+        (name, kwargs, arg)
+        for name in NAMES
+        for kwargs, arg in BAD_COMMON
+        if name in SPARSIFIERS or arg in QUANTIZER_COMMON
     ],
 )
 def test_bad_common_arguments(name, kwargs, arg):
@@ -384,7 +444,7 @@ def test_bad_selector_arguments(make, arg):
 GLOBAL_TREE = {"a": ((300,), jnp.float32), "b": ((20, 10), jnp.float32), "c": ((50,), jnp.float32)}
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SPARSIFIERS)
 @pytest.mark.parametrize("mixed", [False, True], ids=["f32", "mixed_dtypes"])
 def test_global_granularity(name, mixed):
     spec = dict(GLOBAL_TREE)
@@ -441,7 +501,8 @@ def test_shard_map_matches_mean_of_single_device_updates(name):
     assert len(jax.devices()) >= N_DEV
     mesh = jax.make_mesh((N_DEV,), ("data",))
     # exchange="sparse": all-gather the (index, value) messages ("auto" may pick dense).
-    tx = FACTORIES[name](RATIO, axis_name="data", min_dense_size=SHARD_MIN_DENSE, exchange="sparse")
+    exchange = {} if name in QUANTIZERS else dict(exchange="sparse")
+    tx = FACTORIES[name](RATIO, axis_name="data", min_dense_size=SHARD_MIN_DENSE, **exchange)
     ref = compressor(name, RATIO, min_dense_size=SHARD_MIN_DENSE)
 
     def step(g, s):
@@ -469,7 +530,15 @@ def test_shard_map_matches_mean_of_single_device_updates(name):
         per_dev = []
         for d in range(N_DEV):
             gd = _device(g, d)
-            if name == "random_k":
+            if name in RANDOMIZED and name in NO_ERROR_FEEDBACK:
+                # The key depends on the device and the step only, and zeros quantize to
+                # zeros: with every other device's gradient zeroed, the mean is device
+                # d's own message / N.
+                only_d = {leaf: jnp.zeros_like(v).at[d].set(v[d]) for leaf, v in g.items()}
+                u_only, _ = f(jax.device_put(only_d, sharding), jax.device_put(old, sharding))
+                u_only = jax.device_get(u_only)
+                per_dev.append({leaf: f32(v[0]) * N_DEV for leaf, v in u_only.items()})
+            elif name == "random_k" or name in RANDOMIZED:
                 # The device index is folded into the key: compare with what the device
                 # itself sent (acc - new residual), and with its own residual invariant.
                 sent = {
@@ -478,13 +547,16 @@ def test_shard_map_matches_mean_of_single_device_updates(name):
                     for leaf in gd
                 }
                 per_dev.append(sent)
-                assert int(new.sent_count["w"][d]) == k_of(RATIO, 1200)
+                if name == "random_k":
+                    assert int(new.sent_count["w"][d]) == k_of(RATIO, 1200)
             else:
                 u_d, s_d = ref(gd, _device(old, d))
                 per_dev.append({leaf: f32(v) for leaf, v in u_d.items()})
                 for leaf in gd:
                     assert bits(s_d.residual[leaf]) == bits(new.residual[leaf][d]), (d, leaf)
-                    assert int(s_d.sent_count[leaf]) == int(new.sent_count[leaf][d])
+                    count = "message_bytes" if name in QUANTIZERS else "sent_count"
+                    got_count = getattr(new, count)[leaf][d]
+                    assert int(getattr(s_d, count)[leaf]) == int(got_count)
         for leaf in SHARD_TREE:
             expected = np.mean(np.stack([p[leaf] for p in per_dev]), axis=0)
             got = np.asarray(upd[leaf])
@@ -500,6 +572,8 @@ def test_shard_map_matches_mean_of_single_device_updates(name):
             n = math.prod(shape)
             if n <= SHARD_MIN_DENSE:
                 wire += 2.0 * (N_DEV - 1) / N_DEV * n * 4
+            elif name in QUANTIZERS:  # all-gather of the packed message
+                wire += (N_DEV - 1) * quantized_bytes(name, n)
             else:
                 k = k_of(RATIO, n)
                 cap = k if name == "random_k" else cap_of(k, n)  # random_k sends exactly k

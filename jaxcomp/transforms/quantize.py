@@ -1,0 +1,589 @@
+"""The generic quantizing compressor, and the quantizers (codecs) it runs.
+
+``quantize`` is one optax ``GradientTransformationExtraArgs`` that every
+quantizing method in jaxcomp is built from (QSGD, 1-bit SGD, scaled sign,
+...); the named factories in ``quantizers.py`` only pick the codec. It is the
+analogue of :func:`jaxcomp.sparsify`. Per step and per leaf:
+
+    R      = e + g  (error feedback)  or  R = g  (without)
+    msg    = encode(R)                 # packed codes + float32 scales
+    S      = decode(msg)               # what every receiver reconstructs
+    e_new  = R - S                     # with error feedback; else e stays 0
+    update = mean over devices of decode(msg_d)
+
+A :class:`Quantizer` turns a flat float32 vector into a message
+``(codes, scales)``: ``codes`` an unsigned-integer array with several
+coordinates bit-packed per element (the wire payload), ``scales`` a float32
+``[buckets, m]`` array. Every codec decodes all-zero scales to all zeros: a
+device that sends nothing (non-finite step, left-out backup worker) zeroes its
+scales, so fixed-shape collectives still run.
+
+Error feedback keeps ``e_new = R - S`` computed in the residual dtype with one
+rounding, ``S`` being the update as returned (cast back to the gradient dtype).
+Unlike a sparsifier, whose ``S`` equals ``R`` where it is nonzero, a quantized
+``S`` is far from ``R`` element-wise, so ``S + (R - S)`` recovers ``R`` only up
+to that one rounding of the difference (an exactly representable ``e_new``
+often does not exist): the residual is the correctly rounded ``R - S``, bit for
+bit, and ``|S + e_new - R| <= ulp(R - S) / 2``. Leaves sent dense keep the
+sparsifier's exact invariant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxcomp.comm import collectives
+from jaxcomp.transforms.sparsify import _NONFINITE, _all_finite
+
+__all__ = [
+    "QSGD_NORMS",
+    "QuantizeState",
+    "Quantizer",
+    "bounded_sign_quantizer",
+    "message_nbytes",
+    "onebit_quantizer",
+    "pack_codes",
+    "qsgd_bits",
+    "qsgd_quantizer",
+    "quantize",
+    "sign_quantizer",
+    "unpack_codes",
+]
+
+QSGD_NORMS = ("l2", "max")
+
+# Bit widths ``pack_codes`` supports: several codes per byte below 8.
+_CODE_BITS = (1, 2, 4, 8, 16, 32)
+_CODE_DTYPES = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
+
+
+# ---------------------------------------------------------------------------
+# Bit packing.
+# ---------------------------------------------------------------------------
+
+
+def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
+    """Packs unsigned codes of ``bits`` bits each into a flat array.
+
+    Args:
+      codes: 1-D unsigned integers, each below ``2**bits``.
+      bits: one of 1, 2, 4 (``8 // bits`` codes per uint8, the first code in
+        the lowest bits), 8, 16 or 32 (one code per uint8/uint16/uint32).
+
+    Returns:
+      The packed array: ``ceil(n * bits / 8)`` bytes in all.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.transforms.quantize import pack_codes, unpack_codes
+      >>> p = pack_codes(jnp.array([1, 0, 3, 2, 1], jnp.uint8), 2)
+      >>> p.tolist(), unpack_codes(p, 2, 5).tolist()
+      ([177, 1], [1, 0, 3, 2, 1])
+    """
+    if bits not in _CODE_BITS:
+        raise ValueError(f"bits must be one of {_CODE_BITS}, got {bits!r}")
+    if bits >= 8:
+        return codes.astype(_CODE_DTYPES[bits])
+    per = 8 // bits
+    n = codes.shape[0]
+    padded = jnp.pad(codes.astype(jnp.uint8), (0, -n % per)).reshape(-1, per)
+    packed = padded[:, 0]
+    for j in range(1, per):  # at most 8 columns, not a loop over elements
+        packed = packed | (padded[:, j] << (j * bits))
+    return packed
+
+
+def unpack_codes(packed: jax.Array, bits: int, n: int) -> jax.Array:
+    """Inverse of :func:`pack_codes`: the first ``n`` codes, as uint32."""
+    if bits >= 8:
+        return packed.astype(jnp.uint32)
+    per = 8 // bits
+    shifts = jnp.arange(per, dtype=jnp.uint8) * bits
+    codes = (packed[:, None] >> shifts) & jnp.uint8((1 << bits) - 1)
+    return codes.reshape(-1)[:n].astype(jnp.uint32)
+
+
+# ---------------------------------------------------------------------------
+# Quantizers.
+# ---------------------------------------------------------------------------
+
+
+class Quantizer(NamedTuple):
+    """A codec from a flat float32 vector to a fixed-shape message and back.
+
+    Attributes:
+      encode: ``encode(x, key) -> (codes, scales)`` for a 1-D float32 ``x``
+        of static size ``n``; ``key`` is a PRNG key (ignored unless
+        ``randomized``).
+      decode: ``decode(codes, scales, n) -> float32[n]``; all-zero scales
+        decode to zeros.
+      randomized: whether ``encode`` draws random numbers.
+      name: for error messages and ``repr``.
+    """
+
+    encode: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+    decode: Callable[[jax.Array, jax.Array, int], jax.Array]
+    randomized: bool
+    name: str
+
+
+def _check_bucket_size(bucket_size):
+    if bucket_size is not None and not (
+        isinstance(bucket_size, int) and not isinstance(bucket_size, bool) and bucket_size >= 1
+    ):
+        raise ValueError(f"bucket_size must be an int >= 1 or None, got {bucket_size!r}")
+
+
+def _bucketing(n: int, bucket_size: int | None) -> tuple[int, int]:
+    """(bucket length d, number of buckets) for a leaf of ``n`` elements."""
+    d = n if bucket_size is None else min(bucket_size, n)
+    return d, -(-n // d)
+
+
+def _to_buckets(x: jax.Array, d: int, nb: int) -> jax.Array:
+    """``x`` zero-padded to ``nb * d`` and reshaped to ``[nb, d]``."""
+    n = x.shape[0]
+    if nb * d != n:
+        x = jnp.pad(x, (0, nb * d - n))
+    return x.reshape(nb, d)
+
+
+def _from_buckets(xb: jax.Array, n: int) -> jax.Array:
+    return xb.reshape(-1)[:n]
+
+
+def _true_counts(n: int, d: int, nb: int) -> np.ndarray:
+    """Elements per bucket, the last one possibly partial (float32 constants)."""
+    counts = np.full((nb,), d, np.float32)
+    counts[-1] = n - (nb - 1) * d
+    return counts
+
+
+def qsgd_bits(levels: int) -> int:
+    """Bits per coordinate QSGD's codes travel in: sign + level, rounded up to 2/4/8/16/32."""
+    need = levels.bit_length() + 1
+    return next(b for b in _CODE_BITS if b >= need)
+
+
+def qsgd_quantizer(levels: int, bucket_size: int | None = None, norm: str = "l2") -> Quantizer:
+    """QSGD's stochastic quantizer ``Q_s`` (Alistarh et al., 2017).
+
+    Per bucket ``v`` of ``d`` consecutive values (the whole leaf when
+    ``bucket_size`` is None; the last bucket may be shorter), with scale
+    ``||v||_2`` (``norm="l2"``) or ``max_i |v_i|`` (``norm="max"``) and
+    ``s = levels``: ``l_i = floor(|v_i| / scale * s)``, then
+    ``xi_i = (l_i + 1) / s`` with probability ``|v_i| / scale * s - l_i``,
+    else ``l_i / s``, and ``Q(v)_i = scale * sgn(v_i) * xi_i``.
+
+    Wire format: per coordinate one code, the level ``s * xi_i`` in the low
+    bits and the sign (1 = negative) in the top bit of a ``qsgd_bits(s)``-bit
+    field (2 bits for ``s = 1``, 4 for ``s <= 7``, 8 for ``s <= 127``, 16 for
+    ``s <= 32767``, else 32), bit-packed with :func:`pack_codes`; plus one
+    float32 scale per bucket. Levels above ``2**23`` add nothing in float32.
+    """
+    if not (isinstance(levels, int) and not isinstance(levels, bool) and 1 <= levels < 2**31):
+        raise ValueError(f"levels must be an int in [1, 2**31), got {levels!r}")
+    _check_bucket_size(bucket_size)
+    if norm not in QSGD_NORMS:
+        raise ValueError(f"norm must be one of {QSGD_NORMS}, got {norm!r}")
+    s = levels
+    bits = qsgd_bits(s)
+    sign_bit = 1 << (bits - 1)
+
+    def encode(x, key):
+        n = x.shape[0]
+        d, nb = _bucketing(n, bucket_size)
+        xb = _to_buckets(x.astype(jnp.float32), d, nb)
+        a = jnp.abs(xb)
+        if norm == "l2":
+            scale = jnp.sqrt(jnp.sum(xb * xb, axis=1))
+        else:
+            scale = jnp.max(a, axis=1)
+        inv = jnp.where(scale > 0, jnp.float32(s) / scale, 0)
+        r = a * inv[:, None]
+        low = jnp.floor(r)
+        u = jax.random.uniform(key, xb.shape, jnp.float32)
+        level = jnp.minimum(low + (u < r - low), s).astype(jnp.uint32)
+        code = level | jnp.where(xb < 0, jnp.uint32(sign_bit), jnp.uint32(0))
+        return pack_codes(_from_buckets(code, n), bits), scale[:, None]
+
+    def decode(codes, scales, n):
+        d, nb = _bucketing(n, bucket_size)
+        code = _to_buckets(unpack_codes(codes, bits, n), d, nb)
+        level = (code & jnp.uint32(sign_bit - 1)).astype(jnp.float32)
+        signed = jnp.where(code >= jnp.uint32(sign_bit), -level, level)
+        return _from_buckets(signed * (scales / jnp.float32(s)), n)
+
+    return Quantizer(encode, decode, True, f"qsgd(levels={levels}, norm={norm!r})")
+
+
+def _sign_codes(xb, n):
+    """1-bit codes, 1 for negative: ``x >= 0`` (zero included) decodes positive."""
+    return pack_codes(_from_buckets((xb < 0).astype(jnp.uint8), n), 1)
+
+
+def _sign_decode(bucket_size, pos_col, neg_col, negate_neg):
+    """Decoder of 1-bit codes with per-bucket values for the + and - codes."""
+
+    def decode(codes, scales, n):
+        d, nb = _bucketing(n, bucket_size)
+        neg = _to_buckets(unpack_codes(codes, 1, n), d, nb) != 0
+        pos_val = scales[:, pos_col : pos_col + 1]
+        neg_val = scales[:, neg_col : neg_col + 1]
+        return _from_buckets(jnp.where(neg, -neg_val if negate_neg else neg_val, pos_val), n)
+
+    return decode
+
+
+def sign_quantizer(bucket_size: int | None = None) -> Quantizer:
+    """Scaled sign, ``C[x] = (||x||_1 / d) * sign(x)`` per bucket (signSGD / EF-signSGD).
+
+    ``||x||_1 / d`` (``d`` the bucket's true length) is the scale that
+    minimises ``||C[x] - x||_2`` over all ``alpha * sign(x)``. Zeros are sent
+    as ``+`` (one bit has no zero). Wire: 1 bit per coordinate, one float32
+    per bucket.
+    """
+    _check_bucket_size(bucket_size)
+
+    def encode(x, key):
+        del key
+        n = x.shape[0]
+        d, nb = _bucketing(n, bucket_size)
+        xb = _to_buckets(x.astype(jnp.float32), d, nb)
+        scale = jnp.sum(jnp.abs(xb), axis=1) / _true_counts(n, d, nb)
+        return _sign_codes(xb, n), scale[:, None]
+
+    return Quantizer(encode, _sign_decode(bucket_size, 0, 0, True), False, "sign")
+
+
+def onebit_quantizer(bucket_size: int | None = None) -> Quantizer:
+    """1-bit SGD's quantizer (Seide et al., 2014): sign with two reconstruction values.
+
+    Per bucket, coordinates ``x_i >= 0`` decode to the mean of the bucket's
+    non-negative values and ``x_i < 0`` to the mean of its negative values:
+    the two values that minimise the squared error for this sign split (the
+    paper's per-column reconstruction; take ``bucket_size`` = a row length of
+    a transposed weight for its exact per-column layout). Wire: 1 bit per
+    coordinate, two float32 per bucket.
+    """
+    _check_bucket_size(bucket_size)
+
+    def encode(x, key):
+        del key
+        n = x.shape[0]
+        d, nb = _bucketing(n, bucket_size)
+        xb = _to_buckets(x.astype(jnp.float32), d, nb)
+        neg = xb < 0
+        neg_sum = jnp.sum(jnp.where(neg, xb, 0), axis=1)
+        pos_sum = jnp.sum(jnp.where(neg, 0, xb), axis=1)
+        neg_count = jnp.sum(neg, axis=1, dtype=jnp.int32).astype(jnp.float32)
+        pos_count = _true_counts(n, d, nb) - neg_count  # padding zeros are not counted
+        pos_mean = jnp.where(pos_count > 0, pos_sum / jnp.maximum(pos_count, 1), 0)
+        neg_mean = jnp.where(neg_count > 0, neg_sum / jnp.maximum(neg_count, 1), 0)
+        return _sign_codes(xb, n), jnp.stack([pos_mean, neg_mean], axis=1)
+
+    return Quantizer(encode, _sign_decode(bucket_size, 0, 1, False), False, "onebit")
+
+
+def bounded_sign_quantizer(
+    lam: float = 0.8, error_bound: float = 1.0, bucket_size: int | None = None
+) -> Quantizer:
+    """The patent's improved 1-bit: L2-norm scaling by ``lam``, error bounded.
+
+    Per bucket ``x`` of true length ``d``: ``C[x] = alpha * sign(x)`` with the
+    L2 scale ``alpha_0 = lam * ||x||_2 / sqrt(d)`` (``0 < lam < 1``), then the
+    bound ``||C[x] - x||_2 <= error_bound * ||x||_2`` enforced exactly: the
+    error ``f(alpha) = d alpha^2 - 2 alpha ||x||_1 + ||x||_2^2`` is a
+    quadratic, so the admissible scales form the interval between its roots
+    ``(||x||_1 -+ sqrt(D)) / d``, ``D = ||x||_1^2 - d (1 - B^2) ||x||_2^2``,
+    and ``alpha_0`` is clipped into it. When ``D < 0`` no scaled sign meets the
+    bound (the smallest error of any ``alpha sign(x)`` is
+    ``sqrt(1 - ||x||_1^2 / (d ||x||_2^2)) ||x||_2``, reached at
+    ``alpha = ||x||_1 / d``) and that minimiser is used. So always
+    ``||C[x] - x|| <= max(error_bound, that minimum) * ||x||`` up to float32
+    rounding; with ``error_bound = 1`` (default) the bound always holds: never
+    worse than sending nothing, hence a contraction for error feedback.
+    Default ``lam = 0.8`` ~ ``sqrt(2 / pi)``, the error-minimising factor for
+    Gaussian gradients (``E|x| / sqrt(E x^2)``). Wire: 1 bit per coordinate,
+    one float32 per bucket.
+    """
+    if not (isinstance(lam, (int, float)) and 0.0 < lam < 1.0):
+        raise ValueError(f"lam must be in (0, 1), got {lam!r}")
+    if not (isinstance(error_bound, (int, float)) and 0.0 < error_bound <= 1.0):
+        raise ValueError(f"error_bound must be in (0, 1], got {error_bound!r}")
+    _check_bucket_size(bucket_size)
+    slack = 1.0 - float(error_bound) ** 2
+
+    def encode(x, key):
+        del key
+        n = x.shape[0]
+        d, nb = _bucketing(n, bucket_size)
+        xb = _to_buckets(x.astype(jnp.float32), d, nb)
+        count = _true_counts(n, d, nb)
+        l1 = jnp.sum(jnp.abs(xb), axis=1)
+        l2sq = jnp.sum(xb * xb, axis=1)
+        alpha0 = jnp.float32(lam) * jnp.sqrt(l2sq / count)
+        c = jnp.float32(slack) * l2sq
+        disc = l1 * l1 - count * c
+        root = jnp.sqrt(jnp.maximum(disc, 0))
+        hi = (l1 + root) / count
+        # The smaller root as c / (d * hi): no cancellation when D ~ ||x||_1^2.
+        lo = jnp.where(hi > 0, c / (count * jnp.where(hi > 0, hi, 1)), 0)
+        alpha = jnp.where(disc >= 0, jnp.clip(alpha0, lo, hi), l1 / count)
+        return _sign_codes(xb, n), alpha[:, None]
+
+    name = f"bounded_sign(lam={lam}, error_bound={error_bound})"
+    return Quantizer(encode, _sign_decode(bucket_size, 0, 0, True), False, name)
+
+
+# ---------------------------------------------------------------------------
+# The transform.
+# ---------------------------------------------------------------------------
+
+
+class QuantizeState(NamedTuple):
+    """State of :func:`quantize`.
+
+    Per-leaf statistics are pytrees shaped like the gradients with one scalar
+    per leaf; read them with ``optax.tree.get(opt_state, "message_bytes")``
+    even inside an ``optax.chain``.
+
+    Attributes:
+      step: int32, number of updates so far.
+      residual: the error-feedback memory, a pytree like the gradients in the
+        residual dtype (per device under ``shard_map``); stays zero (and is
+        not touched) with ``error_feedback=False``.
+      key: raw uint32 PRNG key data of randomized quantizers; step ``t`` uses
+        ``fold_in(key, t)``, folded with the device index under ``axis_name``
+        and the leaf index, so a seed reproduces a run.
+      message_bytes: int32 per leaf, bytes of this device's last message
+        (packed codes + float32 scales; the dense tensor for dense-sent
+        leaves; 0 when nothing was sent).
+      wire_bytes: float32, bytes this device put on the wire in the last step:
+        ``(N - 1)`` times the gathered message bytes, a ring all-reduce's for
+        dense leaves (0 with ``axis_name=None``).
+      nonfinite_steps: int32, steps whose gradients held NaN or Inf.
+    """
+
+    step: jax.Array
+    residual: Any
+    key: jax.Array
+    message_bytes: Any
+    wire_bytes: jax.Array
+    nonfinite_steps: jax.Array
+
+
+class _LeafOut(NamedTuple):
+    update: jax.Array
+    residual: jax.Array
+    message_bytes: jax.Array
+    wire_bytes: jax.Array
+
+
+def _to_dtype(x: jax.Array, dtype) -> jax.Array:
+    """Casts to ``dtype``, saturating at its largest finite value (float16).
+
+    A bucket's scale can exceed float16's range although every element fits
+    (QSGD's L2 norm of a large leaf); saturating keeps the update finite and,
+    with error feedback, the excess in the residual.
+    """
+    dtype = jnp.dtype(dtype)
+    big = float(jnp.finfo(dtype).max)
+    if big < float(jnp.finfo(x.dtype).max):
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
+
+
+def _nbytes(x) -> int:
+    return x.size * jnp.dtype(x.dtype).itemsize
+
+
+def quantize(
+    quantizer: Quantizer,
+    *,
+    axis_name: Any = None,
+    error_feedback: bool = True,
+    min_dense_size: int = 0,
+    residual_dtype: Any = jnp.float32,
+    nonfinite: str = "skip",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """A quantizing compressor, with optional error feedback, around any codec.
+
+    Args:
+      quantizer: a :class:`Quantizer` (:func:`qsgd_quantizer`,
+        :func:`sign_quantizer`, :func:`onebit_quantizer`,
+        :func:`bounded_sign_quantizer`, or your own).
+      axis_name: mesh axis to average over inside ``shard_map``/``pmap``: the
+        packed codes and the scales are all-gathered, every device decodes all
+        ``N`` messages and averages them (in device order, so all devices get
+        bit-identical updates). ``None``: return the local decoded update.
+      error_feedback: keep ``residual = R - decoded`` and add it to the next
+        gradient (1-bit SGD, EF-signSGD). ``False``: send the quantized
+        gradient itself (unbiased QSGD, signSGD); the residual stays zero.
+      min_dense_size: leaves with at most this many elements are sent dense
+        (QSGD: 10K); their residual keeps only the rounding to the gradient
+        dtype (zero for float32).
+      residual_dtype: float dtype of the residual and of the accumulation.
+        Codecs compute in float32.
+      nonfinite: policy for NaN/Inf gradients, as in :func:`jaxcomp.sparsify`.
+        ``"skip"`` (default): a device whose gradients hold a non-finite
+        element sends zero scales (an all-zero message) and keeps its
+        residual; ``"zero"``: non-finite elements are replaced by 0.
+      seed: seed of the PRNG stream of randomized codecs.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with :class:`QuantizeState`.
+      ``update`` also takes ``include`` (this device's backup-worker flag): a
+      left-out device's message is zeroed, the mean is over included devices.
+
+    Raises:
+      ValueError: for a bad argument; the message names it.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxcomp.transforms.quantize import quantize, sign_quantizer
+      >>> tx = quantize(sign_quantizer())
+      >>> g = {"w": jnp.array([1.0, -3.0, 2.0, 0.0])}
+      >>> u, state = tx.update(g, tx.init(g))
+      >>> u["w"].tolist(), state.residual["w"].tolist()
+      ([1.5, -1.5, 1.5, 1.5], [-0.5, -1.5, 0.5, -1.5])
+    """
+    if not isinstance(quantizer, Quantizer):
+        raise ValueError(f"quantizer must be a Quantizer, got {quantizer!r}")
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
+    if not (
+        isinstance(min_dense_size, int)
+        and not isinstance(min_dense_size, bool)
+        and min_dense_size >= 0
+    ):
+        raise ValueError(f"min_dense_size must be an int >= 0, got {min_dense_size!r}")
+    if nonfinite not in _NONFINITE:
+        raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
+    try:
+        residual_dtype = jnp.dtype(residual_dtype)
+    except TypeError:
+        residual_dtype = None
+    if residual_dtype is None or not jnp.issubdtype(residual_dtype, jnp.floating):
+        raise ValueError(f"residual_dtype must be a float dtype, got {residual_dtype!r}")
+    if not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+    def compress_leaf(g, residual, key, sends, include) -> _LeafOut:
+        shape, n = g.shape, g.size
+        out_dtype = g.dtype
+        x = g.reshape(-1).astype(residual_dtype)
+        acc = residual.reshape(-1) + x if error_feedback else x
+
+        if n == 0 or n <= min_dense_size:
+            sent_out = jnp.where(sends, acc, 0).astype(out_dtype)
+            if axis_name is None:
+                update, wire = sent_out, jnp.float32(0)
+            else:
+                update, wire = collectives.dense_mean(sent_out, axis_name, include=include)
+            nbytes = jnp.where(sends, n * out_dtype.itemsize, 0).astype(jnp.int32)
+        else:
+            codes, scales = quantizer.encode(acc, key)
+            # An unsent message still travels (static shapes): zero scales decode to 0.
+            scales = jnp.where(sends, scales, 0)
+            sent_out = _to_dtype(quantizer.decode(codes, scales, n), out_dtype)
+            if axis_name is None:
+                update, wire = sent_out, jnp.float32(0)
+            else:
+                update, wire = _gather_mean(codes, scales, n, out_dtype, include)
+            message = _nbytes(codes) + _nbytes(scales)
+            nbytes = jnp.where(sends, message, 0).astype(jnp.int32)
+        if error_feedback:
+            new_res = acc - sent_out.astype(residual_dtype)
+        else:
+            new_res = residual.reshape(-1)
+        return _LeafOut(update.reshape(shape), new_res.reshape(shape), nbytes, wire)
+
+    def _gather_mean(codes, scales, n, out_dtype, include):
+        n_dev = collectives.axis_size(axis_name)
+        extra = 0.0
+        if include is None:
+            denom = jnp.float32(n_dev)
+        else:
+            include = jnp.asarray(include, jnp.bool_)
+            denom = jnp.maximum(lax.psum(include.astype(jnp.float32), axis_name), 1.0)
+            extra = collectives.allreduce_bytes(4, n_dev)
+        all_codes = lax.all_gather(codes, axis_name)
+        all_scales = lax.all_gather(scales, axis_name)
+        decoded = jax.vmap(lambda c, s: quantizer.decode(c, s, n))(all_codes, all_scales)
+        mean = jnp.sum(decoded, axis=0) / denom
+        wire = collectives.allgather_bytes(_nbytes(codes) + _nbytes(scales), n_dev) + extra
+        return _to_dtype(mean, out_dtype), jnp.float32(wire)
+
+    def init(params):
+        return QuantizeState(
+            step=jnp.zeros([], jnp.int32),
+            residual=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), residual_dtype), params),
+            key=jax.random.key_data(jax.random.key(seed)),
+            message_bytes=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params),
+            wire_bytes=jnp.zeros([], jnp.float32),
+            nonfinite_steps=jnp.zeros([], jnp.int32),
+        )
+
+    def update(updates, state, params=None, *, include=None, **extra_args):
+        """``include``: optional bool scalar, this device's backup-worker flag."""
+        del params, extra_args
+        grads = jax.tree.map(jnp.asarray, updates)
+        finite = jnp.all(jnp.stack([_all_finite(g) for g in jax.tree.leaves(grads)] or [True]))
+        if nonfinite == "zero":
+            grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0).astype(g.dtype), grads)
+            send_ok = jnp.bool_(True)
+        else:
+            # No lax.cond around the step (slow on XLA:CPU, see sparsify): a
+            # skipped step accumulates zero and sends an all-zero message.
+            grads = jax.tree.map(lambda g: jnp.where(finite, g, 0).astype(g.dtype), grads)
+            send_ok = finite
+        if include is not None:
+            include = jnp.asarray(include, jnp.bool_)
+        sends = send_ok if include is None else send_ok & include
+        key = jax.random.wrap_key_data(state.key)
+        if quantizer.randomized:
+            key = jax.random.fold_in(key, state.step)
+            if axis_name is not None:
+                key = jax.random.fold_in(key, lax.axis_index(axis_name))
+
+        g_leaves, treedef = jax.tree.flatten(grads)
+        r_leaves = treedef.flatten_up_to(state.residual)
+        outs = [
+            compress_leaf(g, r, jax.random.fold_in(key, i), sends, include)
+            if quantizer.randomized
+            else compress_leaf(g, r, key, sends, include)
+            for i, (g, r) in enumerate(zip(g_leaves, r_leaves, strict=True))
+        ]
+
+        def field(name):
+            return treedef.unflatten([getattr(o, name) for o in outs])
+
+        new_state = QuantizeState(
+            step=state.step + 1,
+            residual=field("residual"),
+            key=state.key,
+            message_bytes=field("message_bytes"),
+            wire_bytes=sum((o.wire_bytes for o in outs), jnp.float32(0)),
+            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+        )
+        return field("update"), new_state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def message_nbytes(quantizer: Quantizer, n: int) -> int:
+    """Bytes of one quantized message of an ``n``-element leaf (static shapes)."""
+    out = jax.eval_shape(
+        quantizer.encode, jax.ShapeDtypeStruct((n,), jnp.float32), jax.random.key(0)
+    )
+    return sum(math.prod(o.shape) * jnp.dtype(o.dtype).itemsize for o in out)

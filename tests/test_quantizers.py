@@ -1,0 +1,478 @@
+"""Quantizers: QSGD against the paper's lemmas, the 1-bit family against numpy references.
+
+Statistical tests use fixed seeds (so they are deterministic) and tolerances
+stated next to each check: 5 standard errors for means over ``T = 2000``
+vmapped draws, 10% for second moments.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import bits, f32
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp
+from jaxcomp.transforms.quantize import (
+    bounded_sign_quantizer,
+    message_nbytes,
+    pack_codes,
+    qsgd_bits,
+    qsgd_quantizer,
+    sign_quantizer,
+    unpack_codes,
+)
+
+T = 2000  # draws for the statistical tests
+
+
+def _draws(quantizer, v, n_draws=T, seed=0):
+    """``n_draws`` independent decoded messages of ``v`` (float32 ``[n_draws, n]``)."""
+    keys = jax.random.split(jax.random.key(seed), n_draws)
+    n = v.shape[0]
+    f = jax.jit(jax.vmap(lambda k: quantizer.decode(*quantizer.encode(v, k), n)))
+    return np.asarray(f(keys), np.float64)
+
+
+def _np_buckets(x, d):
+    n = x.shape[0]
+    d = n if d is None else min(d, n)
+    return [x[i : i + d] for i in range(0, n, d)]
+
+
+def _qsgd_moments(v, s, d, norm="l2"):
+    """Exact per-coordinate variance and P(nonzero) of QSGD, and the bucket scales (float64)."""
+    var, nz, scales = [], [], []
+    for b in _np_buckets(np.asarray(v, np.float64), d):
+        scale = np.linalg.norm(b) if norm == "l2" else np.max(np.abs(b))
+        r = np.abs(b) / scale * s if scale > 0 else np.zeros_like(b)
+        low = np.floor(r)
+        p = r - low
+        var.append((scale / s) ** 2 * p * (1 - p))
+        nz.append(np.where(low > 0, 1.0, p))
+        scales.append(np.full(b.shape, scale))
+    return np.concatenate(var), np.concatenate(nz), np.concatenate(scales)
+
+
+def _gauss(n, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=n).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------
+# QSGD: the paper's lemmas.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "s,d,norm", [(1, None, "l2"), (4, None, "l2"), (7, 128, "l2"), (3, 100, "max")]
+)
+def test_qsgd_unbiased(s, d, norm):
+    v = _gauss(1000, seed=s)
+    x = _draws(qsgd_quantizer(s, d, norm), v)
+    var, _, scale = _qsgd_moments(v, s, d, norm)
+    err = np.abs(x.mean(axis=0) - np.asarray(v, np.float64))
+    # 5 standard errors of the mean, plus float32 rounding of scale * level / s.
+    tol = 5 * np.sqrt(var / T) + 1e-6 * scale
+    assert np.all(err <= tol), np.max(err - tol)
+
+
+@pytest.mark.parametrize(
+    "s,d", [(1, None), (2, None), (16, None), (1, 128), (4, 512), (2**15, None)]
+)
+def test_qsgd_variance_bound(s, d):
+    n = 2048
+    v = _gauss(n, seed=7)
+    x = _draws(qsgd_quantizer(s, d), v, n_draws=500)
+    var, _, _ = _qsgd_moments(v, s, d)
+    sq_err = (x - np.asarray(v, np.float64)) ** 2
+    for i, b in enumerate(_np_buckets(np.asarray(v, np.float64), d)):
+        sl = slice(i * b.shape[0], (i + 1) * b.shape[0]) if d else slice(None)
+        nb = b.shape[0]
+        bound = min(nb / s**2, math.sqrt(nb) / s) * float(b @ b)
+        exact = float(var[sl].sum())
+        measured = float(sq_err[:, sl].sum(axis=1).mean())
+        assert exact <= bound, (i, exact, bound)
+        # 500 draws of a sum of >= 128 independent terms: within 10% (+ float32 floor).
+        assert abs(measured - exact) <= 0.1 * exact + 1e-10 * float(b @ b), (i, measured, exact)
+        assert measured <= 1.1 * bound
+
+
+@pytest.mark.parametrize("s", [1, 2, 8])
+def test_qsgd_expected_nonzeros(s):
+    n = 10_000
+    v = _gauss(n, seed=3)
+    x = _draws(qsgd_quantizer(s), v, n_draws=500)
+    _, nz, _ = _qsgd_moments(v, s, None)
+    measured = float(np.count_nonzero(x, axis=1).mean())
+    bound = s * (s + math.sqrt(n))
+    assert nz.sum() <= bound
+    # The count is a sum of independent Bernoullis: 5 standard errors of its mean.
+    assert abs(measured - nz.sum()) <= 5 * math.sqrt(nz.sum() / 500) + 1
+    assert measured <= bound
+
+
+def test_qsgd_one_level_sends_norm_or_zero():
+    v = _gauss(500, seed=1)
+    x = _draws(qsgd_quantizer(1), v, n_draws=50)
+    norm = float(np.linalg.norm(np.asarray(v, np.float64)))
+    mags = np.unique(np.abs(x))
+    assert set(np.round(mags / norm, 5)) <= {0.0, 1.0}
+    assert np.all((x == 0) | (np.sign(x) == np.sign(np.asarray(v))))
+
+
+def test_qsgd_huge_levels_nearly_exact():
+    s = 2**15
+    v = _gauss(4096, seed=2)
+    quantizer = qsgd_quantizer(s, 512)
+    codes, scales = quantizer.encode(v, jax.random.key(0))
+    assert codes.dtype == jnp.uint32 and scales.shape == (8, 1)
+    x = np.asarray(quantizer.decode(codes, scales, 4096), np.float64)
+    scale = np.repeat(np.asarray(scales[:, 0], np.float64), 512)
+    assert np.all(np.abs(x - np.asarray(v)) <= scale / s * (1 + 1e-5))
+
+
+def test_qsgd_max_norm_hits_the_max_exactly():
+    v = _gauss(300, seed=4)
+    x = _draws(qsgd_quantizer(5, norm="max"), v, n_draws=20)
+    i = int(np.argmax(np.abs(np.asarray(v))))
+    assert np.all(x[:, i] == np.float32(v[i]))
+    levels = np.abs(x) / float(np.max(np.abs(np.asarray(v)))) * 5
+    np.testing.assert_allclose(levels, np.round(levels), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "levels,bits_per,dtype",
+    [
+        (1, 2, jnp.uint8),
+        (7, 4, jnp.uint8),
+        (8, 8, jnp.uint8),
+        (127, 8, jnp.uint8),
+        (128, 16, jnp.uint16),
+        (32767, 16, jnp.uint16),
+        (32768, 32, jnp.uint32),
+    ],
+)
+def test_qsgd_wire_format(levels, bits_per, dtype):
+    n, d = 1000, 128
+    quantizer = qsgd_quantizer(levels, d)
+    assert qsgd_bits(levels) == bits_per
+    codes, scales = quantizer.encode(_gauss(n), jax.random.key(1))
+    assert codes.dtype == dtype and scales.dtype == jnp.float32
+    expected = math.ceil(n * bits_per / 8) + math.ceil(n / d) * 4
+    assert message_nbytes(quantizer, n) == expected
+    assert codes.size * codes.dtype.itemsize + scales.size * 4 == expected
+    # Sign in the top bit, the level below it, never above s.
+    raw = np.asarray(unpack_codes(codes, bits_per, n))
+    assert np.all((raw & ((1 << (bits_per - 1)) - 1)) <= levels)
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("n", [0, 1, 7, 33])
+def test_pack_round_trip(nbits, n):
+    rng = np.random.default_rng(nbits + n)
+    codes = rng.integers(0, 2**nbits, size=n, dtype=np.uint64).astype(np.uint32)
+    packed = pack_codes(jnp.asarray(codes), nbits)
+    assert packed.size * packed.dtype.itemsize == math.ceil(n * nbits / 8)
+    np.testing.assert_array_equal(np.asarray(unpack_codes(packed, nbits, n)), codes)
+
+
+def test_qsgd_transform_bf16_deterministic_and_varies_per_step():
+    g = {"w": _gauss(3000, seed=5).astype(jnp.bfloat16), "b": jnp.ones((3,), jnp.bfloat16)}
+
+    def run(seed):
+        tx = jaxcomp.qsgd(levels=4, bucket_size=256, min_dense_size=10, seed=seed)
+        f = jax.jit(tx.update)
+        state, outs = tx.init(g), []
+        for _ in range(2):
+            u, state = f(g, state)
+            outs.append(u)
+        return outs, state
+
+    a, state = run(0)
+    b, _ = run(0)
+    c, _ = run(1)
+    for leaf in g:
+        assert a[0][leaf].dtype == jnp.bfloat16 and a[0][leaf].shape == g[leaf].shape
+        assert bits(a[0][leaf]) == bits(b[0][leaf]) and bits(a[1][leaf]) == bits(b[1][leaf])
+    assert bits(a[0]["w"]) != bits(a[1]["w"])  # a fresh key each step
+    assert bits(a[0]["w"]) != bits(c[0]["w"])  # and per seed
+    np.testing.assert_array_equal(f32(a[0]["b"]), 1.0)  # small leaf sent dense
+    assert not np.any(np.asarray(state.residual["w"]))  # no error feedback by default
+    assert int(state.message_bytes["w"]) == 1500 + 12 * 4
+    assert int(state.message_bytes["b"]) == 6
+    # Unbiased through the transform too: bf16 rounding of the message aside.
+    g32 = {"w": g["w"].astype(jnp.float32)}
+    tx = jaxcomp.qsgd(levels=4, bucket_size=256)
+    keys = jnp.arange(400, dtype=jnp.uint32)
+
+    def one(k):
+        state = tx.init(g32)._replace(key=jax.random.key_data(jax.random.key(k)))
+        return tx.update({"w": g["w"]}, state)[0]["w"].astype(jnp.float32)
+
+    mean = np.asarray(jax.jit(jax.vmap(one))(keys)).mean(axis=0)
+    var, _, scale = _qsgd_moments(f32(g["w"]), 4, 256)
+    tol = 5 * np.sqrt(var / 400) + 2**-8 * scale / 4
+    assert np.all(np.abs(mean - f32(g["w"])) <= tol)
+
+
+def test_qsgd_float16_saturates_and_keeps_excess():
+    # Every element fits in float16 but the L2 norm does not: s = 1 sends +-norm.
+    g = {"h": jnp.full((10_000,), 1000.0, jnp.float16)}
+    tx = jaxcomp.qsgd(levels=1, min_dense_size=0, error_feedback=True)
+    u, state = jax.jit(tx.update)(g, tx.init(g))
+    assert np.all(np.isfinite(f32(u["h"]))) and np.all(np.isfinite(state.residual["h"]))
+    assert float(np.max(np.abs(f32(u["h"])))) == 65504.0
+    acc = f32(g["h"])
+    np.testing.assert_array_equal(np.asarray(state.residual["h"]), acc - f32(u["h"]))
+
+
+N_DEV = 8
+
+
+def test_qsgd_shard_map_devices_differ_and_run_reproduces():
+    mesh = jax.make_mesh((N_DEV,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+
+    def make(seed):
+        tx = jaxcomp.qsgd(
+            levels=2, axis_name="data", min_dense_size=0, error_feedback=True, seed=seed
+        )
+
+        def step(g, s):
+            g, s = jax.tree.map(lambda x: x[0], (g, s))
+            u, s = tx.update(g, s)
+            return jax.tree.map(lambda x: x[None], (u, s))
+
+        spec = (P("data"), P("data"))
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
+        return tx, f
+
+    g1 = {"w": _gauss(500, seed=6)}
+    g = jax.device_put({"w": jnp.stack([g1["w"]] * N_DEV)}, sharding)  # same gradient everywhere
+    tx, f = make(0)
+    state = jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * N_DEV), tx.init(g1)), sharding)
+    u1, s1 = jax.device_get(f(g, state))
+    u2, s2 = jax.device_get(f(g, state))
+    tx_other, f_other = make(1)
+    state_other = jax.tree.map(lambda x: jnp.stack([x] * N_DEV), tx_other.init(g1))
+    u3, _ = jax.device_get(f_other(g, jax.device_put(state_other, sharding)))
+    res = np.asarray(s1.residual["w"])
+    # Different randomness per device: different messages from the same gradient.
+    assert len({bits(res[d]) for d in range(N_DEV)}) == N_DEV
+    assert bits(u1["w"]) == bits(u2["w"]) and bits(s1.residual["w"]) == bits(s2.residual["w"])
+    assert bits(u1["w"][0]) != bits(u3["w"][0])
+    # The update is the mean of the 8 messages (sent = acc - residual, one rounding).
+    sent = np.asarray(g1["w"])[None] - res
+    np.testing.assert_allclose(u1["w"][0], sent.mean(axis=0), rtol=1e-5, atol=1e-6)
+    assert float(s1.wire_bytes[0]) == (N_DEV - 1) * (250 + 4)  # s = 2: 4 bits a coordinate
+
+
+def test_backup_workers_left_out_device_sends_nothing():
+    mesh = jax.make_mesh((N_DEV,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    tx = jaxcomp.ef_sign_sgd(axis_name="data")
+
+    def step(g, s, inc):
+        g, s = jax.tree.map(lambda x: x[0], (g, s))
+        u, s = tx.update(g, s, include=inc[0])
+        return jax.tree.map(lambda x: x[None], (u, s))
+
+    spec = (P("data"), P("data"), P("data"))
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec[:2]))
+    rng = np.random.default_rng(0)
+    g = {"w": jnp.asarray(rng.normal(size=(N_DEV, 64)).astype(np.float32))}
+    state = jax.tree.map(lambda x: jnp.stack([x] * N_DEV), tx.init({"w": g["w"][0]}))
+    include = jnp.arange(N_DEV) != 3
+    u, s = jax.device_get(f(*jax.device_put((g, state, include), sharding)))
+    np.testing.assert_array_equal(np.asarray(s.residual["w"][3]), np.asarray(g["w"][3]))
+    sent = np.asarray(g["w"]) - np.asarray(s.residual["w"])
+    expected = np.delete(sent, 3, axis=0).mean(axis=0)
+    np.testing.assert_allclose(u["w"][0], expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# The 1-bit family against numpy references.
+# ---------------------------------------------------------------------------
+
+
+def _ref_sign(x, d):
+    return np.concatenate(
+        [np.abs(b).sum() / b.size * np.where(b >= 0, 1.0, -1.0) for b in _np_buckets(x, d)]
+    )
+
+
+def _ref_onebit(x, d):
+    out = []
+    for b in _np_buckets(x, d):
+        pos = b[b >= 0].mean() if np.any(b >= 0) else 0.0
+        neg = b[b < 0].mean() if np.any(b < 0) else 0.0
+        out.append(np.where(b >= 0, pos, neg))
+    return np.concatenate(out)
+
+
+def _bounded_alpha(b, lam, bound):
+    """(alpha, feasible, alpha0) of the bounded sign, in float64."""
+    d = b.size
+    l1, l2sq = np.abs(b).sum(), float(b @ b)
+    alpha0 = lam * math.sqrt(l2sq / d)
+    disc = l1 * l1 - d * (1 - bound**2) * l2sq
+    if disc < 0:
+        return l1 / d, False, alpha0
+    lo, hi = (l1 - math.sqrt(disc)) / d, (l1 + math.sqrt(disc)) / d
+    return min(max(alpha0, lo), hi), True, alpha0
+
+
+def _ref_bounded(x, d, lam, bound):
+    return np.concatenate(
+        [_bounded_alpha(b, lam, bound)[0] * np.where(b >= 0, 1.0, -1.0) for b in _np_buckets(x, d)]
+    )
+
+
+ONE_BIT = {
+    "sign_sgd": (lambda d: jaxcomp.sign_sgd(bucket_size=d), _ref_sign, False),
+    "ef_sign_sgd": (lambda d: jaxcomp.ef_sign_sgd(bucket_size=d), _ref_sign, True),
+    "onebit": (lambda d: jaxcomp.onebit(bucket_size=d), _ref_onebit, True),
+    "bounded_sign": (
+        lambda d: jaxcomp.bounded_sign(0.6, error_bound=0.8, bucket_size=d),
+        lambda x, d: _ref_bounded(x, d, 0.6, 0.8),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_BIT))
+@pytest.mark.parametrize("d", [None, 30])
+def test_one_bit_matches_numpy_reference(name, d):
+    make, ref, ef = ONE_BIT[name]
+    tx = make(d)
+    f = jax.jit(tx.update)
+    rng = np.random.default_rng(0)
+    shapes = {"w": (10, 10), "v": (95,), "one": (1,)}
+    state = tx.init({k: jnp.zeros(s) for k, s in shapes.items()})
+    for step in range(3):
+        g = {k: rng.laplace(size=s).astype(np.float32) for k, s in shapes.items()}
+        g["v"][:5] = 0.0  # zeros are sent as +
+        g["v"][5:40] = np.abs(g["v"][5:40])  # a bucket with no negatives
+        u, new = f(g, state)
+        for leaf in g:
+            acc = np.asarray(state.residual[leaf]) + g[leaf]
+            expected = ref(acc.reshape(-1).astype(np.float64), d).reshape(acc.shape)
+            np.testing.assert_allclose(np.asarray(u[leaf]), expected, rtol=2e-6, atol=1e-7)
+            if ef:
+                np.testing.assert_array_equal(np.asarray(new.residual[leaf]), acc - u[leaf])
+            else:
+                assert not np.any(np.asarray(new.residual[leaf]))
+            n = g[leaf].size
+            nb = 1 if d is None else math.ceil(n / min(d, n))
+            scales = 2 if name == "onebit" else 1
+            assert int(new.message_bytes[leaf]) == math.ceil(n / 8) + 4 * scales * nb
+        assert int(new.step) == step + 1
+        state = new
+
+
+def _bounded_cases():
+    rng = np.random.default_rng(11)
+    spike = np.zeros(400)
+    spike[17] = 5.0
+    spike += rng.normal(scale=1e-3, size=400)
+    return {
+        "gauss": rng.normal(size=1000),
+        "laplace": rng.laplace(size=1000),
+        "spike": spike,
+        "flat": np.full(64, -0.25),
+        "two": np.array([3.0, -4.0]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bounded_cases()))
+def test_bounded_sign_error_bound(case):
+    x64 = _bounded_cases()[case]
+    x = jnp.asarray(x64.astype(np.float32))
+    x64 = np.asarray(x, np.float64)
+    norm = float(np.linalg.norm(x64))
+    rho_sq = np.abs(x64).sum() ** 2 / (x64.size * norm**2)
+    best = math.sqrt(max(1 - rho_sq, 0.0))  # min over alpha of ||alpha sign(x) - x|| / ||x||
+    for lam in (0.05, 0.5, 0.8, 0.99):
+        for bound in (0.3, 0.6, 0.9, 1.0):
+            quantizer = bounded_sign_quantizer(lam, bound)
+            c = np.asarray(quantizer.decode(*quantizer.encode(x, None), x.size), np.float64)
+            err = float(np.linalg.norm(c - x64)) / norm
+            alpha, feasible, alpha0 = _bounded_alpha(x64, lam, bound)
+            got = float(np.abs(c[0]))
+            assert np.all(np.abs(c) == got)  # one scale, signs of x
+            np.testing.assert_allclose(got, alpha, rtol=1e-5)
+            # The guarantee: within the bound when any scale can be, else the best possible.
+            assert err <= max(bound, best) * (1 + 1e-5) + 1e-6, (lam, bound, err)
+            if feasible:
+                assert err <= bound * (1 + 1e-5) + 1e-6
+            else:
+                assert bound < best and abs(err - best) <= 1e-5
+            if bound == 1.0:
+                assert err <= 1.0 + 1e-6  # never worse than sending nothing
+
+
+def test_bounded_sign_uses_lam_l2_scale_when_within_bound():
+    x = _gauss(1000, seed=9)
+    tx = jaxcomp.bounded_sign(0.7)
+    u, _ = tx.update({"w": x}, tx.init({"w": x}))
+    alpha = 0.7 * float(np.linalg.norm(np.asarray(x, np.float64))) / math.sqrt(1000)
+    np.testing.assert_allclose(np.abs(np.asarray(u["w"])), alpha, rtol=1e-5)
+
+
+def test_zero_leaf_sends_zero():
+    for name in ONE_BIT:
+        tx = ONE_BIT[name][0](None)
+        u, s = tx.update({"w": jnp.zeros(50)}, tx.init({"w": jnp.zeros(50)}))
+        assert not np.any(np.asarray(u["w"])) and not np.any(np.asarray(s.residual["w"]))
+
+
+# ---------------------------------------------------------------------------
+# Bad arguments.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make,arg",
+    [
+        (lambda: jaxcomp.qsgd(0), "levels"),
+        (lambda: jaxcomp.qsgd(-3), "levels"),
+        (lambda: jaxcomp.qsgd(2.5), "levels"),
+        (lambda: jaxcomp.qsgd(True), "levels"),
+        (lambda: jaxcomp.qsgd(2**31), "levels"),
+        (lambda: jaxcomp.qsgd(4, bucket_size=0), "bucket_size"),
+        (lambda: jaxcomp.qsgd(4, bucket_size=1.5), "bucket_size"),
+        (lambda: jaxcomp.qsgd(4, norm="l1"), "norm"),
+        (lambda: jaxcomp.qsgd(4, min_dense_size=-1), "min_dense_size"),
+        (lambda: jaxcomp.qsgd(4, error_feedback="yes"), "error_feedback"),
+        (lambda: jaxcomp.onebit(bucket_size=-2), "bucket_size"),
+        (lambda: jaxcomp.sign_sgd(nonfinite="nope"), "nonfinite"),
+        (lambda: jaxcomp.ef_sign_sgd(residual_dtype=jnp.int8), "residual_dtype"),
+        (lambda: jaxcomp.bounded_sign(0.0), "lam"),
+        (lambda: jaxcomp.bounded_sign(1.0), "lam"),
+        (lambda: jaxcomp.bounded_sign(0.5, error_bound=0.0), "error_bound"),
+        (lambda: jaxcomp.bounded_sign(0.5, error_bound=1.5), "error_bound"),
+        (lambda: jaxcomp.quantize("qsgd"), "quantizer"),
+        (lambda: jaxcomp.quantize(sign_quantizer(), seed=1.5), "seed"),
+        (lambda: pack_codes(jnp.zeros(3, jnp.uint8), 3), "bits"),
+    ],
+)
+def test_bad_arguments(make, arg):
+    with pytest.raises(ValueError, match=arg):
+        make()
+
+
+def test_state_fields_found_by_name_in_chain():
+    tx = optax.chain(jaxcomp.qsgd(levels=3, min_dense_size=4), optax.sgd(0.1))
+    params = {"a": jnp.zeros((20, 5)), "b": jnp.zeros((4,))}
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)({"a": jnp.ones((20, 5)), "b": jnp.ones((4,))}, state)
+    for field in ("residual", "message_bytes", "key", "step", "wire_bytes", "nonfinite_steps"):
+        optax.tree.get(state, field)
+    mb = optax.tree.get(state, "message_bytes")
+    assert int(mb["a"]) == 50 + 4 and int(mb["b"]) == 16
