@@ -41,7 +41,7 @@ import optax
 from jax import lax
 
 from jaxcomp.comm import collectives
-from jaxcomp.transforms.sparsify import _NONFINITE, _all_finite
+from jaxcomp.transforms.sparsify import _NONFINITE, apply_nonfinite_policy
 
 __all__ = [
     "QSGD_NORMS",
@@ -537,16 +537,7 @@ def quantize(
     def update(updates, state, params=None, *, include=None, **extra_args):
         """``include``: optional bool scalar, this device's backup-worker flag."""
         del params, extra_args
-        grads = jax.tree.map(jnp.asarray, updates)
-        finite = jnp.all(jnp.stack([_all_finite(g) for g in jax.tree.leaves(grads)] or [True]))
-        if nonfinite == "zero":
-            grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0).astype(g.dtype), grads)
-            send_ok = jnp.bool_(True)
-        else:
-            # No lax.cond around the step (slow on XLA:CPU, see sparsify): a
-            # skipped step accumulates zero and sends an all-zero message.
-            grads = jax.tree.map(lambda g: jnp.where(finite, g, 0).astype(g.dtype), grads)
-            send_ok = finite
+        grads, finite, send_ok = apply_nonfinite_policy(updates, nonfinite)
         if include is not None:
             include = jnp.asarray(include, jnp.bool_)
         sends = send_ok if include is None else send_ok & include
