@@ -532,14 +532,15 @@ def apply_nonfinite_policy(updates, nonfinite: str):
 def _all_finite(g: jax.Array) -> jax.Array:
     """Whether every element of ``g`` is finite, in one fast pass.
 
-    ``sum(g * 0)`` is 0 for finite ``g`` and NaN as soon as one element is NaN
-    or +-Inf (``inf * 0`` is NaN), and cannot overflow. It is a plain float
+    ``sum(g - g)`` is 0 for finite ``g`` and NaN as soon as one element is NaN
+    or +-Inf (``inf - inf`` is NaN), and cannot overflow. It is a plain float
     reduction that XLA:CPU streams like ``sum(|g|)``; ``all(isfinite(g))``
-    writes an n-sized boolean temporary first (measured 1.2 vs 10.7 passes).
+    writes an n-sized boolean temporary first (measured 1.2 vs 10.7 passes),
+    and ``sum(g * 0)`` materialises the broadcast zero as an n-sized array.
     """
     if g.size == 0:
         return jnp.bool_(True)
-    return jnp.isfinite(jnp.sum(g * jnp.zeros((), g.dtype)))
+    return jnp.isfinite(jnp.sum(g - g))
 
 
 def _concat(parts, dtype):

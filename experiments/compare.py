@@ -1,0 +1,166 @@
+"""The ldte_bs paper's Table 2 comparison at small scale: one command, one table.
+
+Dense baseline, exact top-k, DGC's hierarchical selection, RedSync's trimmed
+top-k and LDTE-BS, all at density 0.1% with DGC warm-up and momentum
+correction, same seed and data, on 8 simulated CPU devices by default::
+
+    python -m experiments.compare --dataset=digits            # here, ~3 min
+    python -m experiments.compare --dataset=cifar10 --model=resnet20 \
+        --data_dir=/path/cifar-10-python.tar.gz --epochs=160 --batch_size=512 \
+        --num_devices=0                                       # GPU: all devices
+
+Writes ``<outdir>/<name>/metrics.jsonl`` per run, ``<outdir>/comparison.png``
+and ``<outdir>/comparison.json``, and prints the table: final accuracy and
+its delta to dense, epochs and training seconds (steps only, compilation and
+evaluation excluded) to a target accuracy, median step
+time, bytes per step per device on the wire (and of the device's own
+message), their ratio to dense, density and compression time share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+
+__all__ = ["PAPER_TABLE2", "format_table", "main", "run_configs"]
+
+# name -> TrainConfig overrides (the comparison's rows).
+PAPER_TABLE2 = {
+    "dense": {"compressor": "dense"},
+    "top_k": {"compressor": "top_k"},
+    "dgc": {"compressor": "dgc"},
+    "trimmed_top_k": {"compressor": "trimmed_top_k"},
+    "ldte_bs": {"compressor": "ldte_bs"},
+}
+
+
+def run_configs(base, runs: dict, outdir: str) -> dict:
+    """Trains every ``{name: overrides}`` run from ``base`` into ``outdir/name``.
+
+    Returns:
+      ``{name: train_and_evaluate result}`` (records and final record).
+    """
+    from experiments import train  # noqa: PLC0415 (after the device count is set)
+
+    results = {}
+    for name, overrides in runs.items():
+        config = dataclasses.replace(base, **overrides)
+        if config.compressor == "dense":
+            config = dataclasses.replace(config, warmup_epochs=0)
+        results[name] = train.train_and_evaluate(config, os.path.join(outdir, name))
+    train.write_plots(
+        {n: r["records"] for n, r in results.items()}, os.path.join(outdir, "comparison.png")
+    )
+    return results
+
+
+def _summary(records: list, dense_final: dict, target: float) -> dict:
+    final = records[-1]
+    hit = next((r for r in records if r["test_accuracy"] >= target), None)
+    return {
+        "final_accuracy": 100 * final["test_accuracy"],
+        "delta_vs_dense": 100 * (final["test_accuracy"] - dense_final["test_accuracy"]),
+        "epochs_to_target": hit["epoch"] if hit else None,
+        "seconds_to_target": hit["train_time"] if hit else None,
+        "step_ms": 1e3 * statistics.median(r["step_time"] for r in records),
+        "wire_bytes": final["bytes_per_step_per_device"],
+        "wire_ratio": dense_final["bytes_per_step_per_device"]
+        / max(final["bytes_per_step_per_device"], 1e-9),
+        "message_bytes": final["message_bytes_per_step_per_device"],
+        "message_ratio": dense_final["message_bytes_per_step_per_device"]
+        / max(final["message_bytes_per_step_per_device"], 1e-9),
+        "density": final["density"],
+        "compression_time_share": final["compression_time_share"],
+        "wall_time": final["wall_time"],
+    }
+
+
+def format_table(results: dict, target: float, baseline: str = "dense") -> tuple[str, dict]:
+    """A plain-text table of the runs against ``baseline`` (last-epoch bytes).
+
+    Returns:
+      ``(table text, {name: summary dict})``.
+    """
+    dense_final = results[baseline]["final"]
+    rows = {n: _summary(r["records"], dense_final, target) for n, r in results.items()}
+    head = (
+        f"{'run':<14}{'acc %':>7}{'d acc':>7}{'ep>=' + format(100 * target, '.0f'):>7}"
+        f"{'s to tgt':>9}{'step ms':>8}{'wire B/step':>12}{'x dense':>8}"
+        f"{'msg B/step':>11}{'x dense':>8}{'density':>9}{'comp %':>7}{'wall s':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for n, s in rows.items():
+        ep = "-" if s["epochs_to_target"] is None else str(s["epochs_to_target"])
+        sec = "-" if s["seconds_to_target"] is None else f"{s['seconds_to_target']:.1f}"
+        dens = "-" if s["density"] < 0 else f"{100 * s['density']:.3f}%"
+        comp = (
+            "-" if s["compression_time_share"] < 0 else f"{100 * s['compression_time_share']:.0f}"
+        )
+        lines.append(
+            f"{n:<14}{s['final_accuracy']:>7.2f}{s['delta_vs_dense']:>+7.2f}{ep:>7}{sec:>9}"
+            f"{s['step_ms']:>8.1f}{s['wire_bytes']:>12.0f}{s['wire_ratio']:>8.1f}"
+            f"{s['message_bytes']:>11.0f}{s['message_ratio']:>8.1f}{dens:>9}{comp:>7}"
+            f"{s['wall_time']:>7.1f}"
+        )
+    return "\n".join(lines), rows
+
+
+def set_cpu_devices(num_devices: int) -> None:
+    """Simulates ``num_devices`` CPU devices; call before JAX initialises (no-op on GPU)."""
+    import jax  # noqa: PLC0415
+
+    if num_devices and jax.config.jax_platforms in (None, "", "cpu"):
+        jax.config.update("jax_num_cpu_devices", num_devices)
+
+
+def main(argv=None) -> dict:
+    """Runs the comparison and prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--data_dir", default=None)
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--ratio", type=float, default=1e-3)
+    parser.add_argument("--warmup_epochs", type=int, default=4)
+    parser.add_argument("--num_devices", type=int, default=8, help="0: every device")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target", type=float, default=0.95, help="accuracy (fraction)")
+    parser.add_argument("--outdir", default="results/compare")
+    parser.add_argument("--progress", action="store_true")
+    args = parser.parse_args(argv)
+    set_cpu_devices(args.num_devices)
+    from experiments import train  # noqa: PLC0415
+
+    base = train.TrainConfig(
+        ratio=args.ratio,
+        warmup_epochs=args.warmup_epochs,
+        momentum=0.9,
+        momentum_correction=True,
+        num_devices=args.num_devices or None,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        model=args.model,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        schedule="cosine",
+        seed=args.seed,
+        progress=args.progress,
+        checkpoint=False,
+    )
+    results = run_configs(base, PAPER_TABLE2, args.outdir)
+    table, rows = format_table(results, args.target)
+    print(table)
+    with open(os.path.join(args.outdir, "comparison.json"), "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    print(f"plots and JSON in {args.outdir}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+r"""Command line for data-parallel training with a jaxcomp compressor.
+
+Example (8 simulated CPU devices)::
+
+    python -m experiments.main --compressor=ldte_bs --ratio=1e-3 --warmup_epochs=4 \
+        --momentum_correction --num_devices=8 --dataset=digits --model=mlp \
+        --epochs=20 --batch_size=64 --lr=0.1 --workdir=/tmp/ldte
+
+absl flags live only here; one flag per :class:`experiments.train.TrainConfig`
+field. The configuration is validated before JAX starts any work, and
+``--num_devices`` is applied to the CPU backend (``jax_num_cpu_devices``)
+before any device is queried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import app, flags
+
+__all__ = ["config_from_flags", "main"]
+
+
+def _define_flags() -> None:
+    # Importing experiments.train imports jax, but does not initialise a
+    # backend: device queries happen only inside train_and_evaluate.
+    from experiments.train import COMPRESSORS, TrainConfig  # noqa: PLC0415
+
+    d = TrainConfig()
+    flags.DEFINE_enum("compressor", d.compressor, list(COMPRESSORS), "Compressor or 'dense'.")
+    flags.DEFINE_float("ratio", d.ratio, "Target density of the sparsifiers, in (0, 1].")
+    flags.DEFINE_integer("warmup_epochs", d.warmup_epochs, "Epochs of DGC warm-up (0..4).")
+    flags.DEFINE_float("momentum", d.momentum, "SGD momentum.")
+    flags.DEFINE_bool(
+        "momentum_correction",
+        d.momentum_correction,
+        "Momentum on the compressor (DGC momentum correction), plain SGD after it.",
+    )
+    flags.DEFINE_enum("granularity", d.granularity, ["layer", "global"], "Selection granularity.")
+    flags.DEFINE_integer("min_dense_size", d.min_dense_size, "Leaves this small are sent dense.")
+    flags.DEFINE_integer("levels", d.levels, "QSGD levels (required for qsgd).")
+    flags.DEFINE_integer("bucket_size", d.bucket_size, "Quantizer bucket size.")
+    flags.DEFINE_integer("num_devices", d.num_devices, "Mesh size (simulated devices on CPU).")
+    flags.DEFINE_string("dataset", d.dataset, "digits | synthetic | cifar10 | cifar100.")
+    flags.DEFINE_string("data_dir", d.data_dir, "CIFAR directory or .tar.gz archive.")
+    flags.DEFINE_bool("download", d.download, "Download CIFAR if data_dir does not exist.")
+    flags.DEFINE_string("model", d.model, "mlp | cnn | resnet20.")
+    flags.DEFINE_integer("epochs", d.epochs, "Total epochs.")
+    flags.DEFINE_integer("batch_size", d.batch_size, "Global batch size.")
+    flags.DEFINE_float("lr", d.lr, "Peak learning rate.")
+    flags.DEFINE_enum("schedule", d.schedule, ["constant", "cosine"], "Learning-rate schedule.")
+    flags.DEFINE_integer("seed", d.seed, "Seed of initialisation and data order.")
+    flags.DEFINE_bool("progress", d.progress, "Show a progress bar.")
+    flags.DEFINE_bool("checkpoint", d.checkpoint, "Checkpoint every epoch and resume.")
+    flags.DEFINE_bool("time_compression", d.time_compression, "Measure compression time share.")
+    flags.DEFINE_integer("max_steps_per_epoch", d.max_steps_per_epoch, "Truncate epochs.")
+    flags.DEFINE_string("coordinator_address", None, "Multi-process coordinator host:port.")
+    flags.DEFINE_integer("num_processes", None, "Number of processes.")
+    flags.DEFINE_integer("process_id", None, "This process's index.")
+    flags.DEFINE_string("workdir", "/tmp/jaxcomp_run", "Output directory.")
+
+
+_define_flags()
+FLAGS = flags.FLAGS
+
+
+def config_from_flags():
+    """A :class:`experiments.train.TrainConfig` from the parsed flags."""
+    from experiments.train import TrainConfig  # noqa: PLC0415
+
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    return TrainConfig(**{n: getattr(FLAGS, n) for n in names})
+
+
+def main(argv) -> None:
+    """Validates the flags, sets up devices / processes, then trains."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import jax  # noqa: PLC0415
+
+    from experiments import train  # noqa: PLC0415
+
+    config = config_from_flags()
+    # Everything that does not need devices is checked before JAX starts.
+    try:
+        train.validate_config(config)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    multi = config.coordinator_address is not None
+    if multi:
+        train.jaxcomp.distributed.initialize_multiprocess(
+            config.coordinator_address,
+            config.num_processes,
+            config.process_id,
+            local_device_count=(config.num_devices // config.num_processes)
+            if config.num_devices and jax.config.jax_platforms in (None, "", "cpu")
+            else None,
+        )
+    elif config.num_devices and jax.config.jax_platforms in (None, "", "cpu"):
+        # Must precede the first device query; harmless when a GPU is used.
+        jax.config.update("jax_num_cpu_devices", config.num_devices)
+    result = train.train_and_evaluate(config, FLAGS.workdir)
+    final = result["final"]
+    if final is not None and jax.process_index() == 0:
+        print(
+            f"{config.compressor}: test accuracy {100 * final['test_accuracy']:.2f}% after "
+            f"{final['epoch']} epochs, {final['bytes_per_step_per_device']:.0f} bytes/step/device, "
+            f"wall {final['wall_time']:.1f}s; outputs in {FLAGS.workdir}"
+        )
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,550 @@
+"""Data-parallel training of a Flax model with any jaxcomp compressor.
+
+``train_and_evaluate(config, workdir)`` is the testable core of
+``experiments/main.py``: parameters replicated over a 1-D mesh (axis
+``"data"``), the global batch sharded over it, each device compressing its
+own gradient inside ``jax.shard_map`` and the compressor exchanging the
+messages (``jaxcomp.dense_exchange`` for the uncompressed baseline).
+
+Outputs in ``workdir``:
+
+- ``metrics.jsonl``: one JSON object per epoch (see :func:`train_and_evaluate`).
+- ``accuracy.png``: test accuracy vs epoch and vs cumulative bytes on the wire.
+- ``checkpoints/``: orbax checkpoints after every epoch (parameters, the
+  per-device optimizer state with residuals, velocities and PRNG key data,
+  and the epoch, which is the whole data-order state); a rerun with the same
+  workdir resumes from the latest one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp
+from experiments import data as data_lib
+from experiments import models
+
+__all__ = [
+    "COMPRESSORS",
+    "QUANTIZERS",
+    "SPARSIFIERS",
+    "TrainConfig",
+    "build_optimizer",
+    "train_and_evaluate",
+    "validate_config",
+    "write_plots",
+]
+
+AXIS = "data"
+SPARSIFIERS = (
+    "ldte_bs",
+    "top_k",
+    "dgc",
+    "trimmed_top_k",
+    "binary_search",
+    "gaussian_k",
+    "random_k",
+)
+QUANTIZERS = ("qsgd", "onebit", "sign_sgd", "ef_sign_sgd", "bounded_sign")
+COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS)
+SCHEDULES = ("constant", "cosine")
+DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a training run depends on (one absl flag per field in main.py).
+
+    Attributes:
+      compressor: ``"dense"`` or a jaxcomp factory name (see ``COMPRESSORS``).
+      ratio: target density of the sparsifiers, in (0, 1].
+      warmup_epochs: epochs of DGC warm-up (``jaxcomp.DGC_WARMUP[:warmup_epochs]``).
+      momentum: SGD momentum.
+      momentum_correction: put the momentum on the compressor (DGC momentum
+        correction) and use plain SGD after it; sparsifiers only (for dense it
+        is the same as optimizer momentum).
+      granularity: ``"layer"`` (per-leaf k) or ``"global"`` (one k for the
+        whole model) for sparsifiers.
+      min_dense_size: leaves this small are sent dense (sparsifiers).
+      levels: QSGD quantization levels (required for ``qsgd``).
+      bucket_size: bucket size of the quantizers (None: whole leaf).
+      num_devices: mesh size (None: every device).
+      dataset: ``digits``, ``synthetic``, ``cifar10``, ``cifar100``.
+      data_dir: CIFAR directory or ``.tar.gz`` archive.
+      download: download CIFAR when ``data_dir`` does not exist.
+      model: ``mlp``, ``cnn``, ``resnet20``.
+      epochs: total epochs (a resumed run continues up to this number).
+      batch_size: global batch size (divisible by ``num_devices``).
+      lr: peak learning rate.
+      schedule: ``"constant"`` or ``"cosine"`` (decay to 0 over all steps).
+      seed: parameter init and data order.
+      progress: show a tqdm bar per epoch.
+      checkpoint: save an orbax checkpoint after every epoch and resume from
+        the latest one found in the workdir.
+      time_compression: measure ``compression_time_share`` each epoch (costs
+        one extra compilation of the compressor; -1 when off).
+      max_steps_per_epoch: truncate epochs (tests, quick looks); None: all.
+      coordinator_address: multi-process coordinator ``host:port`` (None: one process).
+      num_processes: number of processes (with ``coordinator_address``).
+      process_id: this process's index (with ``coordinator_address``).
+    """
+
+    compressor: str = "ldte_bs"
+    ratio: float = 1e-3
+    warmup_epochs: int = 0
+    momentum: float = 0.9
+    momentum_correction: bool = True
+    granularity: str = "layer"
+    min_dense_size: int = 0
+    levels: int | None = None
+    bucket_size: int | None = None
+    num_devices: int | None = None
+    dataset: str = "digits"
+    data_dir: str | None = None
+    download: bool = False
+    model: str = "mlp"
+    epochs: int = 10
+    batch_size: int = 128
+    lr: float = 0.1
+    schedule: str = "constant"
+    seed: int = 0
+    progress: bool = True
+    checkpoint: bool = True
+    time_compression: bool = True
+    max_steps_per_epoch: int | None = None
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def validate_config(config: TrainConfig, device_count: int | None = None) -> None:
+    """Raises ``ValueError`` for anything that cannot train, before any work.
+
+    Args:
+      config: the run's configuration.
+      device_count: devices available (checks ``num_devices``; None: skipped).
+    """
+
+    def fail(msg):
+        raise ValueError(f"invalid config: {msg}")
+
+    c = config
+    if c.compressor not in COMPRESSORS:
+        fail(f"unknown compressor {c.compressor!r}; expected one of {', '.join(COMPRESSORS)}")
+    sparse = c.compressor in SPARSIFIERS
+    if sparse and not 0.0 < c.ratio <= 1.0:
+        fail(f"ratio must be in (0, 1], got {c.ratio}")
+    if not 0 <= c.warmup_epochs <= len(jaxcomp.DGC_WARMUP):
+        fail(f"warmup_epochs must be in [0, {len(jaxcomp.DGC_WARMUP)}], got {c.warmup_epochs}")
+    if c.warmup_epochs and not sparse:
+        fail(f"warmup_epochs needs a sparsifier ({', '.join(SPARSIFIERS)}), not {c.compressor!r}")
+    if not 0.0 <= c.momentum < 1.0:
+        fail(f"momentum must be in [0, 1), got {c.momentum}")
+    if c.momentum_correction and c.momentum > 0 and c.compressor in QUANTIZERS:
+        fail(
+            f"momentum_correction needs a sparsifier, not the quantizer {c.compressor!r} "
+            "(set momentum_correction=False or momentum=0)"
+        )
+    if c.granularity not in ("layer", "global"):
+        fail(f"granularity must be 'layer' or 'global', got {c.granularity!r}")
+    if c.min_dense_size < 0:
+        fail(f"min_dense_size must be >= 0, got {c.min_dense_size}")
+    if c.compressor == "qsgd" and (c.levels is None or c.levels < 1):
+        fail(f"qsgd needs levels >= 1, got {c.levels}")
+    if c.bucket_size is not None and c.bucket_size < 1:
+        fail(f"bucket_size must be >= 1, got {c.bucket_size}")
+    if c.dataset not in DATASETS:
+        fail(f"unknown dataset {c.dataset!r}; expected one of {', '.join(DATASETS)}")
+    if c.model not in models.MODELS:
+        fail(f"unknown model {c.model!r}; expected one of {', '.join(models.MODELS)}")
+    if c.schedule not in SCHEDULES:
+        fail(f"schedule must be one of {SCHEDULES}, got {c.schedule!r}")
+    if c.epochs < 1 or c.batch_size < 1 or not c.lr > 0:
+        fail(f"need epochs >= 1, batch_size >= 1, lr > 0; got {c.epochs}, {c.batch_size}, {c.lr}")
+    if c.max_steps_per_epoch is not None and c.max_steps_per_epoch < 1:
+        fail(f"max_steps_per_epoch must be >= 1, got {c.max_steps_per_epoch}")
+    if c.num_devices is not None:
+        if c.num_devices < 1:
+            fail(f"num_devices must be >= 1, got {c.num_devices}")
+        if device_count is not None and c.num_devices > device_count:
+            fail(
+                f"num_devices={c.num_devices} but only {device_count} devices exist "
+                "(on CPU set --num_devices in main.py, or jax_num_cpu_devices / XLA_FLAGS "
+                "before JAX initialises)"
+            )
+    n = c.num_devices or device_count
+    if n is not None and c.batch_size % n:
+        fail(f"batch_size={c.batch_size} is not divisible by num_devices={n}")
+    mp = (c.coordinator_address, c.num_processes, c.process_id)
+    if any(v is not None for v in mp):
+        if any(v is None for v in mp):
+            fail("coordinator_address, num_processes and process_id go together")
+        if c.num_processes < 1 or not 0 <= c.process_id < c.num_processes:
+            fail(f"need 0 <= process_id < num_processes, got {c.process_id}, {c.num_processes}")
+        if c.batch_size % c.num_processes:
+            fail(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
+
+
+def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int):
+    """The compressor and the full optimizer ``optax.chain(compressor, sgd)``.
+
+    Returns:
+      ``(tx, compressor)``; ``tx``'s state is ``(compressor_state, sgd_state)``.
+    """
+    c = config
+    if c.schedule == "cosine":
+        lr = optax.cosine_decay_schedule(c.lr, max(total_steps, 1))
+    else:
+        lr = c.lr
+    on_compressor = c.momentum_correction and c.compressor in SPARSIFIERS and c.momentum > 0
+    if c.compressor == "dense":
+        compressor = jaxcomp.dense_exchange(AXIS)
+    elif c.compressor in SPARSIFIERS:
+        warmup = tuple(jaxcomp.DGC_WARMUP[: c.warmup_epochs]) or None
+        compressor = getattr(jaxcomp, c.compressor)(
+            ratio=c.ratio,
+            axis_name=AXIS,
+            momentum=c.momentum if on_compressor else 0.0,
+            warmup_ratios=warmup,
+            steps_per_epoch=steps_per_epoch if warmup else None,
+            granularity=c.granularity,
+            min_dense_size=c.min_dense_size,
+            seed=c.seed,
+        )
+    elif c.compressor == "qsgd":
+        compressor = jaxcomp.qsgd(c.levels, bucket_size=c.bucket_size, axis_name=AXIS, seed=c.seed)
+    else:
+        compressor = getattr(jaxcomp, c.compressor)(bucket_size=c.bucket_size, axis_name=AXIS)
+    # Momentum correction: the compressor accumulates velocity, so the
+    # optimizer after it must be plain SGD or momentum would apply twice.
+    sgd = optax.sgd(lr) if on_compressor or c.momentum == 0 else optax.sgd(lr, momentum=c.momentum)
+    return optax.chain(compressor, sgd), compressor
+
+
+def _get(state, name):
+    try:
+        return optax.tree.get(state, name)
+    except (KeyError, ValueError):
+        return None
+
+
+def _step_stats(state, num_params: int):
+    """Per-device observability counters of this step (float32 scalars)."""
+    wire = _get(state, "wire_bytes")
+    msg = _get(state, "message_bytes")
+    sent = _get(state, "sent_count")
+
+    def total(tree):
+        return sum((jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)), jnp.float32(0))
+
+    return {
+        "wire_bytes": jnp.float32(0) if wire is None else jnp.asarray(wire, jnp.float32),
+        # The dense baseline's message is the whole float32 gradient.
+        "message_bytes": jnp.float32(4 * num_params) if msg is None else total(msg),
+        "density": jnp.float32(-1) if sent is None else total(sent) / num_params,
+    }
+
+
+def _make_train_step(model, tx, mesh, num_params: int):
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    # Casts params to device-varying so each device compresses its own gradient.
+    value_and_grad = jaxcomp.distributed.per_device_value_and_grad(loss_fn, AXIS)
+
+    def step(params, opt_state, x, y):
+        state = jax.tree.map(lambda a: a[0], opt_state)
+        loss, grads = value_and_grad(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {k: lax.pmean(v, AXIS) for k, v in _step_stats(state, num_params).items()}
+        metrics["loss"] = lax.pmean(loss, AXIS)
+        return params, jax.tree.map(lambda a: a[None], state), metrics
+
+    sharded = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)),
+        out_specs=(P(), P(AXIS), P()),
+        # A sparse exchange ends in an all-gather, typed varying though
+        # identical on every device (see jaxcomp.distributed.make_train_step).
+        check_vma=False,
+    )
+    return jax.jit(sharded)
+
+
+def _make_compress_fn(compressor, mesh):
+    """The compressor's update alone (compress + exchange + decompress) over the mesh."""
+
+    def run(grads, state):
+        g = jax.tree.map(lambda a: a[0], grads)
+        s = jax.tree.map(lambda a: a[0], state)
+        updates, s = compressor.update(g, s)
+        return jax.tree.map(lambda a: a[None], updates), jax.tree.map(lambda a: a[None], s)
+
+    return jax.jit(
+        jax.shard_map(
+            run,
+            mesh=mesh,
+            in_specs=(P(AXIS), P(AXIS)),
+            out_specs=(P(AXIS), P(AXIS)),
+            check_vma=False,
+        )
+    )
+
+
+def _median_seconds(fn, *args, repeats: int = 3) -> float:
+    jax.block_until_ready(fn(*args))  # compile / warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _host_tree(tree):
+    """A replicated global tree as host numpy arrays (works across processes)."""
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
+
+
+def _evaluate(model, params, x, y, batch: int = 512) -> float:
+    apply = jax.jit(lambda p, xb: jnp.argmax(model.apply({"params": p}, xb), -1))
+    correct = 0
+    for i in range(0, len(y), batch):
+        correct += int(np.sum(np.asarray(apply(params, x[i : i + batch])) == y[i : i + batch]))
+    return correct / max(len(y), 1)
+
+
+def write_plots(runs: dict, path: str) -> None:
+    """Test accuracy vs epoch and vs cumulative bytes per device, one line per run.
+
+    Args:
+      runs: ``{label: [epoch record, ...]}`` as written to ``metrics.jsonl``.
+      path: the PNG to write.
+    """
+    import matplotlib  # noqa: PLC0415 (plotting is optional at import time)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, records in runs.items():
+        epochs = [r["epoch"] for r in records]
+        acc = [100 * r["test_accuracy"] for r in records]
+        ax1.plot(epochs, acc, marker="o", label=label)
+        ax2.plot([r["cumulative_bytes_per_device"] for r in records], acc, marker="o", label=label)
+    ax1.set(xlabel="epoch", ylabel="test accuracy (%)", title="accuracy vs epoch")
+    ax2.set(
+        xlabel="cumulative bytes on the wire per device",
+        ylabel="test accuracy (%)",
+        title="accuracy vs communication",
+        xscale="log",
+    )
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _checkpoint_manager(workdir: str):
+    import orbax.checkpoint as ocp  # noqa: PLC0415 (only needed with checkpointing)
+
+    return ocp, ocp.CheckpointManager(
+        os.path.join(os.path.abspath(workdir), "checkpoints"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2),
+    )
+
+
+def _read_records(path: str, upto: int) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r["epoch"] <= upto]
+
+
+def train_and_evaluate(
+    config: TrainConfig, workdir: str, *, stop_after_epoch: int | None = None
+) -> dict:
+    """Trains ``config.model`` on ``config.dataset`` with ``config.compressor``.
+
+    Each epoch appends to ``workdir/metrics.jsonl``: ``epoch`` (1-based),
+    ``train_loss`` (mean over the epoch's steps), ``test_accuracy`` (fraction),
+    ``wall_time`` (seconds of training so far, evaluation included),
+    ``train_time`` (seconds in training steps so far: no compilation, no
+    evaluation, no compression timing),
+    ``bytes_per_step_per_device`` (mean ``wire_bytes``: what each device put
+    on the wire per step; the ring all-reduce's for dense),
+    ``message_bytes_per_step_per_device`` (the device's own compressed
+    gradient, dense: 4 bytes per parameter), ``cumulative_bytes_per_device``,
+    ``density`` (elements sent / parameters, -1 for quantizers),
+    ``compression_time_share`` and ``step_time``.
+    ``compression_time_share`` is measured once per epoch: the median time
+    of the compressor's update alone (compress, exchange, decompress; a
+    separate jitted ``shard_map`` on Gaussian gradients and the current
+    compressor state, so warm-up phases are timed as they run) divided by the
+    median time of the epoch's full training steps.
+
+    Args:
+      config: the run configuration (validated first).
+      workdir: output directory (created); resumes from its checkpoints.
+      stop_after_epoch: end this call after that epoch as if interrupted (the
+        schedule still spans ``config.epochs``; rerun to resume).
+
+    Returns:
+      ``{"compile_time": seconds to compile the step in this call,
+      "records": [...], "final": last record, "num_params": int,
+      "params": host numpy parameters}``.
+
+    Raises:
+      ValueError: invalid configuration (before any training).
+    """
+    validate_config(config, jax.device_count())
+    c = config
+    dataset = data_lib.load_dataset(c.dataset, c.data_dir, c.download)
+    spe = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
+    if spe < 1:
+        raise ValueError(
+            f"invalid config: batch_size={c.batch_size} exceeds the "
+            f"{len(dataset.train_y)} training examples"
+        )
+    if c.max_steps_per_epoch is not None:
+        spe = min(spe, c.max_steps_per_epoch)
+    os.makedirs(workdir, exist_ok=True)
+    n_dev = c.num_devices or jax.device_count()
+    mesh = jax.make_mesh((n_dev,), (AXIS,), devices=jax.devices()[:n_dev])
+    n_proc = c.num_processes or 1
+    proc = c.process_id or 0
+
+    model = models.make_model(c.model, dataset.num_classes)
+    init_params = model.init(jax.random.key(c.seed), dataset.train_x[:1])["params"]
+    num_params = sum(int(np.size(x)) for x in jax.tree.leaves(init_params))
+    tx, compressor = build_optimizer(c, spe, spe * c.epochs)
+    params = jaxcomp.distributed.replicate(init_params, mesh)
+    opt_state = jaxcomp.distributed.init_opt_state(tx, params, mesh, AXIS)
+    train_step = _make_train_step(model, tx, mesh, num_params)
+    compress_fn = _make_compress_fn(compressor, mesh)
+    probe_grads = jax.jit(
+        lambda k: jax.tree.map(
+            lambda p: 1e-2 * jax.random.normal(k, (n_dev, *p.shape), p.dtype), init_params
+        ),
+        out_shardings=NamedSharding(mesh, P(AXIS)),
+    )(jax.random.key(c.seed + 1))
+
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    start_epoch = 0
+    manager = ocp = None
+    if c.checkpoint:
+        ocp, manager = _checkpoint_manager(workdir)
+        latest = manager.latest_step()
+        if latest is not None:
+            target = {"params": params, "opt_state": opt_state, "epoch": np.zeros([], np.int32)}
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+            restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+            params, opt_state = restored["params"], restored["opt_state"]
+            start_epoch = int(restored["epoch"])
+            logging.info("resumed from %s at epoch %d", workdir, start_epoch)
+    records = _read_records(metrics_path, start_epoch)
+    if jax.process_index() == 0:
+        with open(metrics_path, "w") as f:  # drop lines of epochs the checkpoint lacks
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    wall0 = time.perf_counter() - (records[-1]["wall_time"] if records else 0.0)
+    cum_bytes = records[-1]["cumulative_bytes_per_device"] if records else 0.0
+    train_time = records[-1]["train_time"] if records else 0.0
+    local = c.batch_size // n_proc
+    # Compile ahead of time so step times (and train_time) exclude compilation.
+    t0 = time.perf_counter()
+    dummy = jaxcomp.distributed.shard_batch(
+        (dataset.train_x[:local], dataset.train_y[:local]), mesh, AXIS
+    )
+    train_step = train_step.lower(params, opt_state, *dummy).compile()
+    compile_time = time.perf_counter() - t0
+    show = c.progress and jax.process_index() == 0
+
+    end_epoch = c.epochs if stop_after_epoch is None else min(c.epochs, stop_after_epoch)
+    for epoch in range(start_epoch, end_epoch):
+        if show:
+            from tqdm import tqdm  # noqa: PLC0415 (progress bars are optional)
+
+            bar = tqdm(total=spe, desc=f"{c.compressor} epoch {epoch + 1}/{c.epochs}", leave=False)
+        sums = {"loss": 0.0, "wire_bytes": 0.0, "message_bytes": 0.0, "density": 0.0}
+        step_times = []
+        batches = data_lib.epoch_batches(
+            dataset.train_x, dataset.train_y, c.batch_size, c.seed, epoch
+        )
+        for _, (xb, yb) in zip(range(spe), batches, strict=False):
+            t0 = time.perf_counter()
+            # Each process feeds its own rows of the global batch.
+            xb, yb = xb[proc * local : (proc + 1) * local], yb[proc * local : (proc + 1) * local]
+            batch = jaxcomp.distributed.shard_batch((xb, yb), mesh, AXIS)
+            params, opt_state, m = train_step(params, opt_state, *batch)
+            # Block every step: many collective steps in flight deadlock the
+            # simulated CPU devices' rendezvous (NOTES-jax-cpu.md).
+            m = jax.device_get(jax.block_until_ready(m))
+            step_times.append(time.perf_counter() - t0)
+            train_time += step_times[-1]
+            for k in sums:
+                sums[k] += float(m[k])
+            if show:
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(m['loss']):.4f}")
+        if show:
+            bar.close()
+        t_comp = -1.0
+        if c.time_compression:
+            t_comp = _median_seconds(compress_fn, probe_grads, opt_state[0])
+        t_step = statistics.median(step_times)
+        acc = _evaluate(model, _host_tree(params), dataset.test_x, dataset.test_y)
+        cum_bytes += sums["wire_bytes"]
+        record = {
+            "epoch": epoch + 1,
+            "train_loss": sums["loss"] / spe,
+            "test_accuracy": acc,
+            "wall_time": time.perf_counter() - wall0,
+            "train_time": train_time,
+            "bytes_per_step_per_device": sums["wire_bytes"] / spe,
+            "message_bytes_per_step_per_device": sums["message_bytes"] / spe,
+            "cumulative_bytes_per_device": cum_bytes,
+            "density": sums["density"] / spe,
+            "compression_time_share": t_comp / t_step if c.time_compression else -1.0,
+            "step_time": t_step,
+        }
+        records.append(record)
+        logging.info("%s epoch %d: %s", c.compressor, epoch + 1, record)
+        if jax.process_index() == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if manager is not None:
+            epoch_done = np.asarray(epoch + 1, np.int32)
+            state = {"params": params, "opt_state": opt_state, "epoch": epoch_done}
+            manager.save(epoch + 1, args=ocp.args.StandardSave(state))
+            manager.wait_until_finished()
+
+    if manager is not None:
+        manager.close()
+    if jax.process_index() == 0 and records:
+        write_plots({c.compressor: records}, os.path.join(workdir, "accuracy.png"))
+    return {
+        "compile_time": compile_time,
+        "records": records,
+        "final": records[-1] if records else None,
+        "num_params": num_params,
+        "params": _host_tree(params),
+    }
