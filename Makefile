@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo demo-compressors lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --durations=15 tests
 
 demo: $(STAMP)
+	$(PY) -m experiments.demo_training
+
+demo-compressors: $(STAMP)
 	$(PY) -m experiments.demo
 
 bench: $(STAMP)

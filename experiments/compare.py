@@ -14,7 +14,8 @@ and ``<outdir>/comparison.json``, and prints the table: final accuracy and
 its delta to dense, epochs and training seconds (steps only, compilation and
 evaluation excluded) to a target accuracy, median step
 time, bytes per step per device on the wire (and of the device's own
-message), their ratio to dense, density and compression time share.
+message), their ratio to dense, density, compression time share, the step's
+compile time and the wall time (compilation and evaluation included).
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ def _summary(records: list, dense_final: dict, target: float) -> dict:
     }
 
 
+def _with_compile(summary: dict, result: dict) -> dict:
+    return {**summary, "compile_time": result.get("compile_time", float("nan"))}
+
+
 def format_table(results: dict, target: float, baseline: str = "dense") -> tuple[str, dict]:
     """A plain-text table of the runs against ``baseline`` (last-epoch bytes).
 
@@ -85,11 +90,13 @@ def format_table(results: dict, target: float, baseline: str = "dense") -> tuple
       ``(table text, {name: summary dict})``.
     """
     dense_final = results[baseline]["final"]
-    rows = {n: _summary(r["records"], dense_final, target) for n, r in results.items()}
+    rows = {
+        n: _with_compile(_summary(r["records"], dense_final, target), r) for n, r in results.items()
+    }
     head = (
         f"{'run':<14}{'acc %':>7}{'d acc':>7}{'ep>=' + format(100 * target, '.0f'):>7}"
         f"{'s to tgt':>9}{'step ms':>8}{'wire B/step':>12}{'x dense':>8}"
-        f"{'msg B/step':>11}{'x dense':>8}{'density':>9}{'comp %':>7}{'wall s':>7}"
+        f"{'msg B/step':>11}{'x dense':>8}{'density':>9}{'comp %':>7}{'compile s':>10}{'wall s':>7}"
     )
     lines = [head, "-" * len(head)]
     for n, s in rows.items():
@@ -103,7 +110,7 @@ def format_table(results: dict, target: float, baseline: str = "dense") -> tuple
             f"{n:<14}{s['final_accuracy']:>7.2f}{s['delta_vs_dense']:>+7.2f}{ep:>7}{sec:>9}"
             f"{s['step_ms']:>8.1f}{s['wire_bytes']:>12.0f}{s['wire_ratio']:>8.1f}"
             f"{s['message_bytes']:>11.0f}{s['message_ratio']:>8.1f}{dens:>9}{comp:>7}"
-            f"{s['wall_time']:>7.1f}"
+            f"{s['compile_time']:>10.1f}{s['wall_time']:>7.1f}"
         )
     return "\n".join(lines), rows
 

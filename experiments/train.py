@@ -307,7 +307,7 @@ def _make_compress_fn(compressor, mesh):
     )
 
 
-def _median_seconds(fn, *args, repeats: int = 3) -> float:
+def _median_seconds(fn, *args, repeats: int = 5) -> float:
     jax.block_until_ready(fn(*args))  # compile / warm up
     times = []
     for _ in range(repeats):
@@ -404,7 +404,10 @@ def train_and_evaluate(
 
     Args:
       config: the run configuration (validated first).
-      workdir: output directory (created); resumes from its checkpoints.
+      workdir: output directory (created); resumes from its checkpoints. With
+        several processes it must be one directory all of them share (orbax's
+        primary process creates the checkpoint directories; separate
+        per-process directories make the other processes wait and time out).
       stop_after_epoch: end this call after that epoch as if interrupted (the
         schedule still spans ``config.epochs``; rerun to resume).
 
@@ -429,6 +432,12 @@ def train_and_evaluate(
         spe = min(spe, c.max_steps_per_epoch)
     os.makedirs(workdir, exist_ok=True)
     n_dev = c.num_devices or jax.device_count()
+    if jax.process_count() > 1 and n_dev != jax.device_count():
+        # A mesh over a prefix of jax.devices() would leave some processes out.
+        raise ValueError(
+            f"invalid config: with {jax.process_count()} processes num_devices must be "
+            f"every device ({jax.device_count()}), got {n_dev}"
+        )
     mesh = jax.make_mesh((n_dev,), (AXIS,), devices=jax.devices()[:n_dev])
     n_proc = c.num_processes or 1
     proc = c.process_id or 0
