@@ -44,7 +44,7 @@ def _define_flags() -> None:
     flags.DEFINE_string("dataset", d.dataset, "digits | synthetic | cifar10 | cifar100.")
     flags.DEFINE_string("data_dir", d.data_dir, "CIFAR directory or .tar.gz archive.")
     flags.DEFINE_bool("download", d.download, "Download CIFAR if data_dir does not exist.")
-    flags.DEFINE_string("model", d.model, "mlp | cnn | resnet20.")
+    flags.DEFINE_string("model", d.model, "mlp | cnn | resnet20 | resnet50 (benchmark size).")
     flags.DEFINE_integer("epochs", d.epochs, "Total epochs.")
     flags.DEFINE_integer("batch_size", d.batch_size, "Global batch size.")
     flags.DEFINE_float("lr", d.lr, "Peak learning rate.")

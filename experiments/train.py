@@ -85,7 +85,7 @@ class TrainConfig:
       dataset: ``digits``, ``synthetic``, ``cifar10``, ``cifar100``.
       data_dir: CIFAR directory or ``.tar.gz`` archive.
       download: download CIFAR when ``data_dir`` does not exist.
-      model: ``mlp``, ``cnn``, ``resnet20``.
+      model: ``mlp``, ``cnn``, ``resnet20``, ``resnet50`` (benchmark size).
       epochs: total epochs (a resumed run continues up to this number).
       batch_size: global batch size (divisible by ``num_devices``).
       lr: peak learning rate.

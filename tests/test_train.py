@@ -267,3 +267,15 @@ def test_resnet20_on_written_cifar_archive(tmp_path):
     result = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert result["num_params"] > 250_000
     assert np.isfinite(result["final"]["train_loss"])
+
+
+def test_resnet50_size():
+    # Shapes only (no compute): the CIFAR ResNet-50 has 23,520,842 parameters
+    # (torchvision's 25,557,032 minus the 7x7 stem and the 1000-class head,
+    # plus a 3x3 stem and a 10-class head; GroupNorm has BatchNorm's scale/bias).
+    from experiments import models  # noqa: PLC0415
+
+    model = models.make_model("resnet50", 10)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 32, 32, 3), np.float32))
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    assert count == 25_557_032 - 7 * 7 * 3 * 64 + 3 * 3 * 3 * 64 - 2_049_000 + 20_490
