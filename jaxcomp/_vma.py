@@ -8,16 +8,19 @@ that meet per-device data have to be cast to varying first.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["varying_axes", "varying_like"]
+__all__ = ["check_per_device", "cond", "probing", "varying_axes", "varying_like", "vma_checked"]
 
 
 def varying_axes(x) -> frozenset:
     """Mesh axes along which ``x`` is typed device-varying (empty outside shard_map)."""
-    aval = jax.typeof(x)
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
     if manual is not None:
         return frozenset(manual.varying)
@@ -36,3 +39,91 @@ def varying_like(tree, ref):
         return lax.pcast(v, missing, to="varying") if missing else v
 
     return jax.tree.map(cast, tree)
+
+
+def _axis_names(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def vma_checked(axis_name) -> bool:
+    """Whether ``shard_map`` tracks device variance for ``axis_name`` here.
+
+    ``lax.axis_index`` is device-varying by construction, so it is typed
+    varying exactly when the enclosing ``shard_map`` runs with
+    ``check_vma=True``; with ``check_vma=False`` (or outside any mapped axis)
+    nothing is typed and nothing can be checked.
+    """
+    try:
+        names = _axis_names(axis_name)
+        return all(name in varying_axes(lax.axis_index(name)) for name in names)
+    except NameError:  # the axis is not bound: not inside shard_map/pmap
+        return False
+
+
+def check_per_device(grads, axis_name, who: str) -> None:
+    """Raises if a gradient leaf is typed device-invariant along ``axis_name``.
+
+    Inside ``jax.shard_map`` with ``check_vma=True``, ``jax.grad`` w.r.t.
+    replicated parameters returns gradients already summed over the axis (the
+    transpose of the implicit ``pvary``), typed device-invariant. A compressor
+    that exchanges over ``axis_name`` would then compress ``N`` times the mean
+    and average it again: a silent wrong result. With ``check_vma=False`` the
+    types are not tracked and this cannot be seen.
+    """
+    if axis_name is None or _PROBING.get() or not vma_checked(axis_name):
+        return
+    names = set(_axis_names(axis_name))
+    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+    for path, leaf in leaves:
+        if not names <= varying_axes(leaf):
+            raise ValueError(
+                f"{who}: gradient leaf {jax.tree_util.keystr(path) or '<root>'} is typed "
+                f"device-invariant along {axis_name!r} inside shard_map: jax.grad w.r.t. "
+                "replicated parameters returns gradients already summed over the devices, so "
+                "the compressor would compress N times the mean gradient. Take gradients "
+                "with jaxcomp.distributed.per_device_grad (or per_device_value_and_grad), "
+                "which casts the parameters to device-varying first. If the gradients really "
+                "are identical on every device there is nothing to exchange: use "
+                "axis_name=None."
+            )
+
+
+# Set while make_train_step traces tx on fresh (invariant) state to find the
+# leaves it exchanges: wrappers may then legitimately hand the compressor
+# invariant zeros (optax.MultiSteps evaluates shapes on its accumulator).
+_PROBING = contextvars.ContextVar("jaxcomp_vma_probing", default=False)
+
+
+@contextlib.contextmanager
+def probing():
+    token = _PROBING.set(True)
+    try:
+        yield
+    finally:
+        _PROBING.reset(token)
+
+
+def cond(pred, true_fun, false_fun, *operands):
+    """``lax.cond`` whose branch outputs are cast to a common device variance.
+
+    Under ``shard_map(check_vma=True)`` both branches must return the same
+    varying/invariant types; a branch that returns the old state (typed as it
+    came in) and one that returns a new state computed from per-device data
+    do not. Each branch is traced once more to read its output types, then
+    outputs are cast to varying along the union of both branches' axes.
+    """
+    outs = [jax.make_jaxpr(f)(*operands).out_avals for f in (true_fun, false_fun)]
+    axes = [varying_axes(a) | varying_axes(b) for a, b in zip(*outs, strict=True)]
+
+    def matched(f):
+        def run(*ops):
+            leaves, treedef = jax.tree.flatten(f(*ops))
+            cast = []
+            for leaf, want in zip(leaves, axes, strict=True):
+                missing = tuple(sorted(want - varying_axes(leaf)))
+                cast.append(lax.pcast(leaf, missing, to="varying") if missing else leaf)
+            return treedef.unflatten(cast)
+
+        return run
+
+    return lax.cond(pred, matched(true_fun), matched(false_fun), *operands)

@@ -26,6 +26,8 @@ to return replicated parameters without another all-reduce.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -37,11 +39,14 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._vma import varying_axes
+from jaxcomp import _vma as vma
+from jaxcomp._vma import _axis_names, check_per_device, varying_axes
 from jaxcomp.comm import collectives
+from jaxcomp.transforms.sparsify import _all_finite
 
 __all__ = [
     "DenseExchangeState",
+    "apply_if_finite",
     "dense_exchange",
     "init_opt_state",
     "initialize_multiprocess",
@@ -52,11 +57,8 @@ __all__ = [
     "replicate",
     "shard_batch",
     "stack_for_pmap",
+    "unexchanged_leaves",
 ]
-
-
-def _axis_names(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
 def _is_varying(x, axis_name) -> bool:
@@ -148,7 +150,7 @@ def dense_exchange(axis_name) -> optax.GradientTransformationExtraArgs:
       >>> tx = dense_exchange("data")
       >>> mesh = jax.make_mesh((1,), ("data",))
       >>> f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
-      ...                   in_specs=P(), out_specs=P())
+      ...                   in_specs=P("data"), out_specs=P())
       >>> f(jnp.ones(2)).tolist()
       [1.0, 1.0]
     """
@@ -159,10 +161,114 @@ def dense_exchange(axis_name) -> optax.GradientTransformationExtraArgs:
 
     def update(updates, state, params=None, *, include=None, **extra_args):
         del state, params, extra_args
+        check_per_device(updates, axis_name, "jaxcomp.dense_exchange")
         leaves, treedef = jax.tree.flatten(updates)
         outs = [collectives.dense_mean(g, axis_name, include=include) for g in leaves]
         wire = sum((b for _, b in outs), jnp.float32(0))
         return treedef.unflatten([m for m, _ in outs]), DenseExchangeState(wire_bytes=wire)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+# --- non-finite steps skipped on every device together ----------------------------
+
+
+def apply_if_finite(
+    inner: optax.GradientTransformation, max_consecutive_errors: int, axis_name=None
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.apply_if_finite`` that decides on all devices together.
+
+    ``optax.apply_if_finite`` skips a step through a ``lax.cond`` on *this
+    device's* gradients. Under ``shard_map`` a NaN on one device then sends
+    only that device down the branch without the compressor's collective, and
+    the others wait for it forever (on XLA:CPU the rendezvous aborts the
+    process). Here the non-finite flag is summed over ``axis_name`` first (one
+    scalar all-reduce), so every device takes the same branch: a step whose
+    gradients are non-finite on any device is skipped on all of them
+    (``inner`` state, residuals included, unchanged; zero update), and after
+    more than ``max_consecutive_errors`` such steps in a row the update is
+    applied anyway, as in optax. With ``axis_name=None`` it is
+    ``optax.apply_if_finite``. The state is optax's ``ApplyIfFiniteState``.
+
+    Which NaN policy to use: a compressor's own ``nonfinite="skip"`` (the
+    default) already never hangs: a device with a non-finite gradient sends
+    an empty message and keeps its state while the others go on. Wrap the
+    whole chain in this function when a non-finite step should be dropped
+    everywhere (e.g. dynamic loss scaling, where the next step retries with a
+    smaller scale). Never wrap an exchanging compressor in
+    ``optax.apply_if_finite`` under ``shard_map``.
+
+    Args:
+      inner: the transformation to protect (e.g. the compressor chained with
+        the optimizer).
+      max_consecutive_errors: non-finite steps in a row that are skipped
+        before the update is applied anyway, an int >= 0.
+      axis_name: the mesh axis (or axes) the compressor exchanges over.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> tx = jaxcomp.apply_if_finite(
+      ...     jaxcomp.top_k(0.5, axis_name="data"), max_consecutive_errors=3, axis_name="data")
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
+      ...                   in_specs=P("data"), out_specs=P())
+      >>> f(jnp.array([1.0, jnp.nan])).tolist()
+      [0.0, 0.0]
+    """
+    if not (
+        isinstance(max_consecutive_errors, (int, np.integer))
+        and not isinstance(max_consecutive_errors, bool)
+        and max_consecutive_errors >= 0
+    ):
+        raise ValueError(
+            f"max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}"
+        )
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        return optax.ApplyIfFiniteState(
+            notfinite_count=jnp.zeros([], jnp.int32),
+            last_finite=jnp.array(True, jnp.bool_),
+            total_notfinite=jnp.zeros([], jnp.int32),
+            inner_state=inner.init(params),
+        )
+
+    def update(updates, state, params=None, **extra_args):
+        bad = jnp.int32(0)
+        for leaf in jax.tree.leaves(updates):
+            bad = bad + (~_all_finite(leaf)).astype(jnp.int32)
+        if axis_name is not None:
+            bad = lax.psum(bad, axis_name)
+        finite = bad == 0
+        notfinite_count = jnp.where(
+            finite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count)
+        )
+
+        def do_update(_):
+            return inner.update(updates, state.inner_state, params, **extra_args)
+
+        def reject_update(_):
+            # Fresh zeros, not zeros_like(updates): typed invariant, like an
+            # exchanged update, so the branch does not look un-exchanged.
+            zeros = jax.tree.map(lambda u: jnp.zeros(jnp.shape(u), jnp.result_type(u)), updates)
+            return zeros, state.inner_state
+
+        # Branch outputs typed alike under check_vma (old vs new inner state).
+        new_updates, new_inner = vma.cond(
+            finite | (notfinite_count > max_consecutive_errors), do_update, reject_update, None
+        )
+        return new_updates, optax.ApplyIfFiniteState(
+            notfinite_count=notfinite_count,
+            last_finite=finite,
+            total_notfinite=jnp.where(
+                finite, state.total_notfinite, optax.safe_increment(state.total_notfinite)
+            ),
+            inner_state=new_inner,
+        )
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -226,17 +332,72 @@ def init_opt_state(tx: optax.GradientTransformation, params, mesh: Mesh, axis_na
     return jax.jit(init_fn)(params)
 
 
-def _loss_metric(loss, axis_name, has_aux):
-    value = loss[0] if has_aux else loss
-    return lax.pmean(value, axis_name)
-
-
-def _wire_bytes(state):
-    """The compressor's ``wire_bytes`` if the state holds exactly one, else None."""
-    try:
-        return optax.tree.get(state, "wire_bytes")
-    except (KeyError, ValueError):
+def _wire_bytes_total(state):
+    """Sum of every ``wire_bytes`` field in ``state`` (a chain may hold several), or None."""
+    found = optax.tree.get_all_with_path(state, "wire_bytes")
+    if not found:
         return None
+    return sum((jnp.asarray(v, jnp.float32) for _, v in found), jnp.float32(0))
+
+
+_UNEXCHANGED = ("mean", "error")
+
+
+def _unexchanged_paths(tx, params, mesh, axis_name, update_args) -> list:
+    """Key paths of the update leaves that ``tx`` leaves un-averaged over ``axis_name``.
+
+    Traces (abstractly, nothing runs) ``tx.update`` on device-varying
+    gradients and a fresh ``tx.init(params)`` inside a ``shard_map`` with
+    ``check_vma=True``: jaxcomp's collectives return results typed
+    device-invariant (``pmean``, ``all_gather_invariant``), so an update leaf
+    still typed device-varying was not exchanged (``optax.masked`` or
+    ``optax.multi_transform`` leaving it out of the compressor, a compressor
+    without ``axis_name``, plain optax). The real step runs with
+    ``check_vma=False`` and per-device optimizer state, where this typing is
+    not available.
+    """
+    found = []
+    names = set(_axis_names(axis_name))
+    # MultiSteps averages what its inner transform averages; its own lax.cond
+    # cannot be typed on fresh state, so look through it.
+    multi = getattr(tx.update, "__self__", tx)
+    if isinstance(multi, optax.MultiSteps):
+        return _unexchanged_paths(multi.inner_opt, params, mesh, axis_name, update_args)
+
+    def probe(params, extra):
+        grads = jax.tree.map(
+            lambda p: lax.pcast(jnp.zeros_like(p), axis_name, to="varying"), params
+        )
+        extra = jax.tree.map(lambda x: x[0], extra)
+        updates, _ = tx.update(grads, tx.init(params), params, **extra)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
+            if names & varying_axes(leaf):
+                found.append(path)
+        return jnp.zeros([], jnp.float32)
+
+    def abstract(x, spec):
+        sharding = NamedSharding(mesh, spec)
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
+
+    probe_map = jax.shard_map(
+        probe, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=P(), check_vma=True
+    )
+    try:
+        with vma.probing():
+            jax.eval_shape(
+                probe_map,
+                jax.tree.map(lambda x: abstract(x, P()), params),
+                jax.tree.map(lambda x: abstract(x, P(axis_name)), update_args),
+            )
+    except Exception as e:  # noqa: BLE001 (any tracing failure: say what it means)
+        raise ValueError(
+            "make_train_step could not trace tx under shard_map's check_vma typing to find "
+            f"which update leaves it averages over {axis_name!r} ({type(e).__name__}: {e}). "
+            "Wrappers that branch with lax.cond on this device's values, such as "
+            "optax.apply_if_finite, hang under shard_map when one device takes the other "
+            "branch: use jaxcomp.apply_if_finite(..., axis_name=...) instead."
+        ) from e
+    return found
 
 
 def make_train_step(
@@ -246,7 +407,9 @@ def make_train_step(
     axis_name="data",
     *,
     has_aux: bool = False,
-    donate: bool = False,
+    mutable: bool = False,
+    donate: bool = True,
+    unexchanged: str = "mean",
 ) -> Callable:
     """Builds a jitted data-parallel train step over ``mesh``.
 
@@ -256,26 +419,57 @@ def make_train_step(
     baseline chain :func:`dense_exchange` first) with its own optimizer state,
     and applies the averaged update to the replicated parameters.
 
+    Parameters stay replicated: every update leaf must be averaged over the
+    axis. When the step is traced, ``tx`` is traced once more under
+    ``shard_map``'s ``check_vma`` typing to find the leaves it does not
+    exchange (``optax.masked`` or ``optax.multi_transform`` leaving some
+    parameters out of the compressor, a compressor without ``axis_name``,
+    plain optax). With ``unexchanged="mean"`` (default) their gradients are
+    averaged with a dense all-reduce *before* ``tx`` (so a stateful optimizer
+    sees the mean gradient, as in plain data-parallel training) and the bytes
+    are counted in ``metrics["wire_bytes"]``; with ``"error"`` a
+    ``ValueError`` names them. :func:`unexchanged_leaves` tells which they are.
+
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (``(scalar, aux)`` with
-        ``has_aux``), the mean loss of one device's shard.
-      tx: the optimizer; every device must end with the same update (true of
-        jaxcomp compressors with ``axis_name`` and of :func:`dense_exchange`).
+        ``has_aux``), the mean loss of one device's shard. With ``mutable``
+        it is called as ``loss_fn(params, batch, model_state=...)`` and returns
+        ``(scalar, new_model_state)`` (``(scalar, (new_model_state, aux))``
+        with ``has_aux``); when the step is given ``rng`` it also receives
+        ``rng=`` (this device's key).
+      tx: the optimizer (a compressor chained with an optax optimizer).
       mesh: the device mesh.
       axis_name: mesh axis the batch is split over.
       has_aux: whether ``loss_fn`` returns auxiliary outputs (returned per
         device in ``metrics["aux"]`` with a leading device axis).
-      donate: donate params and optimizer state buffers to the step.
+      mutable: whether the model has mutable collections (Flax
+        ``batch_stats``): the step takes and returns ``model_state``,
+        replicated, the new one averaged over the axis (floating leaves; others
+        are taken from the first device).
+      donate: donate parameters, optimizer state (and model state) to the
+        step (default): the residual update is then done in place, much
+        cheaper on large leaves; the arrays passed in are invalid afterwards.
+      unexchanged: ``"mean"`` or ``"error"``, what to do with update leaves
+        ``tx`` does not average over the axis (see above).
 
     Returns:
-      ``step(params, opt_state, batch, update_args=None) -> (params,
-      opt_state, metrics)``: ``params`` replicated, ``opt_state`` from
-      :func:`init_opt_state`, ``batch`` sharded along its leading axis
-      (:func:`shard_batch`), ``update_args`` an optional dict of per-device
-      extra arguments for ``tx.update`` with a leading device axis (e.g.
+      ``step(params, opt_state, batch, update_args=None, *, model_state=None,
+      rng=None)`` returning ``(params, opt_state, metrics)``, or
+      ``(params, opt_state, model_state, metrics)`` with ``mutable``.
+      ``params`` replicated, ``opt_state`` from :func:`init_opt_state`,
+      ``batch`` sharded along its leading axis (:func:`shard_batch`), ``rng``
+      a PRNG key (e.g. for dropout; each device gets ``fold_in(rng,
+      axis_index)``), ``update_args`` an optional dict of per-device extra
+      arguments for ``tx.update`` with a leading device axis (e.g.
       ``{"include": mask}`` for backup workers). ``metrics`` has ``loss``
-      (mean over devices) and, when the state has one ``wire_bytes`` field,
-      ``wire_bytes`` (per device, mean over devices).
+      (mean over devices) and ``wire_bytes`` (bytes one device put on the
+      wire this step, mean over devices: the sum of every ``wire_bytes``
+      field in the state plus the dense all-reduce of un-exchanged leaves).
+
+    Raises:
+      ValueError: for a bad ``unexchanged``; with ``unexchanged="error"``,
+        when ``tx`` leaves an update leaf un-averaged (raised when the step is
+        first called, naming the leaves).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
@@ -292,48 +486,123 @@ def make_train_step(
       >>> float(metrics["loss"])
       1.0
     """
-    value_and_grad = per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux)
+    if unexchanged not in _UNEXCHANGED:
+        raise ValueError(f"unexchanged must be one of {_UNEXCHANGED}, got {unexchanged!r}")
+    value_and_grad = per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux or mutable)
 
-    def step(params, opt_state, batch, update_args):
+    def step(params, opt_state, batch, model_state, rng, update_args, dense_paths):
         state = jax.tree.map(lambda x: x[0], opt_state)
-        extra = jax.tree.map(lambda x: x[0], update_args or {})
-        loss, grads = value_and_grad(params, batch)
+        extra = jax.tree.map(lambda x: x[0], update_args)
+        kwargs = {}
+        if mutable:
+            kwargs["model_state"] = model_state
+        if rng is not None:
+            kwargs["rng"] = jax.random.fold_in(rng, lax.axis_index(axis_name))
+        loss, grads = value_and_grad(params, batch, **kwargs)
+        grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name)
         updates, state = tx.update(grads, state, params, **extra)
         params = optax.apply_updates(params, updates)
-        metrics = {"loss": _loss_metric(loss, axis_name, has_aux)}
-        wire = _wire_bytes(state)
-        if wire is not None:
+        value, aux = (loss[0], loss[1]) if (has_aux or mutable) else (loss, None)
+        if mutable:
+            new_model_state, aux = aux if has_aux else (aux, None)
+            model_state = jax.tree.map(lambda x: _mean_if_float(x, axis_name), new_model_state)
+        metrics = {"loss": lax.pmean(value, axis_name)}
+        wire = _wire_bytes_total(state)
+        if wire is not None or dense_paths:
+            wire = dense_wire if wire is None else wire + dense_wire
             metrics["wire_bytes"] = lax.pmean(wire, axis_name)
-        if has_aux:
-            metrics["aux"] = jax.tree.map(lambda x: jnp.asarray(x)[None], loss[1])
-        return params, jax.tree.map(lambda x: x[None], state), metrics
+        aux_out = jax.tree.map(lambda x: jnp.asarray(x)[None], aux) if has_aux else None
+        return params, jax.tree.map(lambda x: x[None], state), model_state, metrics, aux_out
 
-    def run(params, opt_state, batch, update_args):
-        # out_specs must match the metrics' structure, known from the state's.
-        metric_specs = {"loss": P()}
-        if _wire_bytes(jax.eval_shape(tx.init, params)) is not None:
-            metric_specs["wire_bytes"] = P()
-        if has_aux:
-            metric_specs["aux"] = P(axis_name)
+    def run(params, opt_state, batch, model_state, rng, update_args):
+        paths = _unexchanged_paths(tx, params, mesh, axis_name, update_args)
+        if paths and unexchanged == "error":
+            raise ValueError(
+                "make_train_step: tx does not average these update leaves over "
+                f"{axis_name!r}, so the replicated parameters would diverge between devices: "
+                f"{', '.join(jax.tree_util.keystr(p) for p in paths)}. Give every leaf an "
+                "exchange (a compressor with axis_name, or jaxcomp.dense_exchange) or use "
+                "unexchanged='mean' to average them densely before tx."
+            )
+        if paths:
+            logging.info(
+                "make_train_step: averaging %d leaves densely before tx (not exchanged by tx): %s",
+                len(paths),
+                ", ".join(jax.tree_util.keystr(p) for p in paths),
+            )
         sharded = jax.shard_map(
-            step,
+            functools.partial(step, dense_paths=frozenset(paths)),
             mesh=mesh,
-            # Replicated params; per-device state, batch and extra args.
-            in_specs=(P(), P(axis_name), P(axis_name), P(axis_name)),
-            out_specs=(P(), P(axis_name), metric_specs),
-            # Sparse exchanges end in an all-gather, typed varying though
-            # bit-identical on every device: skip the check instead of paying
-            # an all-reduce to make the parameters provably replicated.
+            # Replicated params, model state and key; per-device state, batch
+            # and extra args.
+            in_specs=(P(), P(axis_name), P(axis_name), P(), P(), P(axis_name)),
+            out_specs=(P(), P(axis_name), P(), P(), P(axis_name)),
+            # Exchanged updates are bit-identical on every device; the
+            # optimizer state that produced them is per device (typed varying),
+            # so the check would reject replicated parameters. What the check
+            # would guard is verified by the trace-time probe above instead.
             check_vma=False,
         )
-        return sharded(params, opt_state, batch, update_args)
+        return sharded(params, opt_state, batch, model_state, rng, update_args)
 
-    jitted = jax.jit(run, donate_argnums=(0, 1) if donate else ())
+    jitted = jax.jit(run, donate_argnums=(0, 1, 3) if donate else ())
 
-    def train_step(params, opt_state, batch, update_args=None):
-        return jitted(params, opt_state, batch, update_args)
+    def train_step(params, opt_state, batch, update_args=None, *, model_state=None, rng=None):
+        if mutable and model_state is None:
+            raise ValueError("make_train_step(mutable=True): pass model_state= to the step")
+        params, opt_state, model_state, metrics, aux = jitted(
+            params, opt_state, batch, model_state, rng, update_args or {}
+        )
+        if has_aux:
+            metrics = {**metrics, "aux": aux}
+        if mutable:
+            return params, opt_state, model_state, metrics
+        return params, opt_state, metrics
 
     return train_step
+
+
+def unexchanged_leaves(
+    tx: optax.GradientTransformation, params, mesh: Mesh, axis_name="data", update_args=None
+) -> list[str]:
+    """Paths of the update leaves ``tx`` does not average over ``axis_name``.
+
+    What :func:`make_train_step` averages densely before ``tx`` (or rejects
+    with ``unexchanged="error"``). Nothing is computed: ``tx`` is traced.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomp
+      >>> from jaxcomp import distributed as dist
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> params = {"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}
+      >>> tx = optax.masked(jaxcomp.top_k(0.5, axis_name="data"), {"w": True, "b": False})
+      >>> dist.unexchanged_leaves(tx, params, mesh)
+      ["['b']"]
+    """
+    paths = _unexchanged_paths(tx, params, mesh, axis_name, update_args or {})
+    return [jax.tree_util.keystr(p) for p in paths]
+
+
+def _mean_leaves(grads, paths, axis_name):
+    """Dense all-reduce mean of the leaves at ``paths``; (grads, bytes sent)."""
+    if not paths:
+        return grads, jnp.float32(0)
+    wire = []
+
+    def mean(path, g):
+        if path not in paths:
+            return g
+        m, nbytes = collectives.dense_mean(g, axis_name)
+        wire.append(nbytes)
+        return m
+
+    grads = jax.tree_util.tree_map_with_path(mean, grads)
+    return grads, sum(wire, jnp.float32(0))
+
+
+def _mean_if_float(x, axis_name):
+    x = jnp.asarray(x)
+    return lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
 
 # --- pmap compatibility ----------------------------------------------------------

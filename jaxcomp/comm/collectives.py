@@ -35,6 +35,7 @@ from jax import lax
 
 __all__ = [
     "EXCHANGES",
+    "all_gather_invariant",
     "allgather_bytes",
     "allreduce_bytes",
     "axis_size",
@@ -60,6 +61,19 @@ _INDEX_ITEMSIZE = 4  # messages carry int32 indices
 def axis_size(axis_name) -> int:
     """Number of devices along ``axis_name`` (a static int inside shard_map)."""
     return lax.axis_size(axis_name)
+
+
+def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
+    """``lax.all_gather`` whose result is typed device-invariant.
+
+    Every device receives the same gathered array, but plain ``all_gather``
+    types it device-varying, so everything computed from it (the averaged
+    update) would look un-exchanged to ``shard_map``'s ``check_vma`` typing.
+    Typed invariant, an exchanged update can be told apart from a local one
+    at trace time (``jaxcomp.distributed.make_train_step`` relies on it) and
+    returned as replicated under ``check_vma=True``.
+    """
+    return lax.all_gather(x, axis_name, to="invarying")
 
 
 def _nbytes(x: jax.Array) -> int:
@@ -226,8 +240,8 @@ def sparse_mean(
         indices = jnp.where(include, indices, size)
         values = jnp.where(include, values / jnp.maximum(count, 1.0).astype(values.dtype), 0)
         extra = allreduce_bytes(4, n_dev)
-    all_idx = lax.all_gather(indices, axis_name).reshape(-1)  # [N * capacity]
-    all_val = lax.all_gather(values, axis_name).reshape(-1)
+    all_idx = all_gather_invariant(indices, axis_name).reshape(-1)  # [N * capacity]
+    all_val = all_gather_invariant(values, axis_name).reshape(-1)
     out = jnp.zeros((size,), values.dtype).at[all_idx].add(all_val, mode="drop")
     sent = allgather_bytes(_nbytes(indices) + _nbytes(values), n_dev) + extra
     return out, jnp.float32(sent)

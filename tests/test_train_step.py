@@ -1,0 +1,383 @@
+"""make_train_step off the demo's road: wrappers, un-exchanged leaves, NaN, model state.
+
+Issue 8 items 1, 2, 6 and 16. The references are single-device runs of the
+same optax transformation on the full-batch gradient and numpy; "replicated"
+parameters are checked on every device's own buffer.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp
+from jaxcomp import distributed as dist
+
+N = 8
+FEATURES = 16
+BATCH = 8 * N
+LR = 0.05
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert jax.device_count() >= N, "tests/conftest.py sets 8 simulated devices"
+    return jax.make_mesh((N,), ("data",))
+
+
+def make_data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((BATCH, FEATURES)).astype(np.float32)
+    y = (x @ rng.standard_normal(FEATURES) + 0.5).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+def loss_fn(params, batch):
+    pred = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def init_params():
+    return {"w": np.zeros(FEATURES, np.float32), "b": np.zeros((), np.float32)}
+
+
+def device_copies(x):
+    """Every device's own buffer of a (nominally replicated) array."""
+    return [np.asarray(s.data) for s in x.addressable_shards]
+
+
+def assert_replicated(params):
+    for leaf in jax.tree.leaves(params):
+        copies = device_copies(leaf)
+        for c in copies[1:]:
+            np.testing.assert_array_equal(c, copies[0])
+
+
+def run_mesh(mesh, tx, batch, steps, **kwargs):
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh, **kwargs)
+    sharded = dist.shard_batch(batch, mesh)
+    metrics = None
+    for _ in range(steps):
+        params, state, metrics = step(params, state, sharded)
+        jax.block_until_ready((params, metrics))
+    return params, state, metrics
+
+
+def run_single(tx, batch, steps):
+    """The same tx on one device with the full-batch gradient (the reference)."""
+    params = jax.tree.map(jnp.asarray, init_params())
+    state = tx.init(params)
+    grad = jax.jit(jax.grad(loss_fn))
+    update = jax.jit(tx.update)
+    for _ in range(steps):
+        updates, state = update(grad(params, batch), state, params)
+        params = optax.apply_updates(params, updates)
+    return jax.tree.map(np.asarray, params)
+
+
+def assert_close_to(params, ref, rtol=2e-5, atol=2e-6):
+    assert_replicated(params)
+    for k in ref:
+        np.testing.assert_allclose(device_copies(params[k])[0], ref[k], rtol=rtol, atol=atol)
+
+
+MASK = {"w": True, "b": False}
+LABELS = {"w": "compressed", "b": "plain"}
+
+
+# --- item 1: every update leaf averaged -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_tx, make_ref",
+    [
+        # Compress w (ratio 1: dense-equivalent, so the reference is plain SGD); b is
+        # left out of the compressor and must still be averaged.
+        (
+            lambda: optax.chain(
+                optax.masked(jaxcomp.top_k(1.0, axis_name="data"), MASK), optax.sgd(LR)
+            ),
+            lambda: optax.sgd(LR),
+        ),
+        (
+            lambda: optax.multi_transform(
+                {
+                    "compressed": optax.chain(
+                        jaxcomp.ldte_bs(1.0, axis_name="data"), optax.sgd(LR, momentum=0.9)
+                    ),
+                    "plain": optax.adam(LR),
+                },
+                LABELS,
+            ),
+            lambda: optax.multi_transform(
+                {"compressed": optax.sgd(LR, momentum=0.9), "plain": optax.adam(LR)}, LABELS
+            ),
+        ),
+        # Plain optax: a nonlinear optimizer must see the mean gradient.
+        (lambda: optax.adam(LR), lambda: optax.adam(LR)),
+        # A compressor without axis_name compresses the averaged gradient.
+        (
+            lambda: optax.chain(jaxcomp.top_k(0.25), optax.sgd(LR)),
+            lambda: optax.chain(jaxcomp.top_k(0.25), optax.sgd(LR)),
+        ),
+    ],
+    ids=["masked", "multi_transform", "plain_adam", "no_axis_name"],
+)
+def test_unexchanged_leaves_are_averaged(mesh, make_tx, make_ref):
+    batch = make_data(1)
+    params, _, metrics = run_mesh(mesh, make_tx(), batch, steps=4)
+    assert_close_to(params, run_single(make_ref(), batch, steps=4))
+    assert float(metrics["wire_bytes"]) > 0
+
+
+def test_masked_sparse_compressor_keeps_params_replicated(mesh):
+    """A real (lossy) compressor on w, b left out: every device ends with the same bits."""
+    tx = optax.chain(
+        optax.masked(jaxcomp.ldte_bs(0.25, axis_name="data"), MASK), optax.sgd(LR, momentum=0.9)
+    )
+    params, state, metrics = run_mesh(mesh, tx, make_data(2), steps=5)
+    assert_replicated(params)
+    assert dist.unexchanged_leaves(tx, init_params(), mesh) == ["['b']"]
+    # Bytes: the compressor's sparse all-gather plus the ring all-reduce of b.
+    compressor_wire = np.asarray(optax.tree.get(state, "wire_bytes")).mean()
+    np.testing.assert_allclose(
+        float(metrics["wire_bytes"]), compressor_wire + 2 * (N - 1) / N * 4, rtol=1e-6
+    )
+
+
+def test_unexchanged_error_names_the_leaf(mesh):
+    tx = optax.chain(optax.masked(jaxcomp.top_k(0.5, axis_name="data"), MASK), optax.sgd(LR))
+    with pytest.raises(ValueError, match=r"\['b'\]"):
+        run_mesh(mesh, tx, make_data(), steps=1, unexchanged="error")
+    with pytest.raises(ValueError, match="unexchanged"):
+        dist.make_train_step(loss_fn, tx, mesh, unexchanged="ignore")
+
+
+def test_fully_exchanged_chain_has_no_unexchanged_leaves(mesh):
+    for tx in [
+        optax.chain(jaxcomp.ldte_bs(0.25, axis_name="data"), optax.sgd(LR, momentum=0.9)),
+        optax.chain(
+            jaxcomp.dgc(
+                0.25, axis_name="data", momentum=0.9, warmup_ratios=(0.5,), steps_per_epoch=2
+            ),
+            optax.sgd(LR),
+        ),
+        optax.chain(jaxcomp.qsgd(levels=4, axis_name="data", min_dense_size=0), optax.adam(LR)),
+        optax.chain(jaxcomp.onebit(axis_name="data"), optax.sgd(LR)),
+        optax.chain(jaxcomp.top_k(0.25, axis_name="data", granularity="global"), optax.sgd(LR)),
+        optax.chain(dist.dense_exchange("data"), optax.adam(LR)),
+        optax.MultiSteps(
+            optax.chain(jaxcomp.top_k(0.25, axis_name="data"), optax.sgd(LR)), every_k_schedule=2
+        ),
+        dist.apply_if_finite(
+            optax.chain(jaxcomp.top_k(0.25, axis_name="data"), optax.sgd(LR)), 3, "data"
+        ),
+    ]:
+        assert dist.unexchanged_leaves(tx, init_params(), mesh) == []
+
+
+def test_multisteps_compressor_stays_replicated(mesh):
+    tx = optax.MultiSteps(
+        optax.chain(jaxcomp.ldte_bs(0.25, axis_name="data"), optax.sgd(LR)), every_k_schedule=2
+    )
+    params, _, _ = run_mesh(mesh, tx, make_data(3), steps=4)
+    assert_replicated(params)
+    assert np.any(device_copies(params["w"])[0] != 0)
+
+
+# --- item 2: psum-ed gradients into a compressor -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: jaxcomp.ldte_bs(0.25, axis_name="data"),
+        lambda: jaxcomp.qsgd(levels=4, axis_name="data", min_dense_size=0),
+        lambda: dist.dense_exchange("data"),
+    ],
+    ids=["ldte_bs", "qsgd", "dense_exchange"],
+)
+def test_psummed_gradient_is_rejected_inside_checked_shard_map(mesh, make_tx):
+    tx = make_tx()
+    batch = dist.shard_batch(make_data(), mesh)
+    params = dist.replicate(init_params(), mesh)
+
+    def step(grad_fn):
+        def body(params, batch):
+            grads = grad_fn(params, batch)
+            updates, _ = tx.update(grads, tx.init(params), params)
+            return updates
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+
+    with pytest.raises(ValueError, match="per_device_grad"):
+        step(jax.grad(loss_fn))(params, batch)
+    # The documented fix: per-device gradients; the update is the mean gradient's.
+    updates = step(dist.per_device_grad(loss_fn, "data"))(params, batch)
+    assert np.all(np.isfinite(np.asarray(updates["w"])))
+
+
+def test_unchecked_shard_map_cannot_be_detected(mesh):
+    """check_vma=False: nothing is typed; documented as undetectable, no error."""
+    tx = jaxcomp.top_k(1.0, axis_name="data")
+    batch = dist.shard_batch(make_data(), mesh)
+    params = dist.replicate(init_params(), mesh)
+
+    def body(params, batch):
+        return tx.update(jax.grad(loss_fn)(params, batch), tx.init(params), params)[0]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+    jax.jit(fn)(params, batch)
+
+
+# --- item 6: NaN on one device, skipped everywhere ------------------------------------
+
+
+def test_apply_if_finite_skips_on_every_device_together(mesh):
+    inner = optax.chain(jaxcomp.ldte_bs(0.25, axis_name="data"), optax.sgd(LR, momentum=0.9))
+    tx = dist.apply_if_finite(inner, max_consecutive_errors=2, axis_name="data")
+    clean = make_data(4)
+    poisoned = {k: v.copy() for k, v in clean.items()}
+    poisoned["x"][3 * (BATCH // N), 0] = np.nan  # one row of device 3 only
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh, donate=False)
+    p1, s1, _ = step(params, state, dist.shard_batch(poisoned, mesh))
+    jax.block_until_ready(p1)
+    # Skipped on all devices: parameters and every device's residual unchanged.
+    for k in p1:
+        for c in device_copies(p1[k]):
+            np.testing.assert_array_equal(c, init_params()[k])
+    np.testing.assert_array_equal(np.asarray(s1.notfinite_count), np.ones(N))
+    for r in jax.tree.leaves(optax.tree.get(s1, "residual")):
+        assert np.all(np.asarray(r) == 0)
+    # The next clean step is the same as if the poisoned one never happened.
+    p2, _, _ = step(p1, s1, dist.shard_batch(clean, mesh))
+    ref, _, _ = step(params, state, dist.shard_batch(clean, mesh))
+    for k in p2:
+        np.testing.assert_array_equal(device_copies(p2[k])[0], device_copies(ref[k])[0])
+    assert_replicated(p2)
+
+
+def test_apply_if_finite_gives_up_after_max_errors_like_optax():
+    inner = optax.sgd(1.0)
+    ours = dist.apply_if_finite(inner, max_consecutive_errors=1)
+    theirs = optax.apply_if_finite(inner, max_consecutive_errors=1)
+    params = jnp.zeros(2)
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    for g in [jnp.array([1.0, jnp.nan]), jnp.array([jnp.inf, 1.0]), jnp.array([1.0, 2.0])]:
+        u1, s_ours = ours.update(g, s_ours, params)
+        u2, s_theirs = theirs.update(g, s_theirs, params)
+        np.testing.assert_array_equal(np.asarray(u1), np.asarray(u2))
+        assert int(s_ours.total_notfinite) == int(s_theirs.total_notfinite)
+    with pytest.raises(ValueError, match="max_consecutive_errors"):
+        dist.apply_if_finite(inner, max_consecutive_errors=-1)
+
+
+# --- item 16: donation, dropout keys, mutable collections, summed bytes ---------------
+
+
+def test_params_and_state_donated_by_default(mesh):
+    tx = optax.chain(jaxcomp.top_k(0.25, axis_name="data"), optax.sgd(LR))
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh)
+    new_params, new_state, _ = step(params, state, dist.shard_batch(make_data(), mesh))
+    jax.block_until_ready(new_params)
+    # The arrays with an output of the same shape and dtype are reused in place.
+    assert all(x.is_deleted() for x in jax.tree.leaves(params))
+    assert all(x.is_deleted() for x in jax.tree.leaves(optax.tree.get(state, "residual")))
+    assert not any(x.is_deleted() for x in jax.tree.leaves((new_params, new_state)))
+
+
+def test_rng_reaches_loss_fn_folded_per_device(mesh):
+    def noisy_loss(params, batch, rng):
+        # The gradient w.r.t. b is this device's uniform draw.
+        return loss_fn(params, batch) * 0 + params["b"] * jax.random.uniform(rng)
+
+    tx = optax.chain(dist.dense_exchange("data"), optax.sgd(1.0))
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(noisy_loss, tx, mesh)
+    key = jax.random.key(7)
+    new_params, _, _ = step(params, state, dist.shard_batch(make_data(), mesh), rng=key)
+    draws = [float(jax.random.uniform(jax.random.fold_in(key, d))) for d in range(N)]
+    np.testing.assert_allclose(device_copies(new_params["b"])[0], -np.mean(draws), rtol=1e-6)
+    assert len(set(draws)) == N
+
+
+class BNModel(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        return nn.Dense(1)(x)[:, 0]
+
+
+def test_batch_norm_statistics_averaged_over_devices(mesh):
+    model = BNModel()
+    variables = model.init(jax.random.key(0), jnp.zeros((2, FEATURES)), train=False)
+    params, batch_stats = variables["params"], variables["batch_stats"]
+
+    def bn_loss(params, batch, model_state):
+        pred, updates = model.apply(
+            {"params": params, "batch_stats": model_state},
+            batch["x"],
+            train=True,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean((pred - batch["y"]) ** 2), updates["batch_stats"]
+
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(LR))
+    params = dist.replicate(params, mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(bn_loss, tx, mesh, mutable=True)
+    data = make_data(5)
+    x = data["x"].astype(np.float64)
+    new_params, _, new_stats, _ = step(
+        params, state, dist.shard_batch(data, mesh), model_state=dist.replicate(batch_stats, mesh)
+    )
+    shards = x.reshape(N, BATCH // N, FEATURES)
+    want_mean = 0.1 * shards.mean(axis=1).mean(axis=0)  # momentum 0.9 from mean 0
+    want_var = 0.9 + 0.1 * shards.var(axis=1).mean(axis=0)  # from var 1
+    stats = jax.tree.map(device_copies, new_stats)
+    for d in range(N):
+        np.testing.assert_allclose(stats["BatchNorm_0"]["mean"][d], want_mean, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(stats["BatchNorm_0"]["var"][d], want_var, rtol=1e-4)
+    assert_replicated(new_params)
+
+
+def test_wire_bytes_summed_over_every_compressor_in_the_chain(mesh):
+    tx = optax.chain(
+        optax.multi_transform(
+            {
+                "sparse": jaxcomp.top_k(0.25, axis_name="data"),
+                "quant": jaxcomp.qsgd(levels=4, axis_name="data", min_dense_size=0),
+            },
+            {"w": "sparse", "b": "quant"},
+        ),
+        optax.sgd(LR),
+    )
+    _, state, metrics = run_mesh(mesh, tx, make_data(6), steps=1)
+    fields = optax.tree.get_all_with_path(state, "wire_bytes")
+    assert len(fields) == 2
+    total = sum(float(np.asarray(v).mean()) for _, v in fields)
+    assert all(float(np.asarray(v).mean()) > 0 for _, v in fields)
+    np.testing.assert_allclose(float(metrics["wire_bytes"]), total, rtol=1e-6)
+
+
+def test_unexchanged_probe_sees_update_args(mesh):
+    """Backup workers' include flags reach the probe with the right per-device shape."""
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(LR))
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh)
+    include = jax.device_put(np.arange(N) != 2, NamedSharding(mesh, P("data")))
+    new_params, _, _ = step(params, state, dist.shard_batch(make_data(), mesh), {"include": include})
+    assert_replicated(new_params)
+
