@@ -116,7 +116,8 @@ def _counts_multi(a: jax.Array, ts: list[jax.Array], row: int) -> list[jax.Array
         # Slicing the head is fused into the reduce (no copy) when n % row != 0.
         head = a[: nf * row].reshape(nf, row) if nf * row != n else a.reshape(nf, row)
         parts = _rowwise_counts(head, ts, row)
-        totals = [jnp.sum(p) for p in parts]
+        # dtype pinned: under jax_enable_x64 a plain sum of int32 is int64.
+        totals = [jnp.sum(p, dtype=jnp.int32) for p in parts]
     if nf * row != n:
         tail = a[nf * row :]
         totals = [
