@@ -4,9 +4,12 @@ For QSGD at n = 2^16..2^22 (Gaussian data quantized with QSGD's stochastic
 rounding in numpy) it measures, as medians after warm-up, the encode and
 decode throughput in million coordinates per second on one core, and the
 exact bits per coordinate against Theorem 3.2's bound (o(1) := 0) and, at
-s = sqrt(n), the paper's 2.8n + 32. Configurations, with "b-bit" mapped to
-``s = 2^b`` levels (sign separate), the mapping the QSGD paper's own example
-uses (4 bits, bucket 512: variance bound sqrt(512) / 2^4 = 1.41):
+s = sqrt(n), the paper's 2.8n + 32, next to the fixed-width size the training
+transform sends (``jaxcomp.qsgd``'s ``message_bytes``: 1 sign bit +
+ceil(log2(s + 1)) level bits per coordinate, packed, plus the scales).
+Configurations, with "b-bit" meaning ``s = 2^b`` levels (sign separate), the
+QSGD paper's convention and ``jaxcomp.qsgd(bits=b)``'s (4 bits, bucket 512:
+variance bound sqrt(512) / 2^4 = 1.41):
 
 - 2-bit, bucket 128 (s = 4); 4-bit, bucket 512 (s = 16);
   8-bit, bucket 512 (s = 256); s = sqrt(n), one bucket.
@@ -43,6 +46,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxcomp import coding  # noqa: E402
+from jaxcomp.transforms.quantize import message_nbytes, qsgd_levels, qsgd_quantizer  # noqa: E402
 
 QSGD_CONFIGS = (  # (name, bits or None for s = sqrt(n), bucket size)
     ("2-bit/128", 2, 128),
@@ -81,7 +85,7 @@ def median_s(fn, warmup=1, repeats=5):
 
 
 def bench_qsgd(n, name, bits, bucket_size, rng, repeats):
-    s = 2**bits if bits else math.isqrt(n)
+    s = qsgd_levels(bits=bits) if bits else math.isqrt(n)  # the one "b-bit" convention
     v = rng.standard_normal(n).astype(np.float32)
     levels, signs, scales = qsgd_quantize(v, s, bucket_size, rng)
     kw = dict(s=s, bucket_size=bucket_size)
@@ -92,11 +96,27 @@ def bench_qsgd(n, name, bits, bucket_size, rng, repeats):
     t_dec = median_s(lambda: coding.decode_qsgd(data, n=n, **kw), repeats=repeats)
     msg_bits = coding.qsgd_bits(levels, **kw)
     bound = coding.qsgd_bits_bound(n, s, bucket_size)
-    row = dict(kind="qsgd", config=name, n=n, s=s, bucket_size=bucket_size, exact=exact,
-               nonzeros=int((levels > 0).sum()), bytes=len(data), bits=msg_bits,
-               bits_per_coord=msg_bits / n, bound_bits=bound, within_bound=msg_bits <= bound,
-               encode_mcoords_s=n / t_enc / 1e6, decode_mcoords_s=n / t_dec / 1e6,
-               encode_ms=1e3 * t_enc, decode_ms=1e3 * t_dec)
+    fixed_bytes = message_nbytes(qsgd_quantizer(s, bucket_size), n)  # what the transform packs
+    row = dict(
+        kind="qsgd",
+        config=name,
+        n=n,
+        s=s,
+        bucket_size=bucket_size,
+        exact=exact,
+        nonzeros=int((levels > 0).sum()),
+        bytes=len(data),
+        bits=msg_bits,
+        bits_per_coord=msg_bits / n,
+        bound_bits=bound,
+        within_bound=msg_bits <= bound,
+        fixed_width_bytes=fixed_bytes,
+        fixed_width_bits_per_coord=8 * fixed_bytes / n,
+        encode_mcoords_s=n / t_enc / 1e6,
+        decode_mcoords_s=n / t_dec / 1e6,
+        encode_ms=1e3 * t_enc,
+        decode_ms=1e3 * t_dec,
+    )
     if bits is None:
         row["dense_bound_bits"] = coding.qsgd_dense_bound(n)
         row["within_dense_bound"] = msg_bits <= coding.qsgd_dense_bound(n)
@@ -113,10 +133,21 @@ def bench_sparse(n, fmt, rng, repeats):
     t_enc = median_s(lambda: coding.encode_sparse(indices, values, n, format=fmt), repeats=repeats)
     t_dec = median_s(lambda: coding.decode_sparse(data, n, format=fmt), repeats=repeats)
     msg_bits = coding.sparse_bits(indices, n, format=fmt)
-    return dict(kind="sparse", config=fmt, n=n, k=k, exact=exact, bytes=len(data), bits=msg_bits,
-                bits_per_coord=msg_bits / n, bits_per_value=msg_bits / k,
-                encode_mcoords_s=n / t_enc / 1e6, decode_mcoords_s=n / t_dec / 1e6,
-                encode_ms=1e3 * t_enc, decode_ms=1e3 * t_dec)
+    return dict(
+        kind="sparse",
+        config=fmt,
+        n=n,
+        k=k,
+        exact=exact,
+        bytes=len(data),
+        bits=msg_bits,
+        bits_per_coord=msg_bits / n,
+        bits_per_value=msg_bits / k,
+        encode_mcoords_s=n / t_enc / 1e6,
+        decode_mcoords_s=n / t_dec / 1e6,
+        encode_ms=1e3 * t_enc,
+        decode_ms=1e3 * t_dec,
+    )
 
 
 def plot(rows, path):
@@ -135,10 +166,13 @@ def plot(rows, path):
         axes[0].plot(ns, [r["encode_mcoords_s"] for r in sel], "o-", label=cfg)
         axes[1].plot(ns, [r["decode_mcoords_s"] for r in sel], "o-", label=cfg)
         if sel[0]["kind"] == "qsgd":
-            line, = axes[2].plot(ns, [r["bits_per_coord"] for r in sel], "o-", label=cfg)
+            (line,) = axes[2].plot(ns, [r["bits_per_coord"] for r in sel], "o-", label=cfg)
             axes[2].plot(ns, [r["bound_bits"] / r["n"] for r in sel], "--", color=line.get_color())
-    for ax, title in zip(axes, ["encode (M coords/s)", "decode (M coords/s)",
-                                "QSGD bits/coord (dashed: Thm 3.2 bound)"], strict=True):
+    for ax, title in zip(
+        axes,
+        ["encode (M coords/s)", "decode (M coords/s)", "QSGD bits/coord (dashed: Thm 3.2 bound)"],
+        strict=True,
+    ):
         ax.set_xscale("log", base=2)
         ax.set_title(title)
         ax.set_xlabel("n")
@@ -172,14 +206,26 @@ def main(argv=None):
     summary = dict(
         all_exact=all(r["exact"] for r in rows),
         all_within_bound=all(r["within_bound"] for r in rows if r["kind"] == "qsgd"),
-        target_4bit_512_2p22=(dict(encode_mcoords_s=target[0]["encode_mcoords_s"],
-                                   decode_mcoords_s=target[0]["decode_mcoords_s"],
-                                   target=TARGET_MCOORDS) if target else None),
+        target_4bit_512_2p22=(
+            dict(
+                encode_mcoords_s=target[0]["encode_mcoords_s"],
+                decode_mcoords_s=target[0]["decode_mcoords_s"],
+                target=TARGET_MCOORDS,
+            )
+            if target
+            else None
+        ),
     )
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(machine=platform.platform(), python=platform.python_version(),
-                numpy=np.__version__, cpu_count=os.cpu_count(), bit_mapping="s = 2**b",
-                repeats=args.repeats, statistic="median after 1 warm-up")
+    meta = dict(
+        machine=platform.platform(),
+        python=platform.python_version(),
+        numpy=np.__version__,
+        cpu_count=os.cpu_count(),
+        bit_mapping="s = 2**b",
+        repeats=args.repeats,
+        statistic="median after 1 warm-up",
+    )
     with open(os.path.join(args.out, "bench_coding.json"), "w") as f:
         json.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
     plot(rows, os.path.join(args.out, "bench_coding.png"))

@@ -36,11 +36,13 @@ def ref_omega(k):
 
 
 REF = {"gamma": ref_gamma, "delta": ref_delta, "omega": ref_omega}
+# Bare Elias streams pad with bits that cannot complete a codeword.
+PAD = {"gamma": "0", "delta": "0", "omega": "1"}
 
 
-def to_bytes(bits):
-    bits += "0" * (-len(bits) % 8)
-    return bytes(int(bits[i:i + 8], 2) for i in range(0, len(bits), 8))
+def to_bytes(bits, pad="0"):
+    bits += pad * (-len(bits) % 8)
+    return bytes(int(bits[i : i + 8], 2) for i in range(0, len(bits), 8))
 
 
 def ref_qsgd(levels, signs, scales, s, d, code):
@@ -87,6 +89,7 @@ class Timeout:
     def __enter__(self):
         def handler(signum, frame):
             raise AssertionError(f"timed out after {self.seconds}s")
+
         self.old = signal.signal(signal.SIGALRM, handler)
         signal.alarm(self.seconds)
 
@@ -114,16 +117,26 @@ def qsgd_quantize(v, s, d, rng):
 # Elias codes.
 
 
-@pytest.mark.parametrize("code,k,bits", [
-    ("gamma", 1, "1"), ("gamma", 5, "00101"), ("gamma", 16, "000010000"),
-    ("delta", 1, "1"), ("delta", 5, "01101"), ("delta", 16, "001010000"),
-    ("omega", 1, "0"), ("omega", 2, "100"), ("omega", 3, "110"), ("omega", 5, "101010"),
-    ("omega", 16, "10100100000"),
-])
+@pytest.mark.parametrize(
+    "code,k,bits",
+    [
+        ("gamma", 1, "1"),
+        ("gamma", 5, "00101"),
+        ("gamma", 16, "000010000"),
+        ("delta", 1, "1"),
+        ("delta", 5, "01101"),
+        ("delta", 16, "001010000"),
+        ("omega", 1, "0"),
+        ("omega", 2, "100"),
+        ("omega", 3, "110"),
+        ("omega", 5, "101010"),
+        ("omega", 16, "10100100000"),
+    ],
+)
 def test_textbook_codewords(code, k, bits):
     assert REF[code](k) == bits
     assert coding.codeword_lengths([k], code).tolist() == [len(bits)]
-    assert coding.elias_encode([k], code) == to_bytes(bits)
+    assert coding.elias_encode([k], code) == to_bytes(bits, PAD[code])
 
 
 @pytest.mark.parametrize("code", coding.CODES)
@@ -134,12 +147,82 @@ def test_elias_matches_reference_and_round_trips(code):
     values = np.concatenate([values, np.array([1, 2, 2**40, 2**64 - 1], np.uint64)])
     data = coding.elias_encode(values, code)
     ref = "".join(REF[code](int(k)) for k in values)
-    assert data == to_bytes(ref)
+    assert data == to_bytes(ref, PAD[code])
     assert coding.elias_bits(values, code) == len(ref)
     np.testing.assert_array_equal(coding.elias_decode(data, values.size, code), values)
     small = rng.geometric(0.2, 20000).astype(np.uint64)
     got = coding.elias_decode(coding.elias_encode(small, code), small.size, code)
     np.testing.assert_array_equal(got, small)
+
+
+def ref_decode(bits, count, code):
+    """Textbook sequential decoder of exactly ``count`` codewords; None if invalid."""
+    p, out = 0, []
+    for _ in range(count):
+        if code in ("gamma", "delta"):
+            z = 0
+            while p + z < len(bits) and bits[p + z] == "0":
+                z += 1
+            if p + 2 * z + 1 > len(bits):
+                return None
+            k, p = int(bits[p + z : p + 2 * z + 1], 2), p + 2 * z + 1
+            if code == "delta":
+                if k > 64 or p + k - 1 > len(bits):
+                    return None
+                k, p = int("1" + bits[p : p + k - 1], 2), p + k - 1
+        else:
+            k = 1
+            while True:
+                if p >= len(bits):
+                    return None
+                if bits[p] == "0":
+                    p += 1
+                    break
+                if p + k + 1 > len(bits):
+                    return None
+                k, p = int(bits[p : p + k + 1], 2), p + k + 1
+        out.append(k)
+    rest = bits[p:]
+    return out if len(rest) <= 7 and set(rest) <= {PAD[code]} else None
+
+
+@pytest.mark.parametrize("code", coding.CODES)
+def test_elias_more_values_than_the_stream_holds_raises(code):
+    # Streams with every padding length 0..7: asking for one value more (or
+    # several) must raise, never decode the padding as values (omega(1) is a
+    # single 0 bit, so zero padding would read as 1s).
+    rng = np.random.default_rng(3)
+    pads = set()
+    for trial in range(100):
+        values = rng.integers(1, [2, 5, 40, 2**20][trial % 4], int(rng.integers(1, 9)))
+        ref = "".join(REF[code](int(k)) for k in values)
+        data = coding.elias_encode(values, code)
+        assert data == to_bytes(ref, PAD[code])
+        pads.add(8 * len(data) - len(ref))
+        np.testing.assert_array_equal(coding.elias_decode(data, values.size, code), values)
+        for extra in (1, 2, 7):
+            with pytest.raises(ValueError):
+                coding.elias_decode(data, values.size + extra, code)
+    assert pads == set(range(8))
+
+
+@pytest.mark.parametrize("code", coding.CODES)
+def test_elias_decode_matches_textbook_decoder_on_short_streams(code):
+    # A sample of 1- and 2-byte messages, every count: the vectorised decoder
+    # agrees with the sequential textbook one (padding included).
+    rng = np.random.default_rng(4)
+    messages = [bytes([x]) for x in rng.choice(256, 40, replace=False)]
+    messages += [bytes([0x00]), bytes([0xFF]), bytes([0x80]), bytes([0x7F])]
+    messages += [bytes(b) for b in rng.integers(0, 256, (12, 2), dtype=np.uint8)]
+    for data in messages:
+        bits = "".join(format(b, "08b") for b in data)
+        for count in range(1, len(bits) + 1):
+            want = ref_decode(bits, count, code)
+            try:
+                got = coding.elias_decode(data, count, code).tolist()
+            except ValueError:
+                got = None
+            assert got == want, (data.hex(), count)
 
 
 @pytest.mark.parametrize("bad", [[0], [3, 0, 1], [-1], np.array([1.5])])
@@ -166,8 +249,10 @@ def test_follow_chain_matches_sequential_walk():
 
 
 @pytest.mark.parametrize("code", coding.CODES)
-@pytest.mark.parametrize("n,s,d", [(1, 1, None), (37, 3, 8), (300, 4, 128), (513, 16, 512),
-                                   (200, 1000, None), (64, 2, 1)])
+@pytest.mark.parametrize(
+    "n,s,d",
+    [(1, 1, None), (37, 3, 8), (300, 4, 128), (513, 16, 512), (200, 1000, None), (64, 2, 1)],
+)
 def test_qsgd_matches_reference(code, n, s, d):
     rng = np.random.default_rng(n + s)
     levels = rng.integers(0, s + 1, n) * (rng.random(n) < 0.4)
@@ -184,8 +269,9 @@ def test_qsgd_matches_reference(code, n, s, d):
     np.testing.assert_array_equal(sc.view(np.uint32), scales.view(np.uint32))
 
 
-@pytest.mark.parametrize("n,s,d", [(2**18, 16, 512), (2**17, 4, 128), (2**16, 256, 512),
-                                   (2**16, 256, None)])
+@pytest.mark.parametrize(
+    "n,s,d", [(2**18, 16, 512), (2**17, 4, 128), (2**16, 256, 512), (2**16, 256, None)]
+)
 def test_qsgd_large_round_trip(n, s, d):
     rng = np.random.default_rng(0)
     levels, signs, scales = qsgd_quantize(rng.laplace(size=n).astype(np.float32), s, d, rng)
@@ -200,18 +286,29 @@ def test_qsgd_large_round_trip(n, s, d):
 
 def test_qsgd_rejects_bad_arguments():
     with pytest.raises(ValueError, match="levels"):
-        coding.encode_qsgd(np.array([0, 5]), np.zeros(2, bool), np.ones(1, np.float32),
-                           s=4, bucket_size=None)
+        coding.encode_qsgd(
+            np.array([0, 5]), np.zeros(2, bool), np.ones(1, np.float32), s=4, bucket_size=None
+        )
     with pytest.raises(ValueError, match="scales"):
-        coding.encode_qsgd(np.array([0, 1]), np.zeros(2, bool), np.ones(2, np.float32),
-                           s=4, bucket_size=None)
+        coding.encode_qsgd(
+            np.array([0, 1]), np.zeros(2, bool), np.ones(2, np.float32), s=4, bucket_size=None
+        )
     with pytest.raises(ValueError, match="bucket_size"):
         coding.qsgd_bits(np.array([1]), s=1, bucket_size=0)
 
 
 @pytest.mark.parametrize("dist", ["normal", "laplace", "uniform"])
-@pytest.mark.parametrize("n,s,d", [(2**14, 2, None), (2**14, 8, None), (2**16, 16, 512),
-                                   (2**16, 4, 128), (2**16, 256, 512), (2**12, 64, None)])
+@pytest.mark.parametrize(
+    "n,s,d",
+    [
+        (2**14, 2, None),
+        (2**14, 8, None),
+        (2**16, 16, 512),
+        (2**16, 4, 128),
+        (2**16, 256, 512),
+        (2**12, 64, None),
+    ],
+)
 def test_qsgd_bits_never_exceed_paper_bound(dist, n, s, d):
     # Theorem 3.2 bounds the expected bits for s >= 2; its o(1) is taken as 0
     # (the stricter bound) and our per-bucket count codes are included.
@@ -244,9 +341,16 @@ def test_qsgd_bits_at_sqrt_n(dist):
 
 
 @pytest.mark.parametrize("fmt", coding.SPARSE_FORMATS)
-@pytest.mark.parametrize("indices,n", [([], 10), ([0], 1), ([3, 4, 9], 10),
-                                       ([65534, 65535, 65536 + 65535 * 2, 400000], 400001),
-                                       ([131069, 131070], 200000)])
+@pytest.mark.parametrize(
+    "indices,n",
+    [
+        ([], 10),
+        ([0], 1),
+        ([3, 4, 9], 10),
+        ([65534, 65535, 65536 + 65535 * 2, 400000], 400001),
+        ([131069, 131070], 200000),
+    ],
+)
 def test_sparse_matches_reference(fmt, indices, n):
     values = np.float32(np.arange(len(indices)) - 1.5)
     if len(indices) >= 2:
@@ -266,8 +370,9 @@ def test_sparse_large_round_trip(fmt):
     n = 2**20
     indices = np.sort(rng.choice(n, 1049, replace=False))
     values = rng.standard_normal(indices.size).astype(np.float32)
-    idx, val = coding.decode_sparse(coding.encode_sparse(indices, values, n, format=fmt), n,
-                                    format=fmt)
+    idx, val = coding.decode_sparse(
+        coding.encode_sparse(indices, values, n, format=fmt), n, format=fmt
+    )
     np.testing.assert_array_equal(idx, indices)
     np.testing.assert_array_equal(val, values)
 
@@ -325,8 +430,9 @@ def valid_messages():
     vals = rng.standard_normal(30).astype(np.float32)
     return {
         "qsgd": coding.encode_qsgd(levels, signs, np.ones(5, np.float32), s=S, bucket_size=D),
-        "qsgd_gamma": coding.encode_qsgd(levels, signs, np.ones(1, np.float32), s=S,
-                                         bucket_size=None, code="gamma"),
+        "qsgd_gamma": coding.encode_qsgd(
+            levels, signs, np.ones(1, np.float32), s=S, bucket_size=None, code="gamma"
+        ),
         "rle": coding.encode_sparse(idx, vals, N, format="rle"),
         "elias": coding.encode_sparse(idx, vals, N, format="elias"),
         "omega": coding.elias_encode(rng.integers(1, 1000, 20), "omega"),
@@ -364,3 +470,98 @@ def test_decoders_reject_non_bytes():
     for dec in decoders().values():
         with pytest.raises(ValueError):
             dec(np.zeros(3))
+
+
+# ---------------------------------------------------------------------------
+# Elias-coded size of the messages a training run sent (issue 8, item 12).
+
+
+def test_coded_message_bytes_matches_independent_encoding():
+    import jax
+
+    import jaxcomp
+
+    rng = np.random.default_rng(7)
+    g = {
+        "w": rng.normal(size=1000).astype(np.float32),  # 8 buckets, the last partial
+        "neg": -np.abs(rng.laplace(size=(20, 15))).astype(np.float32),
+        "small": rng.normal(size=40).astype(np.float32),  # sent dense
+    }
+    g["w"][100:300] = 0.0  # an all-zero bucket among the others
+    s, d = 4, 128
+    tx = jaxcomp.qsgd(bits=2, bucket_size=d, min_dense_size=64, keep_message=True, seed=3)
+    update = jax.jit(tx.update)
+    u, state = update(g, tx.init(g))
+    coded = coding.coded_message_bytes(state, g, s=s, bucket_size=d)
+    assert coded["small"] == 40 * 4 == int(state.message_bytes["small"])
+    for leaf in ("w", "neg"):
+        # Independently: levels from the decoded update and float64 bucket norms.
+        x = np.asarray(u[leaf], np.float64).reshape(-1)
+        v = g[leaf].astype(np.float64).reshape(-1)
+        norms = np.repeat([np.linalg.norm(v[i : i + d]) for i in range(0, v.size, d)], d)[: v.size]
+        r = np.abs(x) * s / np.where(norms > 0, norms, 1)
+        levels = np.round(r).astype(np.int64)
+        assert np.all(np.abs(r - levels) < 1e-4) and levels.max() <= s
+        signs = x < 0
+        scales = np.float32(norms[::d])
+        data = coding.encode_qsgd(levels, signs, scales, s=s, bucket_size=d)
+        assert coded[leaf] == len(data), leaf
+        # The host unpacking gives the same message, signs and zeros included.
+        codes, kept_scales = state.message[leaf]
+        lv, sg, sc = coding.qsgd_message_fields(codes, kept_scales, v.size, s=s, bucket_size=d)
+        np.testing.assert_array_equal(lv, levels)
+        np.testing.assert_array_equal(sg, signs)
+        np.testing.assert_allclose(sc, scales, rtol=2e-6)
+        kept = coding.encode_qsgd(lv, sg, sc, s=s, bucket_size=d)
+        assert kept == coding.encode_qsgd(levels, signs, sc, s=s, bucket_size=d)
+    # A step that sends nothing (non-finite gradient, "skip") codes to 0 bytes.
+    bad = dict(g, w=np.full(1000, np.nan, np.float32))
+    _, state2 = update(bad, state)
+    nothing = coding.coded_message_bytes(state2, g, s=s, bucket_size=d)
+    assert nothing == {"w": 0, "neg": 0, "small": 0}
+    # Without keep_message, or with the wrong s, a clear error.
+    plain = jaxcomp.qsgd(bits=2, bucket_size=d, min_dense_size=64)
+    _, plain_state = plain.update(g, plain.init(g))
+    with pytest.raises(ValueError, match="keep_message"):
+        coding.coded_message_bytes(plain_state, g, s=s, bucket_size=d)
+    with pytest.raises(ValueError, match="s=16"):
+        coding.coded_message_bytes(state, g, s=16, bucket_size=d)
+    with pytest.raises(ValueError, match="scales"):
+        coding.coded_message_bytes(state, g, s=s, bucket_size=256)
+
+
+def test_training_run_records_coded_bytes(tmp_path):
+    import dataclasses
+    import json
+
+    from experiments import train
+
+    config = train.TrainConfig(
+        compressor="qsgd",
+        bits=2,
+        bucket_size=128,
+        min_dense_size=0,
+        coded_bytes_every=1,
+        num_devices=2,
+        dataset="synthetic",
+        model="mlp",
+        epochs=1,
+        batch_size=16,
+        max_steps_per_epoch=2,
+        progress=False,
+        checkpoint=False,
+        time_compression=False,
+        lr=0.05,
+    )
+    result = train.train_and_evaluate(config, str(tmp_path))
+    (record,) = result["records"]
+    coded = record["coded_bytes_per_step_per_device"]
+    fixed = record["message_bytes_per_step_per_device"]
+    # Every leaf quantized at s = 4 (4 bits a coordinate fixed-width); Elias codes
+    # Gaussian-like gradients in about 2 bits a coordinate plus 32 per bucket.
+    assert 0 < coded < fixed
+    assert coded > 4 * math.ceil(result["num_params"] / 128)  # at least the scales
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert json.loads(f.readline())["coded_bytes_per_step_per_device"] == coded
+    with pytest.raises(ValueError, match="coded_bytes_every"):
+        train.validate_config(dataclasses.replace(config, compressor="onebit", bits=None))

@@ -8,6 +8,7 @@
 """
 
 from jaxcomp.coding.elias import CODES, codeword_lengths, elias_bits, elias_decode, elias_encode
+from jaxcomp.coding.messages import coded_message_bytes, qsgd_message_bits, qsgd_message_fields
 from jaxcomp.coding.wire import (
     SPARSE_FORMATS,
     decode_qsgd,
@@ -23,6 +24,7 @@ from jaxcomp.coding.wire import (
 __all__ = [
     "CODES",
     "SPARSE_FORMATS",
+    "coded_message_bytes",
     "codeword_lengths",
     "decode_qsgd",
     "decode_sparse",
@@ -34,5 +36,7 @@ __all__ = [
     "qsgd_bits",
     "qsgd_bits_bound",
     "qsgd_dense_bound",
+    "qsgd_message_bits",
+    "qsgd_message_fields",
     "sparse_bits",
 ]

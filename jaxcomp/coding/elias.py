@@ -1,8 +1,12 @@
 """Elias gamma, delta and omega codes of positive integers, vectorised with numpy.
 
 Bit order: a message is a string of bits written most significant bit first
-into bytes (``np.packbits``' default "big" bit order); the last byte is padded
-with zero bits. Codewords (textbook definitions, k >= 1):
+into bytes (``np.packbits``' default "big" bit order). The last byte is padded
+with bits that cannot complete a codeword, so that asking ``elias_decode`` for
+more values than a stream holds raises instead of decoding the padding: zeros
+for gamma and delta (their codewords contain a 1), ones for omega (an omega
+codeword ends with a 0, and omega(1) is a single 0 bit, so zero padding
+would read as 1s). Codewords (textbook definitions, k >= 1):
 
 * gamma(k): ``bitlen(k) - 1`` zeros, then k in binary. gamma(5) = 00101.
 * delta(k): gamma(bitlen(k)), then k in binary without its leading 1.
@@ -208,15 +212,23 @@ def elias_encode(values, code: str = "omega") -> bytes:
       code: ``"gamma"``, ``"delta"`` or ``"omega"``.
 
     Returns:
-      The codewords concatenated MSB first, zero padded to a whole byte.
+      The codewords concatenated MSB first, padded to a whole byte with zero
+      bits (gamma, delta) or one bits (omega): bits that cannot complete a
+      codeword, so the padding never decodes as values.
 
     >>> elias_encode([5], "gamma").hex()  # 00101 + 000 padding
     '28'
+    >>> elias_encode([5], "omega").hex()  # 101010 + 11 padding
+    'ab'
     """
     _check_code(code)
     v = _as_positive_uint64(values, "values")
     hi, lo, length = codewords(v, code)
-    return pack_items(*codeword_items(hi, lo, length))[0]
+    data, total = pack_items(*codeword_items(hi, lo, length))
+    pad = -total % 8
+    if code == "omega" and pad:
+        data = data[:-1] + bytes([data[-1] | ((1 << pad) - 1)])
+    return data
 
 
 class BitReader:
@@ -227,8 +239,7 @@ class BitReader:
             raise ValueError(f"data must be bytes, got {type(data).__name__}")
         self.nbytes = len(data)
         self.nbits = 8 * self.nbytes
-        self.bytes = np.concatenate(
-            [np.frombuffer(bytes(data), np.uint8), np.zeros(24, np.uint8)])
+        self.bytes = np.concatenate([np.frombuffer(bytes(data), np.uint8), np.zeros(24, np.uint8)])
         buf = self.bytes
         # Unaligned big-endian views: element i holds the bytes starting at byte i.
         self._u64 = np.ndarray((buf.size - 8,), ">u8", buf, 0, (1,))
@@ -240,7 +251,8 @@ class BitReader:
         byte = pos >> 3
         r = (pos & 7).astype(_U64)
         w = (self._u64[byte].astype(_U64) << r) | (
-            self.bytes[byte + 8].astype(_U64) >> (_U64(8) - r))
+            self.bytes[byte + 8].astype(_U64) >> (_U64(8) - r)
+        )
         return _shr(w, 64 - np.asarray(k, np.int64))
 
     def windows(self, lo: int, hi: int) -> np.ndarray:
@@ -249,7 +261,7 @@ class BitReader:
         u = self._u32[b0:b1].astype(np.uint32)
         shifts = np.arange(32 - _WINDOW, 32 - _WINDOW - 8, -1, dtype=np.uint32)
         w = ((u[:, None] >> shifts) & np.uint32((1 << _WINDOW) - 1)).ravel()
-        return w[lo - 8 * b0: hi - 8 * b0]
+        return w[lo - 8 * b0 : hi - 8 * b0]
 
 
 @functools.cache
@@ -345,8 +357,11 @@ def decode_at(reader: BitReader, pos: np.ndarray, code: str, max_value: int):
     far = np.flatnonzero(length == 0)
     if far.size:
         value[far], length[far] = _decode_generic(reader, pos[far], code, max_value)
-    if (length == 0).any() or (value > _U64(max_value)).any() or (
-            (pos + length).max() > reader.nbits):
+    if (
+        (length == 0).any()
+        or (value > _U64(max_value)).any()
+        or ((pos + length).max() > reader.nbits)
+    ):
         raise ValueError(f"invalid or out-of-range Elias {code} codeword in message")
     return value, length
 
@@ -442,8 +457,8 @@ def elias_decode(data: bytes, count: int, code: str = "omega", *, max_value: int
 
     Args:
       data: the message.
-      count: number of values (the codes are not self-terminating at the end:
-        omega(1) is a single 0 bit, like the padding).
+      count: number of values. Asking for more values than the stream holds
+        raises ``ValueError`` (the padding cannot complete a codeword).
       code: ``"gamma"``, ``"delta"`` or ``"omega"``.
       max_value: values above this are rejected as corrupt.
 
@@ -451,7 +466,9 @@ def elias_decode(data: bytes, count: int, code: str = "omega", *, max_value: int
       uint64 array of ``count`` values.
 
     Raises:
-      ValueError: truncated or corrupt message, nonzero padding or trailing bytes.
+      ValueError: truncated or corrupt message (fewer than ``count`` values),
+        wrong padding (not all zeros for gamma/delta, not all ones for omega)
+        or trailing bytes.
     """
     _check_code(code)
     count = int(count)
@@ -470,16 +487,16 @@ def elias_decode(data: bytes, count: int, code: str = "omega", *, max_value: int
     if positions.size < count:
         raise ValueError(f"truncated message: {positions.size} of {count} codewords")
     end = int(positions[count]) if positions.size > count else exit_
-    check_padding(reader, end)
+    check_padding(reader, end, ones=code == "omega")
     return decode_at(reader, positions[:count], code, max_value)[0]
 
 
-def check_padding(reader: BitReader, end: int) -> None:
-    """The message must end within 7 zero bits after bit ``end``."""
+def check_padding(reader: BitReader, end: int, *, ones: bool = False) -> None:
+    """The message must end within 7 padding bits after bit ``end``, all 0 (or all 1)."""
     if end > reader.nbits:
         raise ValueError("truncated message: last codeword runs past the end")
     pad = reader.nbits - end
     if pad > 7:
         raise ValueError(f"{pad} trailing bits after the message (at most 7 of padding)")
-    if pad and reader.read(end, pad)[()] != 0:
-        raise ValueError("nonzero padding bits")
+    if pad and reader.read(end, pad)[()] != ((1 << pad) - 1 if ones else 0):
+        raise ValueError(f"padding bits must all be {int(ones)}")

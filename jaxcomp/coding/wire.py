@@ -128,13 +128,17 @@ def qsgd_bits(levels, *, s: int, bucket_size: int | None, code: str = "omega") -
     count_bits = elias.codeword_lengths(counts + 1, code).sum()
     record_bits = 0
     if gaps.size:
-        record_bits = (elias.codeword_lengths(gaps, code).sum() + gaps.size
-                       + elias.codeword_lengths(lv, code).sum())
+        record_bits = (
+            elias.codeword_lengths(gaps, code).sum()
+            + gaps.size
+            + elias.codeword_lengths(lv, code).sum()
+        )
     return int(32 * nb + count_bits + record_bits)
 
 
-def encode_qsgd(levels, signs, scales, *, s: int, bucket_size: int | None,
-                code: str = "omega") -> bytes:
+def encode_qsgd(
+    levels, signs, scales, *, s: int, bucket_size: int | None, code: str = "omega"
+) -> bytes:
     """Encodes QSGD's (levels, signs, scales) into the wire format (module docs).
 
     Args:
@@ -170,15 +174,22 @@ def encode_qsgd(levels, signs, scales, *, s: int, bucket_size: int | None,
         else:
             m = gaps.size
             vals = np.stack([ghi, glo, sign, lhi, llo], axis=1).ravel()
-            lens = np.stack([np.maximum(glen - 64, 0), np.minimum(glen, 64), np.ones(m, np.int64),
-                             np.maximum(llen - 64, 0), np.minimum(llen, 64)], axis=1).ravel()
+            lens = np.stack(
+                [
+                    np.maximum(glen - 64, 0),
+                    np.minimum(glen, 64),
+                    np.ones(m, np.int64),
+                    np.maximum(llen - 64, 0),
+                    np.minimum(llen, 64),
+                ],
+                axis=1,
+            ).ravel()
             parts_v.append(vals)
             parts_l.append(lens)
     return elias.pack_items(np.concatenate(parts_v), np.concatenate(parts_l))[0]
 
 
-def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None,
-                code: str = "omega"):
+def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: str = "omega"):
     """Decodes ``encode_qsgd``'s message.
 
     Returns:
@@ -310,8 +321,11 @@ def sparse_bits(indices, n: int, *, format: str = "rle", code: str = "omega") ->
     if format == "rle":
         runs = gaps - 1
         return int(32 + 16 * (runs // _RUN_MAX + 1).sum() + 32 * indices.size)
-    return int(elias.codeword_lengths([indices.size + 1], code).sum()
-               + elias.codeword_lengths(gaps, code).sum() + 32 * indices.size)
+    return int(
+        elias.codeword_lengths([indices.size + 1], code).sum()
+        + elias.codeword_lengths(gaps, code).sum()
+        + 32 * indices.size
+    )
 
 
 def encode_sparse(indices, values, n: int, *, format: str = "rle", code: str = "omega") -> bytes:
@@ -346,8 +360,10 @@ def encode_sparse(indices, values, n: int, *, format: str = "rle", code: str = "
     hi, lo, length = elias.codewords(np.concatenate([[indices.size + 1], gaps]).astype(_U64), code)
     bits = np.concatenate([[0], bits]).astype(_U64)
     vals = np.stack([hi, lo, bits], axis=1).ravel()
-    lens = np.stack([np.maximum(length - 64, 0), np.minimum(length, 64),
-                     np.full(length.size, 32, np.int64)], axis=1).ravel()
+    lens = np.stack(
+        [np.maximum(length - 64, 0), np.minimum(length, 64), np.full(length.size, 32, np.int64)],
+        axis=1,
+    ).ravel()
     lens[2] = 0  # no value after the count
     return elias.pack_items(vals, lens)[0]
 
