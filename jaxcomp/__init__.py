@@ -6,7 +6,7 @@ Compressors are optax gradient transformations with error-feedback state::
 """
 
 from jaxcomp import coding, comm, distributed, selection
-from jaxcomp.distributed import dense_exchange
+from jaxcomp.distributed import apply_if_finite, dense_exchange
 from jaxcomp.transforms import (
     DGC_WARMUP,
     Quantizer,
@@ -36,6 +36,7 @@ __all__ = [
     "QuantizeState",
     "Quantizer",
     "SparsifyState",
+    "apply_if_finite",
     "binary_search",
     "bounded_sign",
     "coding",

@@ -24,6 +24,7 @@ from jaxcomp.transforms.quantize import (
     message_nbytes,
     pack_codes,
     qsgd_bits,
+    qsgd_levels,
     qsgd_quantizer,
     sign_quantizer,
     unpack_codes,
@@ -36,8 +37,10 @@ def _draws(quantizer, v, n_draws=T, seed=0):
     """``n_draws`` independent decoded messages of ``v`` (float32 ``[n_draws, n]``)."""
     keys = jax.random.split(jax.random.key(seed), n_draws)
     n = v.shape[0]
-    f = jax.jit(jax.vmap(lambda k: quantizer.decode(*quantizer.encode(v, k), n)))
-    return np.asarray(f(keys), np.float64)
+    # v is an argument, as a gradient is: a closed-over constant lets XLA fold
+    # and reassociate (|v| / m)^2 into |v|^2 / m^2, which overflows at 1e19.
+    f = jax.jit(jax.vmap(lambda k, x: quantizer.decode(*quantizer.encode(x, k), n), (0, None)))
+    return np.asarray(f(keys, v), np.float64)
 
 
 def _np_buckets(x, d):
@@ -131,7 +134,7 @@ def test_qsgd_huge_levels_nearly_exact():
     v = _gauss(4096, seed=2)
     quantizer = qsgd_quantizer(s, 512)
     codes, scales = quantizer.encode(v, jax.random.key(0))
-    assert codes.dtype == jnp.uint32 and scales.shape == (8, 1)
+    assert codes.dtype == jnp.uint8 and codes.size == 4096 * 17 // 8 and scales.shape == (8, 1)
     x = np.asarray(quantizer.decode(codes, scales, 4096), np.float64)
     scale = np.repeat(np.asarray(scales[:, 0], np.float64), 512)
     assert np.all(np.abs(x - np.asarray(v)) <= scale / s * (1 + 1e-5))
@@ -147,39 +150,81 @@ def test_qsgd_max_norm_hits_the_max_exactly():
 
 
 @pytest.mark.parametrize(
-    "levels,bits_per,dtype",
+    "levels,bits_per",
     [
-        (1, 2, jnp.uint8),
-        (7, 4, jnp.uint8),
-        (8, 8, jnp.uint8),
-        (127, 8, jnp.uint8),
-        (128, 16, jnp.uint16),
-        (32767, 16, jnp.uint16),
-        (32768, 32, jnp.uint32),
+        (1, 2),
+        (2, 3),
+        (3, 3),
+        (4, 4),
+        (7, 4),
+        (8, 5),
+        (16, 6),
+        (127, 8),
+        (128, 9),
+        (256, 10),
+        (2**15, 17),
+        (2**31 - 1, 32),
     ],
 )
-def test_qsgd_wire_format(levels, bits_per, dtype):
-    n, d = 1000, 128
+def test_qsgd_wire_format(levels, bits_per):
+    # 1 sign bit + ceil(log2(s + 1)) level bits, packed densely: nothing rounded up.
+    n, d = 1001, 128
     quantizer = qsgd_quantizer(levels, d)
-    assert qsgd_bits(levels) == bits_per
+    assert qsgd_bits(levels) == bits_per == 1 + math.ceil(math.log2(levels + 1))
     codes, scales = quantizer.encode(_gauss(n), jax.random.key(1))
-    assert codes.dtype == dtype and scales.dtype == jnp.float32
+    assert codes.dtype == jnp.uint8 and scales.dtype == jnp.float32
     expected = math.ceil(n * bits_per / 8) + math.ceil(n / d) * 4
     assert message_nbytes(quantizer, n) == expected
-    assert codes.size * codes.dtype.itemsize + scales.size * 4 == expected
-    # Sign in the top bit, the level below it, never above s.
-    raw = np.asarray(unpack_codes(codes, bits_per, n))
-    assert np.all((raw & ((1 << (bits_per - 1)) - 1)) <= levels)
+    assert codes.size + scales.size * 4 == expected
+    # Sign in the top bit (only for nonzero levels), the level below it, never above s.
+    raw = np.asarray(unpack_codes(codes, bits_per, n)).astype(np.int64)
+    level, sign = raw & ((1 << (bits_per - 1)) - 1), raw >> (bits_per - 1)
+    assert level.max() <= levels and not np.any(sign[level == 0])
+    x = np.asarray(quantizer.decode(codes, scales, n))
+    np.testing.assert_array_equal(sign == 1, x < 0)
 
 
-@pytest.mark.parametrize("nbits", [1, 2, 4, 8, 16, 32])
-@pytest.mark.parametrize("n", [0, 1, 7, 33])
-def test_pack_round_trip(nbits, n):
-    rng = np.random.default_rng(nbits + n)
-    codes = rng.integers(0, 2**nbits, size=n, dtype=np.uint64).astype(np.uint32)
-    packed = pack_codes(jnp.asarray(codes), nbits)
-    assert packed.size * packed.dtype.itemsize == math.ceil(n * nbits / 8)
-    np.testing.assert_array_equal(np.asarray(unpack_codes(packed, nbits, n)), codes)
+def _ref_pack(codes, width):
+    """Independent reference: codes as LSB-first '0'/'1' strings, concatenated, 8 per byte."""
+    stream = "".join(format(int(c), f"0{width}b")[::-1] for c in codes)
+    stream += "0" * (-len(stream) % 8)
+    return bytes(int(stream[i : i + 8][::-1], 2) for i in range(0, len(stream), 8))
+
+
+def _pack_cases():
+    rng = np.random.default_rng(0)
+    for width in range(1, 33):
+        group = 32 // math.gcd(width, 32)  # codes per group of whole uint32 words
+        for n in (2 * group + 3, group - 1, 1, 0):  # not multiples of the group
+            codes = rng.integers(0, 2**width, size=n, dtype=np.uint64).astype(np.uint32)
+            if n > 2:
+                codes[:2] = [0, 2**width - 1]
+            yield width, codes
+
+
+def test_pack_every_width_matches_bit_string_reference():
+    # The packer is one code for numpy (host) and jax.numpy arrays; every width
+    # through numpy here, and a few through XLA below (compiling all 32 is slow).
+    for width, codes in _pack_cases():
+        packed = pack_codes(codes, width)
+        assert packed.dtype == np.uint8 and packed.size == math.ceil(codes.size * width / 8)
+        assert packed.tobytes() == _ref_pack(codes, width), (width, codes.size)
+        np.testing.assert_array_equal(unpack_codes(packed, width, codes.size), codes)
+
+
+@pytest.mark.parametrize("width", [1, 6, 13, 32])
+def test_pack_under_jit_matches_bit_string_reference(width):
+    for w, codes in _pack_cases():
+        if w != width or codes.size < 2:
+            continue
+
+        def round_trip(c, n=codes.size):
+            packed = pack_codes(c, width)
+            return packed, unpack_codes(packed, width, n)
+
+        packed, unpacked = jax.jit(round_trip)(jnp.asarray(codes))
+        assert np.asarray(packed).tobytes() == _ref_pack(codes, width)
+        np.testing.assert_array_equal(np.asarray(unpacked), codes)
 
 
 def test_qsgd_transform_bf16_deterministic_and_varies_per_step():
@@ -203,8 +248,8 @@ def test_qsgd_transform_bf16_deterministic_and_varies_per_step():
     assert bits(a[0]["w"]) != bits(a[1]["w"])  # a fresh key each step
     assert bits(a[0]["w"]) != bits(c[0]["w"])  # and per seed
     np.testing.assert_array_equal(f32(a[0]["b"]), 1.0)  # small leaf sent dense
-    assert not np.any(np.asarray(state.residual["w"]))  # no error feedback by default
-    assert int(state.message_bytes["w"]) == 1500 + 12 * 4
+    assert state.residual is None  # no error feedback by default: nothing allocated
+    assert int(state.message_bytes["w"]) == 1500 + 12 * 4  # s = 4: 4 bits a coordinate
     assert int(state.message_bytes["b"]) == 6
     # Unbiased through the transform too: bf16 rounding of the message aside.
     g32 = {"w": g["w"].astype(jnp.float32)}
@@ -230,6 +275,139 @@ def test_qsgd_float16_saturates_and_keeps_excess():
     assert float(np.max(np.abs(f32(u["h"])))) == 65504.0
     acc = f32(g["h"])
     np.testing.assert_array_equal(np.asarray(state.residual["h"]), acc - f32(u["h"]))
+
+
+# ---------------------------------------------------------------------------
+# QSGD: the norm at the edges of float32's range (issue 8, item 10).
+# ---------------------------------------------------------------------------
+
+
+def _edge_vector(n=1024, seed=12):
+    """Buckets of 256: huge (|v| ~ 1e19, squares overflow), tiny (squares
+    underflow), huge and tiny mixed, and near float32's largest values."""
+    g = np.random.default_rng(seed).normal(size=n)
+    v = np.concatenate([g[:256] * 1e19, g[256:512] * 1e-25, g[512:768], g[768:] * 1e36])
+    v[512:640] *= 1e19
+    v[640:768] *= 1e-25
+    return v.astype(np.float32)
+
+
+@pytest.mark.parametrize("norm", ["l2", "max"])
+def test_qsgd_scale_exact_for_huge_and_tiny_values(norm):
+    v = _edge_vector()
+    _, scales = qsgd_quantizer(16, 256, norm).encode(jnp.asarray(v), jax.random.key(0))
+    v64 = v.astype(np.float64).reshape(-1, 256)
+    ref = np.linalg.norm(v64, axis=1) if norm == "l2" else np.abs(v64).max(axis=1)
+    got = np.asarray(scales[:, 0], np.float64)
+    assert np.all(np.isfinite(got)), got
+    np.testing.assert_allclose(got, ref, rtol=2e-6)
+
+
+def test_qsgd_unbiased_for_huge_and_tiny_values():
+    v = jnp.asarray(_edge_vector(seed=13))
+    s, d = 16, 256
+    x = _draws(qsgd_quantizer(s, d), v, n_draws=T)
+    assert np.all(np.isfinite(x))
+    var, _, scale = _qsgd_moments(v, s, d)
+    err = np.abs(x.mean(axis=0) - np.asarray(v, np.float64))
+    tol = 5 * np.sqrt(var / T) + 1e-6 * scale
+    assert np.all(err <= tol), np.max(err / tol)
+
+
+def test_qsgd_subnormal_bucket_is_finite():
+    # XLA:CPU flushes subnormals to zero: such a bucket sends zeros, never NaN.
+    v = np.full(512, 1e-40, np.float32)
+    v[256:] = np.random.default_rng(0).normal(size=256)
+    quantizer = qsgd_quantizer(4, 256)
+    x = np.asarray(quantizer.decode(*quantizer.encode(jnp.asarray(v), jax.random.key(0)), 512))
+    assert np.all(np.isfinite(x)) and np.all(np.abs(x[:256]) <= 1e-39)
+
+
+# ---------------------------------------------------------------------------
+# No residual without error feedback (issue 8, item 10).
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make,ef",
+    [
+        (lambda: jaxcomp.qsgd(levels=4, min_dense_size=10), False),
+        (lambda: jaxcomp.sign_sgd(), False),
+        (lambda: jaxcomp.qsgd(levels=4, min_dense_size=10, error_feedback=True), True),
+        (lambda: jaxcomp.quantize(sign_quantizer(), error_feedback=False), False),
+    ],
+)
+def test_residual_allocated_only_with_error_feedback(make, ef):
+    params = {"w": jnp.zeros((300,)), "b": jnp.zeros((5,))}
+    tx = optax.chain(make(), optax.sgd(0.1))
+    state = tx.init(params)
+    sizes = [x.size for x in jax.tree.leaves(state)]
+    if ef:
+        assert optax.tree.get(state, "residual")["w"].shape == (300,)
+    else:
+        assert optax.tree.get(state, "residual") is None
+        assert max(sizes) < 300  # nothing of the gradient's size is allocated
+    g = {"w": _gauss(300, seed=3), "b": jnp.ones((5,))}
+    u, new = jax.jit(tx.update)(g, state)
+    assert (optax.tree.get(new, "residual") is None) == (not ef)
+    np.testing.assert_array_equal(np.asarray(u["b"]), np.float32(-0.1))  # sent dense
+    assert jax.tree.structure(new) == jax.tree.structure(state)
+
+
+# ---------------------------------------------------------------------------
+# The paper's "b-bit": s = 2**b levels, the sign apart (issue 8, item 11).
+# ---------------------------------------------------------------------------
+
+
+def test_bits_means_two_to_the_b_levels():
+    n = 200
+    v = np.linspace(-1.0, 1.0, n).astype(np.float32)
+    g = {"w": jnp.asarray(v)}
+    for b in range(1, 9):
+        assert qsgd_levels(bits=b) == 2**b
+        s_quantizer = qsgd_quantizer(qsgd_levels(bits=b))
+        assert message_nbytes(s_quantizer, n) == math.ceil(n * (b + 2) / 8) + 4
+        if b not in (1, 2, 4, 8):
+            continue
+        by_bits = jaxcomp.qsgd(bits=b, min_dense_size=0, norm="max", seed=3)
+        by_levels = jaxcomp.qsgd(levels=2**b, min_dense_size=0, norm="max", seed=3)
+        u, state = by_bits.update(g, by_bits.init(g))
+        u2, _ = by_levels.update(g, by_levels.init(g))
+        np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(u2["w"]))
+        # With the max norm every output is a multiple of 1 / 2**b, and 2**b + 1
+        # values are possible per sign: 0..2**b.
+        lv = np.asarray(u["w"], np.float64) * 2**b
+        np.testing.assert_allclose(lv, np.round(lv), atol=1e-4)
+        assert np.abs(lv).max() == 2**b
+        # Packed: 1 sign bit + (b + 1) level bits per coordinate, plus one scale.
+        assert int(state.message_bytes["w"]) == math.ceil(n * (b + 2) / 8) + 4
+
+
+def test_four_bits_bucket_512_variance_factor():
+    # The paper's "4-bit, bucket 512": s = 16, variance <= sqrt(512) / 2**4 ||v||^2 = 1.41.
+    s, d = qsgd_levels(bits=4), 512
+    assert s == 16
+    factor = min(d / s**2, math.sqrt(d) / s)
+    assert abs(factor - math.sqrt(512) / 16) < 1e-12 and abs(factor - 1.4142) < 1e-4
+    v = _gauss(2 * d, seed=8)
+    x = _draws(qsgd_quantizer(s, d), v, n_draws=400)
+    var, _, _ = _qsgd_moments(v, s, d)
+    for i in range(2):
+        b = np.asarray(v, np.float64)[i * d : (i + 1) * d]
+        measured = float(((x[:, i * d : (i + 1) * d] - b) ** 2).sum(axis=1).mean())
+        exact = float(var[i * d : (i + 1) * d].sum())
+        assert exact <= factor * float(b @ b)
+        assert abs(measured - exact) <= 0.1 * exact
+
+
+@pytest.mark.parametrize("n,bits,d", [(1001, 4, 512), (777, 3, 128)])
+def test_message_bytes_is_the_packed_size(n, bits, d):
+    tx = jaxcomp.qsgd(bits=bits, bucket_size=d, min_dense_size=0)
+    g = {"w": _gauss(n, seed=1)}
+    _, state = tx.update(g, tx.init(g))
+    width = 1 + math.ceil(math.log2(2**bits + 1))  # sign + levels 0..2**b
+    nb = 1 if d is None else math.ceil(n / d)
+    assert int(state.message_bytes["w"]) == math.ceil(n * width / 8) + 4 * nb
 
 
 N_DEV = 8
@@ -270,7 +448,7 @@ def test_qsgd_shard_map_devices_differ_and_run_reproduces():
     # The update is the mean of the 8 messages (sent = acc - residual, one rounding).
     sent = np.asarray(g1["w"])[None] - res
     np.testing.assert_allclose(u1["w"][0], sent.mean(axis=0), rtol=1e-5, atol=1e-6)
-    assert float(s1.wire_bytes[0]) == (N_DEV - 1) * (250 + 4)  # s = 2: 4 bits a coordinate
+    assert float(s1.wire_bytes[0]) == (N_DEV - 1) * (188 + 4)  # s = 2: 3 bits a coordinate
 
 
 def test_backup_workers_left_out_device_sends_nothing():
@@ -355,19 +533,20 @@ def test_one_bit_matches_numpy_reference(name, d):
     rng = np.random.default_rng(0)
     shapes = {"w": (10, 10), "v": (95,), "one": (1,)}
     state = tx.init({k: jnp.zeros(s) for k, s in shapes.items()})
+    assert (state.residual is None) == (not ef)
     for step in range(3):
         g = {k: rng.laplace(size=s).astype(np.float32) for k, s in shapes.items()}
         g["v"][:5] = 0.0  # zeros are sent as +
         g["v"][5:40] = np.abs(g["v"][5:40])  # a bucket with no negatives
         u, new = f(g, state)
         for leaf in g:
-            acc = np.asarray(state.residual[leaf]) + g[leaf]
+            acc = (np.asarray(state.residual[leaf]) if ef else 0) + g[leaf]
             expected = ref(acc.reshape(-1).astype(np.float64), d).reshape(acc.shape)
             np.testing.assert_allclose(np.asarray(u[leaf]), expected, rtol=2e-6, atol=1e-7)
             if ef:
                 np.testing.assert_array_equal(np.asarray(new.residual[leaf]), acc - u[leaf])
             else:
-                assert not np.any(np.asarray(new.residual[leaf]))
+                assert new.residual is None
             n = g[leaf].size
             nb = 1 if d is None else math.ceil(n / min(d, n))
             scales = 2 if name == "onebit" else 1
@@ -429,7 +608,8 @@ def test_zero_leaf_sends_zero():
     for name in ONE_BIT:
         tx = ONE_BIT[name][0](None)
         u, s = tx.update({"w": jnp.zeros(50)}, tx.init({"w": jnp.zeros(50)}))
-        assert not np.any(np.asarray(u["w"])) and not np.any(np.asarray(s.residual["w"]))
+        assert not np.any(np.asarray(u["w"]))
+        assert s.residual is None or not np.any(np.asarray(s.residual["w"]))
 
 
 # ---------------------------------------------------------------------------
@@ -459,7 +639,15 @@ def test_zero_leaf_sends_zero():
         (lambda: jaxcomp.bounded_sign(0.5, error_bound=1.5), "error_bound"),
         (lambda: jaxcomp.quantize("qsgd"), "quantizer"),
         (lambda: jaxcomp.quantize(sign_quantizer(), seed=1.5), "seed"),
-        (lambda: pack_codes(jnp.zeros(3, jnp.uint8), 3), "bits"),
+        (lambda: pack_codes(jnp.zeros(3, jnp.uint8), 0), "bits"),
+        (lambda: pack_codes(jnp.zeros(3, jnp.uint8), 33), "bits"),
+        (lambda: jaxcomp.qsgd(), "exactly one of bits"),
+        (lambda: jaxcomp.qsgd(4, bits=2), "exactly one of bits"),
+        (lambda: jaxcomp.qsgd(levels=4, bits=2), "exactly one of bits"),
+        (lambda: jaxcomp.qsgd(bits=0), "bits"),
+        (lambda: jaxcomp.qsgd(bits=31), "bits"),
+        (lambda: jaxcomp.qsgd(bits=2.0), "bits"),
+        (lambda: jaxcomp.qsgd(bits=True), "bits"),
     ],
 )
 def test_bad_arguments(make, arg):
@@ -475,4 +663,4 @@ def test_state_fields_found_by_name_in_chain():
     for field in ("residual", "message_bytes", "key", "step", "wire_bytes", "nonfinite_steps"):
         optax.tree.get(state, field)
     mb = optax.tree.get(state, "message_bytes")
-    assert int(mb["a"]) == 50 + 4 and int(mb["b"]) == 16
+    assert int(mb["a"]) == 38 + 4 and int(mb["b"]) == 16  # s = 3: 3 bits x 100, packed

@@ -378,6 +378,6 @@ def test_unexchanged_probe_sees_update_args(mesh):
     state = dist.init_opt_state(tx, params, mesh)
     step = dist.make_train_step(loss_fn, tx, mesh)
     include = jax.device_put(np.arange(N) != 2, NamedSharding(mesh, P("data")))
-    new_params, _, _ = step(params, state, dist.shard_batch(make_data(), mesh), {"include": include})
+    batch = dist.shard_batch(make_data(), mesh)
+    new_params, _, _ = step(params, state, batch, {"include": include})
     assert_replicated(new_params)
-

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import _validation as V
+
 __all__ = [
     "EXCHANGES",
     "all_gather_invariant",
@@ -288,8 +290,7 @@ def exchange_mean(
       >>> f(jnp.array([1], jnp.int32), jnp.array([2.0])).tolist()
       [0.0, 2.0, 0.0]
     """
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    V.check_choice("exchange", exchange, EXCHANGES)
     if exchange == "auto":
         itemsize = jnp.dtype(values.dtype).itemsize
         use_sparse = prefer_sparse(indices.shape[0], size, itemsize, axis_size(axis_name))
@@ -354,8 +355,7 @@ def fastest_mask(delays, num_backup: int):
     """
     delays = jnp.asarray(delays)
     n = delays.shape[0]
-    if not (isinstance(num_backup, int) and 0 <= num_backup < n):
-        raise ValueError(f"num_backup must be an int in [0, {n}), got {num_backup!r}")
+    num_backup = V.check_int("num_backup", num_backup, 0, n - 1)
     order = jnp.argsort(delays, stable=True)
     rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
     return rank < n - num_backup
@@ -415,8 +415,7 @@ def _pull(x, axis_name, root, n_dev):
 
 
 def _check_root(root, n_dev):
-    if not (isinstance(root, int) and 0 <= root < n_dev):
-        raise ValueError(f"root must be an int in [0, {n_dev}), got {root!r}")
+    V.check_int("root", root, 0, n_dev - 1)
 
 
 def server_mean(x: jax.Array, axis_name, *, root: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -515,9 +514,13 @@ def gossip_mean(
       >>> f(jnp.ones(2)).tolist()
       [1.0, 1.0]
     """
-    w = np.asarray(weights, np.float64)
-    if w.shape != (3,) or np.any(w < 0) or not np.isclose(w.sum(), 1.0):
-        raise ValueError(f"weights must be 3 non-negative numbers summing to 1, got {weights!r}")
+    bad = ValueError(f"weights must be 3 non-negative numbers summing to 1, got {weights!r}")
+    try:
+        w = np.asarray([V.check_real("weights", v, 0.0, 1.0) for v in weights], np.float64)
+    except (TypeError, ValueError):
+        raise bad from None
+    if w.shape != (3,) or not np.isclose(w.sum(), 1.0):
+        raise bad
     n_dev = axis_size(axis_name)
     if n_dev == 1:
         return x, jnp.float32(0)

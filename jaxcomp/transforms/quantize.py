@@ -8,7 +8,7 @@ analogue of :func:`jaxcomp.sparsify`. Per step and per leaf:
     R      = e + g  (error feedback)  or  R = g  (without)
     msg    = encode(R)                 # packed codes + float32 scales
     S      = decode(msg)               # what every receiver reconstructs
-    e_new  = R - S                     # with error feedback; else e stays 0
+    e_new  = R - S                     # with error feedback; else no e is kept
     update = mean over devices of decode(msg_d)
 
 A :class:`Quantizer` turns a flat float32 vector into a message
@@ -40,8 +40,14 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomp import _validation as V
+from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
-from jaxcomp.transforms.sparsify import _NONFINITE, apply_nonfinite_policy
+from jaxcomp.transforms.sparsify import (
+    _NONFINITE,
+    apply_nonfinite_policy,
+    resolve_residual_dtype,
+)
 
 __all__ = [
     "QSGD_NORMS",
@@ -52,6 +58,7 @@ __all__ = [
     "onebit_quantizer",
     "pack_codes",
     "qsgd_bits",
+    "qsgd_levels",
     "qsgd_quantizer",
     "quantize",
     "sign_quantizer",
@@ -60,26 +67,36 @@ __all__ = [
 
 QSGD_NORMS = ("l2", "max")
 
-# Bit widths ``pack_codes`` supports: several codes per byte below 8.
-_CODE_BITS = (1, 2, 4, 8, 16, 32)
-_CODE_DTYPES = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
-
-
 # ---------------------------------------------------------------------------
 # Bit packing.
 # ---------------------------------------------------------------------------
 
 
+def _pack_layout(bits: int) -> tuple[int, int]:
+    """(codes per group L, uint32 words per group W): ``L * bits == 32 * W``."""
+    g = math.gcd(bits, 32)
+    return 32 // g, bits // g
+
+
 def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
-    """Packs unsigned codes of ``bits`` bits each into a flat array.
+    """Packs unsigned codes of ``bits`` bits each densely into bytes.
+
+    The result is one little-endian bit stream: code ``i`` occupies bits
+    ``[i * bits, (i + 1) * bits)``, least significant bit first, and bit ``j``
+    of the stream is bit ``j % 8`` of byte ``j // 8``. No code is rounded up to
+    a wider field: a 6-bit code takes 6 bits. Vectorised: groups of
+    ``L = 32 / gcd(bits, 32)`` codes fill exactly ``bits * L / 32`` uint32
+    words with static shifts (each code touches at most two words), then the
+    words are split into bytes.
 
     Args:
-      codes: 1-D unsigned integers, each below ``2**bits``.
-      bits: one of 1, 2, 4 (``8 // bits`` codes per uint8, the first code in
-        the lowest bits), 8, 16 or 32 (one code per uint8/uint16/uint32).
+      codes: 1-D unsigned integers, each below ``2**bits`` (higher bits are
+        dropped). A numpy array is packed with numpy (the same code, on the
+        host), anything else with ``jax.numpy``.
+      bits: code width, an int in [1, 32].
 
     Returns:
-      The packed array: ``ceil(n * bits / 8)`` bytes in all.
+      uint8 array of ``ceil(n * bits / 8)`` bytes.
 
     Example:
       >>> import jax.numpy as jnp
@@ -88,27 +105,52 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
       >>> p.tolist(), unpack_codes(p, 2, 5).tolist()
       ([177, 1], [1, 0, 3, 2, 1])
     """
-    if bits not in _CODE_BITS:
-        raise ValueError(f"bits must be one of {_CODE_BITS}, got {bits!r}")
-    if bits >= 8:
-        return codes.astype(_CODE_DTYPES[bits])
-    per = 8 // bits
+    bits = _check_code_bits(bits)
+    xp = np if isinstance(codes, np.ndarray) else jnp
     n = codes.shape[0]
-    padded = jnp.pad(codes.astype(jnp.uint8), (0, -n % per)).reshape(-1, per)
-    packed = padded[:, 0]
-    for j in range(1, per):  # at most 8 columns, not a loop over elements
-        packed = packed | (padded[:, j] << (j * bits))
-    return packed
+    per, words = _pack_layout(bits)
+    groups = -(-n // per)
+    c = codes.astype(xp.uint32)
+    if bits < 32:
+        c = c & xp.uint32((1 << bits) - 1)
+    c = xp.pad(c, (0, groups * per - n)).reshape(groups, per)
+    out = [xp.zeros((groups,), xp.uint32) for _ in range(words)]
+    for j in range(per):  # static: at most 32 columns, not a loop over elements
+        word, shift = divmod(j * bits, 32)
+        out[word] = out[word] | (c[:, j] << shift)
+        if shift + bits > 32:  # the code's high bits spill into the next word
+            out[word + 1] = out[word + 1] | (c[:, j] >> (32 - shift))
+    w = xp.stack(out, axis=1).reshape(-1)
+    # Bytes by shifts, not a bitcast: the layout does not depend on endianness.
+    b = xp.stack([(w >> (8 * i)) & xp.uint32(0xFF) for i in range(4)], axis=1)
+    return b.astype(xp.uint8).reshape(-1)[: -(-n * bits // 8)]
 
 
 def unpack_codes(packed: jax.Array, bits: int, n: int) -> jax.Array:
-    """Inverse of :func:`pack_codes`: the first ``n`` codes, as uint32."""
-    if bits >= 8:
-        return packed.astype(jnp.uint32)
-    per = 8 // bits
-    shifts = jnp.arange(per, dtype=jnp.uint8) * bits
-    codes = (packed[:, None] >> shifts) & jnp.uint8((1 << bits) - 1)
-    return codes.reshape(-1)[:n].astype(jnp.uint32)
+    """Inverse of :func:`pack_codes`: the first ``n`` codes, as uint32 (numpy in, numpy out)."""
+    bits = _check_code_bits(bits)
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    per, words = _pack_layout(bits)
+    groups = -(-n // per)
+    b = packed.astype(xp.uint32)
+    b = xp.pad(b, (0, 4 * groups * words - b.shape[0])).reshape(-1, 4)
+    w = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+    w = w.reshape(groups, words)
+    mask = xp.uint32((1 << bits) - 1) if bits < 32 else None
+    cols = []
+    for j in range(per):
+        word, shift = divmod(j * bits, 32)
+        v = w[:, word] >> shift
+        if shift + bits > 32:
+            v = v | (w[:, word + 1] << (32 - shift))
+        cols.append(v if mask is None else v & mask)
+    return xp.stack(cols, axis=1).reshape(-1)[:n]
+
+
+def _check_code_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 32:
+        raise ValueError(f"bits must be an int in [1, 32], got {bits!r}")
+    return int(bits)
 
 
 # ---------------------------------------------------------------------------
@@ -136,10 +178,7 @@ class Quantizer(NamedTuple):
 
 
 def _check_bucket_size(bucket_size):
-    if bucket_size is not None and not (
-        isinstance(bucket_size, int) and not isinstance(bucket_size, bool) and bucket_size >= 1
-    ):
-        raise ValueError(f"bucket_size must be an int >= 1 or None, got {bucket_size!r}")
+    return V.check_int("bucket_size", bucket_size, 1, allow_none=True)
 
 
 def _bucketing(n: int, bucket_size: int | None) -> tuple[int, int]:
@@ -168,9 +207,32 @@ def _true_counts(n: int, d: int, nb: int) -> np.ndarray:
 
 
 def qsgd_bits(levels: int) -> int:
-    """Bits per coordinate QSGD's codes travel in: sign + level, rounded up to 2/4/8/16/32."""
-    need = levels.bit_length() + 1
-    return next(b for b in _CODE_BITS if b >= need)
+    """Bits per coordinate of QSGD's packed codes: 1 sign bit + ``ceil(log2(s + 1))`` level bits.
+
+    Levels run over ``0..s``, so ``s = 2**b`` (the paper's "b-bit") takes
+    ``b + 2`` bits: ``qsgd_bits(16) == 6``. Packed densely (:func:`pack_codes`),
+    never rounded up to a power of two.
+    """
+    return int(levels).bit_length() + 1
+
+
+def qsgd_levels(levels: int | None = None, bits: int | None = None) -> int:
+    """QSGD's ``s`` from exactly one of ``levels`` (``s`` itself) or ``bits`` (``s = 2**bits``).
+
+    The QSGD paper's "b-bit" is ``s = 2**b`` levels with the sign apart.
+
+    >>> qsgd_levels(bits=4), qsgd_levels(levels=7)
+    (16, 7)
+    """
+    if (levels is None) == (bits is None):
+        got = "both" if levels is not None else "neither"
+        raise ValueError(
+            "qsgd needs exactly one of bits (s = 2**bits levels, the QSGD paper's "
+            f"'b-bit') or levels (s itself), got {got}"
+        )
+    if bits is not None:
+        return 2 ** V.check_int("bits", bits, 1, 30)
+    return V.check_int("levels", levels, 1, 2**31 - 1)
 
 
 def qsgd_quantizer(levels: int, bucket_size: int | None = None, norm: str = "l2") -> Quantizer:
@@ -183,17 +245,27 @@ def qsgd_quantizer(levels: int, bucket_size: int | None = None, norm: str = "l2"
     ``xi_i = (l_i + 1) / s`` with probability ``|v_i| / scale * s - l_i``,
     else ``l_i / s``, and ``Q(v)_i = scale * sgn(v_i) * xi_i``.
 
-    Wire format: per coordinate one code, the level ``s * xi_i`` in the low
-    bits and the sign (1 = negative) in the top bit of a ``qsgd_bits(s)``-bit
-    field (2 bits for ``s = 1``, 4 for ``s <= 7``, 8 for ``s <= 127``, 16 for
-    ``s <= 32767``, else 32), bit-packed with :func:`pack_codes`; plus one
-    float32 scale per bucket. Levels above ``2**23`` add nothing in float32.
+    ``levels`` is ``s`` itself; the paper's "b-bit" QSGD is ``s = 2**b``
+    (:func:`jaxcomp.qsgd` takes ``bits=b``).
+
+    The norm is computed scaled, as BLAS ``nrm2`` does: ``m = max_i |v_i|``,
+    ``||v||_2 = m * ||v / m||_2`` and ``|v_i| / scale * s = (|v_i| / m) *
+    (s / ||v / m||_2)``, so no square over- or underflows: the scale is finite
+    whenever the true norm is a finite float32 (``|v_i|`` near ``1e19`` and
+    up), and buckets of tiny values (squares below float32's range) keep
+    their norm and stay unbiased. Subnormal inputs follow the backend (XLA:CPU
+    flushes them to zero, so such a bucket sends zeros).
+
+    Wire format: per coordinate one ``qsgd_bits(s) = 1 + ceil(log2(s + 1))``
+    -bit code, the level ``s * xi_i`` in the low bits and the sign (1 =
+    negative, set only for nonzero levels: the sign convention of
+    :func:`jaxcomp.coding.encode_qsgd`) in the top bit, packed densely with
+    :func:`pack_codes` (``s = 16``: 6 bits); plus one float32 scale per
+    bucket. Levels above ``2**23`` add nothing in float32.
     """
-    if not (isinstance(levels, int) and not isinstance(levels, bool) and 1 <= levels < 2**31):
-        raise ValueError(f"levels must be an int in [1, 2**31), got {levels!r}")
-    _check_bucket_size(bucket_size)
-    if norm not in QSGD_NORMS:
-        raise ValueError(f"norm must be one of {QSGD_NORMS}, got {norm!r}")
+    levels = V.check_int("levels", levels, 1, 2**31 - 1)
+    bucket_size = _check_bucket_size(bucket_size)
+    norm = V.check_choice("norm", norm, QSGD_NORMS)
     s = levels
     bits = qsgd_bits(s)
     sign_bit = 1 << (bits - 1)
@@ -202,17 +274,23 @@ def qsgd_quantizer(levels: int, bucket_size: int | None = None, norm: str = "l2"
         n = x.shape[0]
         d, nb = _bucketing(n, bucket_size)
         xb = _to_buckets(x.astype(jnp.float32), d, nb)
-        a = jnp.abs(xb)
+        # Scaled by the bucket's max, as BLAS nrm2: sum(v * v) overflows for
+        # |v| ~ 1e19 and underflows for |v| ~ 1e-20; sum((v / m)^2) is in [1, d].
+        m = jnp.max(jnp.abs(xb), axis=1)
+        live = m > 0
+        a = jnp.abs(xb) / jnp.where(live, m, 1)[:, None]  # in [0, 1], exactly 1 at the max
         if norm == "l2":
-            scale = jnp.sqrt(jnp.sum(xb * xb, axis=1))
+            ns = jnp.where(live, jnp.sqrt(jnp.sum(a * a, axis=1)), 1)  # in [1, sqrt(d)]
+            scale = m * ns
+            r = a * (jnp.float32(s) / ns)[:, None]
         else:
-            scale = jnp.max(a, axis=1)
-        inv = jnp.where(scale > 0, jnp.float32(s) / scale, 0)
-        r = a * inv[:, None]
+            scale = m
+            r = a * jnp.float32(s)
         low = jnp.floor(r)
         u = jax.random.uniform(key, xb.shape, jnp.float32)
         level = jnp.minimum(low + (u < r - low), s).astype(jnp.uint32)
-        code = level | jnp.where(xb < 0, jnp.uint32(sign_bit), jnp.uint32(0))
+        negative = (xb < 0) & (level > 0)
+        code = level | jnp.where(negative, jnp.uint32(sign_bit), jnp.uint32(0))
         return pack_codes(_from_buckets(code, n), bits), scale[:, None]
 
     def decode(codes, scales, n):
@@ -251,7 +329,7 @@ def sign_quantizer(bucket_size: int | None = None) -> Quantizer:
     as ``+`` (one bit has no zero). Wire: 1 bit per coordinate, one float32
     per bucket.
     """
-    _check_bucket_size(bucket_size)
+    bucket_size = _check_bucket_size(bucket_size)
 
     def encode(x, key):
         del key
@@ -274,7 +352,7 @@ def onebit_quantizer(bucket_size: int | None = None) -> Quantizer:
     a transposed weight for its exact per-column layout). Wire: 1 bit per
     coordinate, two float32 per bucket.
     """
-    _check_bucket_size(bucket_size)
+    bucket_size = _check_bucket_size(bucket_size)
 
     def encode(x, key):
         del key
@@ -315,12 +393,14 @@ def bounded_sign_quantizer(
     Gaussian gradients (``E|x| / sqrt(E x^2)``). Wire: 1 bit per coordinate,
     one float32 per bucket.
     """
-    if not (isinstance(lam, (int, float)) and 0.0 < lam < 1.0):
-        raise ValueError(f"lam must be in (0, 1), got {lam!r}")
-    if not (isinstance(error_bound, (int, float)) and 0.0 < error_bound <= 1.0):
-        raise ValueError(f"error_bound must be in (0, 1], got {error_bound!r}")
-    _check_bucket_size(bucket_size)
-    slack = 1.0 - float(error_bound) ** 2
+    # lam and error_bound may be traced (optax.inject_hyperparams).
+    lam = V.check_real("lam", lam, 0.0, 1.0, low_open=True, high_open=True, allow_traced=True)
+    error_bound = V.check_real(
+        "error_bound", error_bound, 0.0, 1.0, low_open=True, allow_traced=True
+    )
+    bucket_size = _check_bucket_size(bucket_size)
+    # In float32 either way, so a traced error_bound gives the same bits.
+    eb32 = jnp.asarray(error_bound, jnp.float32)
 
     def encode(x, key):
         del key
@@ -330,8 +410,8 @@ def bounded_sign_quantizer(
         count = _true_counts(n, d, nb)
         l1 = jnp.sum(jnp.abs(xb), axis=1)
         l2sq = jnp.sum(xb * xb, axis=1)
-        alpha0 = jnp.float32(lam) * jnp.sqrt(l2sq / count)
-        c = jnp.float32(slack) * l2sq
+        alpha0 = jnp.asarray(lam, jnp.float32) * jnp.sqrt(l2sq / count)
+        c = (1 - eb32 * eb32) * l2sq
         disc = l1 * l1 - count * c
         root = jnp.sqrt(jnp.maximum(disc, 0))
         hi = (l1 + root) / count
@@ -340,7 +420,11 @@ def bounded_sign_quantizer(
         alpha = jnp.where(disc >= 0, jnp.clip(alpha0, lo, hi), l1 / count)
         return _sign_codes(xb, n), alpha[:, None]
 
-    name = f"bounded_sign(lam={lam}, error_bound={error_bound})"
+    name = "bounded_sign" + (
+        ""
+        if V.is_dynamic(lam) or V.is_dynamic(error_bound)
+        else f"(lam={lam}, error_bound={error_bound})"
+    )
     return Quantizer(encode, _sign_decode(bucket_size, 0, 0, True), False, name)
 
 
@@ -359,8 +443,10 @@ class QuantizeState(NamedTuple):
     Attributes:
       step: int32, number of updates so far.
       residual: the error-feedback memory, a pytree like the gradients in the
-        residual dtype (per device under ``shard_map``); stays zero (and is
-        not touched) with ``error_feedback=False``.
+        residual dtype (per device under ``shard_map``); ``None`` with
+        ``error_feedback=False`` (nothing is allocated, as ``velocity`` in
+        :class:`jaxcomp.SparsifyState` without momentum), so
+        ``optax.tree.get(state, "residual")`` returns None.
       key: raw uint32 PRNG key data of randomized quantizers; step ``t`` uses
         ``fold_in(key, t)``, folded with the device index under ``axis_name``
         and the leaf index, so a seed reproduces a run.
@@ -371,6 +457,10 @@ class QuantizeState(NamedTuple):
         ``(N - 1)`` times the gathered message bytes, a ring all-reduce's for
         dense leaves (0 with ``axis_name=None``).
       nonfinite_steps: int32, steps whose gradients held NaN or Inf.
+      message: ``None`` unless ``keep_message=True``: then this device's last
+        message per leaf, a ``(codes, scales)`` pair (``None`` for leaves sent
+        dense), for host-side accounting such as the Elias-coded size
+        (:func:`jaxcomp.coding.coded_message_bytes`).
     """
 
     step: jax.Array
@@ -379,6 +469,7 @@ class QuantizeState(NamedTuple):
     message_bytes: Any
     wire_bytes: jax.Array
     nonfinite_steps: jax.Array
+    message: Any = None
 
 
 class _LeafOut(NamedTuple):
@@ -386,6 +477,7 @@ class _LeafOut(NamedTuple):
     residual: jax.Array
     message_bytes: jax.Array
     wire_bytes: jax.Array
+    message: Any
 
 
 def _to_dtype(x: jax.Array, dtype) -> jax.Array:
@@ -411,10 +503,11 @@ def quantize(
     *,
     axis_name: Any = None,
     error_feedback: bool = True,
-    min_dense_size: int = 0,
-    residual_dtype: Any = jnp.float32,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
     nonfinite: str = "skip",
-    seed: int = 0,
+    seed: int | jax.Array = 0,
+    keep_message: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """A quantizing compressor, with optional error feedback, around any codec.
 
@@ -428,17 +521,25 @@ def quantize(
         bit-identical updates). ``None``: return the local decoded update.
       error_feedback: keep ``residual = R - decoded`` and add it to the next
         gradient (1-bit SGD, EF-signSGD). ``False``: send the quantized
-        gradient itself (unbiased QSGD, signSGD); the residual stays zero.
+        gradient itself (unbiased QSGD, signSGD); no residual is allocated
+        (``state.residual`` is None).
       min_dense_size: leaves with at most this many elements are sent dense
-        (QSGD: 10K); their residual keeps only the rounding to the gradient
+        (QSGD: 10K; None: 0); their residual keeps only the rounding to the gradient
         dtype (zero for float32).
       residual_dtype: float dtype of the residual and of the accumulation.
-        Codecs compute in float32.
+        ``None`` (default): float32, or the parameter's dtype where it is
+        wider (float64 under ``jax_enable_x64``), as in
+        :func:`jaxcomp.sparsify`. Codecs compute in float32.
       nonfinite: policy for NaN/Inf gradients, as in :func:`jaxcomp.sparsify`.
         ``"skip"`` (default): a device whose gradients hold a non-finite
         element sends zero scales (an all-zero message) and keeps its
         residual; ``"zero"``: non-finite elements are replaced by 0.
       seed: seed of the PRNG stream of randomized codecs.
+      keep_message: also store this step's packed message per leaf (codes +
+        scales, fixed shape) in ``state.message``, so the host can measure it
+        (e.g. QSGD's Elias-coded size with
+        :func:`jaxcomp.coding.coded_message_bytes`). Off by default: it costs
+        a copy of the message in the state.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with :class:`QuantizeState`.
@@ -459,31 +560,28 @@ def quantize(
     """
     if not isinstance(quantizer, Quantizer):
         raise ValueError(f"quantizer must be a Quantizer, got {quantizer!r}")
-    if not isinstance(error_feedback, bool):
-        raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
-    if not (
-        isinstance(min_dense_size, int)
-        and not isinstance(min_dense_size, bool)
-        and min_dense_size >= 0
-    ):
-        raise ValueError(f"min_dense_size must be an int >= 0, got {min_dense_size!r}")
-    if nonfinite not in _NONFINITE:
-        raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
-    try:
-        residual_dtype = jnp.dtype(residual_dtype)
-    except TypeError:
-        residual_dtype = None
-    if residual_dtype is None or not jnp.issubdtype(residual_dtype, jnp.floating):
-        raise ValueError(f"residual_dtype must be a float dtype, got {residual_dtype!r}")
-    if not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    error_feedback = V.check_bool("error_feedback", error_feedback)
+    min_dense_size = V.check_int(
+        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
+    )
+    nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
+    if residual_dtype is not None:  # None: per leaf, see resolve_residual_dtype
+        residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
+    # Only init reads the seed, so it may be an injected (traced) hyperparameter.
+    seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
+    keep_message = V.check_bool("keep_message", keep_message)
 
     def compress_leaf(g, residual, key, sends, include) -> _LeafOut:
         shape, n = g.shape, g.size
         out_dtype = g.dtype
-        x = g.reshape(-1).astype(residual_dtype)
+        if error_feedback:
+            rdt = residual.dtype  # fixed per leaf by init (resolve_residual_dtype)
+        else:  # no residual allocated: the dtype init would have given it
+            rdt = resolve_residual_dtype(residual_dtype, [g])
+        x = g.reshape(-1).astype(rdt)
         acc = residual.reshape(-1) + x if error_feedback else x
 
+        kept = None
         if n == 0 or n <= min_dense_size:
             sent_out = jnp.where(sends, acc, 0).astype(out_dtype)
             if axis_name is None:
@@ -502,11 +600,9 @@ def quantize(
                 update, wire = _gather_mean(codes, scales, n, out_dtype, include)
             message = _nbytes(codes) + _nbytes(scales)
             nbytes = jnp.where(sends, message, 0).astype(jnp.int32)
-        if error_feedback:
-            new_res = acc - sent_out.astype(residual_dtype)
-        else:
-            new_res = residual.reshape(-1)
-        return _LeafOut(update.reshape(shape), new_res.reshape(shape), nbytes, wire)
+            kept = (codes, scales) if keep_message else None
+        new_res = (acc - sent_out.astype(rdt)).reshape(shape) if error_feedback else None
+        return _LeafOut(update.reshape(shape), new_res, nbytes, wire, kept)
 
     def _gather_mean(codes, scales, n, out_dtype, include):
         n_dev = collectives.axis_size(axis_name)
@@ -517,26 +613,49 @@ def quantize(
             include = jnp.asarray(include, jnp.bool_)
             denom = jnp.maximum(lax.psum(include.astype(jnp.float32), axis_name), 1.0)
             extra = collectives.allreduce_bytes(4, n_dev)
-        all_codes = lax.all_gather(codes, axis_name)
-        all_scales = lax.all_gather(scales, axis_name)
+        all_codes = collectives.all_gather_invariant(codes, axis_name)
+        all_scales = collectives.all_gather_invariant(scales, axis_name)
         decoded = jax.vmap(lambda c, s: quantizer.decode(c, s, n))(all_codes, all_scales)
         mean = jnp.sum(decoded, axis=0) / denom
         wire = collectives.allgather_bytes(_nbytes(codes) + _nbytes(scales), n_dev) + extra
         return _to_dtype(mean, out_dtype), jnp.float32(wire)
 
     def init(params):
+        V.check_gradient_leaves(params, "jaxcomp.quantize.init", "parameter")
         return QuantizeState(
             step=jnp.zeros([], jnp.int32),
-            residual=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), residual_dtype), params),
+            # Without error feedback no residual is allocated (a full gradient copy).
+            residual=jax.tree.map(
+                lambda p: jnp.zeros(jnp.shape(p), resolve_residual_dtype(residual_dtype, [p])),
+                params,
+            )
+            if error_feedback
+            else None,
             key=jax.random.key_data(jax.random.key(seed)),
             message_bytes=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params),
             wire_bytes=jnp.zeros([], jnp.float32),
             nonfinite_steps=jnp.zeros([], jnp.int32),
+            message=jax.tree.map(_empty_message, params) if keep_message else None,
         )
+
+    def _empty_message(p):
+        """Zeros shaped like the leaf's message; None for a leaf sent dense."""
+        n = math.prod(jnp.shape(p))
+        if n == 0 or n <= min_dense_size:
+            return None
+        x = jax.ShapeDtypeStruct((n,), jnp.float32)
+        shapes = jax.eval_shape(quantizer.encode, x, jax.random.key(0))
+        return tuple(jnp.zeros(o.shape, o.dtype) for o in shapes)
 
     def update(updates, state, params=None, *, include=None, **extra_args):
         """``include``: optional bool scalar, this device's backup-worker flag."""
         del params, extra_args
+        V.check_gradient_leaves(updates, "jaxcomp.quantize")
+        if error_feedback:
+            V.check_tree_like(updates, state.residual, "jaxcomp.quantize")
+        else:  # no residual: message_bytes is laid out like the parameters too
+            V.check_tree_like(updates, state.message_bytes, "jaxcomp.quantize", shapes=False)
+        check_per_device(updates, axis_name, "jaxcomp.quantize")
         grads, finite, send_ok = apply_nonfinite_policy(updates, nonfinite)
         if include is not None:
             include = jnp.asarray(include, jnp.bool_)
@@ -548,7 +667,10 @@ def quantize(
                 key = jax.random.fold_in(key, lax.axis_index(axis_name))
 
         g_leaves, treedef = jax.tree.flatten(grads)
-        r_leaves = treedef.flatten_up_to(state.residual)
+        if error_feedback:
+            r_leaves = treedef.flatten_up_to(state.residual)
+        else:
+            r_leaves = [None] * len(g_leaves)
         outs = [
             compress_leaf(g, r, jax.random.fold_in(key, i), sends, include)
             if quantizer.randomized
@@ -561,11 +683,12 @@ def quantize(
 
         new_state = QuantizeState(
             step=state.step + 1,
-            residual=field("residual"),
+            residual=field("residual") if error_feedback else None,
             key=state.key,
             message_bytes=field("message_bytes"),
             wire_bytes=sum((o.wire_bytes for o in outs), jnp.float32(0)),
             nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+            message=field("message") if keep_message else None,
         )
         return field("update"), new_state
 

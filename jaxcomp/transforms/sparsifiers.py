@@ -1,19 +1,41 @@
 """The named sparsifying compressors: thin wrappers over :func:`sparsify`.
 
-Each factory takes ``ratio`` as its first keyword, its selector's options, and
-the common options of :func:`jaxcomp.sparsify` (``axis_name``,
+Each factory takes ``ratio`` as its first argument, its selector's options, and
+the common options of :func:`jaxcomp.sparsify` as keywords (listed explicitly,
+so ``optax.inject_hyperparams`` can bind them): ``axis_name``,
 ``min_dense_size``, ``residual_dtype``, ``capacity_factor``, ``momentum``,
 ``momentum_masking``, ``warmup_ratios``, ``steps_per_epoch``,
-``granularity``, ``nonfinite``, ``seed``) as keywords.
+``granularity``, ``nonfinite``, ``exchange``, ``seed``.
+
+With ``optax.inject_hyperparams`` the traceable hyperparameters (``momentum``,
+``threshold``, ``delta``, ``decay``, ``seed``) live in the optimizer state and
+can change between steps without recompiling; options that fix shapes, sizes
+or iteration caps default to ``None`` (their documented value) and, when given,
+must be named in ``static_args`` (``ratio`` always):
+
+    >>> import jax, jax.numpy as jnp, optax, jaxcomp
+    >>> tx = optax.inject_hyperparams(jaxcomp.ldte_bs, static_args=("ratio",))(
+    ...     ratio=0.01, momentum=0.9)
+    >>> g = {"w": jnp.linspace(-1.0, 1.0, 1000)}
+    >>> state = tx.init(g)
+    >>> u, state = jax.jit(tx.update)(g, state)
+    >>> state.hyperparams["momentum"] = jnp.float32(0.5)  # takes effect, no retrace
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import jax
 import optax
 
+from jaxcomp import _validation as V
+from jaxcomp.selection.selectors import DEFAULT_MOMENT_SAMPLE
 from jaxcomp.transforms.sparsify import sparsify
 
 __all__ = [
+    "LDTE_VARIANTS",
     "binary_search",
     "dgc",
     "gaussian_k",
@@ -25,16 +47,74 @@ __all__ = [
 ]
 
 _Tx = optax.GradientTransformationExtraArgs
+_Float = float | jax.Array
+
+# The options each LDTE-BS variant fixes. "paper" is Algorithm 2 of the ldte_bs
+# paper exactly: moments of every element, aim at k, bisection (so no
+# sample-quantile probes, which only run with search="interpolate").
+LDTE_VARIANTS = {
+    "improved": dict(
+        estimator="moments", search="interpolate", aim=1.25, moment_sample=DEFAULT_MOMENT_SAMPLE
+    ),
+    "paper": dict(estimator="moments", search="bisect", aim=1.0, moment_sample=None),
+}
 
 
-def top_k(ratio: float, *, method: str = "top_k", **kwargs) -> _Tx:
+def _common(
+    axis_name,
+    min_dense_size,
+    residual_dtype,
+    capacity_factor,
+    momentum,
+    momentum_masking,
+    warmup_ratios,
+    steps_per_epoch,
+    granularity,
+    nonfinite,
+    exchange,
+    seed,
+) -> dict:
+    return dict(
+        axis_name=axis_name,
+        min_dense_size=min_dense_size,
+        residual_dtype=residual_dtype,
+        capacity_factor=capacity_factor,
+        momentum=momentum,
+        momentum_masking=momentum_masking,
+        warmup_ratios=warmup_ratios,
+        steps_per_epoch=steps_per_epoch,
+        granularity=granularity,
+        nonfinite=nonfinite,
+        exchange=exchange,
+        seed=seed,
+    )
+
+
+def top_k(
+    ratio: float,
+    *,
+    method: str = "top_k",
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    seed: int | jax.Array = 0,
+) -> _Tx:
     """Exact top-k sparsification with error feedback (residual gradient compression).
 
     Args:
       ratio: density in (0, 1].
       method: ``"top_k"`` (``lax.top_k``, radix-select on GPU) or ``"sort"``
         (full sort, the reference).
-      **kwargs: common options of :func:`jaxcomp.sparsify`.
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxcomp
@@ -44,32 +124,68 @@ def top_k(ratio: float, *, method: str = "top_k", **kwargs) -> _Tx:
       >>> [float(v) for v in u["w"]]
       [-0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -9.0]
     """
-    if method not in ("top_k", "sort"):
-        raise ValueError(f"method must be 'top_k' or 'sort', got {method!r}")
-    return sparsify("top_k" if method == "top_k" else "sort_top_k", ratio, **kwargs)
+    method = V.check_choice("method", method, ("top_k", "sort"))
+    common = _common(
+        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
+        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+    )  # fmt: skip
+    return sparsify("top_k" if method == "top_k" else "sort_top_k", ratio, **common)
 
 
 def ldte_bs(
     ratio: float,
     *,
-    estimator: str = "moments",
-    search: str = "interpolate",
-    aim: float = 1.25,
-    moment_sample: int | None = 65536,
-    upper: float = 1.5,
-    max_iters: int = 40,
-    delta: float = 0.0,
-    exact_below: int = 0,
-    **kwargs,
+    variant: str = "improved",
+    estimator: str | None = None,
+    search: str | None = None,
+    aim: float | None = None,
+    moment_sample: int | str | None = "auto",
+    upper: float | None = None,
+    max_iters: int | None = None,
+    delta: _Float = 0.0,
+    exact_below: int | None = None,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    seed: int | jax.Array = 0,
 ) -> _Tx:
     """LDTE-BS: Laplacian threshold estimate with a binary-search correction.
 
     Sends between ``k`` and ``1.5 k`` elements per leaf whenever the data
     allows; see :func:`jaxcomp.selection.ldte_bs` for the options.
-    ``search="bisect", aim=1.0, moment_sample=None`` is the paper's algorithm
-    exactly; the defaults aim the estimate at the middle of the window,
-    estimate the moments from a 65536-element strided sample, and refine by
-    interpolating log counts (fewer passes, same guarantee).
+
+    Args:
+      ratio: density in (0, 1].
+      variant: ``"improved"`` (default: the estimate aims at the middle of the
+        window, ``aim=1.25``; moments from a 65536-element strided sample;
+        interpolation search on log counts after sample-quantile probes: fewer
+        passes, same guarantee) or ``"paper"`` (the paper's algorithm exactly:
+        ``estimator="moments", search="bisect", aim=1.0, moment_sample=None``,
+        no probes). The variant sets the defaults of ``estimator``,
+        ``search``, ``aim`` and ``moment_sample``; under ``"improved"``
+        explicit values override them, under ``"paper"`` an explicit value
+        that differs from the paper's raises ``ValueError``.
+      estimator: ``"moments"`` or ``"mle"`` (None: the variant's).
+      search: ``"bisect"``, ``"fibonacci"`` or ``"interpolate"`` (None: the
+        variant's).
+      aim: the estimate targets ``aim * k`` elements, in ``(0, upper]``
+        (None: the variant's).
+      moment_sample: elements the moments are estimated from; ``None`` uses
+        every element; ``"auto"``: the variant's (65536 / every element).
+      upper: the window's upper factor (None: 1.5, the paper's).
+      max_iters: cap on search probes (None: 40).
+      delta: stop the search when the bracket is narrower (traceable).
+      exact_below: leaves with fewer elements use exact top-k (None: 0).
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
 
     Example:
       >>> import jax, optax, jaxcomp
@@ -79,79 +195,277 @@ def ldte_bs(
       >>> bool(100 <= optax.tree.get(state, "sent_count")["w"] <= 150)
       True
     """
-    opts = dict(
-        estimator=estimator,
-        search=search,
-        aim=aim,
-        moment_sample=moment_sample,
+    variant = V.check_choice("variant", variant, tuple(LDTE_VARIANTS))
+    fixed = LDTE_VARIANTS[variant]
+    given = dict(estimator=estimator, search=search, aim=aim)
+    if moment_sample != "auto":
+        given["moment_sample"] = moment_sample
+    given = {k: v for k, v in given.items() if v is not None or k == "moment_sample"}
+    if variant == "paper":
+        for name, value in given.items():
+            same = value is None if fixed[name] is None else _equal(value, fixed[name])
+            if not same:
+                raise ValueError(
+                    f"ldte_bs(variant='paper') is the paper's algorithm exactly: {name} must "
+                    f"be {fixed[name]!r} (or left unset), got {value!r}; use "
+                    "variant='improved' to change it"
+                )
+    opts = {**fixed, **given}
+    opts["estimator"] = V.check_choice("estimator", opts["estimator"], ("moments", "mle"))
+    upper = V.check_real("upper", 1.5 if upper is None else upper, 1.0)
+    opts["aim"] = V.check_real("aim", opts["aim"], 0.0, upper, low_open=True)
+    opts["moment_sample"] = V.check_int("moment_sample", opts["moment_sample"], 2, allow_none=True)
+    opts.update(
         upper=upper,
-        max_iters=max_iters,
-        delta=delta,
-        exact_below=exact_below,
+        max_iters=V.check_int("max_iters", 40 if max_iters is None else max_iters, 0),
+        delta=V.check_real("delta", delta, 0.0, allow_traced=True),
+        exact_below=V.check_int("exact_below", 0 if exact_below is None else exact_below, 0),
     )
     # The message holds the whole window [k, upper * k] unless told otherwise.
-    kwargs.setdefault("capacity_factor", upper)
-    return sparsify("ldte_bs", ratio, selector_options=opts, **kwargs)
+    capacity_factor = upper if capacity_factor is None else capacity_factor
+    common = _common(
+        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
+        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+    )  # fmt: skip
+    return sparsify("ldte_bs", ratio, selector_options=opts, **common)
+
+
+def _equal(value, expected) -> bool:
+    try:
+        return bool(value == expected) and not isinstance(value, bool)
+    except Exception:  # arrays and odd types: not the paper's value
+        return False
 
 
 def binary_search(
     ratio: float,
     *,
     start: str = "zero",
-    upper: float = 1.5,
-    max_iters: int = 40,
-    delta: float = 0.0,
-    **kwargs,
+    upper: float | None = None,
+    max_iters: int | None = None,
+    delta: _Float = 0.0,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    seed: int | jax.Array = 0,
 ) -> _Tx:
-    """RedSync's binary search on the threshold, without a distribution estimate."""
-    opts = dict(start=start, upper=upper, max_iters=max_iters, delta=delta)
-    kwargs.setdefault("capacity_factor", upper)
-    return sparsify("binary_search", ratio, selector_options=opts, **kwargs)
+    """RedSync's binary search on the threshold, without a distribution estimate.
+
+    Args:
+      ratio: density in (0, 1].
+      start: ``"zero"`` (bisect ``[0, max|x|]``) or ``"mean"`` (RedSync's code).
+      upper: accept ``k <= nnz <= upper * k`` (None: 1.5).
+      max_iters: cap on probes (None: 40).
+      delta: stop when the bracket is narrower than this (traceable).
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
+    """
+    start = V.check_choice("start", start, ("zero", "mean"))
+    upper = V.check_real("upper", 1.5 if upper is None else upper, 1.0)
+    opts = dict(
+        start=start,
+        upper=upper,
+        max_iters=V.check_int("max_iters", 40 if max_iters is None else max_iters, 0),
+        delta=V.check_real("delta", delta, 0.0, allow_traced=True),
+    )
+    capacity_factor = upper if capacity_factor is None else capacity_factor
+    common = _common(
+        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
+        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+    )  # fmt: skip
+    return sparsify("binary_search", ratio, selector_options=opts, **common)
 
 
 def dgc(
     ratio: float,
     *,
-    sample_ratio: float = 0.01,
-    upper: float = 1.3,
-    decay: float = 0.8,
-    max_adaptations: int = 10,
-    **kwargs,
+    sample_ratio: float | None = None,
+    upper: float | None = None,
+    decay: _Float = 0.8,
+    max_adaptations: int | None = None,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    seed: int | jax.Array = 0,
 ) -> _Tx:
-    """DGC's sampled hierarchical top-k selection (add ``momentum=0.9`` for DGC's recipe)."""
+    """DGC's sampled hierarchical top-k selection (add ``momentum=0.9`` for DGC's recipe).
+
+    Args:
+      ratio: density in (0, 1].
+      sample_ratio: fraction sampled for the threshold, in (0, 1] (None: 0.01).
+      upper: exact top-k among survivors above ``upper * k`` (None: 1.3).
+      decay: threshold factor in (0, 1) while too few pass (traceable).
+      max_adaptations: cap on decay rounds (None: 10).
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
+    """
     opts = dict(
-        sample_ratio=sample_ratio, upper=upper, decay=decay, max_adaptations=max_adaptations
+        sample_ratio=V.check_ratio("sample_ratio", 0.01 if sample_ratio is None else sample_ratio),
+        upper=V.check_real("upper", 1.3 if upper is None else upper, 1.0),
+        decay=V.check_real("decay", decay, 0.0, 1.0, low_open=True, high_open=True,
+                           allow_traced=True),
+        max_adaptations=V.check_int(
+            "max_adaptations", 10 if max_adaptations is None else max_adaptations, 0
+        ),
+    )  # fmt: skip
+    common = _common(
+        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
+        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+    )  # fmt: skip
+    return sparsify("dgc", ratio, selector_options=opts, **common)
+
+
+def trimmed_top_k(
+    ratio: float,
+    *,
+    start: float | None = None,
+    step: float | None = None,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    seed: int | jax.Array = 0,
+) -> _Tx:
+    """RedSync's trimmed top-k: ``mean + r (max - mean)`` prefilter, then exact top-k.
+
+    Args:
+      ratio: density in (0, 1].
+      start: first ``r``, in [0, 1] (None: 0.8).
+      step: decrement of ``r`` while fewer than ``k`` survive, > 0 (None: 0.2).
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
+    """
+    opts = dict(
+        start=V.check_real("start", 0.8 if start is None else start, 0.0, 1.0),
+        step=V.check_real("step", 0.2 if step is None else step, 0.0, low_open=True),
     )
-    return sparsify("dgc", ratio, selector_options=opts, **kwargs)
+    common = _common(
+        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
+        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+    )  # fmt: skip
+    return sparsify("trimmed_top_k", ratio, selector_options=opts, **common)
 
 
-def trimmed_top_k(ratio: float, *, start: float = 0.8, step: float = 0.2, **kwargs) -> _Tx:
-    """RedSync's trimmed top-k: ``mean + r (max - mean)`` prefilter, then exact top-k."""
-    return sparsify("trimmed_top_k", ratio, selector_options=dict(start=start, step=step), **kwargs)
+def gaussian_k(
+    ratio: float,
+    *,
+    corrections: int | None = None,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    seed: int | jax.Array = 0,
+) -> _Tx:
+    """Gaussian-k (Shi et al.): Gaussian-fit threshold with up to 3 corrections.
+
+    Args:
+      ratio: density in (0, 1].
+      corrections: cap on threshold corrections, >= 0 (None: 3).
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
+    """
+    corrections = V.check_int("corrections", 3 if corrections is None else corrections, 0)
+    common = _common(
+        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
+        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+    )  # fmt: skip
+    return sparsify("gaussian_k", ratio, selector_options=dict(corrections=corrections), **common)
 
 
-def gaussian_k(ratio: float, *, corrections: int = 3, **kwargs) -> _Tx:
-    """Gaussian-k (Shi et al.): Gaussian-fit threshold with up to 3 corrections."""
-    if not (isinstance(corrections, int) and corrections >= 0):
-        raise ValueError(f"corrections must be an int >= 0, got {corrections!r}")
-    return sparsify("gaussian_k", ratio, selector_options=dict(corrections=corrections), **kwargs)
-
-
-def random_k(ratio: float, **kwargs) -> _Tx:
+def random_k(
+    ratio: float,
+    *,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    seed: int | jax.Array = 0,
+) -> _Tx:
     """k coordinates uniformly at random each step (unscaled, with error feedback).
 
     The PRNG stream comes from ``seed`` (folded with the step, the leaf and,
     under ``axis_name``, the device index), so runs are deterministic.
+
+    Args:
+      ratio: density in (0, 1].
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
     """
-    return sparsify("random_k", ratio, **kwargs)
+    common = _common(
+        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
+        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+    )  # fmt: skip
+    return sparsify("random_k", ratio, **common)
 
 
-def threshold(ratio: float, *, threshold: float, **kwargs) -> _Tx:
+def threshold(
+    ratio: float,
+    *,
+    threshold: _Float,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    seed: int | jax.Array = 0,
+) -> _Tx:
     """Fixed threshold ("fixed-v"): send ``|R| > threshold``.
 
     ``ratio`` sizes the message capacity ``ceil(1.5 * ratio * n)``; what passes
     the threshold beyond it stays in the residual.
+
+    Args:
+      ratio: density in (0, 1], sizes the capacity.
+      threshold: finite, >= 0 (traceable).
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
     """
-    if not threshold >= 0:
-        raise ValueError(f"threshold must be >= 0, got {threshold!r}")
-    return sparsify("threshold", ratio, selector_options=dict(threshold=threshold), **kwargs)
+    threshold = V.check_real("threshold", threshold, 0.0, allow_traced=True)
+    common = _common(
+        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
+        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+    )  # fmt: skip
+    return sparsify("threshold", ratio, selector_options=dict(threshold=threshold), **common)

@@ -22,6 +22,7 @@ static shapes and one compilation for all steps, warm-up included.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomp._vma import varying_like
+from jaxcomp import _validation as V
+from jaxcomp._vma import check_per_device, varying_like
 from jaxcomp.comm import collectives
 from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import selectors
@@ -111,13 +113,25 @@ class _LeafOut(NamedTuple):
     wire_bytes: jax.Array
 
 
-def _check_ratio(name: str, value: float):
-    if not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-
-
 def _capacity(k: int, n: int, capacity_factor: float) -> int:
     return min(n, max(k, math.ceil(capacity_factor * k)))
+
+
+def resolve_residual_dtype(residual_dtype: Any, leaves: Sequence[Any]) -> jnp.dtype:
+    """The residual dtype for these leaves: ``residual_dtype`` if given, else
+    float32 widened to the widest leaf dtype (float64 under ``jax_enable_x64``).
+
+    A float32 residual would silently round float64 gradients; bfloat16 and
+    float16 leaves still accumulate in float32.
+    """
+    if residual_dtype is not None:
+        return jnp.dtype(residual_dtype)
+    out = jnp.dtype(jnp.float32)
+    for leaf in leaves:
+        dt = jnp.result_type(leaf)  # canonical: float64 only under x64
+        if jnp.issubdtype(dt, jnp.floating) and dt.itemsize > out.itemsize:
+            out = dt
+    return out
 
 
 def sparsify(
@@ -126,17 +140,17 @@ def sparsify(
     *,
     selector_options: dict | None = None,
     axis_name: Any = None,
-    min_dense_size: int = 0,
-    residual_dtype: Any = jnp.float32,
-    capacity_factor: float = 1.5,
-    momentum: float = 0.0,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: float | jax.Array | None = None,
     momentum_masking: bool = True,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
     nonfinite: str = "skip",
     exchange: str = "auto",
-    seed: int = 0,
+    seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """A sparsifying compressor with error feedback around any selector.
 
@@ -151,13 +165,21 @@ def sparsify(
         ``None``: return the local decompressed update (one device).
       min_dense_size: leaves with at most this many elements are sent dense
         (the papers send biases and small tensors dense); their residual keeps
-        only the rounding to the gradient dtype (zero for float32).
-      residual_dtype: dtype of the residual (and of the accumulation).
+        only the rounding to the gradient dtype (zero for float32). None: 0.
+      residual_dtype: float dtype of the residual (and of the accumulation).
+        ``None`` (default): float32, or the parameter's dtype where it is
+        wider (float64 leaves under ``jax_enable_x64`` keep a float64
+        residual; bfloat16/float16 leaves accumulate in float32; with
+        ``granularity="global"`` the widest over all leaves). The
+        "nothing lost" contract holds bit for bit in this dtype. Selection
+        compares magnitudes in float32 either way.
       capacity_factor: messages hold at most ``ceil(capacity_factor * k)``
         pairs; selected elements beyond that (ties, a fixed threshold) stay in
-        the residual, first in index order sent first.
+        the residual, first in index order sent first. None: 1.5.
       momentum: DGC momentum correction factor ``m`` in [0, 1); then use plain
-        SGD after the compressor.
+        SGD after the compressor. None: no momentum correction (no velocity).
+        May be a JAX array (traced, e.g. from ``optax.inject_hyperparams``):
+        then the velocity is kept whatever its value.
       momentum_masking: DGC momentum factor masking (zero ``u`` where sent).
       warmup_ratios: ratios for the first epochs, one per epoch (DGC's:
         :data:`DGC_WARMUP`), then ``ratio``. Needs ``steps_per_epoch``. Every
@@ -180,7 +202,14 @@ def sparsify(
         the decompressed message) or ``"auto"`` (per leaf and warm-up phase,
         whichever moves fewer bytes: :func:`jaxcomp.comm.prefer_sparse`).
         Same update either way, up to float summation order.
-      seed: seed of the PRNG stream of random selectors (``random_k``).
+      seed: seed of the PRNG stream of random selectors (``random_k``), an
+        int32; only ``init`` reads it, so it may be traced.
+
+    Static options (shapes, sizes, caps) must be Python or numpy values; under
+    ``optax.inject_hyperparams`` name them in ``static_args`` (a traced one
+    raises a ``ValueError`` saying so). Gradient leaves must be real
+    floating-point arrays: complex, int and bool leaves, and an ``update``
+    tree unlike the one ``init`` saw, raise a ``ValueError`` naming the leaf.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with :class:`SparsifyState`.
@@ -200,61 +229,84 @@ def sparsify(
       True
     """
     # --- validation at construction -------------------------------------
+    # Static options default to None (the documented value) so that
+    # optax.inject_hyperparams leaves them alone; momentum and seed may be
+    # traced hyperparameters.
     if isinstance(selector, str):
         select_fn = selectors.get_selector(selector)
     elif callable(selector):
         select_fn = selector
     else:
         raise ValueError(f"selector must be a name or a callable, got {selector!r}")
-    _check_ratio("ratio", ratio)
-    if not (isinstance(min_dense_size, int) and min_dense_size >= 0):
-        raise ValueError(f"min_dense_size must be an int >= 0, got {min_dense_size!r}")
-    if not capacity_factor >= 1.0:
-        raise ValueError(f"capacity_factor must be >= 1, got {capacity_factor!r}")
-    if not (isinstance(momentum, (int, float)) and 0.0 <= momentum < 1.0):
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-    if granularity not in _GRANULARITY:
-        raise ValueError(f"granularity must be one of {_GRANULARITY}, got {granularity!r}")
-    if exchange not in collectives.EXCHANGES:
-        raise ValueError(f"exchange must be one of {collectives.EXCHANGES}, got {exchange!r}")
-    if nonfinite not in _NONFINITE:
-        raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
-    if not jnp.issubdtype(jnp.dtype(residual_dtype), jnp.floating):
-        raise ValueError(f"residual_dtype must be a float dtype, got {residual_dtype!r}")
-    residual_dtype = jnp.dtype(residual_dtype)
-    phase_ratios = [float(ratio)]
+    ratio = V.check_ratio("ratio", ratio)
+    min_dense_size = V.check_int(
+        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
+    )
+    capacity_factor = V.check_real(
+        "capacity_factor", 1.5 if capacity_factor is None else capacity_factor, 1.0
+    )
+    momentum = V.check_real(
+        "momentum",
+        0.0 if momentum is None else momentum,
+        0.0,
+        1.0,
+        high_open=True,
+        allow_traced=True,
+    )
+    # A JAX-array momentum (injected hyperparameter) keeps a velocity even at
+    # 0, so init and update agree on the state's structure.
+    use_velocity = V.is_dynamic(momentum) or momentum > 0
+    momentum_masking = V.check_bool("momentum_masking", momentum_masking)
+    granularity = V.check_choice("granularity", granularity, _GRANULARITY)
+    exchange = V.check_choice("exchange", exchange, collectives.EXCHANGES)
+    nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
+    if residual_dtype is not None:  # None: per leaf, see resolve_residual_dtype
+        residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
+    seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
+    phase_ratios = [ratio]
+    warmup_ratios = () if warmup_ratios is None else V.check_ratios("warmup_ratios", warmup_ratios)
+    steps_per_epoch = V.check_int("steps_per_epoch", steps_per_epoch, 1, allow_none=True)
     if warmup_ratios:
-        for r in warmup_ratios:
-            _check_ratio("warmup_ratios entries", r)
-        if not (isinstance(steps_per_epoch, int) and steps_per_epoch >= 1):
-            raise ValueError(
-                f"steps_per_epoch must be an int >= 1 with warmup_ratios, got {steps_per_epoch!r}"
-            )
+        if steps_per_epoch is None:
+            raise ValueError("steps_per_epoch must be an int >= 1 with warmup_ratios, got None")
         # A warm-up phase never sends less than the target itself.
-        phase_ratios = [max(float(r), float(ratio)) for r in warmup_ratios] + phase_ratios
+        phase_ratios = [max(r, ratio) for r in warmup_ratios] + phase_ratios
+    if selector_options is not None and not isinstance(selector_options, dict):
+        raise ValueError(f"selector_options must be a dict or None, got {selector_options!r}")
     options = dict(selector_options or {})
     needs_key = select_fn is selectors.random_k
     if options:
+        # Surface unknown or invalid selector options at construction. Only a
+        # signature mismatch is reported as an options error: any other error
+        # raised while tracing the selector propagates as it is, so that a bug
+        # inside the selector is not blamed on its options.
+        extra = {"key": jax.random.key(0)} if needs_key else {}
         try:
-            # Surface unknown or invalid selector options at construction.
-            jax.eval_shape(
-                lambda x: select_fn(
-                    x, 1, **options, **({"key": jax.random.key(0)} if needs_key else {})
-                ),
-                jax.ShapeDtypeStruct((4,), jnp.float32),
-            )
-        except TypeError as e:
-            raise ValueError(f"selector_options {sorted(options)} rejected: {e}") from None
+            signature = inspect.signature(select_fn)
+        except (TypeError, ValueError):  # some callables have no signature
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(None, 1, **options, **extra)
+            except TypeError as e:
+                raise ValueError(f"selector_options {sorted(options)} rejected: {e}") from None
+        jax.eval_shape(
+            lambda x: select_fn(x, 1, **options, **extra),
+            jax.ShapeDtypeStruct((4,), jnp.float32),
+        )
 
     # --- one leaf ---------------------------------------------------------
 
     def compress_leaf(g, residual, velocity, key, ctx) -> _LeafOut:
         shape, n = g.shape, g.size
         out_dtype = g.dtype
-        g32 = g.reshape(-1).astype(residual_dtype)
+        rdt = residual.dtype  # fixed per leaf by init (resolve_residual_dtype)
+        g32 = g.reshape(-1).astype(rdt)
         if velocity is not None:
             v = velocity.reshape(-1)
-            u = jnp.where(ctx.send_ok, momentum * v + g32, v)
+            # An injected (array) momentum rounds like a Python float would.
+            m = momentum.astype(rdt) if V.is_dynamic(momentum) else momentum
+            u = jnp.where(ctx.send_ok, m * v + g32, v)
             # A skipped step leaves both the velocity and the residual as they were.
             acc = residual.reshape(-1) + jnp.where(ctx.send_ok, u, 0)
         else:
@@ -263,7 +315,7 @@ def sparsify(
 
         if n == 0 or n <= min_dense_size:
             sent_out = jnp.where(ctx.sends, acc, 0).astype(out_dtype)
-            new_res = acc - sent_out.astype(residual_dtype)
+            new_res = acc - sent_out.astype(rdt)
             new_u = u
             if u is not None and momentum_masking:
                 new_u = jnp.where(ctx.sends, 0, u)
@@ -290,8 +342,16 @@ def sparsify(
             out = branches[0]()
         else:
             idx = jnp.minimum(ctx.step // steps_per_epoch, len(branches) - 1)
-            # Branch outputs must agree in device variance under shard_map.
-            out = lax.switch(idx, [lambda _, b=b: varying_like(b(), acc) for b in branches], None)
+
+            # Branch outputs must agree in device variance under shard_map:
+            # the per-device outputs are cast to varying; the update is
+            # exchanged (invariant) or local (varying) alike in every phase,
+            # and must stay invariant when exchanged (make_train_step reads it).
+            def matched(b):
+                update, *rest = b()
+                return (update, *varying_like(tuple(rest[:-1]), acc), rest[-1])
+
+            out = lax.switch(idx, [lambda _, b=b: matched(b) for b in branches], None)
         update, new_res, new_u, count, t, it, nbytes, wire = out
         return _LeafOut(
             update.reshape(shape),
@@ -336,10 +396,14 @@ def sparsify(
             limit = lax.cond(
                 sel.count > cap,
                 lambda _: kernels.extract(acc, sel.threshold, cap)[0][cap - 1],
-                lambda _: jnp.int32(n),
+                lambda _: varying_like(jnp.int32(n), acc),
                 None,
             )
-            mask = (jnp.abs(acc) > sel.threshold) & (lax.iota(jnp.int32, n) <= limit)
+            # Compared in float32 like the selector's counts and extract(): a
+            # float64 accumulator compared in float64 could select more than
+            # counted (values that round down to the threshold).
+            above = jnp.abs(acc.astype(jnp.float32)) > sel.threshold
+            mask = above & (lax.iota(jnp.int32, n) <= limit)
             sent_out = jnp.where(mask, acc, 0).astype(out_dtype)
             new_res = _keep_rest(acc, mask, sent_out)
             new_u = _mask_velocity(u, mask)
@@ -370,11 +434,11 @@ def sparsify(
         return update, new_res, new_u, sent, sel.threshold, sel.iterations, nbytes, wire
 
     def _keep_rest(acc, mask, sent_out):
-        if jnp.dtype(sent_out.dtype) == residual_dtype:
-            return jnp.where(mask, 0, acc).astype(residual_dtype)
+        if sent_out.dtype == acc.dtype:
+            return jnp.where(mask, 0, acc)
         # Keep the rounding of the wire dtype in the residual: exact, since
         # acc and its rounding are within a factor of 2 (Sterbenz).
-        return jnp.where(mask, acc - sent_out.astype(residual_dtype), acc)
+        return jnp.where(mask, acc - sent_out.astype(acc.dtype), acc)
 
     def _mask_velocity(u, mask):
         if u is None or not momentum_masking:
@@ -385,7 +449,7 @@ def sparsify(
         vals_out = vals.astype(out_dtype)
         n = acc.shape[0]
         sent_out = jnp.zeros((n,), out_dtype).at[idx].set(vals_out, mode="drop")
-        new_res = acc.at[idx].set(vals - vals_out.astype(residual_dtype), mode="drop")
+        new_res = acc.at[idx].set(vals - vals_out.astype(acc.dtype), mode="drop")
         new_u = u
         if u is not None and momentum_masking:
             new_u = u.at[idx].set(0, mode="drop")
@@ -394,11 +458,17 @@ def sparsify(
     # --- optax interface ---------------------------------------------------
 
     def init(params):
+        V.check_gradient_leaves(params, "jaxcomp.sparsify.init", "parameter")
+
+        if granularity == "global":  # one accumulator: one dtype for all leaves
+            common = resolve_residual_dtype(residual_dtype, jax.tree.leaves(params))
+
         def zeros(p):
-            return jnp.zeros(jnp.shape(p), residual_dtype)
+            rdt = common if granularity == "global" else resolve_residual_dtype(residual_dtype, [p])
+            return jnp.zeros(jnp.shape(p), rdt)
 
         residual = jax.tree.map(zeros, params)
-        velocity = jax.tree.map(zeros, params) if momentum > 0 else None
+        velocity = jax.tree.map(zeros, params) if use_velocity else None
         if granularity == "global":
             stats_like = 0
         else:
@@ -419,6 +489,9 @@ def sparsify(
     def update(updates, state, params=None, *, include=None, **extra_args):
         """``include``: optional bool scalar, this device's backup-worker flag."""
         del params, extra_args
+        V.check_gradient_leaves(updates, "jaxcomp.sparsify")
+        V.check_tree_like(updates, state.residual, "jaxcomp.sparsify")
+        check_per_device(updates, axis_name, "jaxcomp.sparsify")
         grads, finite, send_ok = apply_nonfinite_policy(updates, nonfinite)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
         if axis_name is not None and needs_key:
@@ -476,17 +549,14 @@ def sparsify(
         g_leaves, treedef = jax.tree.flatten(grads)
         sizes = [g.size for g in g_leaves]
         dtypes = {jnp.dtype(g.dtype) for g in g_leaves}
+        rdt = resolve_residual_dtype(residual_dtype, jax.tree.leaves(state.residual))
         # Mixed gradient dtypes travel in the residual dtype, one message.
-        wire_dtype = dtypes.pop() if len(dtypes) == 1 else residual_dtype
+        wire_dtype = dtypes.pop() if len(dtypes) == 1 else rdt
         flat_g = _concat([g.reshape(-1).astype(wire_dtype) for g in g_leaves], wire_dtype)
-        flat_r = _concat(
-            [r.reshape(-1) for r in treedef.flatten_up_to(state.residual)], residual_dtype
-        )
+        flat_r = _concat([r.reshape(-1) for r in treedef.flatten_up_to(state.residual)], rdt)
         flat_v = None
         if state.velocity is not None:
-            flat_v = _concat(
-                [v.reshape(-1) for v in treedef.flatten_up_to(state.velocity)], residual_dtype
-            )
+            flat_v = _concat([v.reshape(-1) for v in treedef.flatten_up_to(state.velocity)], rdt)
         o = compress_leaf(flat_g, flat_r, flat_v, key, ctx)
 
         def split(flat):
@@ -499,7 +569,7 @@ def sparsify(
             # Casting a leaf's share of the message to its own dtype rounds it:
             # keep that rounding in the residual too (exact, as for one leaf).
             res = [
-                r + (u_wide.astype(residual_dtype) - u.astype(residual_dtype))
+                r + (u_wide.astype(rdt) - u.astype(rdt))
                 for r, u_wide, u in zip(res, split(o.update), upd, strict=True)
             ]
         vel = None if o.velocity is None else treedef.unflatten(split(o.velocity))
