@@ -107,7 +107,14 @@ def step_fn(name, select, k, capacity):
     return jax.jit(step, donate_argnums=0)
 
 
-def run(sizes_log2, kinds, repeats, out_dir):
+def run(sizes_log2, kinds, repeats, out_dir, methods=None):
+    """Times every selector in ``methods`` (default all; ``top_k`` is the baseline, always run)."""
+    unknown = sorted(set(methods or ()) - set(SELECTORS))
+    if unknown:
+        raise ValueError(f"methods must be among {sorted(SELECTORS)}, got unknown {unknown}")
+    chosen = {
+        name: fn for name, fn in SELECTORS.items() if methods is None or name in {"top_k", *methods}
+    }
     results = []
     for kind in kinds:
         for lg in sizes_log2:
@@ -117,7 +124,7 @@ def run(sizes_log2, kinds, repeats, out_dir):
             cap = min(n, math.ceil(1.5 * k))
             floor = median_ms(jax.jit(lambda v: jnp.sum(jnp.abs(v))), x, repeats=repeats)
             row = {"data": kind, "log2_n": lg, "n": n, "k": k, "floor_ms": floor, "methods": {}}
-            for name, select in SELECTORS.items():
+            for name, select in chosen.items():
                 if name == "sort_top_k" and lg > SORT_MAX_LOG2:
                     continue
                 f = threshold_fn(select, k)
@@ -210,12 +217,14 @@ def main(argv=None):
     parser.add_argument("--sizes", default="10,12,14,16,18,20,22,24", help="log2 sizes")
     parser.add_argument("--data", default="laplace,mixture,zeros99")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--methods", default="", help="comma-separated selectors (default all)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     if args.repeats < 5:
         parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
     sizes = [int(s) for s in args.sizes.split(",")]
-    run(sizes, args.data.split(","), args.repeats, args.out)
+    methods = [m for m in args.methods.split(",") if m] or None
+    run(sizes, args.data.split(","), args.repeats, args.out, methods)
 
 
 if __name__ == "__main__":

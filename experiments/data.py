@@ -19,11 +19,13 @@ import numpy as np
 __all__ = [
     "CIFAR_URLS",
     "Dataset",
+    "dataset_path",
     "epoch_batches",
     "load_cifar",
     "load_dataset",
     "load_digits",
     "load_synthetic",
+    "missing_data_message",
     "steps_per_epoch",
 ]
 
@@ -136,7 +138,7 @@ def load_cifar(name: str, path: str, download: bool = False) -> Dataset:
         raise ValueError(f"unknown CIFAR dataset {name!r}; expected 'cifar10' or 'cifar100'")
     if not os.path.exists(path):
         if not download:
-            raise FileNotFoundError(f"{path} does not exist (pass download=True to fetch {name})")
+            raise FileNotFoundError(missing_data_message(name, path))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         urllib.request.urlretrieve(CIFAR_URLS[name], path)  # noqa: S310 (fixed https URL)
 
@@ -169,6 +171,34 @@ def load_cifar(name: str, path: str, download: bool = False) -> Dataset:
     return Dataset(norm(trx), try_, norm(tex), tey, num_classes)
 
 
+def missing_data_message(name: str, path: str, cli: bool = False) -> str:
+    """What to do when the ``name`` archive/directory ``path`` does not exist.
+
+    Args:
+      name: ``"cifar10"`` or ``"cifar100"``.
+      path: where it was looked for.
+      cli: name the command-line flags (``--data_dir``, ``--download``)
+        instead of the Python arguments.
+    """
+    data_dir, download = ("--data_dir", "--download") if cli else ("data_dir=", "download=True")
+    return (
+        f"{name} data not found at {path}: pass {data_dir} pointing at the extracted "
+        f"directory or the {os.path.basename(CIFAR_URLS[name])} archive, or {download} to "
+        f"fetch it from {CIFAR_URLS[name]} to that path"
+    )
+
+
+def dataset_path(name: str, data_dir: str | None = None) -> str | None:
+    """Where :func:`load_dataset` reads ``name`` from (None: built in, no file).
+
+    For CIFAR, ``data_dir`` or ``~/.cache/jaxcomp/<name>-python.tar.gz``.
+    """
+    if name not in CIFAR_URLS:
+        return None
+    archive = os.path.basename(CIFAR_URLS[name])
+    return data_dir or os.path.expanduser(f"~/.cache/jaxcomp/{archive}")
+
+
 def load_dataset(name: str, data_dir: str | None = None, download: bool = False) -> Dataset:
     """Loads ``digits``, ``synthetic``, ``cifar10`` or ``cifar100``.
 
@@ -180,9 +210,7 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
     if name == "synthetic":
         return load_synthetic()
     if name in CIFAR_URLS:
-        archive = os.path.basename(CIFAR_URLS[name])
-        path = data_dir or os.path.expanduser(f"~/.cache/jaxcomp/{archive}")
-        return load_cifar(name, path, download=download)
+        return load_cifar(name, dataset_path(name, data_dir), download=download)
     raise ValueError(f"unknown dataset {name!r}; expected digits, synthetic, cifar10, cifar100")
 
 

@@ -9,14 +9,19 @@ Example (8 simulated CPU devices)::
 absl flags live only here; one flag per :class:`experiments.train.TrainConfig`
 field. The configuration is validated before JAX starts any work, and
 ``--num_devices`` is applied to the CPU backend (``jax_num_cpu_devices``)
-before any device is queried.
+before any device is queried. The workdir's ``config.json`` must match the
+flags to resume (``--overwrite`` starts afresh instead); logging is quiet
+unless ``--verbose``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging as std_logging
+import os
+import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 __all__ = ["config_from_flags", "main"]
 
@@ -28,18 +33,37 @@ def _define_flags() -> None:
 
     d = TrainConfig()
     flags.DEFINE_enum("compressor", d.compressor, list(COMPRESSORS), "Compressor or 'dense'.")
-    flags.DEFINE_float("ratio", d.ratio, "Target density of the sparsifiers, in (0, 1].")
-    flags.DEFINE_integer("warmup_epochs", d.warmup_epochs, "Epochs of DGC warm-up (0..4).")
+    # Flags defaulting to None are per compressor: unset means the
+    # compressor's default, set for a compressor that does not use it is an error.
+    flags.DEFINE_float(
+        "ratio", d.ratio, "Target density of the sparsifiers, in (0, 1] (default 1e-3)."
+    )
+    flags.DEFINE_integer(
+        "warmup_epochs", d.warmup_epochs, "Epochs of DGC warm-up (0..4; sparsifiers)."
+    )
     flags.DEFINE_float("momentum", d.momentum, "SGD momentum.")
     flags.DEFINE_bool(
         "momentum_correction",
         d.momentum_correction,
-        "Momentum on the compressor (DGC momentum correction), plain SGD after it.",
+        "Momentum on the compressor (DGC momentum correction), plain SGD after it "
+        "(default: on for sparsifiers, off otherwise; not for quantizers).",
     )
-    flags.DEFINE_enum("granularity", d.granularity, ["layer", "global"], "Selection granularity.")
-    flags.DEFINE_integer("min_dense_size", d.min_dense_size, "Leaves this small are sent dense.")
-    flags.DEFINE_integer("levels", d.levels, "QSGD levels (required for qsgd).")
-    flags.DEFINE_integer("bucket_size", d.bucket_size, "Quantizer bucket size.")
+    flags.DEFINE_enum(
+        "granularity",
+        d.granularity,
+        ["layer", "global"],
+        "Selection granularity of the sparsifiers (default layer).",
+    )
+    flags.DEFINE_integer(
+        "min_dense_size",
+        d.min_dense_size,
+        "Leaves this small are sent dense (default: the compressor's, 0 or qsgd's 10000).",
+    )
+    flags.DEFINE_integer("levels", d.levels, "QSGD levels s (qsgd only; default 16).")
+    flags.DEFINE_integer(
+        "bits", d.bits, "QSGD 'b-bit' as in the paper: s = 2**bits levels (not with --levels)."
+    )
+    flags.DEFINE_integer("bucket_size", d.bucket_size, "Quantizer bucket size (default: leaf).")
     flags.DEFINE_integer("num_devices", d.num_devices, "Mesh size (simulated devices on CPU).")
     flags.DEFINE_string("dataset", d.dataset, "digits | synthetic | cifar10 | cifar100.")
     flags.DEFINE_string("data_dir", d.data_dir, "CIFAR directory or .tar.gz archive.")
@@ -54,10 +78,23 @@ def _define_flags() -> None:
     flags.DEFINE_bool("checkpoint", d.checkpoint, "Checkpoint every epoch and resume.")
     flags.DEFINE_bool("time_compression", d.time_compression, "Measure compression time share.")
     flags.DEFINE_integer("max_steps_per_epoch", d.max_steps_per_epoch, "Truncate epochs.")
+    flags.DEFINE_integer(
+        "coded_bytes_every",
+        d.coded_bytes_every,
+        "qsgd: every N steps measure the Elias-coded size of device 0's message on the host "
+        "(metrics: coded_bytes_per_step_per_device).",
+    )
     flags.DEFINE_string("coordinator_address", None, "Multi-process coordinator host:port.")
     flags.DEFINE_integer("num_processes", None, "Number of processes.")
     flags.DEFINE_integer("process_id", None, "This process's index.")
     flags.DEFINE_string("workdir", "/tmp/jaxcomp_run", "Output directory.")
+    flags.DEFINE_bool(
+        "overwrite",
+        False,
+        "Delete the workdir's checkpoints and metrics first (needed when they belong to "
+        "another configuration).",
+    )
+    flags.DEFINE_bool("verbose", False, "Show INFO logging (absl, orbax, jax).")
 
 
 _define_flags()
@@ -72,13 +109,23 @@ def config_from_flags():
     return TrainConfig(**{n: getattr(FLAGS, n) for n in names})
 
 
+def _set_logging(verbose: bool) -> None:
+    """absl (and so orbax) and jax loggers at WARNING unless verbose."""
+    level = std_logging.INFO if verbose else std_logging.WARNING
+    if not FLAGS["verbosity"].present:  # an explicit --verbosity wins
+        logging.set_verbosity(logging.INFO if verbose else logging.WARNING)
+    for name in ("jax", "orbax", "absl"):
+        std_logging.getLogger(name).setLevel(level)
+
+
 def main(argv) -> None:
     """Validates the flags, sets up devices / processes, then trains."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _set_logging(FLAGS.verbose)
     import jax  # noqa: PLC0415
 
-    from experiments import train  # noqa: PLC0415
+    from experiments import data, train  # noqa: PLC0415
 
     config = config_from_flags()
     # Everything that does not need devices is checked before JAX starts.
@@ -86,6 +133,9 @@ def main(argv) -> None:
         train.validate_config(config)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
+    path = data.dataset_path(config.dataset, config.data_dir)
+    if path is not None and not config.download and not os.path.exists(path):
+        sys.exit(f"error: {data.missing_data_message(config.dataset, path, cli=True)}")
     multi = config.coordinator_address is not None
     if multi:
         train.jaxcomp.distributed.initialize_multiprocess(
@@ -99,7 +149,10 @@ def main(argv) -> None:
     elif config.num_devices and jax.config.jax_platforms in (None, "", "cpu"):
         # Must precede the first device query; harmless when a GPU is used.
         jax.config.update("jax_num_cpu_devices", config.num_devices)
-    result = train.train_and_evaluate(config, FLAGS.workdir)
+    try:
+        result = train.train_and_evaluate(config, FLAGS.workdir, overwrite=FLAGS.overwrite)
+    except train.WorkdirError as e:
+        sys.exit(f"error: {e}")
     final = result["final"]
     if final is not None and jax.process_index() == 0:
         print(

@@ -14,6 +14,9 @@ Outputs in ``workdir``:
   per-device optimizer state with residuals, velocities and PRNG key data,
   and the epoch, which is the whole data-order state); a rerun with the same
   workdir resumes from the latest one.
+- ``config.json``: the resolved configuration, written before training. A
+  run refuses (``ValueError``) a workdir whose checkpoints or metrics belong
+  to another configuration, unless told to overwrite them.
 """
 
 from __future__ import annotations
@@ -36,14 +39,21 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 from experiments import data as data_lib
 from experiments import models
+from jaxcomp.transforms.quantize import qsgd_levels
 
 __all__ = [
     "COMPRESSORS",
+    "CONFIG_FILE",
+    "RESUMABLE_FIELDS",
     "QUANTIZERS",
     "SPARSIFIERS",
+    "SPARSIFIER_FACTORIES",
     "TrainConfig",
+    "WorkdirError",
     "build_optimizer",
+    "resolve_config",
     "train_and_evaluate",
+    "unused_fields",
     "validate_config",
     "write_plots",
 ]
@@ -51,6 +61,7 @@ __all__ = [
 AXIS = "data"
 SPARSIFIERS = (
     "ldte_bs",
+    "ldte_bs_paper",
     "top_k",
     "dgc",
     "trimmed_top_k",
@@ -58,6 +69,8 @@ SPARSIFIERS = (
     "gaussian_k",
     "random_k",
 )
+# Registry names that are not a jaxcomp factory name: (factory, fixed options).
+SPARSIFIER_FACTORIES = {"ldte_bs_paper": ("ldte_bs", {"variant": "paper"})}
 QUANTIZERS = ("qsgd", "onebit", "sign_sgd", "ef_sign_sgd", "bounded_sign")
 COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS)
 SCHEDULES = ("constant", "cosine")
@@ -68,19 +81,31 @@ DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
 class TrainConfig:
     """Everything a training run depends on (one absl flag per field in main.py).
 
+    Fields that only some compressors use default to None ("unset") and are
+    resolved per compressor by :func:`resolve_config`; setting one for a
+    compressor that does not use it is a ``ValueError`` (see
+    :func:`unused_fields`), so no flag is ever silently ignored.
+
     Attributes:
       compressor: ``"dense"`` or a jaxcomp factory name (see ``COMPRESSORS``).
-      ratio: target density of the sparsifiers, in (0, 1].
-      warmup_epochs: epochs of DGC warm-up (``jaxcomp.DGC_WARMUP[:warmup_epochs]``).
+      ratio: target density of the sparsifiers, in (0, 1] (None: 1e-3;
+        sparsifiers only).
+      warmup_epochs: epochs of DGC warm-up (``jaxcomp.DGC_WARMUP[:warmup_epochs]``;
+        sparsifiers only when nonzero).
       momentum: SGD momentum.
       momentum_correction: put the momentum on the compressor (DGC momentum
-        correction) and use plain SGD after it; sparsifiers only (for dense it
-        is the same as optimizer momentum).
+        correction) and use plain SGD after it (None: on for sparsifiers, off
+        for dense and quantizers; True is rejected for quantizers, and for
+        dense it is the same as optimizer momentum).
       granularity: ``"layer"`` (per-leaf k) or ``"global"`` (one k for the
-        whole model) for sparsifiers.
-      min_dense_size: leaves this small are sent dense (sparsifiers).
-      levels: QSGD quantization levels (required for ``qsgd``).
-      bucket_size: bucket size of the quantizers (None: whole leaf).
+        whole model) (None: ``"layer"``; sparsifiers only).
+      min_dense_size: leaves this small are sent dense (None: the compressor
+        factory's default, 0 for sparsifiers and 10000 for ``qsgd``; not for dense).
+      levels: QSGD quantization levels ``s`` (None: 16, the QSGD paper's
+        "4-bit"; ``qsgd`` only).
+      bits: QSGD's "b-bit" as in the QSGD paper: ``s = 2**bits`` levels, the
+        sign apart (``qsgd`` only; give ``levels`` or ``bits``, not both).
+      bucket_size: bucket size of the quantizers (None: whole leaf; quantizers only).
       num_devices: mesh size (None: every device).
       dataset: ``digits``, ``synthetic``, ``cifar10``, ``cifar100``.
       data_dir: CIFAR directory or ``.tar.gz`` archive.
@@ -97,19 +122,24 @@ class TrainConfig:
       time_compression: measure ``compression_time_share`` each epoch (costs
         one extra compilation of the compressor; -1 when off).
       max_steps_per_epoch: truncate epochs (tests, quick looks); None: all.
+      coded_bytes_every: every this many steps, read device 0's last QSGD
+        message on the host and measure its Elias-coded size (the QSGD
+        paper's measure), recorded as ``coded_bytes_per_step_per_device``
+        (``qsgd`` only; None: off, and the metric is -1).
       coordinator_address: multi-process coordinator ``host:port`` (None: one process).
       num_processes: number of processes (with ``coordinator_address``).
       process_id: this process's index (with ``coordinator_address``).
     """
 
     compressor: str = "ldte_bs"
-    ratio: float = 1e-3
+    ratio: float | None = None
     warmup_epochs: int = 0
     momentum: float = 0.9
-    momentum_correction: bool = True
-    granularity: str = "layer"
-    min_dense_size: int = 0
+    momentum_correction: bool | None = None
+    granularity: str | None = None
+    min_dense_size: int | None = None
     levels: int | None = None
+    bits: int | None = None
     bucket_size: int | None = None
     num_devices: int | None = None
     dataset: str = "digits"
@@ -125,9 +155,70 @@ class TrainConfig:
     checkpoint: bool = True
     time_compression: bool = True
     max_steps_per_epoch: int | None = None
+    coded_bytes_every: int | None = None
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+
+
+def _kind(compressor: str) -> str:
+    if compressor in SPARSIFIERS:
+        return "the sparsifier"
+    if compressor in QUANTIZERS:
+        return "the quantizer"
+    return "the baseline"
+
+
+def unused_fields(compressor: str) -> dict:
+    """The optional :class:`TrainConfig` fields ``compressor`` does not use.
+
+    Args:
+      compressor: a name in ``COMPRESSORS``.
+
+    Returns:
+      ``{field: description of the compressors that use it}`` for every
+      field that must stay None (unset) with ``compressor``.
+    """
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    if compressor not in SPARSIFIERS:
+        out["ratio"] = out["granularity"] = "the sparsifiers"
+    if compressor not in QUANTIZERS:
+        out["bucket_size"] = "the quantizers"
+    if compressor != "qsgd":
+        # "bits" is qsgd's other way to give the levels, when the config has it.
+        out.update({n: "qsgd" for n in ("levels", "bits", "coded_bytes_every") if n in names})
+    if compressor == "dense":
+        out["min_dense_size"] = "the sparsifiers and quantizers"
+    return out
+
+
+def resolve_config(config: TrainConfig) -> TrainConfig:
+    """``config`` validated, with its unset per-compressor fields given their defaults.
+
+    Sparsifiers: ``ratio=1e-3``, ``granularity="layer"``,
+    ``momentum_correction=True``. Quantizers: ``momentum_correction=False``;
+    ``qsgd``: ``levels=16`` when neither ``levels`` nor ``bits`` is given.
+    Dense: ``momentum_correction=False`` (either value is the same run).
+    ``min_dense_size`` unset means the compressor factory's own default.
+    Fields the compressor does not use stay None.
+
+    Raises:
+      ValueError: as :func:`validate_config`.
+    """
+    validate_config(config)
+    c = config
+    if c.compressor in SPARSIFIERS:
+        return dataclasses.replace(
+            c,
+            ratio=1e-3 if c.ratio is None else c.ratio,
+            granularity=c.granularity or "layer",
+            momentum_correction=True if c.momentum_correction is None else c.momentum_correction,
+        )
+    c = dataclasses.replace(c, momentum_correction=False)
+    if c.compressor == "qsgd" and c.levels is None and getattr(c, "bits", None) is None:
+        c = dataclasses.replace(c, levels=16)
+    return c
 
 
 def validate_config(config: TrainConfig, device_count: int | None = None) -> None:
@@ -145,25 +236,44 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
     if c.compressor not in COMPRESSORS:
         fail(f"unknown compressor {c.compressor!r}; expected one of {', '.join(COMPRESSORS)}")
     sparse = c.compressor in SPARSIFIERS
-    if sparse and not 0.0 < c.ratio <= 1.0:
+    kind = _kind(c.compressor)
+    # A flag the compressor would not read is an error, never silently ignored.
+    for name, users in unused_fields(c.compressor).items():
+        if getattr(c, name) is not None:
+            fail(
+                f"{name} (--{name}) is not used by {kind} {c.compressor!r} (it applies to "
+                f"{users}); leave it unset"
+            )
+    if c.ratio is not None and not 0.0 < c.ratio <= 1.0:
         fail(f"ratio must be in (0, 1], got {c.ratio}")
     if not 0 <= c.warmup_epochs <= len(jaxcomp.DGC_WARMUP):
         fail(f"warmup_epochs must be in [0, {len(jaxcomp.DGC_WARMUP)}], got {c.warmup_epochs}")
     if c.warmup_epochs and not sparse:
-        fail(f"warmup_epochs needs a sparsifier ({', '.join(SPARSIFIERS)}), not {c.compressor!r}")
+        fail(
+            f"warmup_epochs (--warmup_epochs) needs a sparsifier ({', '.join(SPARSIFIERS)}), "
+            f"not {kind} {c.compressor!r}; leave it 0"
+        )
     if not 0.0 <= c.momentum < 1.0:
         fail(f"momentum must be in [0, 1), got {c.momentum}")
-    if c.momentum_correction and c.momentum > 0 and c.compressor in QUANTIZERS:
+    if c.momentum_correction and c.compressor in QUANTIZERS:
         fail(
-            f"momentum_correction needs a sparsifier, not the quantizer {c.compressor!r} "
-            "(set momentum_correction=False or momentum=0)"
+            f"momentum_correction (--momentum_correction) needs a sparsifier, not the "
+            f"quantizer {c.compressor!r} (leave it unset or false: quantizers run with "
+            "momentum on the optimizer)"
         )
-    if c.granularity not in ("layer", "global"):
+    if c.granularity is not None and c.granularity not in ("layer", "global"):
         fail(f"granularity must be 'layer' or 'global', got {c.granularity!r}")
-    if c.min_dense_size < 0:
+    if c.min_dense_size is not None and c.min_dense_size < 0:
         fail(f"min_dense_size must be >= 0, got {c.min_dense_size}")
-    if c.compressor == "qsgd" and (c.levels is None or c.levels < 1):
+    if c.levels is not None and c.levels < 1:
         fail(f"qsgd needs levels >= 1, got {c.levels}")
+    if c.bits is not None and not 1 <= c.bits <= 30:
+        fail(f"bits must be in [1, 30] (s = 2**bits levels), got {c.bits}")
+    if c.levels is not None and c.bits is not None:
+        fail(
+            "give qsgd one of levels (--levels, s itself) and bits (--bits, s = 2**bits), "
+            f"not both; got levels={c.levels}, bits={c.bits}"
+        )
     if c.bucket_size is not None and c.bucket_size < 1:
         fail(f"bucket_size must be >= 1, got {c.bucket_size}")
     if c.dataset not in DATASETS:
@@ -176,6 +286,8 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
         fail(f"need epochs >= 1, batch_size >= 1, lr > 0; got {c.epochs}, {c.batch_size}, {c.lr}")
     if c.max_steps_per_epoch is not None and c.max_steps_per_epoch < 1:
         fail(f"max_steps_per_epoch must be >= 1, got {c.max_steps_per_epoch}")
+    if c.coded_bytes_every is not None and c.coded_bytes_every < 1:
+        fail(f"coded_bytes_every must be >= 1 (or unset: off), got {c.coded_bytes_every}")
     if c.num_devices is not None:
         if c.num_devices < 1:
             fail(f"num_devices must be >= 1, got {c.num_devices}")
@@ -204,30 +316,45 @@ def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int)
     Returns:
       ``(tx, compressor)``; ``tx``'s state is ``(compressor_state, sgd_state)``.
     """
-    c = config
+    c = resolve_config(config)
     if c.schedule == "cosine":
         lr = optax.cosine_decay_schedule(c.lr, max(total_steps, 1))
     else:
         lr = c.lr
     on_compressor = c.momentum_correction and c.compressor in SPARSIFIERS and c.momentum > 0
+    # Unset: the factory's own default (qsgd sends leaves of <= 10000 dense).
+    dense_size = {} if c.min_dense_size is None else {"min_dense_size": c.min_dense_size}
     if c.compressor == "dense":
         compressor = jaxcomp.dense_exchange(AXIS)
     elif c.compressor in SPARSIFIERS:
         warmup = tuple(jaxcomp.DGC_WARMUP[: c.warmup_epochs]) or None
-        compressor = getattr(jaxcomp, c.compressor)(
+        factory, extra = SPARSIFIER_FACTORIES.get(c.compressor, (c.compressor, {}))
+        compressor = getattr(jaxcomp, factory)(
+            **extra,
             ratio=c.ratio,
             axis_name=AXIS,
             momentum=c.momentum if on_compressor else 0.0,
             warmup_ratios=warmup,
             steps_per_epoch=steps_per_epoch if warmup else None,
             granularity=c.granularity,
-            min_dense_size=c.min_dense_size,
+            **dense_size,
             seed=c.seed,
         )
     elif c.compressor == "qsgd":
-        compressor = jaxcomp.qsgd(c.levels, bucket_size=c.bucket_size, axis_name=AXIS, seed=c.seed)
+        compressor = jaxcomp.qsgd(
+            c.levels,
+            bits=c.bits,
+            bucket_size=c.bucket_size,
+            axis_name=AXIS,
+            seed=c.seed,
+            # Kept in the state only when measured: a copy of the message.
+            keep_message=c.coded_bytes_every is not None,
+            **dense_size,
+        )
     else:
-        compressor = getattr(jaxcomp, c.compressor)(bucket_size=c.bucket_size, axis_name=AXIS)
+        compressor = getattr(jaxcomp, c.compressor)(
+            bucket_size=c.bucket_size, axis_name=AXIS, **dense_size
+        )
     # Momentum correction: the compressor accumulates velocity, so the
     # optimizer after it must be plain SGD or momentum would apply twice.
     sgd = optax.sgd(lr) if on_compressor or c.momentum == 0 else optax.sgd(lr, momentum=c.momentum)
@@ -317,6 +444,19 @@ def _median_seconds(fn, *args, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def _coded_bytes(config: TrainConfig, opt_state, params) -> float:
+    """Elias-coded bytes (``jaxcomp.coding.encode_qsgd``) of device 0's last message.
+
+    Read on the host from the message the step kept (``keep_message``): this
+    process's first device's shard of the per-device state.
+    """
+    kept = {name: optax.tree.get(opt_state, name) for name in ("message", "message_bytes")}
+    kept = jax.tree.map(lambda a: np.asarray(a.addressable_data(0))[0], kept)
+    s = qsgd_levels(config.levels, config.bits)
+    per_leaf = jaxcomp.coding.coded_message_bytes(kept, params, s=s, bucket_size=config.bucket_size)
+    return float(sum(jax.tree.leaves(per_leaf)))
+
+
 def _host_tree(tree):
     """A replicated global tree as host numpy arrays (works across processes)."""
     return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
@@ -375,13 +515,140 @@ def _checkpoint_manager(workdir: str):
 def _read_records(path: str, upto: int) -> list:
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r for r in records if r["epoch"] <= upto]
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return [r for r in records if r["epoch"] <= upto]
+    except (ValueError, KeyError, TypeError) as e:
+        raise WorkdirError(
+            f"{path} is not a metrics file of this program ({e}){_OVERWRITE}"
+        ) from None
+
+
+class WorkdirError(ValueError):
+    """The workdir holds a run this configuration must not resume or mix with."""
+
+
+CONFIG_FILE = "config.json"
+_CONFIG_FORMAT = 1
+# Fields that change neither the trained parameters nor what the metrics
+# mean: a run may resume with other values. ``epochs`` may also change
+# (to train longer) when both schedules are "constant"; with "cosine" the
+# schedule of the epochs already done depends on it.
+RESUMABLE_FIELDS = (
+    "progress",
+    "checkpoint",
+    "time_compression",
+    "data_dir",
+    "download",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+)
+_OVERWRITE = (
+    "; use another --workdir, or pass --overwrite (train_and_evaluate(..., overwrite=True)) "
+    "to delete its checkpoints and metrics"
+)
+
+
+def _config_record(config: TrainConfig, num_devices: int) -> dict:
+    """What ``config.json`` holds: the resolved config with the real device count."""
+    fields = dataclasses.asdict(resolve_config(config))
+    fields["num_devices"] = num_devices
+    return {"format": _CONFIG_FORMAT, "config": fields}
+
+
+def _config_differences(stored: dict, current: dict) -> list:
+    constant = stored.get("schedule") == current.get("schedule") == "constant"
+    diffs = []
+    for name in sorted(set(stored) | set(current)):
+        if name in RESUMABLE_FIELDS or (name == "epochs" and constant):
+            continue
+        # A field absent from an older config.json had its default, None.
+        if stored.get(name) != current.get(name):
+            diffs.append(f"{name}={stored.get(name)!r} there, {current.get(name)!r} now")
+    return diffs
+
+
+def _has_state(workdir: str) -> bool:
+    """Whether ``workdir`` holds checkpoints or metrics a run could mix with its own."""
+    ckpt = os.path.join(workdir, "checkpoints")
+    if os.path.isdir(ckpt) and os.listdir(ckpt):
+        return True
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            return bool(f.read().strip())
+    return False
+
+
+def _clear_workdir(workdir: str) -> None:
+    """Deletes what this program wrote in ``workdir`` (nothing else)."""
+    import shutil  # noqa: PLC0415
+
+    shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+    for name in ("metrics.jsonl", "accuracy.png", CONFIG_FILE):
+        path = os.path.join(workdir, name)
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _check_workdir(config: TrainConfig, workdir: str, num_devices: int, overwrite: bool) -> None:
+    """Refuses a workdir holding another configuration's run; writes ``config.json``.
+
+    Runs before any training, so a resumed run can only continue its own
+    checkpoints and metrics.
+    """
+    record = _config_record(config, num_devices)
+    path = os.path.join(workdir, CONFIG_FILE)
+    primary = jax.process_index() == 0
+    if overwrite:
+        if primary:
+            _clear_workdir(workdir)
+    elif _has_state(workdir):
+        if not os.path.exists(path):
+            raise WorkdirError(
+                f"workdir {workdir} holds checkpoints or metrics but no {CONFIG_FILE} (written "
+                f"by an older version, or not by this program), so they cannot be checked "
+                f"against this configuration{_OVERWRITE}"
+            )
+        try:
+            with open(path) as f:
+                stored = json.load(f)
+            fmt, stored_config = stored["format"], stored["config"]
+            if not isinstance(stored_config, dict):
+                raise TypeError("'config' is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            raise WorkdirError(
+                f"{path} is not a valid run configuration ({e}){_OVERWRITE}"
+            ) from None
+        if fmt != _CONFIG_FORMAT:
+            raise WorkdirError(
+                f"{path} has format {fmt!r}, this program writes {_CONFIG_FORMAT}{_OVERWRITE}"
+            )
+        diffs = _config_differences(stored_config, record["config"])
+        if diffs:
+            raise WorkdirError(
+                f"workdir {workdir} holds a run with another configuration "
+                f"({'; '.join(diffs)}), refusing to resume from it{_OVERWRITE}"
+            )
+    if primary:
+        os.makedirs(workdir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=2)
+    if jax.process_count() > 1:
+        # The other processes must not list checkpoints while they are deleted.
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        multihost_utils.sync_global_devices("jaxcomp_check_workdir")
 
 
 def train_and_evaluate(
-    config: TrainConfig, workdir: str, *, stop_after_epoch: int | None = None
+    config: TrainConfig,
+    workdir: str,
+    *,
+    stop_after_epoch: int | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Trains ``config.model`` on ``config.dataset`` with ``config.compressor``.
 
@@ -395,6 +662,10 @@ def train_and_evaluate(
     ``message_bytes_per_step_per_device`` (the device's own compressed
     gradient, dense: 4 bytes per parameter), ``cumulative_bytes_per_device``,
     ``density`` (elements sent / parameters, -1 for quantizers),
+    ``coded_bytes_per_step_per_device`` (``qsgd`` with ``coded_bytes_every``:
+    the mean, over the epoch's measured steps, of the Elias-coded size of
+    device 0's message, ``jaxcomp.coding.coded_message_bytes``, beside the
+    fixed-width ``message_bytes``; -1 when not measured),
     ``compression_time_share`` and ``step_time``.
     ``compression_time_share`` is measured once per epoch: the median time
     of the compressor's update alone (compress, exchange, decompress; a
@@ -404,12 +675,17 @@ def train_and_evaluate(
 
     Args:
       config: the run configuration (validated first).
-      workdir: output directory (created); resumes from its checkpoints. With
-        several processes it must be one directory all of them share (orbax's
-        primary process creates the checkpoint directories; separate
+      workdir: output directory (created); resumes from its checkpoints. Its
+        ``config.json`` (the resolved configuration, written before training)
+        must match ``config`` except for ``RESUMABLE_FIELDS`` (and ``epochs``
+        with constant schedules) whenever it holds checkpoints or metrics.
+        With several processes it must be one directory all of them share
+        (orbax's primary process creates the checkpoint directories; separate
         per-process directories make the other processes wait and time out).
       stop_after_epoch: end this call after that epoch as if interrupted (the
         schedule still spans ``config.epochs``; rerun to resume).
+      overwrite: delete the workdir's checkpoints, metrics, plot and
+        ``config.json`` first instead of resuming (a new run).
 
     Returns:
       ``{"compile_time": seconds to compile the step in this call,
@@ -417,10 +693,20 @@ def train_and_evaluate(
       "params": host numpy parameters}``.
 
     Raises:
-      ValueError: invalid configuration (before any training).
+      ValueError: invalid configuration, a workdir holding another
+        configuration's run (or one without ``config.json``), or checkpoints
+        that cannot be restored (all before any training).
     """
     validate_config(config, jax.device_count())
-    c = config
+    c = resolve_config(config)
+    n_dev = c.num_devices or jax.device_count()
+    if jax.process_count() > 1 and n_dev != jax.device_count():
+        # A mesh over a prefix of jax.devices() would leave some processes out.
+        raise ValueError(
+            f"invalid config: with {jax.process_count()} processes num_devices must be "
+            f"every device ({jax.device_count()}), got {n_dev}"
+        )
+    _check_workdir(c, workdir, n_dev, overwrite)
     dataset = data_lib.load_dataset(c.dataset, c.data_dir, c.download)
     spe = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
     if spe < 1:
@@ -431,13 +717,6 @@ def train_and_evaluate(
     if c.max_steps_per_epoch is not None:
         spe = min(spe, c.max_steps_per_epoch)
     os.makedirs(workdir, exist_ok=True)
-    n_dev = c.num_devices or jax.device_count()
-    if jax.process_count() > 1 and n_dev != jax.device_count():
-        # A mesh over a prefix of jax.devices() would leave some processes out.
-        raise ValueError(
-            f"invalid config: with {jax.process_count()} processes num_devices must be "
-            f"every device ({jax.device_count()}), got {n_dev}"
-        )
     mesh = jax.make_mesh((n_dev,), (AXIS,), devices=jax.devices()[:n_dev])
     n_proc = c.num_processes or 1
     proc = c.process_id or 0
@@ -461,12 +740,28 @@ def train_and_evaluate(
     start_epoch = 0
     manager = ocp = None
     if c.checkpoint:
-        ocp, manager = _checkpoint_manager(workdir)
-        latest = manager.latest_step()
+        try:
+            ocp, manager = _checkpoint_manager(workdir)
+            latest = manager.latest_step()
+        except Exception as e:  # noqa: BLE001 (an unreadable directory, whatever orbax says)
+            raise WorkdirError(
+                f"cannot read the checkpoints in {os.path.join(workdir, 'checkpoints')} "
+                f"({type(e).__name__}: {e}){_OVERWRITE}"
+            ) from None
         if latest is not None:
             target = {"params": params, "opt_state": opt_state, "epoch": np.zeros([], np.int32)}
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-            restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+            try:
+                restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+            except Exception as e:  # noqa: BLE001 (any orbax failure means the same here)
+                manager.close()
+                cause = (str(e).strip().splitlines() or [""])[0][:300]
+                raise WorkdirError(
+                    f"cannot restore the epoch-{latest} checkpoint in "
+                    f"{os.path.join(workdir, 'checkpoints')}: it is corrupted or its structure "
+                    f"does not match this configuration's parameters and optimizer state "
+                    f"({type(e).__name__}: {cause}){_OVERWRITE}"
+                ) from None
             params, opt_state = restored["params"], restored["opt_state"]
             start_epoch = int(restored["epoch"])
             logging.info("resumed from %s at epoch %d", workdir, start_epoch)
@@ -494,11 +789,12 @@ def train_and_evaluate(
 
             bar = tqdm(total=spe, desc=f"{c.compressor} epoch {epoch + 1}/{c.epochs}", leave=False)
         sums = {"loss": 0.0, "wire_bytes": 0.0, "message_bytes": 0.0, "density": 0.0}
+        coded = []  # Elias-coded bytes of device 0's message, every coded_bytes_every steps
         step_times = []
         batches = data_lib.epoch_batches(
             dataset.train_x, dataset.train_y, c.batch_size, c.seed, epoch
         )
-        for _, (xb, yb) in zip(range(spe), batches, strict=False):
+        for i, (xb, yb) in zip(range(spe), batches, strict=False):
             t0 = time.perf_counter()
             # Each process feeds its own rows of the global batch.
             xb, yb = xb[proc * local : (proc + 1) * local], yb[proc * local : (proc + 1) * local]
@@ -511,6 +807,8 @@ def train_and_evaluate(
             train_time += step_times[-1]
             for k in sums:
                 sums[k] += float(m[k])
+            if c.coded_bytes_every and (epoch * spe + i + 1) % c.coded_bytes_every == 0:
+                coded.append(_coded_bytes(c, opt_state, init_params))
             if show:
                 bar.update(1)
                 bar.set_postfix(loss=f"{float(m['loss']):.4f}")
@@ -532,6 +830,7 @@ def train_and_evaluate(
             "message_bytes_per_step_per_device": sums["message_bytes"] / spe,
             "cumulative_bytes_per_device": cum_bytes,
             "density": sums["density"] / spe,
+            "coded_bytes_per_step_per_device": statistics.mean(coded) if coded else -1.0,
             "compression_time_share": t_comp / t_step if c.time_compression else -1.0,
             "step_time": t_step,
         }

@@ -11,11 +11,14 @@ from experiments import bench_selection, demo
 
 
 def test_bench_selection_writes_json_and_png(tmp_path):
-    rows = bench_selection.run([10, 12], ["laplace"], repeats=5, out_dir=str(tmp_path))
+    rows = bench_selection.run(
+        [10, 12], ["laplace"], repeats=5, out_dir=str(tmp_path), methods=["ldte_bs", "gaussian_k"]
+    )
     data = json.loads((tmp_path / "bench_selection.json").read_text())
     assert (tmp_path / "bench_selection.png").stat().st_size > 0
     assert len(data["results"]) == len(rows) == 2
     for row in data["results"]:
+        assert set(row["methods"]) == {"top_k", "ldte_bs", "gaussian_k"}
         k = row["k"]
         assert k == max(1, math.ceil(1e-3 * row["n"]))
         methods = row["methods"]
@@ -41,3 +44,52 @@ def test_demo_prints_every_compressor(capsys):
     out = capsys.readouterr().out
     for name in demo.COMPRESSORS:
         assert name in out
+
+
+def test_compare_rows_are_valid_configs():
+    # Every comparison row, from compare's sparsifier base, passes the
+    # training program's validation (sparsifier-only settings dropped where
+    # unused), and the paper's exact LDTE-BS is one of them.
+    from experiments import compare, train  # noqa: PLC0415
+
+    assert compare.PAPER_TABLE2["ldte_bs_paper"] == {"compressor": "ldte_bs_paper"}
+    base = train.TrainConfig(ratio=1e-3, warmup_epochs=4, momentum_correction=True)
+    rows = {**compare.PAPER_TABLE2, "qsgd": {"compressor": "qsgd", "bucket_size": 512}}
+    for overrides in rows.values():
+        config = compare.for_compressor(base, overrides)
+        train.validate_config(config)
+        if config.compressor in train.SPARSIFIERS:
+            assert (config.ratio, config.warmup_epochs) == (1e-3, 4)
+            assert config.momentum_correction
+        else:
+            assert (config.ratio, config.warmup_epochs, config.momentum_correction) == (
+                None,
+                0,
+                None,
+            )
+    assert compare.for_compressor(base, rows["qsgd"]).bucket_size == 512
+
+
+def test_ldte_bs_paper_row_runs_the_paper_variant():
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    import jaxcomp  # noqa: PLC0415
+    from experiments import train  # noqa: PLC0415
+
+    # Two devices with the same gradient exchange exactly what one device
+    # running jaxcomp.ldte_bs(variant="paper") alone would send.
+    g = {"w": np.random.default_rng(0).laplace(size=4096).astype(np.float32)}
+    config = train.TrainConfig(compressor="ldte_bs_paper", ratio=0.01, momentum_correction=False)
+    _, compressor = train.build_optimizer(config, 10, 100)
+    mesh = jax.make_mesh((2,), (train.AXIS,), devices=jax.devices()[:2])
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(train.AXIS))
+
+    def stacked(tree):
+        return jax.device_put(jax.tree.map(lambda a: np.stack([a, a]), tree), sharding)
+
+    updates, _ = train._make_compress_fn(compressor, mesh)(stacked(g), stacked(compressor.init(g)))
+    ref = jaxcomp.ldte_bs(0.01, variant="paper")
+    expected = ref.update(jax.tree.map(jnp.asarray, g), ref.init(g))[0]["w"]
+    assert int(jnp.sum(expected != 0)) > 0
+    np.testing.assert_array_equal(np.asarray(updates["w"])[0], np.asarray(expected))
