@@ -1,0 +1,71 @@
+"""The README's Python examples run as written and print what their comments say."""
+
+import ast
+import contextlib
+import io
+import math
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+# Blocks that need a set-up a test process cannot give (a fresh JAX per process).
+SKIP = ("initialize_multiprocess",)
+
+
+def _python_blocks():
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def _printed_claims(block):
+    """``print(...)  # {literal}...`` lines: the literal each one claims to print."""
+    claims = []
+    for line in block.splitlines():
+        if not line.startswith("print("):
+            continue
+        comment = line.partition("#")[2].strip()
+        match = re.match(r"(\{[^}]*\}|\([^)]*\)|\d+)", comment)
+        # "{'b': 256, 'w': ...} (1311..1966)" claims a range: checked on its own below.
+        exact = match is not None and "..." not in match.group(1)
+        claims.append(ast.literal_eval(match.group(1)) if exact else None)
+    return claims
+
+
+def test_readme_has_examples():
+    assert len(_python_blocks()) >= 5
+
+
+def test_readme_python_blocks_run_and_print_what_they_claim():
+    # One namespace, in reading order: later snippets use earlier ones' names
+    # (``params``), as a reader pasting them into one notebook would.
+    namespace: dict = {}
+    exec("import jax, jax.numpy as jnp, optax, jaxcomp", namespace)  # noqa: S102
+    checked = 0
+    for block in _python_blocks():
+        if any(s in block for s in SKIP):
+            continue
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
+        printed = out.getvalue().splitlines()
+        claims = _printed_claims(block)
+        assert len(printed) == len(claims), block
+        for text, claim in zip(printed, claims, strict=True):
+            if claim is not None:
+                assert ast.literal_eval(text) == claim, (text, claim)
+                checked += 1
+    assert checked >= 1  # the QSGD message_bytes claim at least
+
+
+@pytest.mark.parametrize("block", [b for b in _python_blocks() if "sent_count" in b][:1])
+def test_readme_usage_sent_count_in_window(block):
+    """The usage example's claim: 'b' dense (256) and 'w' in [k, 1.5 k]."""
+    namespace: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
+    import optax
+
+    counts = optax.tree.get(namespace["opt_state"], "sent_count")
+    k = math.ceil(0.01 * 512 * 256)
+    assert int(counts["b"]) == 256 and k <= int(counts["w"]) <= int(1.5 * k)
