@@ -283,5 +283,6 @@ def test_sparsify_backup_workers(mesh, exchange):
             sent_ref.append(s)
             np.testing.assert_allclose(residual[d] + s, g, rtol=1e-5, atol=1e-5)
         else:
-            np.testing.assert_allclose(residual[d], g, rtol=1e-6)  # kept what it did not send
+            # Kept all it did not send (float32 gradient vs numpy float64 reference).
+            np.testing.assert_allclose(residual[d], g, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(updates["w"]), np.mean(sent_ref, 0), rtol=1e-4, atol=1e-4)
