@@ -584,20 +584,23 @@ def unexchanged_leaves(
 
 
 def _mean_leaves(grads, paths, axis_name):
-    """Dense all-reduce mean of the leaves at ``paths``; (grads, bytes sent)."""
+    """Dense all-reduce mean of the leaves at ``paths``; (grads, bytes sent).
+
+    One ``pmean`` over all of them: a single multi-operand all-reduce, not one
+    collective per bias vector (each costs a rendezvous of all devices).
+    """
     if not paths:
         return grads, jnp.float32(0)
-    wire = []
-
-    def mean(path, g):
-        if path not in paths:
-            return g
-        m, nbytes = collectives.dense_mean(g, axis_name)
-        wire.append(nbytes)
-        return m
-
-    grads = jax.tree_util.tree_map_with_path(mean, grads)
-    return grads, sum(wire, jnp.float32(0))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    chosen = [i for i, (path, _) in enumerate(flat) if path in paths]
+    means = lax.pmean([flat[i][1] for i in chosen], axis_name)
+    leaves = [g for _, g in flat]
+    for i, m in zip(chosen, means, strict=True):
+        leaves[i] = m
+    n_dev = collectives.axis_size(axis_name)
+    nbytes = sum(leaves[i].size * leaves[i].dtype.itemsize for i in chosen)
+    wire = jnp.float32(collectives.allreduce_bytes(nbytes, n_dev))
+    return jax.tree_util.tree_unflatten(treedef, leaves), wire
 
 
 def _mean_if_float(x, axis_name):

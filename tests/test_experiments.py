@@ -93,3 +93,23 @@ def test_ldte_bs_paper_row_runs_the_paper_variant():
     expected = ref.update(jax.tree.map(jnp.asarray, g), ref.init(g))[0]["w"]
     assert int(jnp.sum(expected != 0)) > 0
     np.testing.assert_array_equal(np.asarray(updates["w"])[0], np.asarray(expected))
+
+
+def test_bench_train_step_writes_json_and_png(tmp_path):
+    from experiments import bench_train_step
+
+    result = bench_train_step.run(width=16, depth=1, ratio=0.05, repeats=5, out_dir=str(tmp_path))
+    data = json.loads((tmp_path / "bench_train_step.json").read_text())
+    assert (tmp_path / "bench_train_step.png").stat().st_size > 0
+    rows = data["results"]
+    assert rows == json.loads(json.dumps(result["results"]))
+    assert data["meta"]["num_params"] == 784 * 16 + 16 + 16 * 10 + 10
+    # Masking the biases out of the compressor leaves exactly them to the dense mean.
+    assert rows["ldte_bs_masked"]["unexchanged_leaves"] == 2
+    assert rows["ldte_bs"]["unexchanged_leaves"] == rows["dense"]["unexchanged_leaves"] == 0
+    for name in ("dense", "ldte_bs", "ldte_bs_masked"):
+        np.testing.assert_allclose(
+            rows[name]["donation_saves"],
+            1 - rows[name]["step_ms"] / rows[f"{name}_not_donated"]["step_ms"],
+        )
+    assert rows["ldte_bs"]["wire_bytes"] < rows["dense"]["wire_bytes"]
