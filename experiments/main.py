@@ -55,6 +55,19 @@ def _define_flags() -> None:
         "Selection granularity of the sparsifiers (default layer).",
     )
     flags.DEFINE_integer(
+        "reuse_period",
+        d.reuse_period,
+        "DLGS threshold reuse s: select every s steps, reuse the stored threshold "
+        "in between (default 1: off; sparsifiers only).",
+    )
+    flags.DEFINE_enum(
+        "merge",
+        d.merge,
+        ["none", "greedy", "optimal"],
+        "DLGS layer merging planned from this model's measured backward times: "
+        "none, greedy (the paper's Algorithm 2) or optimal (default none; sparsifiers only).",
+    )
+    flags.DEFINE_integer(
         "min_dense_size",
         d.min_dense_size,
         "Leaves this small are sent dense (default: the compressor's, 0 or qsgd's 10000).",
@@ -68,11 +81,18 @@ def _define_flags() -> None:
     flags.DEFINE_string("dataset", d.dataset, "digits | synthetic | cifar10 | cifar100.")
     flags.DEFINE_string("data_dir", d.data_dir, "CIFAR directory or .tar.gz archive.")
     flags.DEFINE_bool("download", d.download, "Download CIFAR if data_dir does not exist.")
-    flags.DEFINE_string("model", d.model, "mlp | cnn | resnet20 | resnet50 (benchmark size).")
+    flags.DEFINE_string(
+        "model", d.model, "mlp | cnn | resnet20 | vgg16 | resnet50 (benchmark size)."
+    )
     flags.DEFINE_integer("epochs", d.epochs, "Total epochs.")
     flags.DEFINE_integer("batch_size", d.batch_size, "Global batch size.")
     flags.DEFINE_float("lr", d.lr, "Peak learning rate.")
-    flags.DEFINE_enum("schedule", d.schedule, ["constant", "cosine"], "Learning-rate schedule.")
+    flags.DEFINE_enum(
+        "schedule",
+        d.schedule,
+        ["constant", "cosine", "step"],
+        "Learning-rate schedule (step: x0.1 at 4/7 and 6/7 of the epochs, as DLGS).",
+    )
     flags.DEFINE_integer("seed", d.seed, "Seed of initialisation and data order.")
     flags.DEFINE_bool("progress", d.progress, "Show a progress bar.")
     flags.DEFINE_bool("checkpoint", d.checkpoint, "Checkpoint every epoch and resume.")

@@ -1,4 +1,4 @@
-"""Flax (linen) models for the training runs: MLP, small CNN, ResNet-20, ResNet-50.
+"""Flax (linen) models for the training runs: MLP, small CNN, ResNet-20, VGG-16, ResNet-50.
 
 ResNet-20 uses GroupNorm instead of BatchNorm: it has no batch statistics,
 so the data-parallel step stays a pure function of (params, batch) and every
@@ -12,7 +12,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-__all__ = ["CNN", "MLP", "MODELS", "ResNet20", "ResNet50", "make_model"]
+__all__ = ["CNN", "MLP", "MODELS", "ResNet20", "ResNet50", "VGG16", "make_model"]
 
 
 class MLP(nn.Module):
@@ -120,11 +120,34 @@ class ResNet50(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
-MODELS = {"mlp": MLP, "cnn": CNN, "resnet20": ResNet20, "resnet50": ResNet50}
+class VGG16(nn.Module):
+    """CIFAR VGG-16 (13 3x3 conv layers in 5 stages, 64..512 filters, one classifier).
+
+    The CIFAR variant the DLGS and LDTE-BS papers train (Simonyan and
+    Zisserman's configuration D with a single dense layer after the last
+    pooling, 14.7M parameters with 10 classes), with GroupNorm after each
+    convolution as in :class:`ResNet20`.
+    """
+
+    num_classes: int
+    stages: tuple[tuple[int, int], ...] = ((64, 2), (128, 2), (256, 3), (512, 3), (512, 3))
+
+    @nn.compact
+    def __call__(self, x):
+        for width, convs in self.stages:
+            for _ in range(convs):
+                x = nn.Conv(width, (3, 3), use_bias=False)(x)
+                x = nn.relu(nn.GroupNorm(num_groups=min(32, width))(x))
+            x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = x.reshape(x.shape[0], -1)
+        return nn.Dense(self.num_classes)(x)
+
+
+MODELS = {"mlp": MLP, "cnn": CNN, "resnet20": ResNet20, "vgg16": VGG16, "resnet50": ResNet50}
 
 
 def make_model(name: str, num_classes: int) -> nn.Module:
-    """Builds a model by name (``mlp``, ``cnn``, ``resnet20``, ``resnet50``)."""
+    """Builds a model by name (``mlp``, ``cnn``, ``resnet20``, ``vgg16``, ``resnet50``)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}")
     return MODELS[name](num_classes=num_classes)

@@ -51,6 +51,7 @@ __all__ = [
     "TrainConfig",
     "WorkdirError",
     "build_optimizer",
+    "learning_rate",
     "resolve_config",
     "train_and_evaluate",
     "unused_fields",
@@ -73,7 +74,8 @@ SPARSIFIERS = (
 SPARSIFIER_FACTORIES = {"ldte_bs_paper": ("ldte_bs", {"variant": "paper"})}
 QUANTIZERS = ("qsgd", "onebit", "sign_sgd", "ef_sign_sgd", "bounded_sign")
 COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS)
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "step")
+MERGES = ("none", "greedy", "optimal")
 DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
 
 
@@ -99,6 +101,13 @@ class TrainConfig:
         dense it is the same as optimizer momentum).
       granularity: ``"layer"`` (per-leaf k) or ``"global"`` (one k for the
         whole model) (None: ``"layer"``; sparsifiers only).
+      reuse_period: DLGS threshold reuse ``s``: the selector runs every
+        ``s`` steps and the stored per-leaf (per-group) threshold is applied
+        in between (None: 1, off; sparsifiers only).
+      merge: DLGS layer merging: ``"none"`` (one group per leaf), ``"greedy"``
+        (the paper's Algorithm 2) or ``"optimal"`` (the exact planner), planned
+        from this model's per-layer backward times measured on this device
+        (None: ``"none"``; sparsifiers only, with ``granularity="layer"``).
       min_dense_size: leaves this small are sent dense (None: the compressor
         factory's default, 0 for sparsifiers and 10000 for ``qsgd``; not for dense).
       levels: QSGD quantization levels ``s`` (None: 16, the QSGD paper's
@@ -110,11 +119,13 @@ class TrainConfig:
       dataset: ``digits``, ``synthetic``, ``cifar10``, ``cifar100``.
       data_dir: CIFAR directory or ``.tar.gz`` archive.
       download: download CIFAR when ``data_dir`` does not exist.
-      model: ``mlp``, ``cnn``, ``resnet20``, ``resnet50`` (benchmark size).
+      model: ``mlp``, ``cnn``, ``resnet20``, ``vgg16``, ``resnet50`` (benchmark size).
       epochs: total epochs (a resumed run continues up to this number).
       batch_size: global batch size (divisible by ``num_devices``).
       lr: peak learning rate.
-      schedule: ``"constant"`` or ``"cosine"`` (decay to 0 over all steps).
+      schedule: ``"constant"``, ``"cosine"`` (decay to 0 over all steps) or
+        ``"step"`` (the DLGS paper's: x0.1 after 4/7 and again after 6/7 of
+        the epochs, i.e. epochs 80 and 120 of 140).
       seed: parameter init and data order.
       progress: show a tqdm bar per epoch.
       checkpoint: save an orbax checkpoint after every epoch and resume from
@@ -137,6 +148,8 @@ class TrainConfig:
     momentum: float = 0.9
     momentum_correction: bool | None = None
     granularity: str | None = None
+    reuse_period: int | None = None
+    merge: str | None = None
     min_dense_size: int | None = None
     levels: int | None = None
     bits: int | None = None
@@ -182,7 +195,8 @@ def unused_fields(compressor: str) -> dict:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     out = {}
     if compressor not in SPARSIFIERS:
-        out["ratio"] = out["granularity"] = "the sparsifiers"
+        for name in ("ratio", "granularity", "reuse_period", "merge"):
+            out[name] = "the sparsifiers"
     if compressor not in QUANTIZERS:
         out["bucket_size"] = "the quantizers"
     if compressor != "qsgd":
@@ -213,6 +227,8 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
             c,
             ratio=1e-3 if c.ratio is None else c.ratio,
             granularity=c.granularity or "layer",
+            reuse_period=c.reuse_period or 1,
+            merge=c.merge or "none",
             momentum_correction=True if c.momentum_correction is None else c.momentum_correction,
         )
     c = dataclasses.replace(c, momentum_correction=False)
@@ -263,6 +279,12 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
         )
     if c.granularity is not None and c.granularity not in ("layer", "global"):
         fail(f"granularity must be 'layer' or 'global', got {c.granularity!r}")
+    if c.reuse_period is not None and c.reuse_period < 1:
+        fail(f"reuse_period must be >= 1 (1: off), got {c.reuse_period}")
+    if c.merge is not None and c.merge not in MERGES:
+        fail(f"merge must be one of {MERGES}, got {c.merge!r}")
+    if c.merge not in (None, "none") and c.granularity == "global":
+        fail(f"merge={c.merge!r} plans groups of layers; granularity='global' is one group already")
     if c.min_dense_size is not None and c.min_dense_size < 0:
         fail(f"min_dense_size must be >= 0, got {c.min_dense_size}")
     if c.levels is not None and c.levels < 1:
@@ -310,17 +332,36 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
             fail(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
 
 
-def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int):
+def learning_rate(config: TrainConfig, steps_per_epoch: int, total_steps: int):
+    """The run's learning rate: a float (``constant``) or an optax schedule of the step."""
+    c = config
+    if c.schedule == "cosine":
+        return optax.cosine_decay_schedule(c.lr, max(total_steps, 1))
+    if c.schedule == "step":
+        epochs = total_steps // max(steps_per_epoch, 1)
+        boundaries = {}
+        for fraction in (4 / 7, 6 / 7):  # two x0.1 drops (one x0.01 if they coincide)
+            at = round(epochs * fraction) * steps_per_epoch
+            boundaries[at] = boundaries.get(at, 1.0) * 0.1
+        return optax.piecewise_constant_schedule(c.lr, boundaries)
+    return c.lr
+
+
+def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int, groups=None):
     """The compressor and the full optimizer ``optax.chain(compressor, sgd)``.
+
+    Args:
+      config: the run's configuration.
+      steps_per_epoch: steps per epoch (drives the warm-up schedule).
+      total_steps: steps of the whole run (the cosine schedule's length).
+      groups: a sparsifier's ``groups=`` (the merge plan's groups of leaf
+        paths); None: one group per leaf.
 
     Returns:
       ``(tx, compressor)``; ``tx``'s state is ``(compressor_state, sgd_state)``.
     """
     c = resolve_config(config)
-    if c.schedule == "cosine":
-        lr = optax.cosine_decay_schedule(c.lr, max(total_steps, 1))
-    else:
-        lr = c.lr
+    lr = learning_rate(c, steps_per_epoch, total_steps)
     on_compressor = c.momentum_correction and c.compressor in SPARSIFIERS and c.momentum > 0
     # Unset: the factory's own default (qsgd sends leaves of <= 10000 dense).
     dense_size = {} if c.min_dense_size is None else {"min_dense_size": c.min_dense_size}
@@ -337,6 +378,8 @@ def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int)
             warmup_ratios=warmup,
             steps_per_epoch=steps_per_epoch if warmup else None,
             granularity=c.granularity,
+            reuse_period=c.reuse_period,
+            groups=groups,
             **dense_size,
             seed=c.seed,
         )

@@ -24,6 +24,12 @@ numpy/JAX arrays of the right kind are accepted wherever a number is:
 - ``check_choice(name, value, choices) -> str``: one of ``choices``.
 - ``check_bool(name, value) -> bool``: a Python or numpy bool.
 - ``check_float_dtype(name, value) -> np.dtype``: a real floating dtype.
+- ``check_groups(name, value)``: ``None``, a callable, a sequence of
+  non-empty sequences of leaf-path strings (returned as a tuple of tuples; a
+  path listed twice raises), or any other pytree of labels (returned as is,
+  checked against the parameters later). JAX arrays raise.
+- ``is_path_groups(value) -> bool``: whether ``value`` is the
+  sequence-of-sequences-of-strings form of ``groups``.
 - ``is_dynamic(value) -> bool``: a JAX array (a traced hyperparameter).
 - ``check_gradient_leaves(tree, who)``: every leaf is a real floating array
   (bool, int and complex leaves raise, naming the leaf path).
@@ -54,12 +60,14 @@ __all__ = [
     "check_choice",
     "check_float_dtype",
     "check_gradient_leaves",
+    "check_groups",
     "check_int",
     "check_ratio",
     "check_ratios",
     "check_real",
     "check_tree_like",
     "is_dynamic",
+    "is_path_groups",
     "is_traced",
 ]
 
@@ -270,6 +278,49 @@ def check_float_dtype(name: str, value: Any) -> np.dtype:
             f"float64), got {value!r}"
         )
     return dtype
+
+
+def is_path_groups(value: Any) -> bool:
+    """Whether ``value`` is a list/tuple of lists/tuples of strings (leaf paths).
+
+    The other forms of ``groups`` are a callable and a labels pytree; a labels
+    pytree for list-structured parameters whose labels are strings would look
+    the same, so such parameters take a callable returning their labels.
+    """
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(group, (list, tuple)) and all(isinstance(p, str) for p in group)
+        for group in value
+    )
+
+
+def check_groups(name: str, value: Any) -> Any:
+    """A ``groups`` spec of the sparsifiers (see :func:`jaxcomp.sparsify`).
+
+    Only what can be checked without the parameters is checked here: leaf
+    paths are matched against the parameters at ``init``.
+    """
+    if value is None or callable(value):
+        return value
+    if is_traced(value) or isinstance(value, (jax.Array, np.ndarray)):
+        raise ValueError(
+            f"{name} must be None, a sequence of sequences of leaf paths "
+            "(jax.tree_util.keystr), a pytree of labels like the parameters, or a callable "
+            f"params -> labels; got an array {value!r}"
+        )
+    if not is_path_groups(value):
+        return value  # a labels pytree
+    seen: dict[str, int] = {}
+    for i, group in enumerate(value):
+        if not group:
+            raise ValueError(f"{name}[{i}] is empty: a group lists at least one leaf path")
+        for path in group:
+            if path in seen:
+                raise ValueError(
+                    f"{name}: leaf path {path!r} is listed in {name}[{seen[path]}] and "
+                    f"{name}[{i}]; a leaf belongs to one group"
+                )
+            seen[path] = i
+    return tuple(tuple(group) for group in value)
 
 
 def _leaf_dtype(leaf: Any) -> np.dtype:

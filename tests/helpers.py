@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomp
+from jaxcomp.selection import selectors
 
 # ---------------------------------------------------------------------------
 # Data (numpy, float32 unless cast).
@@ -194,3 +195,43 @@ def laplace_tree(spec: dict, rng: np.random.Generator, scale: float = 1.0) -> di
         name: jnp.asarray(rng.laplace(0.0, scale, size=shape)).astype(dtype)
         for name, (shape, dtype) in spec.items()
     }
+
+
+# ---------------------------------------------------------------------------
+# Threshold reuse and groups (tests/test_reuse.py, tests/test_groups.py).
+# ---------------------------------------------------------------------------
+
+
+class CountingTopK:
+    """Exact top-k that counts its executions (a host callback in its body)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def _bump(self):
+        self.calls += 1
+
+    def __call__(self, x, k):
+        jax.debug.callback(self._bump)
+        return selectors.exact_top_k(x, k)
+
+    def read(self) -> int:
+        jax.effects_barrier()
+        return self.calls
+
+
+def ref_threshold(acc, k: int) -> np.float32:
+    """Exact top-k threshold: just below the k-th largest magnitude (0 if that is 0)."""
+    kth = np.sort(abs32(acc).reshape(-1))[::-1][k - 1]
+    return np.nextafter(kth, np.float32(-np.inf)) if kth > 0 else np.float32(0)
+
+
+def expected_sent(acc, t, cap) -> np.ndarray:
+    """Indices of ``|acc| > t``, the first ``cap`` in index order."""
+    return np.flatnonzero(abs32(acc) > np.float32(t))[:cap]
+
+
+def check_step(acc, sent, new_res, t, cap, count):
+    np.testing.assert_array_equal(np.flatnonzero(f32(sent)), expected_sent(acc, t, cap))
+    assert count == len(expected_sent(acc, t, cap))
+    assert np.array_equal(f32(sent) + np.asarray(new_res), acc)  # nothing lost, bit for bit

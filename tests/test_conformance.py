@@ -1,7 +1,7 @@
 """One conformance suite that every compressor in jaxcomp must pass.
 
 Sparsifier-only features (ratio, capacity and counts, momentum correction,
-warm-up, global granularity) run on ``SPARSIFIERS``; quantizers branch to
+warm-up, threshold reuse, global granularity) run on ``SPARSIFIERS``; quantizers branch to
 their own message checks where a check is about what a sparsifier sends.
 """
 
@@ -26,6 +26,7 @@ from helpers import (
     bits,
     cap_of,
     compressor,
+    expected_sent,
     f32,
     k_of,
     laplace_tree,
@@ -487,6 +488,42 @@ def test_global_granularity(name, mixed):
             sent = np.concatenate([f32(upd[n]).reshape(-1) for n in spec]) != 0
             kth = np.sort(np.abs(acc))[::-1][k - 1]
             np.testing.assert_array_equal(sent, np.abs(acc) >= kth)
+        state = new
+    assert cx.traces == 1
+
+
+# ---------------------------------------------------------------------------
+# Threshold reuse (DLGS's s; tests/test_reuse.py counts the selector's runs).
+# ---------------------------------------------------------------------------
+
+REUSE = [name for name in SPARSIFIERS if name != "random_k"]  # random_k has no threshold
+
+
+@pytest.mark.parametrize("name", REUSE)
+def test_reuse_period_lost_nothing_and_single_compilation(name):
+    s = 3
+    cx = compressor(name, RATIO, min_dense_size=MIN_DENSE, reuse_period=s)
+    rng = np.random.default_rng(11)
+    state = cx.tx.init(laplace_tree(TREE, rng))
+    for step in range(7):
+        g = laplace_tree(TREE, rng)
+        upd, new = cx(g, state)
+        _check_lost_nothing(g, state.residual, upd, new.residual)
+        for leaf, gl in g.items():
+            nnz = int(np.count_nonzero(f32(upd[leaf])))
+            assert int(new.sent_count[leaf]) == nnz, leaf
+            if gl.size <= MIN_DENSE:
+                continue
+            cap = cap_of(k_of(RATIO, gl.size), gl.size)
+            assert nnz <= cap, (leaf, nnz, cap)
+            if step % s:  # reuse: the stored threshold, first `cap` in index order
+                t = np.float32(state.threshold[leaf])
+                assert np.float32(new.threshold[leaf]) == t, (step, leaf)
+                assert int(new.search_iterations[leaf]) == 0
+                acc = np.asarray(state.residual[leaf]) + f32(gl)
+                np.testing.assert_array_equal(
+                    np.flatnonzero(f32(upd[leaf])), expected_sent(acc, t, cap), err_msg=leaf
+                )
         state = new
     assert cx.traces == 1
 

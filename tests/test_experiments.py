@@ -113,3 +113,32 @@ def test_bench_train_step_writes_json_and_png(tmp_path):
             1 - rows[name]["step_ms"] / rows[f"{name}_not_donated"]["step_ms"],
         )
     assert rows["ldte_bs"]["wire_bytes"] < rows["dense"]["wire_bytes"]
+
+
+def test_bench_reuse_writes_json_and_png(tmp_path):
+    from experiments import bench_reuse
+
+    rows = bench_reuse.run(12, [3], ["ldte_bs", "top_k"], repeats=5, out_dir=str(tmp_path))
+    data = json.loads((tmp_path / "bench_reuse.json").read_text())
+    assert (tmp_path / "bench_reuse.png").stat().st_size > 0
+    assert data["results"] == json.loads(json.dumps(rows))
+    assert {(r["method"], r["s"]) for r in rows} == {
+        (m, s) for m in ("ldte_bs", "top_k") for s in (1, 3)
+    }
+    for r in rows:
+        k = r["k"]
+        assert k == max(1, math.ceil(1e-3 * r["n"]))
+        assert len(r["step_ms_by_position"]) == r["s"]
+        np.testing.assert_allclose(r["step_ms"], np.mean(r["step_ms_by_position"]))
+        sent, above = r["density"]["sent_over_k"], r["density"]["above_over_k"]
+        assert len(sent) == len(above) == r["s"]
+        # Right after a refresh: top-k sends exactly k, LDTE-BS within [k, 1.5 k].
+        if r["method"] == "top_k":
+            assert sent[0] == above[0] == 1.0
+        else:
+            assert 1.0 <= sent[0] <= 1.5
+        # Never more than the capacity, whatever the stored threshold lets through.
+        assert all(s_ <= math.ceil(1.5 * k) / k + 1e-9 for s_ in sent)
+        assert all(s_ <= a + 1e-12 for s_, a in zip(sent, above, strict=True))
+        base = next(b for b in rows if b["method"] == r["method"] and b["s"] == 1)
+        np.testing.assert_allclose(r["speedup_vs_s1"], base["step_ms"] / r["step_ms"])

@@ -261,6 +261,20 @@ def test_resnet50_size():
     assert count == 25_557_032 - 7 * 7 * 3 * 64 + 3 * 3 * 3 * 64 - 2_049_000 + 20_490
 
 
+def test_vgg16_size():
+    # Shapes only: the CIFAR VGG-16 of the papers (kuangliu/pytorch-cifar's
+    # VGG('VGG16'), 14,728,266 parameters with BatchNorm) minus its 4,224 conv
+    # biases (ours have none: GroupNorm's shift follows each conv).
+    from experiments import models  # noqa: PLC0415
+
+    model = models.make_model("vgg16", 10)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 32, 32, 3), np.float32))
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    assert count == 14_728_266 - 4_224
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(shapes)]
+    assert sum("Conv" in p for p in paths) == 13
+
+
 # Issue 8 item 4: a workdir only ever resumes its own configuration.
 
 
@@ -446,3 +460,13 @@ def test_min_dense_size_applies_to_quantizers(name, min_dense_size, dense):
     _, state = train._make_compress_fn(compressor, mesh)(stacked(g), stacked(compressor.init(g)))
     sent = int(np.asarray(train._get(state, "message_bytes")["w"])[0])
     assert (sent == 4 * 64) == dense and sent <= 4 * 64
+
+
+def test_step_schedule_is_the_dlgs_papers():
+    # DLGS trains CIFAR-10 for 140 epochs: lr 0.1, 0.01 from epoch 80, 0.001 from 120.
+    config = dataclasses.replace(TINY, schedule="step", lr=0.1)
+    spe = 3
+    lr = train.learning_rate(config, spe, 140 * spe)
+    for epoch, want in [(0, 0.1), (79, 0.1), (80, 0.01), (119, 0.01), (120, 0.001), (139, 0.001)]:
+        for step in (epoch * spe, epoch * spe + spe - 1):
+            np.testing.assert_allclose(float(lr(step)), want, rtol=1e-6)

@@ -5,7 +5,13 @@ the common options of :func:`jaxcomp.sparsify` as keywords (listed explicitly,
 so ``optax.inject_hyperparams`` can bind them): ``axis_name``,
 ``min_dense_size``, ``residual_dtype``, ``capacity_factor``, ``momentum``,
 ``momentum_masking``, ``warmup_ratios``, ``steps_per_epoch``,
-``granularity``, ``nonfinite``, ``exchange``, ``seed``.
+``granularity``, ``groups``, ``reuse_period``, ``nonfinite``, ``exchange``,
+``seed``.
+
+``reuse_period=s`` is DLGS's threshold reuse (the selector runs every ``s``
+steps, the stored threshold is applied in between) and ``groups=`` DLGS's
+layer merging (groups of leaves compressed and exchanged as one buffer); see
+:func:`jaxcomp.sparsify`. ``random_k`` has no threshold to reuse.
 
 With ``optax.inject_hyperparams`` the traceable hyperparameters (``momentum``,
 ``threshold``, ``delta``, ``decay``, ``seed``) live in the optimizer state and
@@ -70,6 +76,8 @@ def _common(
     warmup_ratios,
     steps_per_epoch,
     granularity,
+    groups,
+    reuse_period,
     nonfinite,
     exchange,
     seed,
@@ -84,6 +92,8 @@ def _common(
         warmup_ratios=warmup_ratios,
         steps_per_epoch=steps_per_epoch,
         granularity=granularity,
+        groups=groups,
+        reuse_period=reuse_period,
         nonfinite=nonfinite,
         exchange=exchange,
         seed=seed,
@@ -103,6 +113,8 @@ def top_k(
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
     seed: int | jax.Array = 0,
@@ -127,7 +139,8 @@ def top_k(
     method = V.check_choice("method", method, ("top_k", "sort"))
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
+        seed,
     )  # fmt: skip
     return sparsify("top_k" if method == "top_k" else "sort_top_k", ratio, **common)
 
@@ -153,6 +166,8 @@ def ldte_bs(
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
     seed: int | jax.Array = 0,
@@ -225,7 +240,8 @@ def ldte_bs(
     capacity_factor = upper if capacity_factor is None else capacity_factor
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
+        seed,
     )  # fmt: skip
     return sparsify("ldte_bs", ratio, selector_options=opts, **common)
 
@@ -253,6 +269,8 @@ def binary_search(
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
     seed: int | jax.Array = 0,
@@ -279,7 +297,8 @@ def binary_search(
     capacity_factor = upper if capacity_factor is None else capacity_factor
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
+        seed,
     )  # fmt: skip
     return sparsify("binary_search", ratio, selector_options=opts, **common)
 
@@ -300,6 +319,8 @@ def dgc(
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
     seed: int | jax.Array = 0,
@@ -326,7 +347,8 @@ def dgc(
     )  # fmt: skip
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
+        seed,
     )  # fmt: skip
     return sparsify("dgc", ratio, selector_options=opts, **common)
 
@@ -345,6 +367,8 @@ def trimmed_top_k(
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
     seed: int | jax.Array = 0,
@@ -364,7 +388,8 @@ def trimmed_top_k(
     )
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
+        seed,
     )  # fmt: skip
     return sparsify("trimmed_top_k", ratio, selector_options=opts, **common)
 
@@ -382,6 +407,8 @@ def gaussian_k(
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
     seed: int | jax.Array = 0,
@@ -397,7 +424,8 @@ def gaussian_k(
     corrections = V.check_int("corrections", 3 if corrections is None else corrections, 0)
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
+        seed,
     )  # fmt: skip
     return sparsify("gaussian_k", ratio, selector_options=dict(corrections=corrections), **common)
 
@@ -414,6 +442,8 @@ def random_k(
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
     seed: int | jax.Array = 0,
@@ -430,7 +460,8 @@ def random_k(
     """
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
+        seed,
     )  # fmt: skip
     return sparsify("random_k", ratio, **common)
 
@@ -448,6 +479,8 @@ def threshold(
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
     seed: int | jax.Array = 0,
@@ -466,6 +499,7 @@ def threshold(
     threshold = V.check_real("threshold", threshold, 0.0, allow_traced=True)
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, nonfinite, exchange, seed,
+        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
+        seed,
     )  # fmt: skip
     return sparsify("threshold", ratio, selector_options=dict(threshold=threshold), **common)

@@ -3,7 +3,8 @@
 ``sparsify`` is one optax ``GradientTransformationExtraArgs`` that every
 sparsifying method in jaxcomp is built from; the named factories
 (``jaxcomp.top_k``, ``jaxcomp.ldte_bs``, ...) in ``sparsifiers.py`` only pick
-the selector and its options. Per step and per leaf (ALGORITHMS.md section 1):
+the selector and its options. Per step and per group of leaves (a leaf by
+default; ALGORITHMS.md section 1):
 
     R      = e + g                  # accumulate, in the residual dtype
     S      = select(R)              # at most capacity = ceil(1.5 k) elements
@@ -14,14 +15,28 @@ and with DGC momentum correction (``momentum > 0``):
 
     u = m u + g;  R = e + u;  S = select(R);  e_new = R - S;  u[S] = 0 (masking)
 
+With DLGS threshold reuse (``reuse_period = s > 1``, ALGORITHMS.md section 4)
+the selector runs every ``s`` steps only; in between ``S = {|R| > H}`` with the
+stored threshold ``H`` of the group.
+
 Contracts (tested for every compressor): ``S + e_new == R`` bit for bit, in
 the residual dtype, where ``S`` is the update as returned (cast back from the
 gradient dtype, so even the rounding of a bf16 message stays in the residual);
-static shapes and one compilation for all steps, warm-up included.
+static shapes and one compilation for all steps, warm-up and reuse included.
+
+Layout of the code: :func:`sparsify` validates its arguments into a frozen
+:class:`_Config`; ``init`` and ``update`` are the module-level :func:`_init`
+and :func:`_update` over it. A step resolves the leaves into groups
+(:func:`_layout`), and each group is flattened into one buffer
+(:func:`_compress_group`) and compressed as one tensor
+(:func:`_compress_flat`): accumulate, select or reuse (:func:`_select`),
+send (:func:`_send_dense`, :func:`_send_masked`, :func:`_send_extracted`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import itertools
 import math
@@ -34,6 +49,7 @@ import optax
 from jax import lax
 
 from jaxcomp import _validation as V
+from jaxcomp import _vma
 from jaxcomp._vma import check_per_device, varying_like
 from jaxcomp.comm import collectives
 from jaxcomp.selection import _kernels as kernels
@@ -42,6 +58,7 @@ from jaxcomp.selection import selectors
 __all__ = [
     "DGC_WARMUP",
     "SparsifyState",
+    "resolve_groups",
     "sparsify",
 ]
 
@@ -58,10 +75,15 @@ class SparsifyState(NamedTuple):
     Per-leaf statistics are pytrees shaped like the gradients with one scalar
     per leaf (one scalar in all for ``granularity="global"``); read them with
     ``optax.tree.get(opt_state, "sent_count")`` even inside an
-    ``optax.chain``.
+    ``optax.chain``. With ``groups=``, a group of merged leaves shares one
+    selection: ``threshold`` and ``search_iterations`` hold the group's value
+    at every leaf of the group, while ``sent_count`` and ``message_bytes``
+    hold each leaf's share of the group's message (so their sum over the
+    leaves is still the total).
 
     Attributes:
-      step: int32, number of updates so far (drives the warm-up schedule).
+      step: int32, number of updates so far (drives the warm-up schedule and
+        the threshold-reuse period).
       residual: the error-feedback memory, a pytree like the gradients in the
         residual dtype (per device under ``shard_map``).
       velocity: DGC momentum-correction velocity ``u`` (like ``residual``), or
@@ -69,9 +91,14 @@ class SparsifyState(NamedTuple):
       key: raw uint32 PRNG key data (random selectors), advanced by folding in
         the step, so checkpoints hold plain integers.
       sent_count: int32 per leaf, elements sent in the last step.
-      threshold: float32 per leaf, the selector's threshold (0 for dense or
-        index-based leaves).
-      search_iterations: int32 per leaf, counting passes after the first.
+      threshold: float32 per leaf (per group), the threshold of the last
+        step: the selector's on a selection step, the stored one on a reuse
+        step (``reuse_period > 1``: this is DLGS's ``H_l``, applied until the
+        next refresh); ``inf`` after a step that sent nothing (non-finite
+        gradients, a left-out backup worker), which makes the next step
+        select afresh; 0 for dense or index-based leaves.
+      search_iterations: int32 per leaf, counting passes after the first (0
+        on reuse steps: no selector ran).
       message_bytes: int32 per leaf, bytes of the last message as a list of
         (int32 index, value) pairs, or the dense tensor for dense-sent leaves.
       wire_bytes: float32, bytes this device put on the wire in the last step
@@ -91,8 +118,36 @@ class SparsifyState(NamedTuple):
     nonfinite_steps: jax.Array
 
 
+# ---------------------------------------------------------------------------
+# Static configuration and per-step context.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Config:
+    """The validated static options of one :func:`sparsify` transform."""
+
+    select_fn: Callable[..., selectors.Selection]
+    options: dict  # keyword options of the selector (may hold traced hyperparameters)
+    needs_key: bool  # random_k: draws from the PRNG stream
+    phase_ratios: tuple[float, ...]  # warm-up ratios (one per epoch), then the target
+    steps_per_epoch: int | None
+    capacity_factor: float
+    min_dense_size: int
+    momentum: Any  # float, or a JAX array (an injected hyperparameter)
+    use_velocity: bool
+    momentum_masking: bool
+    residual_dtype: Any  # None: per group, see resolve_residual_dtype
+    axis_name: Any
+    exchange: str
+    nonfinite: str
+    granularity: str
+    groups: Any  # None, or a validated groups spec (see resolve_groups)
+    reuse_period: int
+
+
 class _StepContext(NamedTuple):
-    step: jax.Array  # int32, drives the warm-up phase
+    step: jax.Array  # int32, drives the warm-up phase and the reuse period
     send_ok: jax.Array  # bool, False on a skipped (non-finite) step
     include: jax.Array | None  # bool, False for a left-out backup worker; None: all in
 
@@ -102,14 +157,38 @@ class _StepContext(NamedTuple):
         return self.send_ok if self.include is None else self.send_ok & self.include
 
 
-class _LeafOut(NamedTuple):
-    update: jax.Array  # dense, gradient dtype, already exchanged
+class _Layout(NamedTuple):
+    """How the leaves (in ``jax.tree.flatten`` order) are grouped for one step."""
+
+    groups: tuple[tuple[int, ...], ...]  # leaf indices, ascending, groups by first leaf
+    per_leaf: bool  # statistics shaped like the gradients (False: one scalar, "global")
+
+
+class _FlatOut(NamedTuple):
+    """One group's buffer after compression (1-D, the buffer's dtypes)."""
+
+    update: jax.Array  # dense, wire dtype, already exchanged
     residual: jax.Array
     velocity: jax.Array | None
+    count: jax.Array  # int32, elements sent
+    segment_counts: tuple | None  # int32 per leaf of a merged group, else None
+    threshold: jax.Array
+    iterations: jax.Array
+    wire_bytes: jax.Array
+
+
+class _GroupOut(NamedTuple):
+    """One group's results split back into its leaves."""
+
+    updates: list
+    residuals: list
+    velocities: list | None
     count: jax.Array
+    leaf_counts: list  # per leaf (the group's count for a one-leaf group)
     threshold: jax.Array
     iterations: jax.Array
     message_bytes: jax.Array
+    leaf_bytes: list
     wire_bytes: jax.Array
 
 
@@ -134,6 +213,124 @@ def resolve_residual_dtype(residual_dtype: Any, leaves: Sequence[Any]) -> jnp.dt
     return out
 
 
+# ---------------------------------------------------------------------------
+# Groups of leaves.
+# ---------------------------------------------------------------------------
+
+
+class _Broadcast:
+    """A label standing for every leaf of a subtree (a pytree leaf, not a node)."""
+
+    __slots__ = ("count", "label")
+
+    def __init__(self, label, count):
+        self.label = label
+        self.count = count
+
+
+def _leaf_labels(labels: Any, tree: Any) -> list:
+    """One label per leaf of ``tree`` from a labels pytree that is a prefix of it."""
+    try:
+        marked = jax.tree.map(
+            lambda label, sub: _Broadcast(label, len(jax.tree.leaves(sub))),
+            labels,
+            tree,
+            is_leaf=lambda x: x is None,
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "groups: a labels pytree must have the structure of the gradients or a prefix "
+            "of it (like optax.multi_transform's param_labels), with one hashable label per "
+            f"leaf or subtree (None: the leaf stays its own group); got {labels!r} ({e})"
+        ) from None
+    out = []
+    for b in jax.tree.leaves(marked, is_leaf=lambda x: isinstance(x, _Broadcast)):
+        try:
+            hash(b.label)
+        except TypeError:
+            raise ValueError(
+                f"groups: labels must be hashable (str, int), got {b.label!r}"
+            ) from None
+        out += [b.label] * b.count
+    return out
+
+
+def resolve_groups(groups: Any, tree: Any) -> tuple[tuple[int, ...], ...]:
+    """The groups of ``tree``'s leaves (indices in ``jax.tree.flatten`` order).
+
+    Args:
+      groups: any form :func:`sparsify` accepts: a sequence of sequences of
+        leaf paths (``jax.tree_util.keystr``), a labels pytree (a prefix of
+        ``tree``; ``None`` labels stay alone), or a callable ``tree ->`` one
+        of those.
+      tree: the gradients (or parameters).
+
+    Returns:
+      One ascending tuple of leaf indices per group, every leaf in exactly one
+      group (unlisted leaves alone), groups ordered by their first leaf.
+
+    Raises:
+      ValueError: for an unknown path, a leaf in two groups, an empty group or
+        a labels tree unlike ``tree``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.transforms.sparsify import resolve_groups
+      >>> params = {"a": jnp.ones(2), "b": jnp.ones(3), "c": jnp.ones(4)}
+      >>> resolve_groups([["['c']", "['a']"]], params)
+      ((0, 2), (1,))
+      >>> resolve_groups({"a": "x", "b": None, "c": "x"}, params)
+      ((0, 2), (1,))
+    """
+    if callable(groups):
+        groups = groups(tree)
+    groups = V.check_groups("groups", groups)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    out = []
+    if V.is_path_groups(groups):
+        index = {p: i for i, p in enumerate(paths)}
+        owner: dict[int, int] = {}
+        for gi, group in enumerate(groups):
+            for path in group:
+                if path not in index:
+                    shown = ", ".join(repr(p) for p in paths[:6])
+                    shown += ", ..." if len(paths) > 6 else ""
+                    raise ValueError(
+                        f"groups[{gi}]: unknown leaf path {path!r}; paths are written as "
+                        f"jax.tree_util.keystr prints them, here: {shown}"
+                    )
+                if index[path] in owner:
+                    raise ValueError(
+                        f"groups: leaf {path!r} is in groups[{owner[index[path]]}] and "
+                        f"groups[{gi}]; a leaf belongs to one group"
+                    )
+                owner[index[path]] = gi
+            out.append(tuple(sorted(index[p] for p in group)))
+    else:
+        by_label: dict[Any, list[int]] = {}
+        for i, label in enumerate(_leaf_labels(groups, tree)):
+            if label is not None:
+                by_label.setdefault(label, []).append(i)
+        out = [tuple(v) for v in by_label.values()]
+    covered = {i for g in out for i in g}
+    out += [(i,) for i in range(len(paths)) if i not in covered]
+    return tuple(sorted(out, key=lambda g: g[0]))
+
+
+def _layout(cfg: _Config, tree: Any) -> _Layout:
+    n = len(jax.tree.leaves(tree))
+    if cfg.granularity == "global":
+        return _Layout((tuple(range(n)),), per_leaf=False)
+    if cfg.groups is None:
+        return _Layout(tuple((i,) for i in range(n)), per_leaf=True)
+    return _Layout(resolve_groups(cfg.groups, tree), per_leaf=True)
+
+
+# ---------------------------------------------------------------------------
+# The factory.
+# ---------------------------------------------------------------------------
+
+
 def sparsify(
     selector: str | Callable[..., selectors.Selection],
     ratio: float,
@@ -148,6 +345,8 @@ def sparsify(
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
     seed: int | jax.Array = 0,
@@ -157,25 +356,27 @@ def sparsify(
     Args:
       selector: a name from ``jaxcomp.selection.SELECTORS`` or a function
         ``selector(x, k, **selector_options) -> Selection``.
-      ratio: target density ``eta`` in (0, 1]; each leaf of ``n`` elements
-        keeps ``k = max(1, ceil(eta * n))``.
+      ratio: target density ``eta`` in (0, 1]; each leaf (group) of ``n``
+        elements keeps ``k = max(1, ceil(eta * n))``.
       selector_options: keyword options passed to the selector.
       axis_name: mesh axis to average over inside ``shard_map``/``pmap``; the
         fixed-capacity (index, value) messages are all-gathered and summed.
         ``None``: return the local decompressed update (one device).
-      min_dense_size: leaves with at most this many elements are sent dense
-        (the papers send biases and small tensors dense); their residual keeps
-        only the rounding to the gradient dtype (zero for float32). None: 0.
+      min_dense_size: leaves (groups) with at most this many elements are
+        sent dense (the papers send biases and small tensors dense); their
+        residual keeps only the rounding to the gradient dtype (zero for
+        float32). None: 0.
       residual_dtype: float dtype of the residual (and of the accumulation).
         ``None`` (default): float32, or the parameter's dtype where it is
         wider (float64 leaves under ``jax_enable_x64`` keep a float64
-        residual; bfloat16/float16 leaves accumulate in float32; with
-        ``granularity="global"`` the widest over all leaves). The
-        "nothing lost" contract holds bit for bit in this dtype. Selection
-        compares magnitudes in float32 either way.
+        residual; bfloat16/float16 leaves accumulate in float32; in a group
+        of several leaves the widest over the group). The "nothing lost"
+        contract holds bit for bit in this dtype. Selection compares
+        magnitudes in float32 either way.
       capacity_factor: messages hold at most ``ceil(capacity_factor * k)``
-        pairs; selected elements beyond that (ties, a fixed threshold) stay in
-        the residual, first in index order sent first. None: 1.5.
+        pairs; selected elements beyond that (ties, a fixed or reused
+        threshold) stay in the residual, first in index order sent first.
+        None: 1.5.
       momentum: DGC momentum correction factor ``m`` in [0, 1); then use plain
         SGD after the compressor. None: no momentum correction (no velocity).
         May be a JAX array (traced, e.g. from ``optax.inject_hyperparams``):
@@ -186,7 +387,37 @@ def sparsify(
         phase has its own static capacity and all compile once (``lax.switch``).
       steps_per_epoch: steps per warm-up phase.
       granularity: ``"layer"`` (per-leaf selection, the papers' default) or
-        ``"global"`` (one selection over all leaves concatenated).
+        ``"global"`` (one selection over all leaves concatenated: one group
+        holding every leaf, with one scalar per statistic in the state).
+      groups: compress and exchange groups of leaves together (DLGS layer
+        merging): each group's leaves are flattened into one buffer in
+        ``jax.tree.flatten`` order, with one selection (one ``k`` from the
+        group's size, one threshold) and one exchange per group, and the
+        result split back into the leaves; nothing is lost per leaf. Either
+        a sequence of groups, each a sequence of leaf paths as
+        ``jax.tree_util.keystr`` prints them (``[["['conv1']['kernel']",
+        "['conv1']['bias']"]]``, what a layer-merge plan lists), or, as
+        ``optax.multi_transform``'s ``param_labels``, a pytree of hashable
+        labels with the gradients' structure (or a prefix of it) where leaves
+        with the same label form one group and ``None`` leaves a leaf alone,
+        or a callable ``params -> labels`` (name it in ``static_args`` under
+        ``optax.inject_hyperparams``, which treats callables as schedules).
+        Leaves in no group are their own group. Unknown paths, a leaf in two
+        groups and a labels tree unlike the parameters raise a ``ValueError``
+        at ``init``. A group of mixed dtypes accumulates in the widest
+        residual dtype and travels in it. None (default): ``granularity``
+        decides (``"layer"``: every leaf its own group). Not with
+        ``granularity="global"``.
+      reuse_period: DLGS threshold reuse ``s``, an int >= 1. The selector
+        runs on steps with ``step % s == 0``, and also on the first step of
+        every warm-up phase (a new ratio needs a new threshold) and on the
+        step after one that sent nothing (its stored threshold is ``inf``);
+        the threshold is stored per leaf (per group) in ``state.threshold``.
+        On the other steps the stored threshold is applied, ``|R| > H``,
+        without running the selector, still capped at the message capacity
+        (first in index order). One compilation: ``lax.cond`` on the step.
+        Needs a threshold selector (not ``random_k``). None: 1 (select every
+        step).
       nonfinite: policy for NaN/Inf gradients. ``"skip"`` (default): if any
         gradient element of this device is not finite, this device sends
         nothing this step (an empty message; with one device the update is
@@ -216,8 +447,8 @@ def sparsify(
 
     Raises:
       ValueError: for a ratio outside (0, 1], an unknown selector, negative or
-        >= 1 momentum, warm-up without ``steps_per_epoch``, and other bad
-        arguments; the message names the argument.
+        >= 1 momentum, warm-up without ``steps_per_epoch``, ``reuse_period``
+        below 1, and other bad arguments; the message names the argument.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxcomp
@@ -228,7 +459,57 @@ def sparsify(
       >>> int((updates["w"] != 0).sum()) <= 15
       True
     """
-    # --- validation at construction -------------------------------------
+    cfg = _make_config(
+        selector,
+        ratio,
+        selector_options=selector_options,
+        axis_name=axis_name,
+        min_dense_size=min_dense_size,
+        residual_dtype=residual_dtype,
+        capacity_factor=capacity_factor,
+        momentum=momentum,
+        momentum_masking=momentum_masking,
+        warmup_ratios=warmup_ratios,
+        steps_per_epoch=steps_per_epoch,
+        granularity=granularity,
+        groups=groups,
+        reuse_period=reuse_period,
+        nonfinite=nonfinite,
+        exchange=exchange,
+    )
+    seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
+
+    def init(params):
+        return _init(cfg, seed, params)
+
+    def update(updates, state, params=None, *, include=None, **extra_args):
+        """``include``: optional bool scalar, this device's backup-worker flag."""
+        del params, extra_args
+        return _update(cfg, updates, state, include)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _make_config(
+    selector,
+    ratio,
+    *,
+    selector_options,
+    axis_name,
+    min_dense_size,
+    residual_dtype,
+    capacity_factor,
+    momentum,
+    momentum_masking,
+    warmup_ratios,
+    steps_per_epoch,
+    granularity,
+    groups,
+    reuse_period,
+    nonfinite,
+    exchange,
+) -> _Config:
+    """Validates :func:`sparsify`'s arguments (each error names its argument)."""
     # Static options default to None (the documented value) so that
     # optax.inject_hyperparams leaves them alone; momentum and seed may be
     # traced hyperparameters.
@@ -253,34 +534,37 @@ def sparsify(
         high_open=True,
         allow_traced=True,
     )
-    # A JAX-array momentum (injected hyperparameter) keeps a velocity even at
-    # 0, so init and update agree on the state's structure.
-    use_velocity = V.is_dynamic(momentum) or momentum > 0
     momentum_masking = V.check_bool("momentum_masking", momentum_masking)
     granularity = V.check_choice("granularity", granularity, _GRANULARITY)
+    groups = V.check_groups("groups", groups)
+    if groups is not None and granularity == "global":
+        raise ValueError(
+            "groups must be None with granularity='global' (one group holding every leaf "
+            f"already), got {groups!r}"
+        )
+    reuse_period = V.check_int("reuse_period", 1 if reuse_period is None else reuse_period, 1)
     exchange = V.check_choice("exchange", exchange, collectives.EXCHANGES)
     nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
-    if residual_dtype is not None:  # None: per leaf, see resolve_residual_dtype
+    if residual_dtype is not None:  # None: per group, see resolve_residual_dtype
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
-    seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
-    phase_ratios = [ratio]
+    phase_ratios = (ratio,)
     warmup_ratios = () if warmup_ratios is None else V.check_ratios("warmup_ratios", warmup_ratios)
     steps_per_epoch = V.check_int("steps_per_epoch", steps_per_epoch, 1, allow_none=True)
     if warmup_ratios:
         if steps_per_epoch is None:
             raise ValueError("steps_per_epoch must be an int >= 1 with warmup_ratios, got None")
         # A warm-up phase never sends less than the target itself.
-        phase_ratios = [max(r, ratio) for r in warmup_ratios] + phase_ratios
+        phase_ratios = tuple(max(r, ratio) for r in warmup_ratios) + phase_ratios
     if selector_options is not None and not isinstance(selector_options, dict):
         raise ValueError(f"selector_options must be a dict or None, got {selector_options!r}")
     options = dict(selector_options or {})
     needs_key = select_fn is selectors.random_k
+    extra = {"key": jax.random.key(0)} if needs_key else {}
     if options:
         # Surface unknown or invalid selector options at construction. Only a
         # signature mismatch is reported as an options error: any other error
         # raised while tracing the selector propagates as it is, so that a bug
         # inside the selector is not blamed on its options.
-        extra = {"key": jax.random.key(0)} if needs_key else {}
         try:
             signature = inspect.signature(select_fn)
         except (TypeError, ValueError):  # some callables have no signature
@@ -290,294 +574,443 @@ def sparsify(
                 signature.bind(None, 1, **options, **extra)
             except TypeError as e:
                 raise ValueError(f"selector_options {sorted(options)} rejected: {e}") from None
-        jax.eval_shape(
+    if options or reuse_period > 1:
+        probe = jax.eval_shape(
             lambda x: select_fn(x, 1, **options, **extra),
             jax.ShapeDtypeStruct((4,), jnp.float32),
         )
-
-    # --- one leaf ---------------------------------------------------------
-
-    def compress_leaf(g, residual, velocity, key, ctx) -> _LeafOut:
-        shape, n = g.shape, g.size
-        out_dtype = g.dtype
-        rdt = residual.dtype  # fixed per leaf by init (resolve_residual_dtype)
-        g32 = g.reshape(-1).astype(rdt)
-        if velocity is not None:
-            v = velocity.reshape(-1)
-            # An injected (array) momentum rounds like a Python float would.
-            m = momentum.astype(rdt) if V.is_dynamic(momentum) else momentum
-            u = jnp.where(ctx.send_ok, m * v + g32, v)
-            # A skipped step leaves both the velocity and the residual as they were.
-            acc = residual.reshape(-1) + jnp.where(ctx.send_ok, u, 0)
-        else:
-            u = None
-            acc = residual.reshape(-1) + g32
-
-        if n == 0 or n <= min_dense_size:
-            sent_out = jnp.where(ctx.sends, acc, 0).astype(out_dtype)
-            new_res = acc - sent_out.astype(rdt)
-            new_u = u
-            if u is not None and momentum_masking:
-                new_u = jnp.where(ctx.sends, 0, u)
-            update, wire = _exchange_dense(sent_out, ctx.include)
-            sent = jnp.where(ctx.sends, n, 0).astype(jnp.int32)
-            return _LeafOut(
-                update.reshape(shape),
-                new_res.reshape(shape),
-                None if new_u is None else new_u.reshape(shape),
-                sent,
-                jnp.float32(0),
-                jnp.int32(0),
-                sent * out_dtype.itemsize,
-                wire,
+        if reuse_period > 1 and probe.indices is not None:
+            raise ValueError(
+                f"reuse_period must be 1 with an index-based selector ({selector!r} picks "
+                f"indices, it has no threshold to reuse), got {reuse_period}"
             )
+    return _Config(
+        select_fn=select_fn,
+        options=options,
+        needs_key=needs_key,
+        phase_ratios=phase_ratios,
+        steps_per_epoch=steps_per_epoch,
+        capacity_factor=capacity_factor,
+        min_dense_size=min_dense_size,
+        momentum=momentum,
+        # A JAX-array momentum (injected hyperparameter) keeps a velocity even
+        # at 0, so init and update agree on the state's structure.
+        use_velocity=V.is_dynamic(momentum) or momentum > 0,
+        momentum_masking=momentum_masking,
+        residual_dtype=residual_dtype,
+        axis_name=axis_name,
+        exchange=exchange,
+        nonfinite=nonfinite,
+        granularity=granularity,
+        groups=groups,
+        reuse_period=reuse_period,
+    )
 
-        def phase(ratio_p):
-            k = selectors.target_count(ratio_p, n)
-            cap = _capacity(k, n, capacity_factor)
-            return lambda: _select_and_send(acc, u, k, cap, out_dtype, key, ctx)
 
-        branches = [phase(r) for r in phase_ratios]
-        if len(branches) == 1:
-            out = branches[0]()
-        else:
-            idx = jnp.minimum(ctx.step // steps_per_epoch, len(branches) - 1)
+# ---------------------------------------------------------------------------
+# init and update.
+# ---------------------------------------------------------------------------
 
-            # Branch outputs must agree in device variance under shard_map:
-            # the per-device outputs are cast to varying; the update is
-            # exchanged (invariant) or local (varying) alike in every phase,
-            # and must stay invariant when exchanged (make_train_step reads it).
-            def matched(b):
-                update, *rest = b()
-                return (update, *varying_like(tuple(rest[:-1]), acc), rest[-1])
 
-            out = lax.switch(idx, [lambda _, b=b: matched(b) for b in branches], None)
-        update, new_res, new_u, count, t, it, nbytes, wire = out
-        return _LeafOut(
-            update.reshape(shape),
-            new_res.reshape(shape),
-            None if new_u is None else new_u.reshape(shape),
-            count,
-            t,
-            it,
-            nbytes,
-            wire,
+def _init(cfg: _Config, seed, params) -> SparsifyState:
+    V.check_gradient_leaves(params, "jaxcomp.sparsify.init", "parameter")
+    layout = _layout(cfg, params)
+    leaves, treedef = jax.tree.flatten(params)
+    # One accumulator per group: one residual dtype per group.
+    dtypes: list[Any] = [None] * len(leaves)
+    for members in layout.groups:
+        rdt = resolve_residual_dtype(cfg.residual_dtype, [leaves[i] for i in members])
+        for i in members:
+            dtypes[i] = rdt
+
+    def zeros():
+        return treedef.unflatten(
+            [jnp.zeros(jnp.shape(p), dt) for p, dt in zip(leaves, dtypes, strict=True)]
         )
 
-    def _exchange_dense(sent_out, include):
-        if axis_name is None:
-            return sent_out, jnp.float32(0)
-        return collectives.dense_mean(sent_out, axis_name, include=include)
+    stats_like = params if layout.per_leaf else 0
 
-    def _select_and_send(acc, u, k, cap, out_dtype, key, ctx):
-        # A left-out backup worker selects nothing: its message is absent from
-        # the mean and everything stays in its residual (nothing lost).
-        send_ok = ctx.sends
-        n = acc.shape[0]
-        if needs_key:
-            sel = select_fn(acc, k, key=key, **options)
-        else:
-            sel = select_fn(acc, k, **options)
-        # A skipped (non-finite) step selects nothing.
-        sel = sel._replace(
-            threshold=jnp.where(send_ok, sel.threshold, jnp.inf),
-            count=jnp.where(send_ok, sel.count, 0),
-            indices=None if sel.indices is None else jnp.where(send_ok, sel.indices, n),
-        )
-        item = jnp.dtype(out_dtype).itemsize
+    def stat(dtype):
+        return jax.tree.map(lambda _: jnp.zeros([], dtype), stats_like)
 
-        if sel.indices is None and axis_name is None:
-            # One device: a dense mask is enough, no stream compaction. On
-            # overflow (count > capacity: ties, fixed thresholds) the message
-            # holds the first `cap` selected elements in index order, i.e. the
-            # selected ones up to the index of the cap-th; only then is that
-            # index extracted. The cond returns a scalar: the dense work stays
-            # outside it (XLA:CPU runs conditional branches unfused).
-            limit = lax.cond(
-                sel.count > cap,
-                lambda _: kernels.extract(acc, sel.threshold, cap)[0][cap - 1],
-                lambda _: varying_like(jnp.int32(n), acc),
-                None,
+    return SparsifyState(
+        step=jnp.zeros([], jnp.int32),
+        residual=zeros(),
+        velocity=zeros() if cfg.use_velocity else None,
+        key=jax.random.key_data(jax.random.key(seed)),
+        sent_count=stat(jnp.int32),
+        threshold=stat(jnp.float32),
+        search_iterations=stat(jnp.int32),
+        message_bytes=stat(jnp.int32),
+        wire_bytes=jnp.zeros([], jnp.float32),
+        nonfinite_steps=jnp.zeros([], jnp.int32),
+    )
+
+
+def _update(cfg: _Config, updates, state: SparsifyState, include):
+    V.check_gradient_leaves(updates, "jaxcomp.sparsify")
+    V.check_tree_like(updates, state.residual, "jaxcomp.sparsify")
+    check_per_device(updates, cfg.axis_name, "jaxcomp.sparsify")
+    grads, finite, send_ok = apply_nonfinite_policy(updates, cfg.nonfinite)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+    if cfg.axis_name is not None and cfg.needs_key:
+        key = jax.random.fold_in(key, lax.axis_index(cfg.axis_name))
+    if include is not None:
+        include = jnp.asarray(include, jnp.bool_)
+    ctx = _StepContext(state.step, send_ok, include)
+
+    layout = _layout(cfg, grads)
+    g_leaves, treedef = jax.tree.flatten(grads)
+    r_leaves = treedef.flatten_up_to(state.residual)
+    v_leaves = None if state.velocity is None else treedef.flatten_up_to(state.velocity)
+    stored = treedef.flatten_up_to(state.threshold) if layout.per_leaf else None
+    outs = []
+    for members in layout.groups:
+        outs.append(
+            _compress_group(
+                cfg,
+                [g_leaves[i] for i in members],
+                [r_leaves[i] for i in members],
+                None if v_leaves is None else [v_leaves[i] for i in members],
+                # Per-leaf layouts: the group's values sit at each of its leaves.
+                stored[members[0]] if layout.per_leaf else state.threshold,
+                jax.random.fold_in(key, members[0]) if layout.per_leaf else key,
+                ctx,
+                per_leaf=layout.per_leaf,
             )
-            # Compared in float32 like the selector's counts and extract(): a
-            # float64 accumulator compared in float64 could select more than
-            # counted (values that round down to the threshold).
-            above = jnp.abs(acc.astype(jnp.float32)) > sel.threshold
-            mask = above & (lax.iota(jnp.int32, n) <= limit)
-            sent_out = jnp.where(mask, acc, 0).astype(out_dtype)
-            new_res = _keep_rest(acc, mask, sent_out)
-            new_u = _mask_velocity(u, mask)
-            sent = jnp.minimum(sel.count, cap)
-            update, wire = sent_out, jnp.float32(0)
-        else:
-            if sel.indices is not None:
-                idx = sel.indices
-                vals = jnp.where(idx < n, acc[jnp.minimum(idx, n - 1)], 0)
-                sent = sel.count
-            else:
-                idx, vals, count = kernels.extract(acc, sel.threshold, cap)
-                sent = jnp.minimum(count, cap)
-            sent_out, new_res, new_u = _scatter_message(acc, u, idx, vals, out_dtype)
-            if axis_name is None:
-                update, wire = sent_out, jnp.float32(0)
-            else:
-                update, wire = collectives.exchange_mean(
-                    idx,
-                    vals.astype(out_dtype),
-                    n,
-                    axis_name,
-                    exchange=exchange,
-                    dense=sent_out,
-                    include=ctx.include,
-                )
-        nbytes = sent * (4 + item)
-        return update, new_res, new_u, sent, sel.threshold, sel.iterations, nbytes, wire
-
-    def _keep_rest(acc, mask, sent_out):
-        if sent_out.dtype == acc.dtype:
-            return jnp.where(mask, 0, acc)
-        # Keep the rounding of the wire dtype in the residual: exact, since
-        # acc and its rounding are within a factor of 2 (Sterbenz).
-        return jnp.where(mask, acc - sent_out.astype(acc.dtype), acc)
-
-    def _mask_velocity(u, mask):
-        if u is None or not momentum_masking:
-            return u
-        return jnp.where(mask, 0, u)
-
-    def _scatter_message(acc, u, idx, vals, out_dtype):
-        vals_out = vals.astype(out_dtype)
-        n = acc.shape[0]
-        sent_out = jnp.zeros((n,), out_dtype).at[idx].set(vals_out, mode="drop")
-        new_res = acc.at[idx].set(vals - vals_out.astype(acc.dtype), mode="drop")
-        new_u = u
-        if u is not None and momentum_masking:
-            new_u = u.at[idx].set(0, mode="drop")
-        return sent_out, new_res, new_u
-
-    # --- optax interface ---------------------------------------------------
-
-    def init(params):
-        V.check_gradient_leaves(params, "jaxcomp.sparsify.init", "parameter")
-
-        if granularity == "global":  # one accumulator: one dtype for all leaves
-            common = resolve_residual_dtype(residual_dtype, jax.tree.leaves(params))
-
-        def zeros(p):
-            rdt = common if granularity == "global" else resolve_residual_dtype(residual_dtype, [p])
-            return jnp.zeros(jnp.shape(p), rdt)
-
-        residual = jax.tree.map(zeros, params)
-        velocity = jax.tree.map(zeros, params) if use_velocity else None
-        if granularity == "global":
-            stats_like = 0
-        else:
-            stats_like = params
-        return SparsifyState(
-            step=jnp.zeros([], jnp.int32),
-            residual=residual,
-            velocity=velocity,
-            key=jax.random.key_data(jax.random.key(seed)),
-            sent_count=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), stats_like),
-            threshold=jax.tree.map(lambda _: jnp.zeros([], jnp.float32), stats_like),
-            search_iterations=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), stats_like),
-            message_bytes=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), stats_like),
-            wire_bytes=jnp.zeros([], jnp.float32),
-            nonfinite_steps=jnp.zeros([], jnp.int32),
         )
 
-    def update(updates, state, params=None, *, include=None, **extra_args):
-        """``include``: optional bool scalar, this device's backup-worker flag."""
-        del params, extra_args
-        V.check_gradient_leaves(updates, "jaxcomp.sparsify")
-        V.check_tree_like(updates, state.residual, "jaxcomp.sparsify")
-        check_per_device(updates, axis_name, "jaxcomp.sparsify")
-        grads, finite, send_ok = apply_nonfinite_policy(updates, nonfinite)
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-        if axis_name is not None and needs_key:
-            key = jax.random.fold_in(key, lax.axis_index(axis_name))
-        if include is not None:
-            include = jnp.asarray(include, jnp.bool_)
-        ctx = _StepContext(state.step, send_ok, include)
+    # Scatter the groups' results back to leaf order.
+    n = len(g_leaves)
+    fields = {name: [None] * n for name in ("upd", "res", "vel", "cnt", "thr", "its", "mb")}
+    for members, o in zip(layout.groups, outs, strict=True):
+        for j, i in enumerate(members):
+            fields["upd"][i] = o.updates[j]
+            fields["res"][i] = o.residuals[j]
+            fields["vel"][i] = None if o.velocities is None else o.velocities[j]
+            fields["cnt"][i] = o.leaf_counts[j]
+            fields["thr"][i] = o.threshold
+            fields["its"][i] = o.iterations
+            fields["mb"][i] = o.leaf_bytes[j]
+    if layout.per_leaf:
+        stats = {
+            "sent_count": treedef.unflatten(fields["cnt"]),
+            "threshold": treedef.unflatten(fields["thr"]),
+            "search_iterations": treedef.unflatten(fields["its"]),
+            "message_bytes": treedef.unflatten(fields["mb"]),
+        }
+    else:
+        (o,) = outs
+        stats = {
+            "sent_count": o.count,
+            "threshold": o.threshold,
+            "search_iterations": o.iterations,
+            "message_bytes": o.message_bytes,
+        }
+    new_state = state._replace(
+        step=state.step + 1,
+        residual=treedef.unflatten(fields["res"]),
+        velocity=None if state.velocity is None else treedef.unflatten(fields["vel"]),
+        wire_bytes=sum((o.wire_bytes for o in outs), jnp.float32(0)),
+        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+        **stats,
+    )
+    return treedef.unflatten(fields["upd"]), new_state
 
-        if granularity == "global":
-            (o,) = _compress_global(grads, state, key, ctx)
-            new_updates = o.update
-            new_state = state._replace(
-                residual=o.residual,
-                velocity=o.velocity,
-                sent_count=o.count,
-                threshold=o.threshold,
-                search_iterations=o.iterations,
-                message_bytes=o.message_bytes,
-                wire_bytes=o.wire_bytes,
-            )
+
+# ---------------------------------------------------------------------------
+# One group: flatten, compress, split back.
+# ---------------------------------------------------------------------------
+
+
+def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> _GroupOut:
+    """Compresses a group of leaves as one buffer (a one-leaf group: the leaf itself)."""
+    sizes = [g.size for g in gs]
+    # init gave every leaf of a group the group's residual dtype.
+    rdt = rs[0].dtype if rs else resolve_residual_dtype(cfg.residual_dtype, [])
+    dtypes = {jnp.dtype(g.dtype) for g in gs}
+    # Mixed gradient dtypes travel in the residual dtype, one message.
+    wire = dtypes.pop() if len(dtypes) == 1 else rdt
+    flat_g = _concat([g.reshape(-1).astype(wire) for g in gs], wire)
+    flat_r = _concat([r.reshape(-1) for r in rs], rdt)
+    flat_v = None if vs is None else _concat([v.reshape(-1) for v in vs], rdt)
+    segments = tuple(sizes) if per_leaf and len(gs) > 1 else None
+    o = _compress_flat(cfg, flat_g, flat_r, flat_v, stored, key, ctx, segments)
+
+    def split(flat):
+        if len(sizes) == 1:
+            parts = [flat]
         else:
-            g_leaves, treedef = jax.tree.flatten(grads)
-            r_leaves = treedef.flatten_up_to(state.residual)
-            v_leaves = (
-                treedef.flatten_up_to(state.velocity)
-                if state.velocity is not None
-                else [None] * len(g_leaves)
-            )
-            outs = [
-                compress_leaf(g, r, v, jax.random.fold_in(key, i), ctx)
-                for i, (g, r, v) in enumerate(zip(g_leaves, r_leaves, v_leaves, strict=True))
-            ]
-
-            def field(name):
-                return treedef.unflatten([getattr(o, name) for o in outs])
-
-            new_updates = field("update")
-            new_state = state._replace(
-                residual=field("residual"),
-                velocity=None if state.velocity is None else field("velocity"),
-                sent_count=field("count"),
-                threshold=field("threshold"),
-                search_iterations=field("iterations"),
-                message_bytes=field("message_bytes"),
-                wire_bytes=sum((o.wire_bytes for o in outs), jnp.float32(0)),
-            )
-        new_state = new_state._replace(
-            step=state.step + 1,
-            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
-        )
-        return new_updates, new_state
-
-    def _compress_global(grads, state, key, ctx):
-        """One selection over all leaves concatenated (ravel and split back)."""
-        g_leaves, treedef = jax.tree.flatten(grads)
-        sizes = [g.size for g in g_leaves]
-        dtypes = {jnp.dtype(g.dtype) for g in g_leaves}
-        rdt = resolve_residual_dtype(residual_dtype, jax.tree.leaves(state.residual))
-        # Mixed gradient dtypes travel in the residual dtype, one message.
-        wire_dtype = dtypes.pop() if len(dtypes) == 1 else rdt
-        flat_g = _concat([g.reshape(-1).astype(wire_dtype) for g in g_leaves], wire_dtype)
-        flat_r = _concat([r.reshape(-1) for r in treedef.flatten_up_to(state.residual)], rdt)
-        flat_v = None
-        if state.velocity is not None:
-            flat_v = _concat([v.reshape(-1) for v in treedef.flatten_up_to(state.velocity)], rdt)
-        o = compress_leaf(flat_g, flat_r, flat_v, key, ctx)
-
-        def split(flat):
             parts = jnp.split(flat, list(itertools.accumulate(sizes))[:-1]) if sizes else []
-            return [p.reshape(g.shape) for p, g in zip(parts, g_leaves, strict=True)]
+        return [p.reshape(g.shape) for p, g in zip(parts, gs, strict=True)]
 
-        upd = [u.astype(g.dtype) for u, g in zip(split(o.update), g_leaves, strict=True)]
-        res = split(o.residual)
-        if axis_name is None:
-            # Casting a leaf's share of the message to its own dtype rounds it:
-            # keep that rounding in the residual too (exact, as for one leaf).
-            res = [
-                r + (u_wide.astype(rdt) - u.astype(rdt))
-                for r, u_wide, u in zip(res, split(o.update), upd, strict=True)
-            ]
-        vel = None if o.velocity is None else treedef.unflatten(split(o.velocity))
-        return [
-            o._replace(update=treedef.unflatten(upd), residual=treedef.unflatten(res), velocity=vel)
+    wide = split(o.update)
+    updates = [u.astype(g.dtype) for u, g in zip(wide, gs, strict=True)]
+    residuals = split(o.residual)
+    if cfg.axis_name is None:
+        # Casting a leaf's share of the message to its own dtype rounds it:
+        # keep that rounding in the residual too (exact, as for one leaf).
+        residuals = [
+            r if u.dtype == uw.dtype else r + (uw.astype(rdt) - u.astype(rdt))
+            for r, uw, u in zip(residuals, wide, updates, strict=True)
         ]
+    velocities = None if o.velocity is None else split(o.velocity)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    n = flat_g.shape[0]
+    item = jnp.dtype(wire).itemsize
+    per_element = item if (n == 0 or n <= cfg.min_dense_size) else 4 + item
+    # Per-leaf shares of a merged group's message; a one-leaf group's (and the
+    # global layout's, which keeps only the group's totals) is the count.
+    leaf_counts = [o.count] * len(gs) if o.segment_counts is None else list(o.segment_counts)
+    return _GroupOut(
+        updates=updates,
+        residuals=residuals,
+        velocities=velocities,
+        count=o.count,
+        leaf_counts=leaf_counts,
+        threshold=o.threshold,
+        iterations=o.iterations,
+        message_bytes=o.count * per_element,
+        leaf_bytes=[c * per_element for c in leaf_counts],
+        wire_bytes=o.wire_bytes,
+    )
+
+
+def _compress_flat(cfg: _Config, g, residual, velocity, stored, key, ctx, segments) -> _FlatOut:
+    """One 1-D buffer: accumulate, select (or reuse) per warm-up phase, send."""
+    n = g.shape[0]
+    acc, u = _accumulate(cfg, g, residual, velocity, ctx.send_ok)
+    if n == 0 or n <= cfg.min_dense_size:
+        return _send_dense(cfg, acc, u, g.dtype, ctx, segments)
+    refresh = _refresh_due(cfg, ctx.step, stored)
+
+    def phase(ratio):
+        k = selectors.target_count(ratio, n)
+        cap = _capacity(k, n, cfg.capacity_factor)
+        return functools.partial(
+            _select_and_send, cfg, acc, u, k, cap, g.dtype, key, ctx, stored, refresh, segments
+        )
+
+    branches = [phase(r) for r in cfg.phase_ratios]
+    if len(branches) == 1:
+        return branches[0]()
+    idx = jnp.minimum(ctx.step // cfg.steps_per_epoch, len(branches) - 1)
+
+    # Branch outputs must agree in device variance under shard_map: the
+    # per-device outputs are cast to varying; the update is exchanged
+    # (invariant) or local (varying) alike in every phase, and must stay
+    # invariant when exchanged (make_train_step reads it).
+    def matched(branch):
+        o = branch()
+        local = o._replace(update=None, wire_bytes=None)
+        return varying_like(local, acc)._replace(update=o.update, wire_bytes=o.wire_bytes)
+
+    return lax.switch(idx, [lambda _, b=b: matched(b) for b in branches], None)
+
+
+def _accumulate(cfg: _Config, g, residual, velocity, send_ok):
+    """``(R, u)``: the accumulator in the residual dtype and the new velocity (or None)."""
+    rdt = residual.dtype  # fixed per group by init (resolve_residual_dtype)
+    g = g.astype(rdt)
+    if velocity is None:
+        return residual + g, None
+    # An injected (array) momentum rounds like a Python float would.
+    m = cfg.momentum.astype(rdt) if V.is_dynamic(cfg.momentum) else cfg.momentum
+    u = jnp.where(send_ok, m * velocity + g, velocity)
+    # A skipped step leaves both the velocity and the residual as they were.
+    return residual + jnp.where(send_ok, u, 0), u
+
+
+def _refresh_due(cfg: _Config, step, stored):
+    """Whether the selector runs this step (None: every step, no reuse)."""
+    if cfg.reuse_period == 1:
+        return None
+    due = (step % cfg.reuse_period == 0) | ~jnp.isfinite(stored)
+    if len(cfg.phase_ratios) > 1:  # the first step of every warm-up phase
+        spe = cfg.steps_per_epoch
+        due = due | ((step % spe == 0) & (step // spe < len(cfg.phase_ratios)))
+    return due
+
+
+# ---------------------------------------------------------------------------
+# Selection and sending.
+# ---------------------------------------------------------------------------
+
+
+def _run_selector(cfg: _Config, acc, k, key) -> selectors.Selection:
+    if cfg.needs_key:
+        return cfg.select_fn(acc, k, key=key, **cfg.options)
+    return cfg.select_fn(acc, k, **cfg.options)
+
+
+def _select(cfg: _Config, acc, k, key, stored, refresh, *, count_needed) -> selectors.Selection:
+    """The selector's decision, or on a reuse step the stored threshold's.
+
+    Only the scalar decision is inside the ``lax.cond`` (XLA:CPU runs
+    conditional branches unfused; the dense work stays outside), and no
+    collective is: devices may disagree on ``refresh``. On a reuse step the
+    count is needed only by the one-device mask path (the extraction counts).
+    """
+    if refresh is None:
+        return _run_selector(cfg, acc, k, key)
+
+    def fresh(acc, stored):
+        sel = _run_selector(cfg, acc, k, key)
+        return (
+            jnp.asarray(sel.threshold, jnp.float32),
+            jnp.asarray(sel.count, jnp.int32),
+            jnp.asarray(sel.iterations, jnp.int32),
+        )
+
+    def reuse(acc, stored):
+        t = stored.astype(jnp.float32)
+        count = kernels.count_above(jnp.abs(acc), t) if count_needed else jnp.int32(0)
+        return t, count, jnp.int32(0)
+
+    t, count, iterations = _vma.cond(refresh, fresh, reuse, acc, stored)
+    return selectors.Selection(t, count, iterations)
+
+
+def _select_and_send(
+    cfg: _Config, acc, u, k, cap, out_dtype, key, ctx, stored, refresh, segments
+) -> _FlatOut:
+    # A left-out backup worker selects nothing: its message is absent from
+    # the mean and everything stays in its residual (nothing lost).
+    send_ok = ctx.sends
+    n = acc.shape[0]
+    masked = cfg.axis_name is None
+    sel = _select(cfg, acc, k, key, stored, refresh, count_needed=masked)
+    # A skipped (non-finite) step selects nothing.
+    sel = sel._replace(
+        threshold=jnp.where(send_ok, sel.threshold, jnp.inf),
+        count=jnp.where(send_ok, sel.count, 0),
+        indices=None if sel.indices is None else jnp.where(send_ok, sel.indices, n),
+    )
+    if sel.indices is None and masked:
+        return _send_masked(cfg, acc, u, sel, cap, out_dtype, segments)
+    return _send_extracted(cfg, acc, u, sel, cap, out_dtype, ctx, segments)
+
+
+def _send_dense(cfg: _Config, acc, u, out_dtype, ctx, segments) -> _FlatOut:
+    """A small (or empty) buffer sent whole."""
+    n = acc.shape[0]
+    sent_out = jnp.where(ctx.sends, acc, 0).astype(out_dtype)
+    new_res = acc - sent_out.astype(acc.dtype)
+    new_u = u
+    if u is not None and cfg.momentum_masking:
+        new_u = jnp.where(ctx.sends, 0, u)
+    if cfg.axis_name is None:
+        update, wire = sent_out, jnp.float32(0)
+    else:
+        update, wire = collectives.dense_mean(sent_out, cfg.axis_name, include=ctx.include)
+    count = jnp.where(ctx.sends, n, 0).astype(jnp.int32)
+    seg = None
+    if segments is not None:
+        seg = tuple(jnp.where(ctx.sends, m, 0).astype(jnp.int32) for m in segments)
+    return _FlatOut(update, new_res, new_u, count, seg, jnp.float32(0), jnp.int32(0), wire)
+
+
+def _bounds(segments):
+    ends = list(itertools.accumulate(segments))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments) -> _FlatOut:
+    """One device: a dense mask is enough, no stream compaction.
+
+    On overflow (count > capacity: ties, fixed or reused thresholds) the
+    message holds the first ``cap`` selected elements in index order, i.e.
+    the selected ones up to the index of the cap-th; only then is that index
+    extracted. The cond returns a scalar: the dense work stays outside it
+    (XLA:CPU runs conditional branches unfused).
+    """
+    n = acc.shape[0]
+    limit = lax.cond(
+        sel.count > cap,
+        lambda _: kernels.extract(acc, sel.threshold, cap)[0][cap - 1],
+        lambda _: varying_like(jnp.int32(n), acc),
+        None,
+    )
+    # Compared in float32 like the selector's counts and extract(): a float64
+    # accumulator compared in float64 could select more than counted (values
+    # that round down to the threshold).
+    above = jnp.abs(acc.astype(jnp.float32)) > sel.threshold
+    mask = above & (lax.iota(jnp.int32, n) <= limit)
+    sent_out = jnp.where(mask, acc, 0).astype(out_dtype)
+    seg = None
+    if segments is not None:
+        seg = tuple(jnp.sum(mask[lo:hi], dtype=jnp.int32) for lo, hi in _bounds(segments))
+    return _FlatOut(
+        update=sent_out,
+        residual=_keep_rest(acc, mask, sent_out),
+        velocity=_mask_velocity(cfg, u, mask),
+        count=jnp.minimum(sel.count, cap),
+        segment_counts=seg,
+        threshold=sel.threshold,
+        iterations=sel.iterations,
+        wire_bytes=jnp.float32(0),
+    )
+
+
+def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) -> _FlatOut:
+    """The (index, value) message: the selector's indices or the first ``cap`` above t."""
+    n = acc.shape[0]
+    if sel.indices is not None:
+        idx = sel.indices
+        vals = jnp.where(idx < n, acc[jnp.minimum(idx, n - 1)], 0)
+        sent = sel.count
+    else:
+        idx, vals, count = kernels.extract(acc, sel.threshold, cap)
+        sent = jnp.minimum(count, cap)
+    sent_out, new_res, new_u = _scatter_message(cfg, acc, u, idx, vals, out_dtype)
+    if cfg.axis_name is None:
+        update, wire = sent_out, jnp.float32(0)
+    else:
+        update, wire = collectives.exchange_mean(
+            idx,
+            vals.astype(out_dtype),
+            n,
+            cfg.axis_name,
+            exchange=cfg.exchange,
+            dense=sent_out,
+            include=ctx.include,
+        )
+    seg = None
+    if segments is not None:
+        seg = tuple(
+            jnp.sum((idx >= lo) & (idx < hi), dtype=jnp.int32) for lo, hi in _bounds(segments)
+        )
+    return _FlatOut(update, new_res, new_u, sent, seg, sel.threshold, sel.iterations, wire)
+
+
+def _keep_rest(acc, mask, sent_out):
+    if sent_out.dtype == acc.dtype:
+        return jnp.where(mask, 0, acc)
+    # Keep the rounding of the wire dtype in the residual: exact, since acc
+    # and its rounding are within a factor of 2 (Sterbenz).
+    return jnp.where(mask, acc - sent_out.astype(acc.dtype), acc)
+
+
+def _mask_velocity(cfg: _Config, u, mask):
+    if u is None or not cfg.momentum_masking:
+        return u
+    return jnp.where(mask, 0, u)
+
+
+def _scatter_message(cfg: _Config, acc, u, idx, vals, out_dtype):
+    vals_out = vals.astype(out_dtype)
+    n = acc.shape[0]
+    sent_out = jnp.zeros((n,), out_dtype).at[idx].set(vals_out, mode="drop")
+    new_res = acc.at[idx].set(vals - vals_out.astype(acc.dtype), mode="drop")
+    new_u = u
+    if u is not None and cfg.momentum_masking:
+        new_u = u.at[idx].set(0, mode="drop")
+    return sent_out, new_res, new_u
+
+
+# ---------------------------------------------------------------------------
+# Non-finite gradients (shared with the quantizers).
+# ---------------------------------------------------------------------------
 
 
 def apply_nonfinite_policy(updates, nonfinite: str):
@@ -616,4 +1049,6 @@ def _all_finite(g: jax.Array) -> jax.Array:
 def _concat(parts, dtype):
     if not parts:
         return jnp.zeros((0,), dtype)
+    if len(parts) == 1:
+        return parts[0]
     return jnp.concatenate(parts)

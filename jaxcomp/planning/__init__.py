@@ -1,0 +1,38 @@
+"""Planning: DLGS layer merging (timeline model, greedy and exact planners, profiler).
+
+>>> from jaxcomp import planning
+>>> t_s = planning.linear_cost(1.0, 0.0)
+>>> t_c = planning.linear_cost(3.0, 0.5)
+>>> planning.optimal_merge([4, 4, 4, 4], [2, 2, 2, 2], 0, t_s, t_c).groups
+((0,), (1, 2, 3))
+"""
+
+from jaxcomp.planning.merge import (
+    METHODS,
+    GroupSchedule,
+    LinearCost,
+    MergePlan,
+    Timeline,
+    greedy_merge,
+    linear_cost,
+    merge_all,
+    no_merge,
+    optimal_merge,
+    plan_merge,
+    timeline,
+)
+
+__all__ = [
+    "METHODS",
+    "GroupSchedule",
+    "LinearCost",
+    "MergePlan",
+    "Timeline",
+    "greedy_merge",
+    "linear_cost",
+    "merge_all",
+    "no_merge",
+    "optimal_merge",
+    "plan_merge",
+    "timeline",
+]

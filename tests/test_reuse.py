@@ -1,0 +1,265 @@
+"""DLGS threshold reuse (``reuse_period=s``, issue 9 item 1).
+
+The selector runs on steps with ``step % s == 0`` (and on the first step of a
+warm-up phase, and after a step that sent nothing); in between the stored
+threshold ``H`` is applied, capped at the message capacity (first in index
+order). A counting selector (``jax.debug.callback`` in its body, which runs
+only when the selector is executed, not when traced) tells on which steps it
+ran; the references are numpy: the exact top-k threshold of the accumulator
+on refresh steps, ``|acc| > H`` truncated to the capacity on reuse steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    Counted,
+    CountingTopK,
+    abs32,
+    bits,
+    cap_of,
+    check_step,
+    f32,
+    k_of,
+    ref_threshold,
+)
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp
+from jaxcomp import distributed as dist
+
+SPEC = {"up": (600,), "down": (20, 25)}  # ratio 0.02: k = 12 / 10, capacity 18 / 15
+RATIO = 0.02
+
+
+def grads(step, rng):
+    # "up" grows (a reused threshold overflows the capacity), "down" shrinks
+    # (fewer than k above it): both sides of the reuse step are exercised.
+    return {
+        "up": jnp.asarray(rng.laplace(size=SPEC["up"]) * (1 + 0.6 * step), jnp.float32),
+        "down": jnp.asarray(rng.laplace(size=SPEC["down"]) * 0.7**step, jnp.float32),
+    }
+
+
+def test_selector_runs_every_s_steps_and_reuse_matches_numpy():
+    s = 3
+    sel = CountingTopK()
+    cx = Counted(jaxcomp.sparsify(sel, RATIO, reuse_period=s))
+    rng = np.random.default_rng(0)
+    state = cx.tx.init(grads(0, rng))
+    stored = {}
+    overflowed = fewer = False
+    for step in range(9):
+        g = grads(step, rng)
+        before = sel.read()
+        upd, new = cx(g, state)
+        refresh = step % s == 0
+        assert sel.read() - before == (len(SPEC) if refresh else 0), step
+        for leaf, shape in SPEC.items():
+            n = int(np.prod(shape))
+            k, cap = k_of(RATIO, n), cap_of(k_of(RATIO, n), n)
+            acc = np.asarray(state.residual[leaf]) + f32(g[leaf])
+            if refresh:
+                stored[leaf] = ref_threshold(acc, k)
+            t = stored[leaf]
+            assert np.float32(new.threshold[leaf]) == t, (step, leaf)
+            count = int(new.sent_count[leaf])
+            check_step(acc, upd[leaf], new.residual[leaf], t, cap, count)
+            assert int(new.message_bytes[leaf]) == 8 * count
+            if refresh:
+                assert count == k
+            else:
+                assert int(new.search_iterations[leaf]) == 0
+                overflowed |= int(np.sum(abs32(acc) > t)) > cap
+                fewer |= count < k
+        state = new
+    assert overflowed and fewer  # the capacity cap and an under-full reuse step both ran
+    assert cx.traces == 1
+
+
+def test_warmup_refreshes_at_every_ratio_change():
+    s, spe = 3, 2
+    warm = (0.25, 0.05)
+    sel = CountingTopK()
+    cx = Counted(
+        jaxcomp.sparsify(sel, 0.01, reuse_period=s, warmup_ratios=warm, steps_per_epoch=spe)
+    )
+    n = 400
+    rng = np.random.default_rng(1)
+    state = cx.tx.init({"w": jnp.zeros((n,), jnp.float32)})
+    phases = [*warm, 0.01]
+    refresh_steps = []
+    for step in range(10):
+        g = {"w": jnp.asarray(rng.laplace(size=n), jnp.float32)}
+        before = sel.read()
+        upd, new = cx(g, state)
+        ran = sel.read() - before
+        assert ran in (0, 1)
+        if ran:
+            refresh_steps.append(step)
+        p = min(step // spe, len(phases) - 1)
+        k = k_of(phases[p], n)
+        acc = np.asarray(state.residual["w"]) + f32(g["w"])
+        if ran:
+            t = ref_threshold(acc, k)
+        assert np.float32(new.threshold["w"]) == t
+        check_step(acc, upd["w"], new.residual["w"], t, cap_of(k, n), int(new.sent_count["w"]))
+        state = new
+    # step % 3 == 0, and the first step of each phase (steps 0, 2 and 4).
+    assert refresh_steps == [0, 2, 3, 4, 6, 9]
+    assert cx.traces == 1
+
+
+def test_skipped_step_then_refresh_with_momentum():
+    """A non-finite step sends nothing and stores inf: the next step selects afresh."""
+    s, m = 4, 0.9
+    sel = CountingTopK()
+    tx = jaxcomp.sparsify(sel, 0.05, reuse_period=s, momentum=m, momentum_masking=False)
+    cx = Counted(tx)
+    n = 300
+    k, cap = k_of(0.05, n), cap_of(k_of(0.05, n), n)
+    rng = np.random.default_rng(2)
+    state = cx.tx.init({"w": jnp.zeros((n,), jnp.float32)})
+    ran_at = []
+    t = None
+    for step in range(6):
+        g = rng.laplace(size=n).astype(np.float32)
+        if step == 2:
+            g[17] = np.nan
+        before = sel.read()
+        upd, new = cx({"w": jnp.asarray(g)}, state)
+        if sel.read() - before:
+            ran_at.append(step)
+        res_old, v_new = np.asarray(state.residual["w"]), np.asarray(new.velocity["w"])
+        if step == 2:  # skipped: nothing sent, residual and velocity kept
+            assert not np.any(f32(upd["w"]))
+            assert bits(new.residual["w"]) == bits(state.residual["w"])
+            assert bits(new.velocity["w"]) == bits(state.velocity["w"])
+            assert np.isinf(np.float32(new.threshold["w"]))
+        else:
+            acc = res_old + v_new  # R = e + u, u = m u + g (the library's own u)
+            if step in ran_at:
+                t = ref_threshold(acc, k)
+            assert np.float32(new.threshold["w"]) == t
+            check_step(acc, upd["w"], new.residual["w"], t, cap, int(new.sent_count["w"]))
+        state = new
+    # 0 and 4 on schedule; 3 because step 2 sent nothing.
+    assert ran_at == [0, 3, 4]
+    assert cx.traces == 1
+
+
+N_DEV = 8
+
+
+def test_shard_map_matches_single_device_reuse():
+    """Under shard_map (extraction path): the mean of what each device alone sends.
+
+    Device 3's gradient is non-finite at step 1, so at step 2 it selects
+    afresh while the others reuse: devices disagree on the cond's predicate.
+    """
+    mesh = jax.make_mesh((N_DEV,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    kw = dict(reuse_period=3, min_dense_size=4)
+    tx = jaxcomp.ldte_bs(0.05, axis_name="data", exchange="sparse", **kw)
+    ref = Counted(jaxcomp.ldte_bs(0.05, **kw))
+
+    def step(g, s):
+        g, s = jax.tree.map(lambda x: x[0], (g, s))
+        u, s = tx.update(g, s)
+        return jax.tree.map(lambda x: x[None], (u, s))
+
+    f = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data"))
+        )
+    )
+    spec = {"w": (30, 20), "b": (4,)}
+    zeros = {leaf: jnp.zeros(shape, jnp.float32) for leaf, shape in spec.items()}
+    state = jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * N_DEV), tx.init(zeros)), sharding)
+    refs = [ref.tx.init(zeros) for _ in range(N_DEV)]
+    rng = np.random.default_rng(3)
+    for t in range(5):
+        g = {
+            leaf: rng.laplace(size=(N_DEV, *shape)).astype(np.float32)
+            for leaf, shape in spec.items()
+        }
+        if t == 1:
+            g["w"][3, 0, 0] = np.inf
+        upd, new = f(jax.device_put(g, sharding), state)
+        jax.block_until_ready((upd, new))
+        sends = []
+        for d in range(N_DEV):
+            u_d, refs[d] = ref({leaf: jnp.asarray(v[d]) for leaf, v in g.items()}, refs[d])
+            sends.append(u_d)
+            for leaf in spec:
+                assert bits(refs[d].residual[leaf]) == bits(np.asarray(new.residual[leaf])[d])
+                assert float(refs[d].threshold[leaf]) == float(np.asarray(new.threshold[leaf])[d])
+        for leaf in spec:
+            expected = np.mean([f32(u[leaf]) for u in sends], axis=0)
+            np.testing.assert_allclose(np.asarray(upd[leaf])[0], expected, rtol=1e-6, atol=1e-7)
+        thr = np.asarray(new.threshold["w"])
+        if t == 1:
+            assert np.isinf(thr[3]) and np.all(np.isfinite(np.delete(thr, 3)))
+        if t == 2:  # device 3 refreshed, the others kept step 0's threshold
+            others = np.arange(N_DEV) != 3
+            np.testing.assert_array_equal(thr[others], np.asarray(state.threshold["w"])[others])
+            assert np.isfinite(thr[3])
+        state = new
+    assert ref.traces == 1
+
+
+def test_make_train_step_with_reuse():
+    """The check_vma probe of make_train_step traces the reuse cond on invariant state."""
+    mesh = jax.make_mesh((N_DEV,), ("data",))
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data", reuse_period=2), optax.sgd(0.05))
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((8 * N_DEV, 16)).astype(np.float32)
+    batch = {"x": x, "y": (x @ rng.standard_normal(16)).astype(np.float32)}
+
+    def loss_fn(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+    params = dist.replicate({"w": np.zeros(16, np.float32), "b": np.zeros((), np.float32)}, mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh)
+    losses, thresholds = [], []
+    for _ in range(4):
+        params, state, metrics = step(params, state, dist.shard_batch(batch, mesh))
+        jax.block_until_ready((params, metrics))
+        losses.append(float(metrics["loss"]))
+        thresholds.append(np.asarray(optax.tree.get(state, "threshold")["w"]))
+    assert losses[-1] < losses[0]
+    np.testing.assert_array_equal(thresholds[1], thresholds[0])  # reuse step: kept
+    assert not np.array_equal(thresholds[2], thresholds[1])  # refresh step
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", None])
+def test_bad_reuse_period(value):
+    if value is None:  # None means 1 (off)
+        jaxcomp.ldte_bs(0.1, reuse_period=value)
+        return
+    with pytest.raises(ValueError, match=r"reuse_period must be an integer in \[1, inf\]"):
+        jaxcomp.ldte_bs(0.1, reuse_period=value)
+
+
+def test_reuse_needs_a_threshold_selector():
+    jaxcomp.random_k(0.1, reuse_period=1)
+    with pytest.raises(ValueError, match="reuse_period must be 1 with an index-based selector"):
+        jaxcomp.random_k(0.1, reuse_period=2)
+
+
+def test_reuse_period_traced_points_at_static_args():
+    g = {"w": jnp.arange(1.0, 51.0, dtype=jnp.float32)}
+    tx = optax.inject_hyperparams(jaxcomp.top_k, static_args=("ratio",))(0.1, reuse_period=2)
+    with pytest.raises(ValueError, match="reuse_period.*static_args"):
+        jax.jit(tx.update)(g, tx.init(g))
+    tx = optax.inject_hyperparams(jaxcomp.top_k, static_args=("ratio", "reuse_period"))(
+        0.1, reuse_period=2
+    )
+    u, _ = jax.jit(tx.update)(g, tx.init(g))
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(u["w"])), np.arange(45, 50))
