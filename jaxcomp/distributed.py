@@ -39,9 +39,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp import _validation as V
 from jaxcomp import _vma as vma
 from jaxcomp._vma import _axis_names, check_per_device, varying_axes
 from jaxcomp.comm import collectives
+from jaxcomp.transforms import overlap as overlap_lib
 from jaxcomp.transforms.sparsify import _all_finite
 
 __all__ = [
@@ -410,6 +412,7 @@ def make_train_step(
     mutable: bool = False,
     donate: bool = True,
     unexchanged: str = "mean",
+    overlap: bool = False,
 ) -> Callable:
     """Builds a jitted data-parallel train step over ``mesh``.
 
@@ -451,11 +454,27 @@ def make_train_step(
         cheaper on large leaves; the arrays passed in are invalid afterwards.
       unexchanged: ``"mean"`` or ``"error"``, what to do with update leaves
         ``tx`` does not average over the axis (see above).
+      overlap: run the sparsifier inside the backward pass (DLGS; the
+        ldte_bs paper's §3.1): each group of parameters (a leaf, or a group of
+        the sparsifier's ``groups=``) is compressed and exchanged as soon as
+        its gradient exists, through a ``jax.custom_vjp`` identity, so XLA
+        can issue the group's collective while the lower layers' backward
+        still runs (:mod:`jaxcomp.transforms.overlap`). The result is the
+        same as compressing after the backward pass, with one difference:
+        ``nonfinite="skip"`` is decided per group (a group whose gradient
+        holds NaN/Inf sends nothing and keeps its residual; the others send),
+        since waiting for every gradient would serialise the exchange again.
+        Needs a jaxcomp sparsifier with this ``axis_name`` first in ``tx``
+        (``optax.chain(jaxcomp.ldte_bs(...), optax.sgd(...))``), receiving
+        every gradient leaf unchanged; anything else raises a ``ValueError``
+        when the step is first called.
 
     Returns:
       ``step(params, opt_state, batch, update_args=None, *, model_state=None,
       rng=None)`` returning ``(params, opt_state, metrics)``, or
       ``(params, opt_state, model_state, metrics)`` with ``mutable``.
+      ``step.lower(...)`` (same arguments) returns the jitted step's
+      ``jax.stages.Lowered``, e.g. to read its compiled HLO.
       ``params`` replicated, ``opt_state`` from :func:`init_opt_state`,
       ``batch`` sharded along its leading axis (:func:`shard_batch`), ``rng``
       a PRNG key (e.g. for dropout; each device gets ``fold_in(rng,
@@ -488,7 +507,15 @@ def make_train_step(
     """
     if unexchanged not in _UNEXCHANGED:
         raise ValueError(f"unexchanged must be one of {_UNEXCHANGED}, got {unexchanged!r}")
+    overlap = V.check_bool("overlap", overlap)
     value_and_grad = per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux or mutable)
+
+    def value_and_grad_with_carriers(fun):
+        # d/d(params, carriers) with per-device gradients (see per_device_value_and_grad).
+        vg = jax.value_and_grad(fun, argnums=(0, 1), has_aux=has_aux or mutable)
+        return lambda params, *args, **kw: vg(_to_varying(params, axis_name), *args, **kw)
+
+    overlapped = overlap_lib.value_and_compressed_grad(value_and_grad_with_carriers, tx, axis_name)
 
     def step(params, opt_state, batch, model_state, rng, update_args, dense_paths):
         state = jax.tree.map(lambda x: x[0], opt_state)
@@ -498,9 +525,13 @@ def make_train_step(
             kwargs["model_state"] = model_state
         if rng is not None:
             kwargs["rng"] = jax.random.fold_in(rng, lax.axis_index(axis_name))
-        loss, grads = value_and_grad(params, batch, **kwargs)
-        grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name)
-        updates, state = tx.update(grads, state, params, **extra)
+        if overlap:
+            loss, updates, state = overlapped(loss_fn, params, state, extra, batch, **kwargs)
+            dense_wire = jnp.float32(0)
+        else:
+            loss, grads = value_and_grad(params, batch, **kwargs)
+            grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name)
+            updates, state = tx.update(grads, state, params, **extra)
         params = optax.apply_updates(params, updates)
         value, aux = (loss[0], loss[1]) if (has_aux or mutable) else (loss, None)
         if mutable:
@@ -523,6 +554,13 @@ def make_train_step(
                 f"{', '.join(jax.tree_util.keystr(p) for p in paths)}. Give every leaf an "
                 "exchange (a compressor with axis_name, or jaxcomp.dense_exchange) or use "
                 "unexchanged='mean' to average them densely before tx."
+            )
+        if paths and overlap:
+            raise ValueError(
+                "make_train_step(overlap=True): tx does not average these update leaves over "
+                f"{axis_name!r}: {', '.join(jax.tree_util.keystr(p) for p in paths)}. With "
+                "overlap the sparsifier must exchange every leaf (give it axis_name="
+                f"{axis_name!r}, and put it first in optax.chain, outside optax.masked)."
             )
         if paths:
             logging.info(
@@ -559,6 +597,11 @@ def make_train_step(
             return params, opt_state, model_state, metrics
         return params, opt_state, metrics
 
+    def lower(params, opt_state, batch, update_args=None, *, model_state=None, rng=None):
+        return jitted.lower(params, opt_state, batch, model_state, rng, update_args or {})
+
+    # For inspection (HLO, cost analysis): train_step.lower(...).compile().as_text().
+    train_step.lower = lower
     return train_step
 
 

@@ -482,9 +482,16 @@ def sparsify(
     def init(params):
         return _init(cfg, seed, params)
 
-    def update(updates, state, params=None, *, include=None, **extra_args):
-        """``include``: optional bool scalar, this device's backup-worker flag."""
+    def update(updates, state, params=None, *, include=None, jaxcomp_overlap=None, **extra_args):
+        """``include``: optional bool scalar, this device's backup-worker flag.
+
+        ``jaxcomp_overlap`` is private to ``make_train_step(overlap=True)``,
+        which runs this compressor inside the backward pass
+        (:mod:`jaxcomp.transforms.overlap`).
+        """
         del params, extra_args
+        if jaxcomp_overlap is not None:
+            return jaxcomp_overlap.visit(cfg, updates, state, include)
         return _update(cfg, updates, state, include)
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -647,44 +654,85 @@ def _init(cfg: _Config, seed, params) -> SparsifyState:
     )
 
 
-def _update(cfg: _Config, updates, state: SparsifyState, include):
+class _GroupInput(NamedTuple):
+    """What one group's compression reads from the state (leaves in group order)."""
+
+    members: tuple[int, ...]  # leaf indices in jax.tree.flatten order
+    residuals: list
+    velocities: list | None
+    stored: jax.Array  # the group's stored threshold (reuse)
+    key: jax.Array  # the group's PRNG key (random selectors)
+
+
+class _StepInputs(NamedTuple):
+    """One step's grouping and per-group state, shared by ``update`` and the overlap path."""
+
+    layout: _Layout
+    treedef: Any
+    groups: tuple[_GroupInput, ...]
+
+
+def _check_updates(cfg: _Config, updates, state: SparsifyState) -> None:
     V.check_gradient_leaves(updates, "jaxcomp.sparsify")
     V.check_tree_like(updates, state.residual, "jaxcomp.sparsify")
     check_per_device(updates, cfg.axis_name, "jaxcomp.sparsify")
-    grads, finite, send_ok = apply_nonfinite_policy(updates, cfg.nonfinite)
+
+
+def _step_inputs(cfg: _Config, tree, state: SparsifyState) -> _StepInputs:
+    """Groups the state's per-leaf arrays the way this step compresses ``tree``."""
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     if cfg.axis_name is not None and cfg.needs_key:
         key = jax.random.fold_in(key, lax.axis_index(cfg.axis_name))
-    if include is not None:
-        include = jnp.asarray(include, jnp.bool_)
-    ctx = _StepContext(state.step, send_ok, include)
-
-    layout = _layout(cfg, grads)
-    g_leaves, treedef = jax.tree.flatten(grads)
+    layout = _layout(cfg, tree)
+    treedef = jax.tree.structure(tree)
     r_leaves = treedef.flatten_up_to(state.residual)
     v_leaves = None if state.velocity is None else treedef.flatten_up_to(state.velocity)
     stored = treedef.flatten_up_to(state.threshold) if layout.per_leaf else None
-    outs = []
-    for members in layout.groups:
-        outs.append(
-            _compress_group(
-                cfg,
-                [g_leaves[i] for i in members],
-                [r_leaves[i] for i in members],
-                None if v_leaves is None else [v_leaves[i] for i in members],
-                # Per-leaf layouts: the group's values sit at each of its leaves.
-                stored[members[0]] if layout.per_leaf else state.threshold,
-                jax.random.fold_in(key, members[0]) if layout.per_leaf else key,
-                ctx,
-                per_leaf=layout.per_leaf,
-            )
+    groups = tuple(
+        _GroupInput(
+            members=members,
+            residuals=[r_leaves[i] for i in members],
+            velocities=None if v_leaves is None else [v_leaves[i] for i in members],
+            # Per-leaf layouts: the group's values sit at each of its leaves.
+            stored=stored[members[0]] if layout.per_leaf else state.threshold,
+            key=jax.random.fold_in(key, members[0]) if layout.per_leaf else key,
         )
+        for members in layout.groups
+    )
+    return _StepInputs(layout, treedef, groups)
 
-    # Scatter the groups' results back to leaf order.
-    n = len(g_leaves)
+
+def _update(cfg: _Config, updates, state: SparsifyState, include):
+    _check_updates(cfg, updates, state)
+    grads, finite, send_ok = apply_nonfinite_policy(updates, cfg.nonfinite)
+    if include is not None:
+        include = jnp.asarray(include, jnp.bool_)
+    ctx = _StepContext(state.step, send_ok, include)
+    inputs = _step_inputs(cfg, grads, state)
+    g_leaves = inputs.treedef.flatten_up_to(grads)
+    outs = [
+        _compress_group(
+            cfg,
+            [g_leaves[i] for i in gi.members],
+            gi.residuals,
+            gi.velocities,
+            gi.stored,
+            gi.key,
+            ctx,
+            per_leaf=inputs.layout.per_leaf,
+        )
+        for gi in inputs.groups
+    ]
+    return _finish(cfg, state, inputs, outs, finite)
+
+
+def _finish(cfg: _Config, state: SparsifyState, inputs: _StepInputs, outs, finite):
+    """``(updates, new_state)`` from the groups' results, scattered back to leaf order."""
+    layout, treedef = inputs.layout, inputs.treedef
+    n = treedef.num_leaves
     fields = {name: [None] * n for name in ("upd", "res", "vel", "cnt", "thr", "its", "mb")}
-    for members, o in zip(layout.groups, outs, strict=True):
-        for j, i in enumerate(members):
+    for gi, o in zip(inputs.groups, outs, strict=True):
+        for j, i in enumerate(gi.members):
             fields["upd"][i] = o.updates[j]
             fields["res"][i] = o.residuals[j]
             fields["vel"][i] = None if o.velocities is None else o.velocities[j]

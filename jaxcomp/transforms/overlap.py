@@ -1,0 +1,315 @@
+"""Compression and exchange inside the backward pass (DLGS, ldte_bs paper §3.1).
+
+After-backward compression waits for every gradient: each group's
+compression and collective can only start when the backward pass is over.
+Here the sparsifier runs *inside* the backward pass instead: each group of
+parameters (one leaf, or a merged group from ``groups=``) passes through an
+identity with a ``jax.custom_vjp`` whose backward rule compresses the group's
+gradient and exchanges it. In the program the group's collective then sits
+right after the group's gradient, with no dependency on the other layers'
+gradients, so XLA's scheduler can issue it while the lower layers' backward
+still runs (on accelerators, where collectives are asynchronous, the two
+overlap; XLA:CPU runs a collective synchronously but still issues it early).
+
+The new compressor state cannot leave a backward rule except as a cotangent:
+each group's residual (and velocity) is an argument of the differentiated
+function whose "cotangent" is the new residual, and the group's statistics
+travel in a small float32 carrier (integers bit-cast, so nothing is rounded).
+The step then calls ``tx.update`` as usual; the sparsifier recognises the
+precomputed result (:class:`_Apply`) and returns it, and the rest of the chain
+(``optax.sgd``, ...) runs on the exchanged updates.
+
+The sparsifier is found by calling ``tx.update`` once in a *probe* mode that
+stops when the sparsifier is reached (:class:`_Probe`); it must receive the
+gradients unchanged (first in ``optax.chain``, not inside ``optax.masked``,
+``optax.apply_if_finite`` or another transform that changes or branches on
+them), otherwise a ``ValueError`` says so.
+
+Used by :func:`jaxcomp.distributed.make_train_step` with ``overlap=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomp import _validation as V
+from jaxcomp.transforms.sparsify import (
+    _check_updates,
+    _compress_group,
+    _finish,
+    _GroupOut,
+    _step_inputs,
+    _StepContext,
+    apply_nonfinite_policy,
+)
+
+__all__ = ["value_and_compressed_grad"]
+
+
+class _Found(Exception):
+    """Raised by the sparsifier in probe mode to stop ``tx.update`` early."""
+
+    def __init__(self, cfg, state, include):
+        super().__init__("jaxcomp overlap probe")
+        self.cfg, self.state, self.include = cfg, state, include
+
+
+def _same_leaves(a, b) -> bool:
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(x is y for x, y in zip(la, lb, strict=True))
+
+
+_NOT_FIRST = (
+    "overlap=True runs the sparsifier inside the backward pass, so it must receive the "
+    "gradients unchanged: put it first in optax.chain (optax.chain(jaxcomp.ldte_bs(...), "
+    "optax.sgd(...))), not inside optax.masked, optax.multi_transform, an apply_if_finite "
+    "or after a transform that changes the gradients (clipping, scaling)"
+)
+
+
+class _Probe:
+    """``jaxcomp_overlap`` in probe mode: record the sparsifier and stop."""
+
+    def __init__(self, grads):
+        self.grads = grads
+
+    def visit(self, cfg, updates, state, include):
+        if not _same_leaves(updates, self.grads):
+            raise ValueError(f"{_NOT_FIRST}; here it received other gradients.")
+        _check_updates(cfg, updates, state)
+        raise _Found(cfg, state, include)
+
+
+class _Apply:
+    """``jaxcomp_overlap`` in apply mode: return the backward pass's result."""
+
+    def __init__(self, updates, old_state, new_state):
+        self.updates, self.old_state, self.new_state = updates, old_state, new_state
+        self.used = False
+
+    def visit(self, cfg, updates, state, include):
+        del cfg, include
+        if state is not self.old_state or not _same_leaves(updates, self.updates):
+            raise ValueError(
+                "overlap=True supports one jaxcomp sparsifier in tx, first in the chain; "
+                "found a second compressor or one that receives changed gradients"
+            )
+        self.used = True
+        return self.updates, self.new_state
+
+
+def _check_overlap_config(cfg, axis_name) -> None:
+    if cfg.axis_name is None or cfg.axis_name != axis_name:
+        raise ValueError(
+            f"overlap=True needs the sparsifier's axis_name to be the step's axis "
+            f"{axis_name!r} (it exchanges inside the backward pass), got {cfg.axis_name!r}"
+        )
+    dynamic = [k for k, v in cfg.options.items() if V.is_dynamic(v)]
+    if V.is_dynamic(cfg.momentum):
+        dynamic.append("momentum")
+    if dynamic:
+        raise ValueError(
+            "overlap=True does not support injected (traced) hyperparameters yet "
+            f"({', '.join(sorted(dynamic))}): pass them as Python numbers"
+        )
+
+
+def find_sparsifier(tx, grads, state, params, extra) -> _Found:
+    """Runs ``tx.update`` in probe mode until the sparsifier; returns what it saw."""
+    try:
+        tx.update(grads, state, params, **extra, jaxcomp_overlap=_Probe(grads))
+    except _Found as found:
+        return found
+    except TypeError as e:
+        if "jaxcomp_overlap" not in str(e):
+            raise
+    raise ValueError(
+        "overlap=True needs a jaxcomp sparsifier (jaxcomp.ldte_bs, top_k, dgc, ...) in tx, "
+        f"first in optax.chain; none was found. {_NOT_FIRST}."
+    )
+
+
+# Layout of a group's statistics carrier (float32; int32 fields bit-cast).
+_HEAD = ("count", "threshold", "iterations", "message_bytes", "wire_bytes", "finite")
+_INTS = {"count", "iterations", "message_bytes", "finite"}
+
+
+def _to_f32_bits(x, is_int):
+    x = jnp.asarray(x)
+    if is_int:
+        return lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
+    return x.astype(jnp.float32)
+
+
+def _from_f32_bits(x, is_int):
+    return lax.bitcast_convert_type(x, jnp.int32) if is_int else x
+
+
+def _pack(o: _GroupOut, finite) -> jax.Array:
+    head = dict(
+        count=o.count,
+        threshold=o.threshold,
+        iterations=o.iterations,
+        message_bytes=o.message_bytes,
+        wire_bytes=o.wire_bytes,
+        finite=finite,
+    )
+    parts = [_to_f32_bits(head[name], name in _INTS) for name in _HEAD]
+    parts += [_to_f32_bits(c, True) for c in o.leaf_counts]
+    parts += [_to_f32_bits(b, True) for b in o.leaf_bytes]
+    return jnp.stack(parts)
+
+
+def _unpack(vec, updates, residuals, velocities):
+    m = len(updates)
+    head = {name: _from_f32_bits(vec[i], name in _INTS) for i, name in enumerate(_HEAD)}
+    counts = [_from_f32_bits(vec[len(_HEAD) + j], True) for j in range(m)]
+    nbytes = [_from_f32_bits(vec[len(_HEAD) + m + j], True) for j in range(m)]
+    out = _GroupOut(
+        updates=list(updates),
+        residuals=list(residuals),
+        velocities=None if velocities is None else list(velocities),
+        count=head["count"],
+        leaf_counts=counts,
+        threshold=head["threshold"],
+        iterations=head["iterations"],
+        message_bytes=head["message_bytes"],
+        leaf_bytes=nbytes,
+        wire_bytes=head["wire_bytes"],
+    )
+    return out, head["finite"].astype(jnp.bool_)
+
+
+def _group_tap(cfg, per_leaf: bool):
+    """The identity on one group's parameters whose backward rule compresses the group.
+
+    ``tap(leaves, residuals, velocities, stats, stored, key, step, include)``
+    returns ``leaves``; its VJP returns, as the cotangents of ``leaves``,
+    ``residuals``, ``velocities`` and ``stats``: the exchanged update, the new
+    residuals and velocities and the group's packed statistics.
+    """
+
+    @jax.custom_vjp
+    def tap(leaves, residuals, velocities, stats, stored, key, step, include):
+        del residuals, velocities, stats, stored, key, step, include
+        return leaves
+
+    def fwd(leaves, residuals, velocities, stats, stored, key, step, include):
+        del stats
+        return leaves, (residuals, velocities, stored, key, step, include)
+
+    def bwd(saved, g_leaves):
+        residuals, velocities, stored, key, step, include = saved
+        grads, finite, send_ok = apply_nonfinite_policy(list(g_leaves), cfg.nonfinite)
+        ctx = _StepContext(step, send_ok, include)
+        o = _compress_group(
+            cfg,
+            grads,
+            list(residuals),
+            None if velocities is None else list(velocities),
+            stored,
+            key,
+            ctx,
+            per_leaf=per_leaf,
+        )
+        new_v = None if o.velocities is None else tuple(o.velocities)
+        return (
+            tuple(o.updates),
+            tuple(o.residuals),
+            new_v,
+            _pack(o, finite),
+            None,
+            None,
+            None,
+            None,
+        )
+
+    tap.defvjp(fwd, bwd)
+    return tap
+
+
+def _stats_size(members) -> int:
+    return len(_HEAD) + 2 * len(members)
+
+
+def value_and_compressed_grad(
+    value_and_grad_fn: Callable, tx, axis_name
+) -> Callable[..., tuple[Any, Any, Any]]:
+    """Wraps a per-device ``value_and_grad`` so the sparsifier in ``tx`` runs in its backward.
+
+    Args:
+      value_and_grad_fn: ``value_and_grad_fn(fun)`` -> a function like
+        ``jax.value_and_grad(fun, argnums=(0, 1))`` giving per-device
+        gradients (see :func:`jaxcomp.distributed.per_device_value_and_grad`).
+      tx: the optimizer; its sparsifier must be first in the chain.
+      axis_name: the mesh axis of the step.
+
+    Returns:
+      ``f(loss_fn, params, opt_state, extra, *args, **kwargs) -> (value,
+      updates, opt_state)``: the loss value (as ``value_and_grad`` returns
+      it), and ``tx.update``'s result with the sparsifier's work done in the
+      backward pass.
+    """
+
+    def run(loss_fn, params, opt_state, extra, *args, **kwargs):
+        found = find_sparsifier(tx, params, opt_state, params, extra)
+        cfg, comp_state = found.cfg, found.state
+        _check_overlap_config(cfg, axis_name)
+        include = found.include
+        if include is not None:
+            include = jnp.asarray(include, jnp.bool_)
+        inputs = _step_inputs(cfg, params, comp_state)
+        step = comp_state.step
+        taps = [_group_tap(cfg, inputs.layout.per_leaf) for _ in inputs.groups]
+        carriers = tuple(
+            (
+                tuple(gi.residuals),
+                None if gi.velocities is None else tuple(gi.velocities),
+                jnp.zeros((_stats_size(gi.members),), jnp.float32),
+            )
+            for gi in inputs.groups
+        )
+
+        def tapped_loss(params, carriers, *args, **kwargs):
+            leaves = inputs.treedef.flatten_up_to(params)
+            out = list(leaves)
+            for tap, gi, (res, vel, stats) in zip(taps, inputs.groups, carriers, strict=True):
+                tapped = tap(
+                    tuple(leaves[i] for i in gi.members),
+                    res,
+                    vel,
+                    stats,
+                    gi.stored,
+                    gi.key,
+                    step,
+                    include,
+                )
+                for i, leaf in zip(gi.members, tapped, strict=True):
+                    out[i] = leaf
+            return loss_fn(inputs.treedef.unflatten(out), *args, **kwargs)
+
+        value, (updates, carrier_cts) = value_and_grad_fn(tapped_loss)(
+            params, carriers, *args, **kwargs
+        )
+        u_leaves = inputs.treedef.flatten_up_to(updates)
+        outs, finites = [], []
+        for gi, (res, vel, stats) in zip(inputs.groups, carrier_cts, strict=True):
+            o, finite = _unpack(stats, [u_leaves[i] for i in gi.members], res, vel)
+            outs.append(o)
+            finites.append(finite)
+        finite = functools.reduce(jnp.logical_and, finites, jnp.bool_(True))
+        updates, new_comp_state = _finish(cfg, comp_state, inputs, outs, finite)
+        handle = _Apply(updates, comp_state, new_comp_state)
+        updates, opt_state = tx.update(updates, opt_state, params, **extra, jaxcomp_overlap=handle)
+        if not handle.used:  # pragma: no cover (the probe found it)
+            raise ValueError(f"overlap=True: the sparsifier was not reached again. {_NOT_FIRST}.")
+        return value, updates, opt_state
+
+    return run

@@ -1,0 +1,261 @@
+"""make_train_step(overlap=True): the sparsifier inside the backward pass (issue 9).
+
+The reference is the same step with compression after the backward pass
+(overlap=False): parameters and the whole optimizer state must agree bit for
+bit. The scheduling property is read from the compiled HLO's dataflow.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from jaxcomp import distributed as dist
+
+N = 4
+DIMS = (24, 40, 56, 12)  # distinct shapes: each layer's ops are recognisable in HLO
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
+
+
+def init_params(seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return {
+        f"l{i}": {
+            "w": (rng.standard_normal((DIMS[i], DIMS[i + 1])) * 0.3).astype(dtype),
+            "b": np.zeros(DIMS[i + 1], dtype),
+        }
+        for i in range(len(DIMS) - 1)
+    }
+
+
+def loss_fn(params, batch):
+    h = batch["x"]
+    for i in range(len(DIMS) - 1):
+        layer = params[f"l{i}"]
+        h = jnp.tanh(h @ layer["w"].astype(h.dtype) + layer["b"].astype(h.dtype))
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def make_batch(seed=1, nan_at=None):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((8 * N, DIMS[0])).astype(np.float32)
+    y = rng.standard_normal((8 * N, DIMS[-1])).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+def run(mesh, tx, steps, overlap, params=None, batches=None):
+    params = dist.replicate(init_params() if params is None else params, mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh, overlap=overlap)
+    metrics = []
+    for i in range(steps):
+        batch = make_batch(seed=i) if batches is None else batches[i]
+        params, state, m = step(params, state, dist.shard_batch(batch, mesh))
+        jax.block_until_ready(params)
+        metrics.append(jax.tree.map(np.asarray, m))
+    return jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state), metrics
+
+
+def assert_trees_equal(a, b):
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+CONFIGS = {
+    "ldte_bs_momentum_reuse": lambda: jaxcomp.ldte_bs(
+        ratio=0.1, axis_name="data", momentum=0.9, reuse_period=2
+    ),
+    "top_k_groups_dense_small": lambda: jaxcomp.top_k(
+        ratio=0.05,
+        axis_name="data",
+        min_dense_size=40,
+        groups=[["['l0']['w']", "['l1']['w']"], ["['l2']['w']", "['l2']['b']"]],
+    ),
+    "dgc_warmup_sparse": lambda: jaxcomp.dgc(
+        ratio=0.02,
+        axis_name="data",
+        warmup_ratios=(0.25,),
+        steps_per_epoch=2,
+        exchange="sparse",
+    ),
+    "random_k_zero_policy": lambda: jaxcomp.random_k(
+        ratio=0.1, axis_name="data", nonfinite="zero", seed=3
+    ),
+    "global": lambda: jaxcomp.top_k(ratio=0.05, axis_name="data", granularity="global"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_overlap_matches_compress_after_backward(mesh, name):
+    tx = optax.chain(CONFIGS[name](), optax.sgd(0.1, momentum=0.5))
+    ref = run(mesh, tx, 4, overlap=False)
+    got = run(mesh, tx, 4, overlap=True)
+    assert_trees_equal(got[0], ref[0])  # parameters
+    assert_trees_equal(got[1], ref[1])  # every state field, residuals and counters
+    for a, b in zip(got[2], ref[2], strict=True):
+        assert_trees_equal(a, b)  # loss and wire bytes
+    # Not vacuous: the parameters moved and something was sent.
+    assert not np.array_equal(got[0]["l0"]["w"], init_params()["l0"]["w"])
+    assert got[2][-1]["wire_bytes"] > 0
+
+
+def test_overlap_bf16_params(mesh):
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params())
+    tx = optax.chain(jaxcomp.ldte_bs(ratio=0.1, axis_name="data"), optax.sgd(0.1))
+    ref = run(mesh, tx, 3, overlap=False, params=params)
+    got = run(mesh, tx, 3, overlap=True, params=params)
+    assert_trees_equal(got[0], ref[0])
+    assert_trees_equal(got[1], ref[1])
+
+
+def test_overlap_nan_skips_only_the_groups_that_hold_it(mesh):
+    """``nonfinite="skip"`` is decided per group with overlap: documented difference."""
+    tx = optax.chain(jaxcomp.top_k(ratio=0.1, axis_name="data"), optax.sgd(0.1))
+    params = init_params()
+    params = dist.replicate(params, mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh, overlap=True)
+    params, state, _ = step(params, state, dist.shard_batch(make_batch(0), mesh))
+    before = jax.tree.map(np.asarray, optax.tree.get(state, "residual"))
+
+    # A NaN in the first layer's bias gradient of every device: a NaN bias
+    # value reaches every leaf's gradient through the forward pass, so use a
+    # loss whose NaN touches only l2's gradients instead.
+    def nan_loss(p, batch):
+        bad = jnp.sum(p["l2"]["b"]) * jnp.float32(np.nan)
+        return loss_fn(p, batch) + bad
+
+    step_nan = dist.make_train_step(nan_loss, tx, mesh, overlap=True)
+    params2, state2, _ = step_nan(params, state, dist.shard_batch(make_batch(1), mesh))
+    after = jax.tree.map(np.asarray, optax.tree.get(state2, "residual"))
+    # l2's bias group held the NaN: its residual is untouched; the others moved on.
+    np.testing.assert_array_equal(after["l2"]["b"], before["l2"]["b"])
+    assert not np.array_equal(after["l0"]["w"], before["l0"]["w"])
+    for leaf in jax.tree.leaves(after):
+        assert np.all(np.isfinite(leaf))
+    for leaf in jax.tree.leaves(jax.tree.map(np.asarray, params2)):
+        assert np.all(np.isfinite(leaf))
+    assert int(np.asarray(optax.tree.get(state2, "nonfinite_steps"))[0]) == 1
+    assert int(np.asarray(optax.tree.get(state2, "sent_count")["l2"]["b"])[0]) == 0
+
+
+# --- rejected set-ups: a clear error, never a silent wrong result --------------
+
+
+def _expect_error(mesh, tx, match):
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh, overlap=True)
+    with pytest.raises(ValueError, match=match):
+        step(params, state, dist.shard_batch(make_batch(), mesh))
+
+
+def test_overlap_rejects_transform_before_the_sparsifier(mesh):
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0), jaxcomp.top_k(ratio=0.1, axis_name="data"), optax.sgd(0.1)
+    )
+    _expect_error(mesh, tx, "first in optax.chain")
+
+
+def test_overlap_rejects_masked_sparsifier(mesh):
+    mask = {f"l{i}": {"w": True, "b": False} for i in range(3)}
+    tx = optax.chain(
+        optax.masked(jaxcomp.top_k(ratio=0.1, axis_name="data"), mask),
+        jaxcomp.dense_exchange("data"),
+        optax.sgd(0.1),
+    )
+    _expect_error(mesh, tx, "first in optax.chain|does not average")
+
+
+def test_overlap_rejects_missing_or_local_sparsifier(mesh):
+    _expect_error(
+        mesh, optax.chain(jaxcomp.dense_exchange("data"), optax.sgd(0.1)), "needs a jaxcomp"
+    )
+    _expect_error(
+        mesh, optax.chain(jaxcomp.top_k(ratio=0.1), optax.sgd(0.1)), "axis_name|does not average"
+    )
+
+
+def test_overlap_rejects_injected_hyperparameters(mesh):
+    tx = optax.chain(
+        optax.inject_hyperparams(jaxcomp.ldte_bs, static_args=("ratio", "axis_name"))(
+            ratio=0.1, axis_name="data", momentum=0.9
+        ),
+        optax.sgd(0.1),
+    )
+    _expect_error(mesh, tx, "injected")
+
+
+def test_overlap_bad_flag():
+    with pytest.raises(ValueError, match="overlap"):
+        dist.make_train_step(loss_fn, optax.sgd(0.1), jax.make_mesh((1,), ("data",)), overlap=2)
+
+
+# --- the compiled program's dataflow --------------------------------------------
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+
+
+def _entry_graph(hlo: str):
+    """Instruction -> operand names of the ENTRY computation, and the text of each."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    deps, text = {}, {}
+    for line in entry.splitlines()[1:]:
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, rhs = m.groups()
+        rhs = rhs.split(", metadata=")[0]
+        deps[name] = re.findall(r"%([\w.\-]+)", rhs)
+        text[name] = rhs
+    return deps, text
+
+
+def _ancestors(deps, name):
+    seen, stack = set(), [name]
+    while stack:
+        for d in deps.get(stack.pop(), []):
+            if d not in seen:
+                seen.add(d)
+                stack.append(d)
+    return seen
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_last_layer_exchange_waits_for_first_layer_gradient_only_without_overlap(mesh, overlap):
+    """With overlap the last layer's collective depends only on its own gradient.
+
+    Compressing after the backward pass decides ``nonfinite="skip"`` on every
+    gradient at once, so each collective waits for the first layer's weight
+    gradient (the last one the backward computes). With ``overlap=True`` it
+    does not: a scheduler is free to issue it while the backward still runs.
+    """
+    tx = optax.chain(
+        jaxcomp.ldte_bs(ratio=0.1, axis_name="data", exchange="sparse"), optax.sgd(0.1)
+    )
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh, overlap=overlap)
+    hlo = step.lower(params, state, dist.shard_batch(make_batch(), mesh)).compile().as_text()
+    deps, text = _entry_graph(hlo)
+    # The first layer's weight gradient: the dot producing f32[24,40] (or its
+    # transposed layout) from the batch; the last layer's weight message: the
+    # all-gathers of l2.w's capacity (56 * 12 = 672 elements, k = 68, 1.5k = 102).
+    first_grad = [n for n, t in text.items() if re.match(r"f32\[(24,40|40,24)\]\{1,0\} dot\(", t)]
+    last_exchange = [n for n, t in text.items() if re.match(r"\w32\[4,102\].* all-gather\(", t)]
+    assert len(first_grad) == 1, first_grad
+    assert len(last_exchange) == 2, last_exchange  # indices and values
+    waits = [first_grad[0] in _ancestors(deps, n) for n in last_exchange]
+    assert waits == [not overlap] * 2
