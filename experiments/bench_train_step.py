@@ -12,13 +12,20 @@ simulated CPU devices, per configuration:
 - each also with ``donate=False``: parameters and optimizer state copied
   instead of updated in place (the cost donation saves);
 - ``ldte_bs_update_only``: just ``tx.update`` under ``shard_map`` (state
-  donated), the compressor's kernel share of the whole step.
+  donated), the compressor's kernel share of the whole step;
+- ``ldte_bs_overlap``: ``ldte_bs`` with ``make_train_step(overlap=True)``,
+  the compressor inside the backward pass (same result; on XLA:CPU
+  collectives are synchronous and the scheduler keeps them after the
+  backward, so this measures the cost of the mechanism, not real overlap).
 
 Times are medians after warm-up with every step blocked on; ratios are
 against ``dense`` (donated) measured in the same run. Writes
 ``bench_train_step.json`` and ``bench_train_step.png`` to ``--out``.
 
     python -m experiments.bench_train_step --out results/ [--width 1024]
+
+Simulated devices: 4 unless ``XLA_FLAGS`` already sets
+``--xla_force_host_platform_device_count`` (e.g. 8).
 """
 
 from __future__ import annotations
@@ -100,27 +107,30 @@ def run(width: int, depth: int, ratio: float, repeats: int, out_dir: str) -> dic
     batch = dist.shard_batch((x, y), mesh)
     num_params = sum(v.size for v in jax.tree.leaves(init))
     rows = {}
-    for name, tx in _optimizers(ratio).items():
-        for donate in (True, False):
-            step = dist.make_train_step(_loss, tx, mesh, AXIS, donate=donate)
-            state = (dist.replicate(init, mesh), dist.init_opt_state(tx, init, mesh))
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(step(*state, batch))
-            compile_s = time.perf_counter() - t0
-            ms = median_ms_threaded(
-                lambda s, b, step=step: step(*s, b),
-                out[:2],
-                batch,
-                next_state=lambda o: o[:2],
-                repeats=repeats,
-            )
-            key = name if donate else f"{name}_not_donated"
-            rows[key] = {
-                "step_ms": ms,
-                "first_call_s": compile_s,
-                "wire_bytes": int(np.asarray(out[2]["wire_bytes"]).ravel()[0]),
-                "unexchanged_leaves": len(dist.unexchanged_leaves(tx, init, mesh)),
-            }
+    variants = [(name, tx, donate, False) for name, tx in _optimizers(ratio).items()
+                for donate in (True, False)]  # fmt: skip
+    variants.append(("ldte_bs", _optimizers(ratio)["ldte_bs"], True, True))
+    for name, tx, donate, overlap in variants:
+        step = dist.make_train_step(_loss, tx, mesh, AXIS, donate=donate, overlap=overlap)
+        state = (dist.replicate(init, mesh), dist.init_opt_state(tx, init, mesh))
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(step(*state, batch))
+        compile_s = time.perf_counter() - t0
+        ms = median_ms_threaded(
+            lambda s, b, step=step: step(*s, b),
+            out[:2],
+            batch,
+            next_state=lambda o: o[:2],
+            repeats=repeats,
+        )
+        key = name if donate else f"{name}_not_donated"
+        key = f"{key}_overlap" if overlap else key
+        rows[key] = {
+            "step_ms": ms,
+            "first_call_s": compile_s,
+            "wire_bytes": int(np.asarray(out[2]["wire_bytes"]).ravel()[0]),
+            "unexchanged_leaves": len(dist.unexchanged_leaves(tx, init, mesh)),
+        }
     # The compressor alone: tx.update under shard_map on ready per-device gradients.
     tx = _optimizers(ratio)["ldte_bs"]
     sharding = NamedSharding(mesh, P(AXIS))
@@ -151,6 +161,9 @@ def run(width: int, depth: int, ratio: float, repeats: int, out_dir: str) -> dic
     base = rows["dense"]["step_ms"]
     for row in rows.values():
         row["vs_dense"] = row["step_ms"] / base
+    rows["ldte_bs_overlap"]["vs_after_backward"] = (
+        rows["ldte_bs_overlap"]["step_ms"] / rows["ldte_bs"]["step_ms"]
+    )
     for name in _optimizers(ratio):
         rows[name]["donation_saves"] = (
             1 - rows[name]["step_ms"] / rows[f"{name}_not_donated"]["step_ms"]

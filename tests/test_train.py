@@ -176,7 +176,7 @@ def test_epoch_order_is_deterministic():
         ({"num_devices": 64}, "devices exist"),
         ({"model": "vgg"}, "unknown model"),
         ({"dataset": "mnist"}, "unknown dataset"),
-        ({"schedule": "step"}, "schedule"),
+        ({"schedule": "linear"}, "schedule"),
         ({"num_processes": 2}, "go together"),
     ],
 )
@@ -470,3 +470,44 @@ def test_step_schedule_is_the_dlgs_papers():
     for epoch, want in [(0, 0.1), (79, 0.1), (80, 0.01), (119, 0.01), (120, 0.001), (139, 0.001)]:
         for step in (epoch * spe, epoch * spe + spe - 1):
             np.testing.assert_allclose(float(lr(step)), want, rtol=1e-6)
+
+
+def test_merge_plan_is_written_and_reused_on_resume(tmp_path, monkeypatch):
+    from jaxcomp import planning  # noqa: PLC0415
+
+    config = dataclasses.replace(
+        TINY,
+        compressor="ldte_bs",
+        ratio=0.01,
+        merge="optimal",
+        reuse_period=2,
+        epochs=2,
+        checkpoint=True,
+        time_compression=False,
+    )
+    first = train.train_and_evaluate(config, str(tmp_path), stop_after_epoch=1)
+    path = tmp_path / train.MERGE_PLAN_FILE
+    plan = json.loads(path.read_text())
+    assert plan == first["merge_plan"]
+    assert plan["method"] == "optimal" and plan["profile"]["method"] == "flops"
+    flat = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(first["params"])[0]
+    ]
+    listed = [p for g in plan["groups"] for p in g]
+    assert sorted(listed) == sorted(flat) and len(listed) == len(flat)
+    assert plan["predicted_time"] == plan["predicted_times"]["optimal"]
+    assert plan["predicted_times"]["optimal"] <= min(plan["predicted_times"].values())
+    assert np.isfinite(first["final"]["train_loss"])
+
+    # The resumed run reuses the plan: nothing is profiled again.
+    def fail(*args, **kwargs):
+        raise AssertionError("a resumed run must reuse merge_plan.json")
+
+    monkeypatch.setattr(planning, "profile_backward", fail)
+    monkeypatch.setattr(planning, "measure_sparsify_cost", fail)
+    text = path.read_text()
+    resumed = train.train_and_evaluate(config, str(tmp_path))
+    assert [r["epoch"] for r in resumed["records"]] == [1, 2]
+    assert np.isfinite(resumed["final"]["train_loss"])
+    assert resumed["merge_plan"]["groups"] == plan["groups"]
+    assert path.read_text() == text
