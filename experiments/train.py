@@ -17,6 +17,11 @@ Outputs in ``workdir``:
 - ``config.json``: the resolved configuration, written before training. A
   run refuses (``ValueError``) a workdir whose checkpoints or metrics belong
   to another configuration, unless told to overwrite them.
+- ``merge_plan.json``: with ``merge`` set, the DLGS merge plan (groups of
+  leaf paths, the profile and cost model it came from, the predicted
+  iteration time of every planner); a rerun with the same configuration
+  reuses it instead of profiling again, so a resumed run compiles the same
+  groups.
 """
 
 from __future__ import annotations
@@ -39,11 +44,15 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 from experiments import data as data_lib
 from experiments import models
+from jaxcomp import planning
 from jaxcomp.transforms.quantize import qsgd_levels
 
 __all__ = [
     "COMPRESSORS",
     "CONFIG_FILE",
+    "MERGE_ALPHA",
+    "MERGE_BETA",
+    "MERGE_PLAN_FILE",
     "RESUMABLE_FIELDS",
     "QUANTIZERS",
     "SPARSIFIERS",
@@ -105,9 +114,13 @@ class TrainConfig:
         ``s`` steps and the stored per-leaf (per-group) threshold is applied
         in between (None: 1, off; sparsifiers only).
       merge: DLGS layer merging: ``"none"`` (one group per leaf), ``"greedy"``
-        (the paper's Algorithm 2) or ``"optimal"`` (the exact planner), planned
-        from this model's per-layer backward times measured on this device
-        (None: ``"none"``; sparsifiers only, with ``granularity="layer"``).
+        (the paper's Algorithm 2) or ``"optimal"`` (the exact planner) over the
+        model's layers (the leaves of one module form a layer), planned from
+        the backward profile of one device's shard of the first batch
+        (``jaxcomp.planning.profile_backward(method="flops")``), the selector's
+        measured cost and a 10 GbE link (``MERGE_ALPHA``, ``MERGE_BETA``);
+        see ``merge_plan.json`` (None: ``"none"``; sparsifiers only, with
+        ``granularity="layer"``).
       min_dense_size: leaves this small are sent dense (None: the compressor
         factory's default, 0 for sparsifiers and 10000 for ``qsgd``; not for dense).
       levels: QSGD quantization levels ``s`` (None: 16, the QSGD paper's
@@ -630,7 +643,7 @@ def _clear_workdir(workdir: str) -> None:
     import shutil  # noqa: PLC0415
 
     shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
-    for name in ("metrics.jsonl", "accuracy.png", CONFIG_FILE):
+    for name in ("metrics.jsonl", "accuracy.png", CONFIG_FILE, MERGE_PLAN_FILE):
         path = os.path.join(workdir, name)
         if os.path.exists(path):
             os.remove(path)
@@ -686,6 +699,132 @@ def _check_workdir(config: TrainConfig, workdir: str, num_devices: int, overwrit
         multihost_utils.sync_global_devices("jaxcomp_check_workdir")
 
 
+MERGE_PLAN_FILE = "merge_plan.json"
+_MERGE_PLAN_FORMAT = 1
+# The link the merge planner assumes (t_c = alpha + beta * bytes): 10 Gbit
+# Ethernet, 50 us per message and 1.25e9 bytes/s. A message carries an
+# (int32 index, float32 value) pair per selected element, 8 * ratio bytes per
+# gradient element.
+MERGE_ALPHA = 50e-6
+MERGE_BETA = 1 / 1.25e9
+
+
+def _layer_groups_to_paths(layers, layer_groups) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(p for q in g for p in layers[q].paths) for g in layer_groups)
+
+
+def _stored_merge_plan(path: str, config_record: dict, layer_names: list) -> dict | None:
+    """The plan in ``path`` when it was made for this configuration and model, else None."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+        if stored["format"] != _MERGE_PLAN_FORMAT or stored["layers"] != layer_names:
+            return None
+        if _config_differences(stored["config"], config_record):
+            return None
+        flat = [q for g in stored["layer_groups"] for q in g]
+        if flat != list(range(len(layer_names))):
+            return None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return stored
+
+
+def _make_merge_plan(config: TrainConfig, model, params, dataset, num_devices: int) -> dict:
+    """Profiles one device's shard of the first batch and plans the merge (a JSON record)."""
+    xb, yb = next(
+        data_lib.epoch_batches(dataset.train_x, dataset.train_y, config.batch_size, config.seed, 0)
+    )
+    per_device = config.batch_size // num_devices
+
+    def loss_fn(p, batch):
+        logits = model.apply({"params": p}, batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    batch = (jnp.asarray(xb[:per_device]), jnp.asarray(yb[:per_device]))
+    t0 = time.perf_counter()
+    # Flops split the backward between layers deterministically (timings of
+    # single layers are noise on a small model); one timing sets the scale.
+    profile = planning.profile_backward(loss_fn, params, batch, method="flops")
+    selector = SPARSIFIER_FACTORIES.get(config.compressor, (config.compressor,))[0]
+    t_s = planning.measure_sparsify_cost(selector, ratio=config.ratio)
+    t_c = planning.linear_cost(MERGE_ALPHA, MERGE_BETA, 8 * config.ratio)
+    model_plan = planning.plan_for_model(
+        loss_fn,
+        params,
+        batch,
+        ratio=config.ratio,
+        t_s=t_s,
+        t_c=t_c,
+        method=config.merge,
+        profile=profile,
+    )
+    seconds = time.perf_counter() - t0
+    summary = model_plan.summary()
+    logging.info("%s\n  (profiled and planned in %.1f s)", summary, seconds)
+    return {
+        "format": _MERGE_PLAN_FORMAT,
+        "method": config.merge,
+        "layers": [layer.name for layer in profile.layers],
+        "layer_groups": [list(g) for g in model_plan.plan.groups],
+        "groups": [list(g) for g in model_plan.groups],
+        "predicted_time": model_plan.plan.time,
+        "predicted_times": model_plan.predicted_times(),
+        "profile": {
+            "method": profile.method,
+            "t_f": profile.t_f,
+            "t_b": list(profile.t_b),
+            "sizes": list(profile.sizes),
+            "flops_b": list(profile.flops_b),
+            "flops_f": profile.flops_f,
+            "batch_per_device": per_device,
+            "seconds": seconds,
+        },
+        "t_s": {"selector": selector, "alpha": t_s.alpha, "beta": t_s.beta},
+        "t_c": dataclasses.asdict(t_c),
+        "summary": summary,
+    }
+
+
+def _merge_groups(config: TrainConfig, model, params, dataset, workdir: str, num_devices: int):
+    """The sparsifier's ``groups`` of a ``merge`` run, and its ``merge_plan.json`` record.
+
+    Process 0 reuses the workdir's plan when it was made for this
+    configuration (a resumed run must compile the same groups) or makes and
+    writes one; every process then builds the groups from process 0's layer
+    grouping, so all of them run the same program.
+    """
+    layers = planning.model_layers(params)[::-1]  # backward order, as the planner's positions
+    names = [layer.name for layer in layers]
+    path = os.path.join(workdir, MERGE_PLAN_FILE)
+    record = None
+    if jax.process_index() == 0:
+        config_record = _config_record(config, num_devices)["config"]
+        record = _stored_merge_plan(path, config_record, names)
+        if record is not None:
+            logging.info("reusing the merge plan in %s", path)
+        else:
+            record = _make_merge_plan(config, model, params, dataset, num_devices)
+            record["config"] = config_record
+            with open(path, "w") as f:
+                json.dump(record, f, indent=1)
+        owner = np.zeros(len(layers), np.int32)  # group index of each layer position
+        for gi, g in enumerate(record["layer_groups"]):
+            owner[list(g)] = gi
+    else:
+        owner = np.zeros(len(layers), np.int32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        owner = np.asarray(multihost_utils.broadcast_one_to_all(owner))
+    layer_groups = [[] for _ in range(int(owner.max()) + 1)]
+    for q, gi in enumerate(owner.tolist()):
+        layer_groups[gi].append(q)
+    return _layer_groups_to_paths(layers, layer_groups), record
+
+
 def train_and_evaluate(
     config: TrainConfig,
     workdir: str,
@@ -733,7 +872,8 @@ def train_and_evaluate(
     Returns:
       ``{"compile_time": seconds to compile the step in this call,
       "records": [...], "final": last record, "num_params": int,
-      "params": host numpy parameters}``.
+      "params": host numpy parameters, "merge_plan": the merge_plan.json
+      record (None without ``merge``, and on processes other than 0)}``.
 
     Raises:
       ValueError: invalid configuration, a workdir holding another
@@ -767,7 +907,10 @@ def train_and_evaluate(
     model = models.make_model(c.model, dataset.num_classes)
     init_params = model.init(jax.random.key(c.seed), dataset.train_x[:1])["params"]
     num_params = sum(int(np.size(x)) for x in jax.tree.leaves(init_params))
-    tx, compressor = build_optimizer(c, spe, spe * c.epochs)
+    groups = merge_plan = None
+    if c.compressor in SPARSIFIERS and c.merge != "none":
+        groups, merge_plan = _merge_groups(c, model, init_params, dataset, workdir, n_dev)
+    tx, compressor = build_optimizer(c, spe, spe * c.epochs, groups=groups)
     params = jaxcomp.distributed.replicate(init_params, mesh)
     opt_state = jaxcomp.distributed.init_opt_state(tx, params, mesh, AXIS)
     train_step = _make_train_step(model, tx, mesh, num_params)
@@ -898,4 +1041,5 @@ def train_and_evaluate(
         "final": records[-1] if records else None,
         "num_params": num_params,
         "params": _host_tree(params),
+        "merge_plan": merge_plan,
     }

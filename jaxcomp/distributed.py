@@ -153,7 +153,7 @@ def dense_exchange(axis_name) -> optax.GradientTransformationExtraArgs:
       >>> mesh = jax.make_mesh((1,), ("data",))
       >>> f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
       ...                   in_specs=P("data"), out_specs=P())
-      >>> f(jnp.ones(2)).tolist()
+      >>> f(jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, P("data")))).tolist()
       [1.0, 1.0]
     """
 
@@ -218,7 +218,8 @@ def apply_if_finite(
       >>> mesh = jax.make_mesh((1,), ("data",))
       >>> f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
       ...                   in_specs=P("data"), out_specs=P())
-      >>> f(jnp.array([1.0, jnp.nan])).tolist()
+      >>> g = jax.device_put(jnp.array([1.0, jnp.nan]), jax.NamedSharding(mesh, P("data")))
+      >>> f(g).tolist()
       [0.0, 0.0]
     """
     if not (

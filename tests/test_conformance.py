@@ -529,6 +529,39 @@ def test_reuse_period_lost_nothing_and_single_compilation(name):
 
 
 # ---------------------------------------------------------------------------
+# Groups of leaves compressed as one buffer (DLGS layer merging; more in
+# tests/test_groups.py): a mixed-dtype sparse group, a dense group, a group
+# with an empty leaf.
+# ---------------------------------------------------------------------------
+
+GROUPS = [["['w']", "['b16']"], ["['scalar']", "['small']"], ["['empty']", "['h16']"]]
+
+
+@pytest.mark.parametrize("name", SPARSIFIERS)
+def test_groups_lost_nothing_per_leaf_and_single_compilation(name):
+    cx = compressor(name, RATIO, min_dense_size=MIN_DENSE, groups=GROUPS)
+    rng = np.random.default_rng(12)
+    state = cx.tx.init(laplace_tree(TREE, rng))
+    for _ in range(4):
+        g = laplace_tree(TREE, rng)
+        upd, new = cx(g, state)
+        _check_lost_nothing(g, state.residual, upd, new.residual)
+        for leaf in g:
+            nnz = int(np.count_nonzero(f32(upd[leaf])))
+            assert int(new.sent_count[leaf]) == nnz, leaf  # each leaf's share
+        for group in (("w", "b16"), ("empty", "h16")):
+            size = sum(g[leaf].size for leaf in group)
+            sent = sum(int(new.sent_count[leaf]) for leaf in group)
+            assert sent <= cap_of(k_of(RATIO, size), size), (group, sent)
+            thresholds = {float(new.threshold[leaf]) for leaf in group}
+            assert len(thresholds) == 1, (group, thresholds)  # one selection per group
+        # The dense group (4 elements <= MIN_DENSE) sends everything.
+        assert int(new.sent_count["small"]) == 3 and int(new.sent_count["scalar"]) == 1
+        state = new
+    assert cx.traces == 1
+
+
+# ---------------------------------------------------------------------------
 # Under shard_map over 8 simulated devices.
 # ---------------------------------------------------------------------------
 

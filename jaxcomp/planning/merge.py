@@ -481,9 +481,9 @@ def optimal_merge(sizes, t_b, t_f, t_s: CostFn, t_c: CostFn) -> MergePlan:
     >>> args = ([4, 4, 4, 4], [2, 2, 2, 2], 0, t_s, t_c)
     >>> best = planning.optimal_merge(*args)
     >>> best.groups, best.time
-    (((0,), (1, 2, 3)), 17.0)
+    (((0,), (1, 2, 3)), 19.0)
     >>> planning.no_merge(*args).time, planning.merge_all(*args).time
-    (24.0, 20.0)
+    (23.0, 20.0)
 
     Args:
       sizes, t_b, t_f, t_s, t_c: as for :func:`timeline`.
