@@ -11,7 +11,7 @@ sparsifier compressing and exchanging by groups of layers, for four plans:
 
 The plans come from :func:`jaxcomp.planning.plan_for_model` with this
 machine's numbers: the per-layer backward times measured on one device
-(``profile_backward``, ``method="time"``), the selector's cost fitted from its
+(``profile_backward``, ``method="flops"``: XLA flop shares scaled to the measured backward), the selector's cost fitted from its
 timings (``measure_sparsify_cost``), and the exchange cost ``alpha + beta *
 bytes`` fitted from all-gathers of (index, value) messages timed on the same
 mesh. Each plan runs compress-after-backward and ``overlap=True``.
@@ -136,7 +136,9 @@ def run(
     one_device = (jnp.asarray(x[:per_device_batch]), jnp.asarray(y[:per_device_batch]))
 
     t0 = time.perf_counter()
-    profile = planning.profile_backward(loss_fn, params, one_device, repeats=repeats)
+    profile = planning.profile_backward(
+        loss_fn, params, one_device, repeats=repeats, method="flops"
+    )
     profile_s = time.perf_counter() - t0
     t_s = planning.measure_sparsify_cost(compressor, ratio=ratio)
     t_c, comm_points = measure_exchange_cost(mesh, ratio)
