@@ -10,10 +10,11 @@ sparsifier compressing and exchanging by groups of layers, for four plans:
 - ``all``: every layer in one group (one selection, one exchange).
 
 The plans come from :func:`jaxcomp.planning.plan_for_model` with this
-machine's numbers: the per-layer backward times measured on one device
-(``profile_backward``, ``method="flops"``: XLA flop shares scaled to the measured backward), the selector's cost fitted from its
-timings (``measure_sparsify_cost``), and the exchange cost ``alpha + beta *
-bytes`` fitted from all-gathers of (index, value) messages timed on the same
+machine's numbers: the per-layer backward times on one device
+(``profile_backward``, ``method="flops"``: XLA's flop shares scaled to the
+measured backward), the selector's cost fitted from its timings
+(``measure_sparsify_cost``), and the exchange cost ``alpha + beta * bytes``
+fitted from all-gathers of (index, value) messages timed on the same
 mesh. Each plan runs compress-after-backward and ``overlap=True``.
 
 Reported per plan: groups, collectives per step (counted in the compiled
