@@ -70,6 +70,29 @@ def test_compare_rows_are_valid_configs():
     assert compare.for_compressor(base, rows["qsgd"]).bucket_size == 512
 
 
+def test_dlgs_table_rows_are_the_papers_methods():
+    # compare --table=dlgs: each row passes validation in the paper's setting,
+    # and the rows differ exactly in what the DLGS paper compares.
+    from experiments import compare, train  # noqa: PLC0415
+
+    rows, setting = compare.TABLES["dlgs"]
+    assert setting["epochs"] == 140 and setting["schedule"] == "step"
+    assert setting["warmup_epochs"] == 0 and setting["ratio"] == 0.1
+    base = train.TrainConfig(**setting, momentum=0.9)
+    configs = {n: compare.for_compressor(base, o) for n, o in rows.items()}
+    for config in configs.values():
+        train.validate_config(config)
+    resolved = {n: train.resolve_config(c) for n, c in configs.items() if n != "dense"}
+    assert resolved["top_k"].granularity == "global"
+    assert (resolved["lags"].granularity, resolved["lags"].reuse_period) == ("layer", 1)
+    assert resolved["dlgs_reuse"].reuse_period == compare.DLGS_REUSE_PERIOD > 1
+    assert resolved["dlgs_reuse"].merge == "none"
+    assert (resolved["dlgs"].merge, resolved["dlgs"].reuse_period) == (
+        "optimal",
+        compare.DLGS_REUSE_PERIOD,
+    )
+
+
 def test_ldte_bs_paper_row_runs_the_paper_variant():
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
@@ -118,7 +141,9 @@ def test_bench_train_step_writes_json_and_png(tmp_path):
 def test_bench_reuse_writes_json_and_png(tmp_path):
     from experiments import bench_reuse
 
-    rows = bench_reuse.run(12, [3], ["ldte_bs", "top_k"], repeats=5, out_dir=str(tmp_path))
+    rows = bench_reuse.run(
+        12, [3], ["ldte_bs", "top_k"], repeats=5, out_dir=str(tmp_path), warm_steps=20
+    )
     data = json.loads((tmp_path / "bench_reuse.json").read_text())
     assert (tmp_path / "bench_reuse.png").stat().st_size > 0
     assert data["results"] == json.loads(json.dumps(rows))
@@ -130,15 +155,56 @@ def test_bench_reuse_writes_json_and_png(tmp_path):
         assert k == max(1, math.ceil(1e-3 * r["n"]))
         assert len(r["step_ms_by_position"]) == r["s"]
         np.testing.assert_allclose(r["step_ms"], np.mean(r["step_ms_by_position"]))
-        sent, above = r["density"]["sent_over_k"], r["density"]["above_over_k"]
-        assert len(sent) == len(above) == r["s"]
-        # Right after a refresh: top-k sends exactly k, LDTE-BS within [k, 1.5 k].
-        if r["method"] == "top_k":
-            assert sent[0] == above[0] == 1.0
-        else:
-            assert 1.0 <= sent[0] <= 1.5
-        # Never more than the capacity, whatever the stored threshold lets through.
-        assert all(s_ <= math.ceil(1.5 * k) / k + 1e-9 for s_ in sent)
-        assert all(s_ <= a + 1e-12 for s_, a in zip(sent, above, strict=True))
+        for density in (r["density"], r["density_start"]):
+            sent, above = density["sent_over_k"], density["above_over_k"]
+            assert len(sent) == len(above) == r["s"]
+            # Right after a refresh: top-k sends exactly k, LDTE-BS within [k, 1.5 k].
+            if r["method"] == "top_k":
+                assert sent[0] == above[0] == 1.0
+            else:
+                assert 1.0 <= sent[0] <= 1.5
+            # Never more than the capacity, whatever the stored threshold lets through.
+            assert all(s_ <= math.ceil(1.5 * k) / k + 1e-9 for s_ in sent)
+            assert all(s_ <= a + 1e-12 for s_, a in zip(sent, above, strict=True))
         base = next(b for b in rows if b["method"] == r["method"] and b["s"] == 1)
         np.testing.assert_allclose(r["speedup_vs_s1"], base["step_ms"] / r["step_ms"])
+        # The kernel: the selector on refresh steps, count_above on the others.
+        np.testing.assert_allclose(
+            r["kernel_ms"], (r["select_ms"] + (r["s"] - 1) * r["apply_ms"]) / r["s"]
+        )
+        np.testing.assert_allclose(r["kernel_speedup_vs_s1"], base["kernel_ms"] / r["kernel_ms"])
+
+
+def test_bench_selection_json_feeds_the_merge_planner(tmp_path):
+    from jaxcomp import planning  # noqa: PLC0415
+
+    bench_selection.run(
+        [10, 12], ["laplace"], repeats=1, out_dir=str(tmp_path), methods=["ldte_bs"]
+    )
+    path = str(tmp_path / "bench_selection.json")
+    for metric in ("threshold_ms", "step_ms"):
+        cost = planning.load_sparsify_cost(path, "ldte_bs", metric=metric)
+        assert cost.alpha >= 0 and cost.beta >= 0 and cost(2**12) > 0
+
+
+def test_bench_merge_plans_on_a_small_model(tmp_path):
+    from experiments import bench_merge
+
+    result = bench_merge.run(
+        ratio=0.1, per_device_batch=2, repeats=5, compressor="top_k", out_dir=str(tmp_path),
+        model="mlp", image_size=4,
+    )  # fmt: skip
+    assert (tmp_path / "bench_merge.png").stat().st_size > 0
+    assert json.loads((tmp_path / "bench_merge.json").read_text())["meta"]["layers"] == 3
+    rows = result["results"]
+    assert sorted(rows) == sorted(
+        [*bench_merge.PLANS, *(f"{m}_overlap" for m in bench_merge.PLANS)]
+    )
+    assert rows["none"]["groups"] == 3 and rows["all"]["groups"] == 1
+    # The exact planner is never predicted slower than the others.
+    assert all(rows["optimal"]["predicted_ms"] <= rows[m]["predicted_ms"] + 1e-9 for m in rows)
+    # One sparse group is two all-gathers (indices, values): fewer groups, fewer collectives.
+    gathers = {m: rows[m]["collectives"]["all_gather"] for m in rows}
+    assert gathers["none"] == 2 * 3 and gathers["all"] == 2
+    assert gathers["none_overlap"] == gathers["none"]
+    assert all(r["wire_bytes"] > 0 for r in rows.values())
