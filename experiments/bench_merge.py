@@ -18,9 +18,9 @@ fitted from all-gathers of (index, value) messages timed on the same
 mesh. Each plan runs compress-after-backward and ``overlap=True``.
 
 Reported per plan: groups, collectives per step (counted in the compiled
-HLO: all-gathers and all-reduces, including the scalar all-reduce of the
-step's metrics, which XLA combines into one), bytes per device per step, the median step time, and the
-planner's predicted iteration time. The prediction assumes what the DLGS
+HLO: all-gathers and all-reduces, including the scalar all-reduces of the
+step's metrics, which XLA combines into one), bytes per device per step, the
+median step time, and the planner's predicted iteration time. The prediction assumes what the DLGS
 timeline assumes (a group's exchange runs while lower layers compute); on
 XLA:CPU collectives are synchronous and 8 devices share 2 cores, so the
 measured times rank the plans by their per-call overheads rather than
