@@ -527,7 +527,9 @@ def make_train_step(
         if rng is not None:
             kwargs["rng"] = jax.random.fold_in(rng, lax.axis_index(axis_name))
         if overlap:
-            loss, updates, state = overlapped(loss_fn, params, state, extra, batch, **kwargs)
+            loss, updates, state = overlapped(
+                loss_fn, params, state, extra, batch, has_aux=has_aux or mutable, **kwargs
+            )
             dense_wire = jnp.float32(0)
         else:
             loss, grads = value_and_grad(params, batch, **kwargs)

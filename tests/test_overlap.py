@@ -259,3 +259,34 @@ def test_last_layer_exchange_waits_for_first_layer_gradient_only_without_overlap
     assert len(last_exchange) == 2, last_exchange  # indices and values
     waits = [first_grad[0] in _ancestors(deps, n) for n in last_exchange]
     assert waits == [not overlap] * 2
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_overlap_unused_parameter_keeps_its_residual(mesh, has_aux):
+    """A leaf the loss does not use still gets compressed (zero gradient, old residual).
+
+    JAX skips a backward rule whose outputs all have zero cotangents; without
+    the tap's loss token the unused leaf's residual would come back as zeros.
+    """
+    params = {**init_params(), "unused": np.ones(64, np.float32)}
+
+    def loss(p, batch):
+        value = loss_fn({k: v for k, v in p.items() if k != "unused"}, batch)
+        return (value, {"twice": 2 * value}) if has_aux else value
+
+    tx = optax.chain(jaxcomp.top_k(ratio=0.1, axis_name="data"), optax.sgd(0.1))
+    results = {}
+    for overlap in (False, True):
+        p = dist.replicate(params, mesh)
+        state = dist.init_opt_state(tx, p, mesh)
+        residual = state[0].residual
+        state = (state[0]._replace(residual={**residual, "unused": residual["unused"] + 1.0}),)
+        state += (dist.init_opt_state(tx, params, mesh)[1],)
+        step = dist.make_train_step(loss, tx, mesh, overlap=overlap, has_aux=has_aux)
+        p, state, metrics = step(p, state, dist.shard_batch(make_batch(), mesh))
+        results[overlap] = jax.tree.map(np.asarray, (p, state, metrics))
+    assert_trees_equal(results[True], results[False])
+    # Not vacuous: the unused leaf's residual (all ones) was partly sent.
+    unused_res = results[True][1][0].residual["unused"]
+    assert 0 < np.count_nonzero(unused_res[0]) < 64
+    assert np.count_nonzero(results[True][0]["unused"] != 1.0) > 0

@@ -191,21 +191,33 @@ def _group_tap(cfg, per_leaf: bool):
     """The identity on one group's parameters whose backward rule compresses the group.
 
     ``tap(leaves, residuals, velocities, stats, stored, key, step, include)``
-    returns ``leaves``; its VJP returns, as the cotangents of ``leaves``,
-    ``residuals``, ``velocities`` and ``stats``: the exchanged update, the new
-    residuals and velocities and the group's packed statistics.
+    returns ``(leaves, token)``; its VJP returns, as the cotangents of
+    ``leaves``, ``residuals``, ``velocities`` and ``stats``: the exchanged
+    update, the new residuals and velocities and the group's packed
+    statistics. ``token`` is a float32 zero the caller adds to the loss: it
+    gives every tap a nonzero cotangent, so the backward rule runs even for
+    parameters the loss does not use (JAX skips a rule whose outputs all have
+    zero cotangents, which would return zeros as the new residual).
     """
 
     @jax.custom_vjp
     def tap(leaves, residuals, velocities, stats, stored, key, step, include):
         del residuals, velocities, stats, stored, key, step, include
-        return leaves
+        return leaves, jnp.zeros((), jnp.float32)
 
     def fwd(leaves, residuals, velocities, stats, stored, key, step, include):
         del stats
-        return leaves, (residuals, velocities, stored, key, step, include)
+        return (leaves, jnp.zeros((), jnp.float32)), (
+            residuals,
+            velocities,
+            stored,
+            key,
+            step,
+            include,
+        )
 
-    def bwd(saved, g_leaves):
+    def bwd(saved, cotangents):
+        g_leaves, _ = cotangents
         residuals, velocities, stored, key, step, include = saved
         grads, finite, send_ok = apply_nonfinite_policy(list(g_leaves), cfg.nonfinite)
         ctx = _StepContext(step, send_ok, include)
@@ -258,7 +270,7 @@ def value_and_compressed_grad(
       backward pass.
     """
 
-    def run(loss_fn, params, opt_state, extra, *args, **kwargs):
+    def run(loss_fn, params, opt_state, extra, *args, has_aux=False, **kwargs):
         found = find_sparsifier(tx, params, opt_state, params, extra)
         cfg, comp_state = found.cfg, found.state
         _check_overlap_config(cfg, axis_name)
@@ -279,9 +291,9 @@ def value_and_compressed_grad(
 
         def tapped_loss(params, carriers, *args, **kwargs):
             leaves = inputs.treedef.flatten_up_to(params)
-            out = list(leaves)
+            out, tokens = list(leaves), []
             for tap, gi, (res, vel, stats) in zip(taps, inputs.groups, carriers, strict=True):
-                tapped = tap(
+                tapped, token = tap(
                     tuple(leaves[i] for i in gi.members),
                     res,
                     vel,
@@ -291,9 +303,14 @@ def value_and_compressed_grad(
                     step,
                     include,
                 )
+                tokens.append(token)
                 for i, leaf in zip(gi.members, tapped, strict=True):
                     out[i] = leaf
-            return loss_fn(inputs.treedef.unflatten(out), *args, **kwargs)
+            result = loss_fn(inputs.treedef.unflatten(out), *args, **kwargs)
+            value = result[0] if has_aux else result
+            # + 0: the same loss (a -0.0 loss reads +0.0), a cotangent for every tap.
+            value = value + sum(tokens, jnp.float32(0)).astype(jnp.result_type(value))
+            return (value, result[1]) if has_aux else value
 
         value, (updates, carrier_cts) = value_and_grad_fn(tapped_loss)(
             params, carriers, *args, **kwargs
