@@ -458,9 +458,11 @@ def make_train_step(
       overlap: run the sparsifier inside the backward pass (DLGS; the
         ldte_bs paper's §3.1): each group of parameters (a leaf, or a group of
         the sparsifier's ``groups=``) is compressed and exchanged as soon as
-        its gradient exists, through a ``jax.custom_vjp`` identity, so XLA
-        can issue the group's collective while the lower layers' backward
-        still runs (:mod:`jaxcomp.transforms.overlap`). The result is the
+        its gradient exists, through a ``jax.custom_vjp`` identity applied
+        where the group's parameters are first used: the program issues the
+        group's collective before the lower layers' backward, so a scheduler
+        can overlap them (accelerators; XLA:CPU moves collectives after the
+        backward) (:mod:`jaxcomp.transforms.overlap`). The result is the
         same as compressing after the backward pass, with one difference:
         ``nonfinite="skip"`` is decided per group (a group whose gradient
         holds NaN/Inf sends nothing and keeps its residual; the others send),

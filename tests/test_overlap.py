@@ -290,3 +290,68 @@ def test_overlap_unused_parameter_keeps_its_residual(mesh, has_aux):
     unused_res = results[True][1][0].residual["unused"]
     assert 0 < np.count_nonzero(unused_res[0]) < 64
     assert np.count_nonzero(results[True][0]["unused"] != 1.0) > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_program_issues_last_layer_exchange_before_first_layer_gradient(mesh, overlap):
+    """In the program JAX emits (the lowered module XLA schedules), with overlap the
+    last layer's collective comes before the first layer's weight gradient.
+
+    The taps are applied where each parameter is first used, so the reverse pass
+    emits a group's compression and exchange right after that layer's backward.
+    (XLA:CPU's scheduler then moves the collectives after the backward in the
+    compiled module: collectives are synchronous on CPU.)
+    """
+    tx = optax.chain(
+        jaxcomp.ldte_bs(ratio=0.1, axis_name="data", exchange="sparse"), optax.sgd(0.1)
+    )
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh, overlap=overlap)
+    lines = step.lower(params, state, dist.shard_batch(make_batch(), mesh)).as_text().splitlines()
+    # The first layer's weight gradient: a dot_general giving (24, 40) or (40, 24);
+    # the last layer's message: all-gathers of l2.w's capacity, 102 pairs.
+    first_grad = [
+        i for i, line in enumerate(lines)
+        if "dot_general" in line and re.search(r"-> tensor<(24x40|40x24)xf32>", line)
+    ]  # fmt: skip
+    last_exchange = [
+        i for i, line in enumerate(lines)
+        if "all_gather" in line and re.search(r"-> tensor<4x102x(i32|f32)>", line)
+    ]  # fmt: skip
+    assert len(first_grad) == 1 and len(last_exchange) == 2, (first_grad, last_exchange)
+    before = [i < first_grad[0] for i in last_exchange]
+    assert before == [overlap] * 2
+
+
+def test_overlap_with_dropout_rng_and_model_state(mesh):
+    """``rng=`` (dropout) and ``mutable=True`` (a running statistic) as without overlap."""
+
+    def loss(p, batch, model_state, rng):
+        h = jnp.tanh(batch["x"] @ p["l0"]["w"] + p["l0"]["b"])
+        keep = jax.random.bernoulli(rng, 0.8, h.shape)
+        h = jnp.where(keep, h / 0.8, 0)
+        for i in (1, 2):
+            h = jnp.tanh(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+        running = 0.9 * model_state["mean"] + 0.1 * jnp.mean(h, axis=0)
+        return jnp.mean((h - batch["y"]) ** 2), {"mean": running}
+
+    tx = optax.chain(jaxcomp.ldte_bs(ratio=0.1, axis_name="data", momentum=0.9), optax.sgd(0.1))
+    results = {}
+    for overlap in (False, True):
+        params = dist.replicate(init_params(), mesh)
+        state = dist.init_opt_state(tx, params, mesh)
+        model_state = dist.replicate({"mean": np.zeros(DIMS[-1], np.float32)}, mesh)
+        step = dist.make_train_step(loss, tx, mesh, mutable=True, overlap=overlap)
+        for i in range(3):
+            params, state, model_state, metrics = step(
+                params,
+                state,
+                dist.shard_batch(make_batch(seed=i), mesh),
+                model_state=model_state,
+                rng=jax.random.key(i),
+            )
+            jax.block_until_ready(params)
+        results[overlap] = jax.tree.map(np.asarray, (params, state, model_state, metrics))
+    assert_trees_equal(results[True], results[False])
+    assert np.any(results[True][2]["mean"] != 0)

@@ -5,11 +5,16 @@ compression and collective can only start when the backward pass is over.
 Here the sparsifier runs *inside* the backward pass instead: each group of
 parameters (one leaf, or a merged group from ``groups=``) passes through an
 identity with a ``jax.custom_vjp`` whose backward rule compresses the group's
-gradient and exchanges it. In the program the group's collective then sits
-right after the group's gradient, with no dependency on the other layers'
-gradients, so XLA's scheduler can issue it while the lower layers' backward
-still runs (on accelerators, where collectives are asynchronous, the two
-overlap; XLA:CPU runs a collective synchronously but still issues it early).
+gradient and exchanges it. The identity is applied where the group's
+parameters are first used: the loss is traced to a jaxpr and re-evaluated
+equation by equation with the taps inserted (:func:`_eval_with_taps_at_first_use`),
+so JAX's reverse pass emits the group's compression and collective right
+after that layer's backward and before the lower layers' backward, with no
+dependency on their gradients. A scheduler is then free to run the two at
+once (XLA's latency-hiding scheduler on accelerators, with asynchronous
+collectives). XLA:CPU (jax 0.10.2) runs collectives synchronously and its
+scheduler moves them after the backward in the compiled module, so on CPU
+this changes the program, not the time line.
 
 The new compressor state cannot leave a backward rule except as a cotangent:
 each group's residual (and velocity) is an argument of the differentiated
@@ -35,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 from jax import lax
 
@@ -247,6 +253,62 @@ def _group_tap(cfg, per_leaf: bool):
     return tap
 
 
+def _eval_with_taps_at_first_use(fn, leaves, args, kwargs, tap_leaf):
+    """``fn(leaves, args, kwargs)``, each leaf replaced by ``tap_leaf(i, env)`` at its first use.
+
+    ``fn`` is traced to a jaxpr and evaluated equation by equation; just before
+    the first equation that reads parameter leaf ``i``, ``tap_leaf(i)`` is
+    called and returns ``{leaf index: tapped value}`` for the leaves it taps
+    (its whole group). In reverse mode each tap's backward rule then sits
+    right after the backward of the layer that uses the parameters, before
+    the lower layers' backward, instead of after the whole backward pass.
+    Leaves never read are tapped after the last equation.
+    """
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(leaves, args, kwargs)
+    jaxpr = closed.jaxpr
+    flat_in = jax.tree.leaves((leaves, args, kwargs))
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[v] = c
+    for v, x in zip(jaxpr.invars, flat_in, strict=True):
+        env[v] = x
+    leaf_var = list(jaxpr.invars[: len(leaves)])
+    index_of = {v: i for i, v in enumerate(leaf_var)}
+    done: set[int] = set()
+
+    def tap_now(i):
+        if i in done:
+            return
+        for j, value in tap_leaf(i).items():
+            done.add(j)
+            env[leaf_var[j]] = value
+
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal) and v in index_of:
+                tap_now(index_of[v])
+        # As jax's own eval_jaxpr (jax 0.10): get_bind_params returns the params.
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(
+                *map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
+            )
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, jex_core.DropVar):
+                env[v] = o
+    for v in jaxpr.outvars:
+        if not isinstance(v, jex_core.Literal) and v in index_of:
+            tap_now(index_of[v])
+    for i in range(len(leaves)):
+        tap_now(i)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), [read(v) for v in jaxpr.outvars])
+
+
 def _stats_size(members) -> int:
     return len(_HEAD) + 2 * len(members)
 
@@ -280,6 +342,7 @@ def value_and_compressed_grad(
         inputs = _step_inputs(cfg, params, comp_state)
         step = comp_state.step
         taps = [_group_tap(cfg, inputs.layout.per_leaf) for _ in inputs.groups]
+        group_of = {i: g for g, gi in enumerate(inputs.groups) for i in gi.members}
         carriers = tuple(
             (
                 tuple(gi.residuals),
@@ -291,10 +354,13 @@ def value_and_compressed_grad(
 
         def tapped_loss(params, carriers, *args, **kwargs):
             leaves = inputs.treedef.flatten_up_to(params)
-            out, tokens = list(leaves), []
-            for tap, gi, (res, vel, stats) in zip(taps, inputs.groups, carriers, strict=True):
-                tapped, token = tap(
-                    tuple(leaves[i] for i in gi.members),
+            tokens = []
+
+            def tap_leaf(i):
+                g = group_of[i]
+                gi, (res, vel, stats) = inputs.groups[g], carriers[g]
+                tapped, token = taps[g](
+                    tuple(leaves[m] for m in gi.members),
                     res,
                     vel,
                     stats,
@@ -304,9 +370,12 @@ def value_and_compressed_grad(
                     include,
                 )
                 tokens.append(token)
-                for i, leaf in zip(gi.members, tapped, strict=True):
-                    out[i] = leaf
-            result = loss_fn(inputs.treedef.unflatten(out), *args, **kwargs)
+                return dict(zip(gi.members, tapped, strict=True))
+
+            def call(ls, a, kw):
+                return loss_fn(inputs.treedef.unflatten(ls), *a, **kw)
+
+            result = _eval_with_taps_at_first_use(call, leaves, args, kwargs, tap_leaf)
             value = result[0] if has_aux else result
             # + 0: the same loss (a -0.0 loss reads +0.0), a cotangent for every tap.
             value = value + sum(tokens, jnp.float32(0)).astype(jnp.result_type(value))
