@@ -241,6 +241,15 @@ def apply_if_finite(
         )
 
     def update(updates, state, params=None, **extra_args):
+        if extra_args.get("jaxcomp_overlap") is not None:
+            # With overlap the exchange already ran in the backward pass: this
+            # wrapper could no longer skip it on every device.
+            raise ValueError(
+                "jaxcomp.apply_if_finite cannot wrap a sparsifier run with "
+                "make_train_step(overlap=True): the exchange happens inside the backward "
+                "pass, before the finiteness decision. Use the sparsifier's own "
+                "nonfinite='skip' (decided per group with overlap) or overlap=False."
+            )
         bad = jnp.int32(0)
         for leaf in jax.tree.leaves(updates):
             bad = bad + (~_all_finite(leaf)).astype(jnp.int32)

@@ -355,3 +355,31 @@ def test_overlap_with_dropout_rng_and_model_state(mesh):
         results[overlap] = jax.tree.map(np.asarray, (params, state, model_state, metrics))
     assert_trees_equal(results[True], results[False])
     assert np.any(results[True][2]["mean"] != 0)
+
+
+def test_overlap_rejects_apply_if_finite_around_the_chain(mesh):
+    """The exchange runs in the backward pass, before any wrapper's NaN decision.
+
+    Accepting it would silently apply the finite groups' updates on a NaN step
+    (the wrapper sees the exchanged, NaN-free updates).
+    """
+    inner = optax.chain(jaxcomp.top_k(ratio=0.1, axis_name="data"), optax.sgd(0.1))
+    _expect_error(
+        mesh, dist.apply_if_finite(inner, 3, axis_name="data"), "cannot wrap a sparsifier"
+    )
+    _expect_error(mesh, optax.apply_if_finite(inner, 3), "apply_if_finite|nested trace")
+
+
+def test_statistics_carrier_round_trips_integers_through_arithmetic():
+    # Small ints bit-cast into float32 would be denormals (flushed to zero by
+    # XLA:CPU arithmetic); the carrier holds exact 16-bit halves instead.
+    from jaxcomp.transforms.overlap import _from_halves, _int_halves
+
+    values = jnp.asarray([0, 1, 5, 65535, 65536, 2**24 + 1, 2**31 - 1, -1, -(2**31)], jnp.int32)
+
+    @jax.jit
+    def round_trip(v):
+        hi, lo = _int_halves(v)
+        return _from_halves(hi + 0.0, lo * 1.0)
+
+    np.testing.assert_array_equal(np.asarray(round_trip(values)), np.asarray(values))

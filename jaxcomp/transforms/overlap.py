@@ -19,7 +19,7 @@ this changes the program, not the time line.
 The new compressor state cannot leave a backward rule except as a cotangent:
 each group's residual (and velocity) is an argument of the differentiated
 function whose "cotangent" is the new residual, and the group's statistics
-travel in a small float32 carrier (integers bit-cast, so nothing is rounded).
+travel in a small float32 carrier (integers as two exact 16-bit halves).
 The step then calls ``tx.update`` as usual; the sparsifier recognises the
 precomputed result (:class:`_Apply`) and returns it, and the rest of the chain
 (``optax.sgd``, ...) runs on the exchanged updates.
@@ -85,8 +85,14 @@ class _Probe:
 
     def __init__(self, grads):
         self.grads = grads
+        self.trace = jex_core.get_opaque_trace_state()
 
     def visit(self, cfg, updates, state, include):
+        if jex_core.get_opaque_trace_state() != self.trace:
+            # Reached inside a lax.cond branch, a loop or another nested trace
+            # (e.g. an apply_if_finite around the chain): whatever that wrapper
+            # decides would come after the exchange already ran.
+            raise ValueError(f"{_NOT_FIRST}; here it runs inside a nested trace (lax.cond, ...).")
         if not _same_leaves(updates, self.grads):
             raise ValueError(f"{_NOT_FIRST}; here it received other gradients.")
         _check_updates(cfg, updates, state)
@@ -142,20 +148,26 @@ def find_sparsifier(tx, grads, state, params, extra) -> _Found:
     )
 
 
-# Layout of a group's statistics carrier (float32; int32 fields bit-cast).
+# Layout of a group's statistics carrier (float32). An int32 field takes two
+# slots, its high and low 16 bits as exact float32 values: bit-casting the
+# int into one float32 would make small counts denormals, which XLA:CPU
+# flushes to zero in any arithmetic on the carrier.
 _HEAD = ("count", "threshold", "iterations", "message_bytes", "wire_bytes", "finite")
 _INTS = {"count", "iterations", "message_bytes", "finite"}
 
 
-def _to_f32_bits(x, is_int):
-    x = jnp.asarray(x)
-    if is_int:
-        return lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
-    return x.astype(jnp.float32)
+def _int_halves(x) -> list:
+    u = lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.int32), jnp.uint32)
+    return [(u >> 16).astype(jnp.float32), (u & 0xFFFF).astype(jnp.float32)]
 
 
-def _from_f32_bits(x, is_int):
-    return lax.bitcast_convert_type(x, jnp.int32) if is_int else x
+def _from_halves(hi, lo):
+    u = (hi.astype(jnp.uint32) << 16) | lo.astype(jnp.uint32)
+    return lax.bitcast_convert_type(u, jnp.int32)
+
+
+def _slots(name) -> int:
+    return 2 if name in _INTS else 1
 
 
 def _pack(o: _GroupOut, finite) -> jax.Array:
@@ -167,17 +179,28 @@ def _pack(o: _GroupOut, finite) -> jax.Array:
         wire_bytes=o.wire_bytes,
         finite=finite,
     )
-    parts = [_to_f32_bits(head[name], name in _INTS) for name in _HEAD]
-    parts += [_to_f32_bits(c, True) for c in o.leaf_counts]
-    parts += [_to_f32_bits(b, True) for b in o.leaf_bytes]
+    parts = []
+    for name in _HEAD:
+        if name in _INTS:
+            parts += _int_halves(head[name])
+        else:
+            parts.append(jnp.asarray(head[name], jnp.float32))
+    for value in (*o.leaf_counts, *o.leaf_bytes):
+        parts += _int_halves(value)
     return jnp.stack(parts)
 
 
 def _unpack(vec, updates, residuals, velocities):
     m = len(updates)
-    head = {name: _from_f32_bits(vec[i], name in _INTS) for i, name in enumerate(_HEAD)}
-    counts = [_from_f32_bits(vec[len(_HEAD) + j], True) for j in range(m)]
-    nbytes = [_from_f32_bits(vec[len(_HEAD) + m + j], True) for j in range(m)]
+    pos, head = 0, {}
+    for name in _HEAD:
+        if name in _INTS:
+            head[name] = _from_halves(vec[pos], vec[pos + 1])
+        else:
+            head[name] = vec[pos]
+        pos += _slots(name)
+    ints = [_from_halves(vec[pos + 2 * j], vec[pos + 2 * j + 1]) for j in range(2 * m)]
+    counts, nbytes = ints[:m], ints[m:]
     out = _GroupOut(
         updates=list(updates),
         residuals=list(residuals),
@@ -310,7 +333,7 @@ def _eval_with_taps_at_first_use(fn, leaves, args, kwargs, tap_leaf):
 
 
 def _stats_size(members) -> int:
-    return len(_HEAD) + 2 * len(members)
+    return sum(_slots(name) for name in _HEAD) + 4 * len(members)
 
 
 def value_and_compressed_grad(
