@@ -34,6 +34,21 @@ from jaxcomp.planning.profile import (
     profile_backward,
 )
 
+# Scalability model (ldte_bs paper §4.4); method factories live in planning.scalability.
+from jaxcomp.planning.scalability import (
+    Cluster,
+    ExchangeDecision,
+    IterationTime,
+    Method,
+    Workload,
+    compression_pays,
+    gbps,
+    iteration_time,
+    rle_message_bytes,
+    speedup,
+    throughput,
+)
+
 __all__ = [
     "METHODS",
     "PROFILE_METHODS",
@@ -57,4 +72,15 @@ __all__ = [
     "plan_merge",
     "profile_backward",
     "timeline",
+    "Cluster",
+    "ExchangeDecision",
+    "IterationTime",
+    "Method",
+    "Workload",
+    "compression_pays",
+    "gbps",
+    "iteration_time",
+    "rle_message_bytes",
+    "speedup",
+    "throughput",
 ]

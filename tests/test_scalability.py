@@ -1,0 +1,221 @@
+"""The scalability model (jaxcomp.planning.scalability) and its experiment."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxcomp import coding, comm
+from jaxcomp.planning import scalability as sc
+
+MB4 = sc.Workload(batch_time=0.1, gradient_elements=10**6, batch_size=8)  # 4e6 bytes
+
+
+def _comm(method, **cluster):
+    return sc.iteration_time(method, sc.Cluster(**cluster), MB4).communication
+
+
+def test_dense_two_nodes_by_hand():
+    # Ring all-reduce of 4e6 bytes on 2 peers: 2 * 1/2 * 4e6 / 1e9 + 2 * 1 * 1e-3.
+    t = sc.iteration_time(
+        sc.dense_sgd(), sc.Cluster(nodes=2, inter_bandwidth=1e9, inter_latency=1e-3), MB4
+    )
+    assert t.communication == pytest.approx(0.004 + 0.002)
+    assert t.total == pytest.approx(0.1 + 0.006)
+    assert t.compression == 0.0
+
+
+def test_hierarchical_dense_and_sparse_by_hand():
+    c = dict(nodes=2, gpus_per_node=2, intra_bandwidth=1e10, inter_bandwidth=1e9)
+    # Intra ring over 2 GPUs at 1e10, then inter ring over 2 nodes at 1e9.
+    assert _comm(sc.dense_sgd(), **c) == pytest.approx(4e6 / 1e10 + 4e6 / 1e9)
+    # k = 1000 of 1e6: 4 + 6 * 1000 + 2 * (999000 // 65535) = 6034 bytes per GPU.
+    m = 6034
+    ldte = sc.ldte_bs(1e-3, 0.0)
+    assert _comm(ldte, **c) == pytest.approx(m / 1e10 + 2 * m / 1e9)
+    # The paper's reading: all-reduce formula on the compressed size.
+    paper = sc.ldte_bs(1e-3, exchange="allreduce")
+    assert _comm(paper, **c) == pytest.approx(m / 1e10 + m / 1e9)
+    # jaxcomp's message: 1000 (int32, float32) pairs.
+    pairs = sc.ldte_bs(1e-3, message="pairs")
+    assert _comm(pairs, **c) == pytest.approx(8000 / 1e10 + 16000 / 1e9)
+
+
+def test_server_and_host_staging_by_hand():
+    # 3 nodes: the server's link carries 2 pushes in and 2 pulls out, concurrently.
+    c = dict(nodes=3, inter_bandwidth=1e9, inter_latency=1e-4)
+    assert _comm(sc.dense_sgd(exchange="server"), **c) == pytest.approx(8e6 / 1e9 + 2e-4)
+    sparse_push = sc.ldte_bs(1e-3, exchange="server")
+    assert _comm(sparse_push, **c) == pytest.approx(8e6 / 1e9 + 2e-4)  # the dense pull dominates
+    # Staging through host memory at the network's speed doubles the inter-node time.
+    staged = _comm(sc.dense_sgd(), nodes=2, inter_bandwidth=1e9, host_bandwidth=1e9)
+    assert staged == pytest.approx(2 * 4e6 / 1e9)
+
+
+def test_compression_time_number_or_callable_per_bucket():
+    w = sc.Workload(batch_time=1.0, gradient_elements=[1000, 3000])
+    cost = lambda n: 1e-3 + 1e-6 * n  # noqa: E731
+    t = sc.iteration_time(sc.dgc(1e-2, cost), sc.Cluster(), w)
+    assert t.compression == pytest.approx(2e-3 + 4e-3)
+    assert sc.iteration_time(sc.dgc(1e-2, 0.25), sc.Cluster(), w).compression == 0.25
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        sc.dense_sgd(),
+        sc.dense_sgd(exchange="server"),
+        sc.ldte_bs(1e-3, 0.01),
+        sc.naive_rgc(1e-3, 0.01, exchange="allreduce"),
+        sc.dgc(1e-3, 0.01, exchange="server"),
+    ],
+    ids=lambda m: f"{m.name}-{m.exchange}",
+)
+def test_one_gpu_has_no_communication(method):
+    t = sc.iteration_time(method, sc.Cluster(nodes=1, gpus_per_node=1, inter_bandwidth=1.0), MB4)
+    assert t.communication == 0.0
+    assert t.total == pytest.approx(t.compute + t.compression)
+    # One node: only the intra-node part, however slow the network.
+    one_node = sc.Cluster(nodes=1, gpus_per_node=4, intra_bandwidth=1e10, inter_bandwidth=1.0)
+    assert sc.iteration_time(method, one_node, MB4).communication < 1e-3
+
+
+def test_speedup_and_throughput():
+    assert sc.speedup(sc.dense_sgd(), sc.Cluster(), MB4) == 1.0
+    assert sc.throughput(sc.dense_sgd(), sc.Cluster(), MB4) == pytest.approx(80.0)
+    c = sc.Cluster(nodes=4, gpus_per_node=2, intra_bandwidth=1e12, inter_bandwidth=1e12)
+    assert 7.9 < sc.speedup(sc.dense_sgd(), c, MB4) < 8.0  # near-ideal on fast links
+    slow = sc.Cluster(nodes=2, inter_bandwidth=1e6)
+    over = sc.iteration_time(sc.dense_sgd(), slow, MB4, overlap=True)
+    assert over.total == max(over.compute, over.communication)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [sc.dense_sgd(), sc.dense_sgd(exchange="server"), sc.ldte_bs(1e-3, 1e-3)],
+    ids=lambda m: m.exchange,
+)
+def test_more_bandwidth_never_slower(method):
+    for nodes in (1, 2, 5, 32):
+        totals = [
+            sc.iteration_time(
+                method,
+                sc.Cluster(
+                    nodes=nodes, gpus_per_node=4, inter_bandwidth=bw, intra_bandwidth=10 * bw
+                ),
+                MB4,
+            ).total
+            for bw in np.geomspace(1e6, 1e11, 12)
+        ]
+        assert all(a >= b for a, b in zip(totals, totals[1:], strict=False)), (nodes, totals)
+
+
+def test_rle_bytes_match_the_codec():
+    rng = np.random.default_rng(0)
+    for n, k in ((10, 3), (70_000, 5), (1_000_000, 1000), (200_000, 0)):
+        # All zeros in one run: the closed form is exact.
+        idx = np.arange(n - k, n)
+        data = coding.encode_sparse(idx, np.ones(k, np.float32), n)
+        assert len(data) == sc.rle_message_bytes(k, n)
+        # Any placement: an upper bound.
+        idx = np.sort(rng.choice(n, size=k, replace=False))
+        assert math.ceil(coding.sparse_bits(idx, n) / 8) <= sc.rle_message_bytes(k, n)
+
+
+def test_compression_pays_flips_as_bandwidth_grows():
+    kw = dict(size=2**22, n_devices=8, ratio=1e-3, compression_time=2e-3, latency=20e-6)
+    decisions = [sc.compression_pays(bandwidth=sc.gbps(g), **kw) for g in (1, 10, 100, 400, 1000)]
+    assert [d.exchange for d in decisions] == ["sparse", "sparse", "sparse", "dense", "dense"]
+    assert [bool(d) for d in decisions] == [True, True, True, False, False]
+    for d in decisions:
+        assert d.dense_time == d.times["dense"]
+        assert d.compressed_time == min(d.times["sparse"], d.times["server"])
+    # Compute time is added to every candidate; overlap hides the exchange behind it.
+    with_compute = sc.compression_pays(bandwidth=sc.gbps(10), compute_time=1.0, **kw)
+    assert with_compute.dense_time == pytest.approx(1.0 + decisions[1].dense_time)
+    hidden = sc.compression_pays(bandwidth=sc.gbps(10), compute_time=1.0, overlap=True, **kw)
+    assert hidden.exchange == "dense" and hidden.dense_time == 1.0
+
+
+def test_compression_pays_agrees_with_prefer_sparse_on_bytes():
+    size, n = 2**20, 8
+    for capacity in (1, 1000, 30_000, 65_000, 66_000, 2**19):
+        d = sc.compression_pays(
+            size, n, bandwidth=1e9, capacity=capacity, exchanges=("dense", "sparse")
+        )
+        assert d.compress == comm.prefer_sparse(capacity, size, 4, n), capacity
+    assert not sc.compression_pays(size, 1, bandwidth=1e9, capacity=10).compress
+
+
+def test_server_wins_only_where_it_should():
+    # Two devices: the server's link carries one push and one pull, like a ring.
+    d = sc.compression_pays(10**6, 2, bandwidth=1e9, ratio=1e-3)
+    assert d.times["server"] > d.times["sparse"]
+    assert set(d.times) == set(sc.EXCHANGE_CHOICES)
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: sc.Cluster(nodes=0), "nodes"),
+        (lambda: sc.Cluster(gpus_per_node=1.5), "gpus_per_node"),
+        (lambda: sc.Cluster(inter_bandwidth=0), "inter_bandwidth"),
+        (lambda: sc.Cluster(intra_latency=-1), "intra_latency"),
+        (lambda: sc.Cluster(host_bandwidth=float("inf")), "host_bandwidth"),
+        (lambda: sc.Workload(batch_time=-1, gradient_elements=10), "batch_time"),
+        (lambda: sc.Workload(batch_time=1, gradient_elements=0), "gradient_elements"),
+        (lambda: sc.Workload(batch_time=1, gradient_elements=[5, 0]), "gradient_elements"),
+        (lambda: sc.Workload(batch_time=1, gradient_elements=5, batch_size=0), "batch_size"),
+        (lambda: sc.ldte_bs(ratio=0.0), "ratio"),
+        (lambda: sc.ldte_bs(compression_time=-1.0), "compression_time"),
+        (lambda: sc.ldte_bs(exchange="ring"), "exchange"),
+        (lambda: sc.dense_sgd(exchange="allgather"), "exchange"),
+        (lambda: sc.ldte_bs(message="zip"), "message"),
+        (lambda: sc.iteration_time(sc.dense_sgd(), "cluster", MB4), "cluster"),
+        (lambda: sc.allreduce_time(0, 1.0, 1.0), "peers"),
+        (lambda: sc.rle_message_bytes(5, 3), "k"),
+        (lambda: sc.gbps(0), "gigabits_per_second"),
+        (lambda: sc.compression_pays(0, 2, bandwidth=1.0, ratio=0.1), "size"),
+        (lambda: sc.compression_pays(10, 0, bandwidth=1.0, ratio=0.1), "n_devices"),
+        (lambda: sc.compression_pays(10, 2, bandwidth=-1.0, ratio=0.1), "bandwidth"),
+        (lambda: sc.compression_pays(10, 2, bandwidth=1.0, capacity=11), "capacity"),
+        (lambda: sc.compression_pays(10, 2, bandwidth=1.0, ratio=2.0), "ratio"),
+        (lambda: sc.compression_pays(10, 2, bandwidth=1.0), "capacity and ratio"),
+        (
+            lambda: sc.compression_pays(10, 2, bandwidth=1.0, ratio=0.1, compression_time=-1),
+            "compression_time",
+        ),
+        (
+            lambda: sc.compression_pays(10, 2, bandwidth=1.0, ratio=0.1, exchanges=("sparse",)),
+            "exchanges",
+        ),
+        (
+            lambda: sc.compression_pays(10, 2, bandwidth=1.0, ratio=0.1, exchanges=("gossip",)),
+            "exchanges",
+        ),
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(make, name):
+    with pytest.raises(ValueError, match=name):
+        make()
+
+
+def test_experiment_writes_json_and_png(tmp_path, capsys):
+    from experiments import scalability as exp
+
+    result = exp.run(tmp_path, nodes=(1, 2, 16, 32), verbose=True)
+    assert (tmp_path / "scalability.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "scalability.json").read_text())
+    assert saved["claims"] == result["claims"]
+    assert len(saved["claims"]) == 12
+    k40 = {r["vs"]: r for r in saved["claims"] if r["platform"] == "k40c" and r["link_gbps"] == 1}
+    assert k40["dense_sgd"]["paper"] == 5.41 and k40["naive_rgc"]["paper"] == 1.34
+    curve = saved["curves"]["k40c_1gbps"]
+    assert curve["nodes"] == [1, 2, 16, 32]
+    # Sparse methods beat dense SGD at 1 Gbps from 2 nodes on; every curve has 4 points.
+    for name in ("naive_rgc", "dgc", "ldte_bs"):
+        assert curve[name]["speedup"][1] > curve["dense_sgd"]["speedup"][1]
+    assert "5.41" in capsys.readouterr().out
+    # The inconsistency bound printed beside the claims: 9 / (12.5 - 5.41) - 1.
+    assert exp.implied_overhead(5.41, 1.25) == pytest.approx(9 / 7.09 - 1)
