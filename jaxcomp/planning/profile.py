@@ -245,7 +245,8 @@ def profile_backward(
     scales them so they sum to the measured whole backward (the full
     ``value_and_grad`` time minus ``t_f``): only those two functions are
     timed. The split between layers is deterministic; only the scale is
-    measured. With ``flops_per_second`` nothing is timed (``t_f`` and
+    measured (when timing noise makes the measured backward not positive, the
+    forward's seconds per flop sets it). With ``flops_per_second`` nothing is timed (``t_f`` and
     ``t_b`` are flops over that rate): the profile is fully reproducible.
     Flops ignore memory traffic, so layers that are cheap in flops but move
     much data (normalisations, element-wise ops) get less than their share.
@@ -354,8 +355,13 @@ def profile_backward(
     total = sum(diffs)
     if flops_per_second is None:
         t_f = timed[0]
-        backward = max(0.0, timed[L] - timed[0])
-        scale = backward / total if total > 0 else 0.0
+        backward = timed[L] - timed[0]
+        if backward > 0 and total > 0:
+            scale = backward / total
+        else:
+            # Timing noise (a loaded machine) can make the measured backward
+            # vanish: use the forward pass's measured seconds per flop instead.
+            scale = t_f / flops[0] if flops[0] > 0 else 0.0
     else:
         t_f = flops[0] / flops_per_second
         scale = 1.0 / flops_per_second
