@@ -107,6 +107,18 @@ def _define_flags() -> None:
     flags.DEFINE_string("coordinator_address", None, "Multi-process coordinator host:port.")
     flags.DEFINE_integer("num_processes", None, "Number of processes.")
     flags.DEFINE_integer("process_id", None, "This process's index.")
+    flags.DEFINE_list(
+        "fit_check_epochs",
+        list(d.fit_check_epochs),
+        "Comma list of epochs after which to measure W1 of device 0's gradient and residual "
+        "to fitted Laplace and Gaussian (fit_check.json, fit_check_epoch<E>.png; "
+        "see experiments/fit_check.py).",
+    )
+    flags.register_validator(
+        "fit_check_epochs",
+        lambda v: all(e.strip().isdigit() for e in v),
+        message="--fit_check_epochs must be a comma list of epoch numbers",
+    )
     flags.DEFINE_string("workdir", "/tmp/jaxcomp_run", "Output directory.")
     flags.DEFINE_bool(
         "overwrite",
@@ -126,7 +138,9 @@ def config_from_flags():
     from experiments.train import TrainConfig  # noqa: PLC0415
 
     names = [f.name for f in dataclasses.fields(TrainConfig)]
-    return TrainConfig(**{n: getattr(FLAGS, n) for n in names})
+    values = {n: getattr(FLAGS, n) for n in names}
+    values["fit_check_epochs"] = tuple(int(e) for e in values["fit_check_epochs"])
+    return TrainConfig(**values)
 
 
 def _set_logging(verbose: bool) -> None:

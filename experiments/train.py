@@ -22,6 +22,9 @@ Outputs in ``workdir``:
   iteration time of every planner); a rerun with the same configuration
   reuses it instead of profiling again, so a resumed run compiles the same
   groups.
+- ``fit_check.json`` and ``fit_check_epoch<E>.png``: with ``fit_check_epochs``
+  set, the distribution check of :mod:`experiments.fit_check` (W1 of device
+  0's gradient and residual to fitted Laplace and Gaussian, per layer).
 """
 
 from __future__ import annotations
@@ -153,6 +156,10 @@ class TrainConfig:
       coordinator_address: multi-process coordinator ``host:port`` (None: one process).
       num_processes: number of processes (with ``coordinator_address``).
       process_id: this process's index (with ``coordinator_address``).
+      fit_check_epochs: after these epochs (1-based), measure how Laplacian
+        device 0's gradient and residual are (:mod:`experiments.fit_check`;
+        rows appended to ``fit_check.json``, histograms in
+        ``fit_check_epoch<E>.png``); empty: off. Not timed in ``wall_time``.
     """
 
     compressor: str = "ldte_bs"
@@ -185,6 +192,7 @@ class TrainConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    fit_check_epochs: tuple[int, ...] = ()
 
 
 def _kind(compressor: str) -> str:
@@ -321,6 +329,9 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
         fail(f"need epochs >= 1, batch_size >= 1, lr > 0; got {c.epochs}, {c.batch_size}, {c.lr}")
     if c.max_steps_per_epoch is not None and c.max_steps_per_epoch < 1:
         fail(f"max_steps_per_epoch must be >= 1, got {c.max_steps_per_epoch}")
+    bad = [e for e in c.fit_check_epochs if not 1 <= e <= c.epochs]
+    if bad:
+        fail(f"fit_check_epochs must be in [1, epochs={c.epochs}], got {bad}")
     if c.coded_bytes_every is not None and c.coded_bytes_every < 1:
         fail(f"coded_bytes_every must be >= 1 (or unset: off), got {c.coded_bytes_every}")
     if c.num_devices is not None:
@@ -600,6 +611,7 @@ RESUMABLE_FIELDS = (
     "coordinator_address",
     "num_processes",
     "process_id",
+    "fit_check_epochs",
 )
 _OVERWRITE = (
     "; use another --workdir, or pass --overwrite (train_and_evaluate(..., overwrite=True)) "
@@ -643,7 +655,7 @@ def _clear_workdir(workdir: str) -> None:
     import shutil  # noqa: PLC0415
 
     shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
-    for name in ("metrics.jsonl", "accuracy.png", CONFIG_FILE, MERGE_PLAN_FILE):
+    for name in ("metrics.jsonl", "accuracy.png", CONFIG_FILE, MERGE_PLAN_FILE, "fit_check.json"):
         path = os.path.join(workdir, name)
         if os.path.exists(path):
             os.remove(path)
@@ -1025,6 +1037,22 @@ def train_and_evaluate(
         if jax.process_index() == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        # Device 0's buffers and the files live on process 0.
+        if epoch + 1 in c.fit_check_epochs and jax.process_index() == 0:
+            from experiments import fit_check  # noqa: PLC0415 (matplotlib only when asked)
+
+            t_check = time.perf_counter()
+            fit_check.check_epoch(
+                workdir,
+                epoch + 1,
+                config=c,
+                model=model,
+                params=params,
+                opt_state=opt_state,
+                batch=(xb, yb),
+                num_devices=n_dev,
+            )
+            wall0 += time.perf_counter() - t_check  # not part of wall_time
         if manager is not None:
             epoch_done = np.asarray(epoch + 1, np.int32)
             state = {"params": params, "opt_state": opt_state, "epoch": epoch_done}

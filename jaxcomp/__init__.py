@@ -5,7 +5,7 @@ Compressors are optax gradient transformations with error-feedback state::
     tx = optax.chain(jaxcomp.ldte_bs(ratio=1e-3, axis_name="data"), optax.sgd(0.1))
 """
 
-from jaxcomp import coding, comm, distributed, selection
+from jaxcomp import analysis, coding, comm, distributed, planning, selection
 from jaxcomp.distributed import apply_if_finite, dense_exchange
 from jaxcomp.transforms import (
     DGC_WARMUP,
@@ -36,6 +36,7 @@ __all__ = [
     "QuantizeState",
     "Quantizer",
     "SparsifyState",
+    "analysis",
     "apply_if_finite",
     "binary_search",
     "bounded_sign",
@@ -48,6 +49,7 @@ __all__ = [
     "gaussian_k",
     "ldte_bs",
     "onebit",
+    "planning",
     "qsgd",
     "quantize",
     "random_k",

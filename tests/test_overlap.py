@@ -99,8 +99,9 @@ CONFIGS = {
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_overlap_matches_compress_after_backward(mesh, name):
     tx = optax.chain(CONFIGS[name](), optax.sgd(0.1, momentum=0.5))
-    ref = run(mesh, tx, 4, overlap=False)
-    got = run(mesh, tx, 4, overlap=True)
+    # 3 steps: a reuse step (s = 2), a refresh, and the warm-up phase change (2 steps/epoch).
+    ref = run(mesh, tx, 3, overlap=False)
+    got = run(mesh, tx, 3, overlap=True)
     assert_trees_equal(got[0], ref[0])  # parameters
     assert_trees_equal(got[1], ref[1])  # every state field, residuals and counters
     for a, b in zip(got[2], ref[2], strict=True):
@@ -113,8 +114,8 @@ def test_overlap_matches_compress_after_backward(mesh, name):
 def test_overlap_bf16_params(mesh):
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params())
     tx = optax.chain(jaxcomp.ldte_bs(ratio=0.1, axis_name="data"), optax.sgd(0.1))
-    ref = run(mesh, tx, 3, overlap=False, params=params)
-    got = run(mesh, tx, 3, overlap=True, params=params)
+    ref = run(mesh, tx, 2, overlap=False, params=params)
+    got = run(mesh, tx, 2, overlap=True, params=params)
     assert_trees_equal(got[0], ref[0])
     assert_trees_equal(got[1], ref[1])
 
@@ -261,7 +262,7 @@ def test_last_layer_exchange_waits_for_first_layer_gradient_only_without_overlap
     assert waits == [not overlap] * 2
 
 
-@pytest.mark.parametrize("has_aux", [False, True])
+@pytest.mark.parametrize("has_aux", [True])  # the aux path; without aux is the same tap
 def test_overlap_unused_parameter_keeps_its_residual(mesh, has_aux):
     """A leaf the loss does not use still gets compressed (zero gradient, old residual).
 
@@ -343,7 +344,7 @@ def test_overlap_with_dropout_rng_and_model_state(mesh):
         state = dist.init_opt_state(tx, params, mesh)
         model_state = dist.replicate({"mean": np.zeros(DIMS[-1], np.float32)}, mesh)
         step = dist.make_train_step(loss, tx, mesh, mutable=True, overlap=overlap)
-        for i in range(3):
+        for i in range(2):
             params, state, model_state, metrics = step(
                 params,
                 state,
