@@ -819,7 +819,9 @@ def _merge_groups(config: TrainConfig, model, params, dataset, workdir: str, num
             logging.info("reusing the merge plan in %s", path)
         else:
             record = _make_merge_plan(config, model, params, dataset, num_devices)
-            record["config"] = config_record
+            # As merge_plan.json holds it (tuples become lists), so that the
+            # returned record equals the stored one.
+            record["config"] = json.loads(json.dumps(config_record))
             with open(path, "w") as f:
                 json.dump(record, f, indent=1)
         owner = np.zeros(len(layers), np.int32)  # group index of each layer position

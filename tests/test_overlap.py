@@ -92,7 +92,6 @@ CONFIGS = {
     "random_k_zero_policy": lambda: jaxcomp.random_k(
         ratio=0.1, axis_name="data", nonfinite="zero", seed=3
     ),
-    "global": lambda: jaxcomp.top_k(ratio=0.05, axis_name="data", granularity="global"),
 }
 
 
