@@ -17,6 +17,7 @@ from jaxcomp.comm.collectives import (
     sparse_mean,
     weighted_mean,
 )
+from jaxcomp.comm.local import without_communication
 
 __all__ = [
     "EXCHANGES",
@@ -34,4 +35,5 @@ __all__ = [
     "server_sparse_mean",
     "sparse_mean",
     "weighted_mean",
+    "without_communication",
 ]
