@@ -28,10 +28,13 @@ Writes ``<outdir>/<name>/metrics.jsonl`` per run (a rerun overwrites them),
 ``<outdir>/comparison.png``
 and ``<outdir>/comparison.json``, and prints the table: final accuracy and
 its delta to dense, epochs and training seconds (steps only, compilation and
-evaluation excluded) to a target accuracy, median step
-time, bytes per step per device on the wire (and of the device's own
-message), their ratio to dense, density, compression time share, the step's
-compile time and the wall time (compilation and evaluation included).
+evaluation excluded) to a target accuracy, alpha (the ldte_bs paper's Table
+3: exact top-k's seconds to the target over the run's), median step time and
+its split into forward+backward, compression and exposed communication (ms;
+also ``<outdir>/time_split.png``, the DLGS paper's Figs. 11-13), bytes per
+step per device on the wire (and of the device's own message), their ratio
+to dense, density, compression time share, the step's compile time and the
+wall time (compilation and evaluation included).
 """
 
 from __future__ import annotations
@@ -124,7 +127,23 @@ def run_configs(base, runs: dict, outdir: str) -> dict:
     train.write_plots(
         {n: r["records"] for n, r in results.items()}, os.path.join(outdir, "comparison.png")
     )
+    split = {n: _median_split(r["records"]) for n, r in results.items()}
+    if all(v["time_step"] >= 0 for v in split.values()):
+        train.write_time_split_plot(
+            split, os.path.join(outdir, "time_split.png"), title="time per step (median of epochs)"
+        )
     return results
+
+
+def _median_split(records: list) -> dict:
+    """``time_<field>`` medians over the epochs that measured the time split (-1: none)."""
+    from experiments import train  # noqa: PLC0415
+
+    measured = [r for r in records if r.get("time_step", -1.0) >= 0]
+    return {
+        f"time_{k}": statistics.median(r[f"time_{k}"] for r in measured) if measured else -1.0
+        for k in train.TIME_SPLIT_FIELDS
+    }
 
 
 def _summary(records: list, dense_final: dict, target: float) -> dict:
@@ -144,6 +163,11 @@ def _summary(records: list, dense_final: dict, target: float) -> dict:
         / max(final["message_bytes_per_step_per_device"], 1e-9),
         "density": final["density"],
         "compression_time_share": final["compression_time_share"],
+        # The step's time split (medians over epochs, ms; -1: not measured).
+        **{
+            f"{k[len('time_') :]}_ms": 1e3 * v if v >= 0 else -1.0
+            for k, v in _median_split(records).items()
+        },
         "wall_time": final["wall_time"],
     }
 
@@ -152,8 +176,16 @@ def _with_compile(summary: dict, result: dict) -> dict:
     return {**summary, "compile_time": result.get("compile_time", float("nan"))}
 
 
-def format_table(results: dict, target: float, baseline: str = "dense") -> tuple[str, dict]:
+def format_table(
+    results: dict, target: float, baseline: str = "dense", speedup_over: str = "top_k"
+) -> tuple[str, dict]:
     """A plain-text table of the runs against ``baseline`` (last-epoch bytes).
+
+    Besides accuracy, bytes and times, each row has ``speedup_to_target``:
+    the ldte_bs paper's Table 3 alpha, the training seconds ``speedup_over``
+    (exact top-k, the paper's radixSelect) needs to reach ``target`` divided
+    by the run's (None when either never reaches it), and the step's time
+    split (forward+backward, compression, exposed communication; ms).
 
     Returns:
       ``(table text, {name: summary dict})``.
@@ -162,22 +194,35 @@ def format_table(results: dict, target: float, baseline: str = "dense") -> tuple
     rows = {
         n: _with_compile(_summary(r["records"], dense_final, target), r) for n, r in results.items()
     }
+    reference = rows.get(speedup_over, {}).get("seconds_to_target")
+    for s in rows.values():
+        reach = s["seconds_to_target"]
+        s["speedup_to_target"] = reference / reach if reference and reach else None
     head = (
         f"{'run':<14}{'acc %':>7}{'d acc':>7}{'ep>=' + format(100 * target, '.0f'):>7}"
-        f"{'s to tgt':>9}{'step ms':>8}{'wire B/step':>12}{'x dense':>8}"
+        f"{'s to tgt':>9}{'alpha':>6}{'step ms':>8}{'fb':>6}{'comp':>6}{'comm':>6}"
+        f"{'wire B/step':>12}{'x dense':>8}"
         f"{'msg B/step':>11}{'x dense':>8}{'density':>9}{'comp %':>7}{'compile s':>10}{'wall s':>7}"
     )
     lines = [head, "-" * len(head)]
+
+    def ms(v):
+        return "-" if v < 0 else f"{v:.1f}"
+
     for n, s in rows.items():
         ep = "-" if s["epochs_to_target"] is None else str(s["epochs_to_target"])
         sec = "-" if s["seconds_to_target"] is None else f"{s['seconds_to_target']:.1f}"
+        alpha = "-" if s["speedup_to_target"] is None else f"{s['speedup_to_target']:.2f}"
+        parts = "".join(
+            f"{ms(s[p]):>6}" for p in ("forward_backward_ms", "compression_ms", "communication_ms")
+        )
         dens = "-" if s["density"] < 0 else f"{100 * s['density']:.3f}%"
         comp = (
             "-" if s["compression_time_share"] < 0 else f"{100 * s['compression_time_share']:.0f}"
         )
         lines.append(
             f"{n:<14}{s['final_accuracy']:>7.2f}{s['delta_vs_dense']:>+7.2f}{ep:>7}{sec:>9}"
-            f"{s['step_ms']:>8.1f}{s['wire_bytes']:>12.0f}{s['wire_ratio']:>8.1f}"
+            f"{alpha:>6}{s['step_ms']:>8.1f}{parts}{s['wire_bytes']:>12.0f}{s['wire_ratio']:>8.1f}"
             f"{s['message_bytes']:>11.0f}{s['message_ratio']:>8.1f}{dens:>9}{comp:>7}"
             f"{s['compile_time']:>10.1f}{s['wall_time']:>7.1f}"
         )

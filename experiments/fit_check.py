@@ -291,7 +291,7 @@ def main(argv=None) -> list:
             seed=args.seed,
             progress=args.progress,
             checkpoint=False,
-            time_compression=False,
+            time_split=False,
             fit_check_epochs=check,
         )
         workdir = os.path.join(args.outdir, model)

@@ -96,7 +96,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("seed", d.seed, "Seed of initialisation and data order.")
     flags.DEFINE_bool("progress", d.progress, "Show a progress bar.")
     flags.DEFINE_bool("checkpoint", d.checkpoint, "Checkpoint every epoch and resume.")
-    flags.DEFINE_bool("time_compression", d.time_compression, "Measure compression time share.")
+    flags.DEFINE_bool(
+        "time_split",
+        d.time_split,
+        "Measure each epoch where a step's time goes: forward+backward, compression, exposed "
+        "communication (metrics.jsonl time_*, time_split.png).",
+    )
     flags.DEFINE_integer("max_steps_per_epoch", d.max_steps_per_epoch, "Truncate epochs.")
     flags.DEFINE_integer(
         "coded_bytes_every",

@@ -27,7 +27,17 @@ from pathlib import Path
 
 from jaxcomp.planning import scalability as sc
 
-__all__ = ["ASSUMPTIONS", "CLAIMS", "claims_table", "curves", "implied_overhead", "main", "run"]
+__all__ = [
+    "ASSUMPTIONS",
+    "CLAIMS",
+    "claims_table",
+    "curves",
+    "format_pays_table",
+    "implied_overhead",
+    "main",
+    "pays_table",
+    "run",
+]
 
 MiB = 2**20
 MODEL = "ResNet-50 (CIFAR-100)"
@@ -227,6 +237,78 @@ def _explanations(rows) -> list[str]:
     ]
 
 
+# When compression pays: one bucket's decision per link speed (defaults of the CLI).
+PAYS_BUCKETS = (1_000, 10_000, 100_000, 1_000_000, 10_000_000, round(MODEL_MIB * MiB / 4))
+PAYS_GBPS = (1.0, 10.0, 100.0)
+PAYS_DEVICES = 64
+# LDTE-BS on one bucket: the K40c's assumed whole-model time per element plus
+# a fixed cost per bucket (kernel launches of the ~8 passes).
+PAYS_SECONDS_PER_ELEMENT = K40C_COMPRESSION["ldte_bs"] / round(MODEL_MIB * MiB / 4)
+PAYS_SECONDS_PER_BUCKET = 50e-6
+
+
+def pays_table(
+    buckets=PAYS_BUCKETS,
+    links_gbps=PAYS_GBPS,
+    devices: int = PAYS_DEVICES,
+    *,
+    latency: float = INTER_LATENCY,
+    ratio: float = RATIO,
+    seconds_per_element: float = PAYS_SECONDS_PER_ELEMENT,
+    seconds_per_bucket: float = PAYS_SECONDS_PER_BUCKET,
+    compute_time: float = 0.0,
+    overlap: bool = False,
+) -> list[dict]:
+    """:func:`jaxcomp.planning.compression_pays` for each bucket size and link speed.
+
+    Returns:
+      One row per (bucket, link): the decision, the chosen exchange, the
+      dense and best compressed times (s) and their ratio.
+    """
+    rows = []
+    for size in buckets:
+        for link in links_gbps:
+            d = sc.compression_pays(
+                size,
+                devices,
+                bandwidth=sc.gbps(link),
+                latency=latency,
+                ratio=ratio,
+                compression_time=seconds_per_bucket + seconds_per_element * size,
+                compute_time=compute_time,
+                overlap=overlap,
+            )
+            rows.append(
+                {
+                    "bucket_elements": size,
+                    "link_gbps": link,
+                    "devices": devices,
+                    "compress": d.compress,
+                    "exchange": d.exchange,
+                    "dense_s": d.dense_time,
+                    "compressed_s": d.compressed_time,
+                    "dense_over_compressed": d.dense_time / d.compressed_time,
+                }
+            )
+    return rows
+
+
+def format_pays_table(rows: list[dict]) -> str:
+    """The decisions as a grid: a row per bucket size, a column per link speed."""
+    links = sorted({r["link_gbps"] for r in rows})
+    head = f"{'bucket elements':>16}" + "".join(f"{format(g, 'g') + ' Gbps':>22}" for g in links)
+    lines = [head]
+    for size in sorted({r["bucket_elements"] for r in rows}):
+        cells = []
+        for g in links:
+            (r,) = [r for r in rows if r["bucket_elements"] == size and r["link_gbps"] == g]
+            what = r["exchange"] if r["compress"] else "dense"
+            cell = f"{what} ({r['dense_over_compressed']:.2f}x)"
+            cells.append(f"{cell:>22}")
+        lines.append(f"{size:>16}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def plot(data: dict, path: Path) -> None:
     import matplotlib  # noqa: PLC0415
 
@@ -273,14 +355,28 @@ def plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run(out: str | Path, nodes=NODES, verbose: bool = True) -> dict:
-    """Computes the curves and the claims table; writes JSON + PNG into ``out``."""
+def run(out: str | Path, nodes=NODES, verbose: bool = True, pays: dict | None = None) -> dict:
+    """Computes the curves, the claims table and the compression-pays grid; writes JSON + PNG.
+
+    Args:
+      out: output folder.
+      nodes: node counts of the curves.
+      verbose: print the tables.
+      pays: keyword arguments of :func:`pays_table` (None: its defaults).
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data = curves(nodes)
     rows = claims_table()
     notes = _explanations(rows)
-    result = {"assumptions": ASSUMPTIONS, "claims": rows, "notes": notes, "curves": data}
+    pays = pays_table(**(pays or {}))
+    result = {
+        "assumptions": ASSUMPTIONS,
+        "claims": rows,
+        "notes": notes,
+        "curves": data,
+        "compression_pays": pays,
+    }
     (out / "scalability.json").write_text(json.dumps(result, indent=1))
     plot(data, out / "scalability.png")
     if verbose:
@@ -305,6 +401,14 @@ def run(out: str | Path, nodes=NODES, verbose: bool = True) -> dict:
         print("\nWhere they differ, and why:")
         for note in notes:
             print(f"- {note}")
+        p = pays[0]
+        print(
+            f"\nWhen compression pays (jaxcomp.planning.compression_pays): one bucket on "
+            f"{p['devices']} devices, LDTE-BS at ratio {RATIO}, latency {INTER_LATENCY * 1e6:.0f} "
+            "us, compression time 50 us + the assumed K40c rate per element; the exchange "
+            "chosen and dense time / chosen time:"
+        )
+        print(format_pays_table(pays))
         print(f"\nwrote {out / 'scalability.json'} and {out / 'scalability.png'}")
     return result
 
@@ -312,8 +416,35 @@ def run(out: str | Path, nodes=NODES, verbose: bool = True) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results", help="output folder")
+    parser.add_argument(
+        "--pays_devices", type=int, default=PAYS_DEVICES, help="compression-pays grid: devices"
+    )
+    parser.add_argument(
+        "--pays_gbps",
+        default=",".join(format(g, "g") for g in PAYS_GBPS),
+        help="compression-pays grid: link speeds (Gbps, comma-separated)",
+    )
+    parser.add_argument(
+        "--pays_buckets",
+        default=",".join(str(b) for b in PAYS_BUCKETS),
+        help="compression-pays grid: bucket sizes (elements, comma-separated)",
+    )
+    parser.add_argument(
+        "--pays_compute_ms",
+        type=float,
+        default=0.0,
+        help="compute the exchange adds to (or hides behind, with --pays_overlap)",
+    )
+    parser.add_argument("--pays_overlap", action="store_true", help="dense overlaps compute")
     args = parser.parse_args(argv)
-    run(args.out)
+    pays = {
+        "buckets": tuple(int(b) for b in args.pays_buckets.split(",")),
+        "links_gbps": tuple(float(g) for g in args.pays_gbps.split(",")),
+        "devices": args.pays_devices,
+        "compute_time": args.pays_compute_ms / 1e3,
+        "overlap": args.pays_overlap,
+    }
+    run(args.out, pays=pays)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 import time
 
@@ -41,12 +42,11 @@ import numpy as np
 import optax
 from absl import logging
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from experiments import data as data_lib
-from experiments import models
+from experiments import models, timing
 from jaxcomp import planning
 from jaxcomp.transforms.quantize import qsgd_levels
 
@@ -60,6 +60,8 @@ __all__ = [
     "QUANTIZERS",
     "SPARSIFIERS",
     "SPARSIFIER_FACTORIES",
+    "TIME_SPLIT_FIELDS",
+    "TIME_SPLIT_PARTS",
     "TrainConfig",
     "WorkdirError",
     "build_optimizer",
@@ -69,9 +71,14 @@ __all__ = [
     "unused_fields",
     "validate_config",
     "write_plots",
+    "write_time_split_plot",
 ]
 
 AXIS = "data"
+# metrics.jsonl holds time_<field> for each field of the step's time split.
+TIME_SPLIT_FIELDS = jaxcomp.distributed.TimeSplit._fields
+# The parts that add up to a step, bottom to top in the stacked bars.
+TIME_SPLIT_PARTS = ("forward_backward", "compression", "communication")
 SPARSIFIERS = (
     "ldte_bs",
     "ldte_bs_paper",
@@ -146,8 +153,11 @@ class TrainConfig:
       progress: show a tqdm bar per epoch.
       checkpoint: save an orbax checkpoint after every epoch and resume from
         the latest one found in the workdir.
-      time_compression: measure ``compression_time_share`` each epoch (costs
-        one extra compilation of the compressor; -1 when off).
+      time_split: measure each epoch where a step's time goes (forward and
+        backward, compression, exposed communication; see
+        :func:`train_and_evaluate`); costs two extra compilations (the step
+        without its collectives, the forward and backward alone); the
+        ``time_*`` metrics are -1 when off.
       max_steps_per_epoch: truncate epochs (tests, quick looks); None: all.
       coded_bytes_every: every this many steps, read device 0's last QSGD
         message on the host and measure its Elias-coded size (the QSGD
@@ -186,7 +196,7 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True
     checkpoint: bool = True
-    time_compression: bool = True
+    time_split: bool = True
     max_steps_per_epoch: int | None = None
     coded_bytes_every: int | None = None
     coordinator_address: str | None = None
@@ -452,13 +462,23 @@ def _step_stats(state, num_params: int):
     }
 
 
-def _make_train_step(model, tx, mesh, num_params: int):
+def _loss_fn(model):
     def loss_fn(params, x, y):
         logits = model.apply({"params": params}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
+    return loss_fn
+
+
+def _make_train_step(model, tx, mesh, num_params: int, communicate: bool = True):
+    """The jitted step (params and optimizer state donated).
+
+    ``communicate=False``: the same step with every collective replaced by a
+    local stand-in of the same shapes (``jaxcomp.comm.without_communication``),
+    to time it without its communication.
+    """
     # Casts params to device-varying so each device compresses its own gradient.
-    value_and_grad = jaxcomp.distributed.per_device_value_and_grad(loss_fn, AXIS)
+    value_and_grad = jaxcomp.distributed.per_device_value_and_grad(_loss_fn(model), AXIS)
 
     def step(params, opt_state, x, y):
         state = jax.tree.map(lambda a: a[0], opt_state)
@@ -470,7 +490,7 @@ def _make_train_step(model, tx, mesh, num_params: int):
         return params, jax.tree.map(lambda a: a[None], state), metrics
 
     sharded = jax.shard_map(
-        step,
+        step if communicate else jaxcomp.comm.without_communication(step),
         mesh=mesh,
         in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)),
         out_specs=(P(), P(AXIS), P()),
@@ -478,37 +498,35 @@ def _make_train_step(model, tx, mesh, num_params: int):
         # identical on every device (see jaxcomp.distributed.make_train_step).
         check_vma=False,
     )
-    return jax.jit(sharded)
+    return jax.jit(sharded, donate_argnums=(0, 1))
 
 
-def _make_compress_fn(compressor, mesh):
-    """The compressor's update alone (compress + exchange + decompress) over the mesh."""
+def _make_forward_backward(model, mesh):
+    """Each device's forward and backward pass, the gradient applied locally."""
+    value_and_grad = jaxcomp.distributed.per_device_value_and_grad(_loss_fn(model), AXIS)
 
-    def run(grads, state):
-        g = jax.tree.map(lambda a: a[0], grads)
-        s = jax.tree.map(lambda a: a[0], state)
-        updates, s = compressor.update(g, s)
-        return jax.tree.map(lambda a: a[None], updates), jax.tree.map(lambda a: a[None], s)
+    def step(params, x, y):
+        _, grads = value_and_grad(params, x, y)
+        return optax.apply_updates(params, grads)
 
     return jax.jit(
         jax.shard_map(
-            run,
-            mesh=mesh,
-            in_specs=(P(AXIS), P(AXIS)),
-            out_specs=(P(AXIS), P(AXIS)),
-            check_vma=False,
-        )
+            step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P(), check_vma=False
+        ),
+        donate_argnums=0,
     )
 
 
-def _median_seconds(fn, *args, repeats: int = 5) -> float:
-    jax.block_until_ready(fn(*args))  # compile / warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _time_split(programs, params, opt_state, batch, repeats: int = 5):
+    """``jaxcomp.distributed.TimeSplit`` of the step, medians over fresh copies of the state."""
+    step, local_step, forward_backward = programs
+    return jaxcomp.distributed.split_step_time(
+        forward_backward=timing.median_seconds_fresh(forward_backward, (params, *batch), repeats),
+        without_communication=timing.median_seconds_fresh(
+            local_step, (params, opt_state, *batch), repeats
+        ),
+        step=timing.median_seconds_fresh(step, (params, opt_state, *batch), repeats),
+    )
 
 
 def _coded_bytes(config: TrainConfig, opt_state, params) -> float:
@@ -570,6 +588,44 @@ def write_plots(runs: dict, path: str) -> None:
     plt.close(fig)
 
 
+def write_time_split_plot(bars: dict, path: str, title: str = "time per step") -> None:
+    """Stacked bars of a step's time: forward+backward, compression, exposed communication.
+
+    The form of the DLGS paper's Figs. 11-13 (one bar per method) or, for one
+    run, one bar per epoch.
+
+    Args:
+      bars: ``{label: record}``, each record holding ``time_<part>`` seconds
+        for the parts of ``TIME_SPLIT_PARTS`` (a ``metrics.jsonl`` record).
+      path: the PNG to write.
+      title: the plot's title.
+    """
+    import matplotlib  # noqa: PLC0415 (plotting is optional at import time)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    labels = list(bars)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.0 + 0.9 * len(labels)), 4))
+    bottom = np.zeros(len(labels))
+    for part in TIME_SPLIT_PARTS:
+        ms = np.array([1e3 * max(bars[k][f"time_{part}"], 0.0) for k in labels])
+        ax.bar(
+            labels,
+            ms,
+            bottom=bottom,
+            label=part.replace("_", "+", 1) if part == "forward_backward" else part,
+        )
+        bottom += ms
+    ax.set(ylabel="ms per step", title=title, ylim=(0, 1.3 * max(bottom.max(), 1e-9)))
+    ax.tick_params(axis="x", labelrotation=30)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="upper center", ncol=3, fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _checkpoint_manager(workdir: str):
     import orbax.checkpoint as ocp  # noqa: PLC0415 (only needed with checkpointing)
 
@@ -605,7 +661,8 @@ _CONFIG_FORMAT = 1
 RESUMABLE_FIELDS = (
     "progress",
     "checkpoint",
-    "time_compression",
+    "time_split",
+    "time_compression",  # the name of time_split in config.json of older runs
     "data_dir",
     "download",
     "coordinator_address",
@@ -655,7 +712,17 @@ def _clear_workdir(workdir: str) -> None:
     import shutil  # noqa: PLC0415
 
     shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
-    for name in ("metrics.jsonl", "accuracy.png", CONFIG_FILE, MERGE_PLAN_FILE, "fit_check.json"):
+    names = os.listdir(workdir) if os.path.isdir(workdir) else []
+    written = [
+        "metrics.jsonl",
+        "accuracy.png",
+        "time_split.png",
+        CONFIG_FILE,
+        MERGE_PLAN_FILE,
+        "fit_check.json",
+        *(n for n in names if re.fullmatch(r"fit_check_epoch\d+\.png", n)),
+    ]
+    for name in written:
         path = os.path.join(workdir, name)
         if os.path.exists(path):
             os.remove(path)
@@ -862,12 +929,18 @@ def train_and_evaluate(
     the mean, over the epoch's measured steps, of the Elias-coded size of
     device 0's message, ``jaxcomp.coding.coded_message_bytes``, beside the
     fixed-width ``message_bytes``; -1 when not measured),
-    ``compression_time_share`` and ``step_time``.
-    ``compression_time_share`` is measured once per epoch: the median time
-    of the compressor's update alone (compress, exchange, decompress; a
-    separate jitted ``shard_map`` on Gaussian gradients and the current
-    compressor state, so warm-up phases are timed as they run) divided by the
-    median time of the epoch's full training steps.
+    ``step_time`` (median seconds of the epoch's steps, host work included),
+    and the time split of a step (``time_split``; seconds, -1 when off),
+    measured after each epoch on its last batch and the current state, as
+    medians of 5 calls on fresh copies of the donated state:
+    ``time_step`` (the jitted step alone), ``time_forward_backward``,
+    ``time_compression`` (the step with every collective replaced by a local
+    stand-in of the same shapes, minus the forward and backward: selection,
+    encoding, decoding of the received messages, the optimizer's update) and
+    ``time_communication`` (the step minus that: the exposed communication),
+    ``time_step_without_communication``; ``compression_time_share`` is
+    ``time_compression / time_step``. ``time_split.png`` stacks the three
+    parts per epoch (:func:`jaxcomp.distributed.time_split` for the method).
 
     Args:
       config: the run configuration (validated first).
@@ -928,13 +1001,6 @@ def train_and_evaluate(
     params = jaxcomp.distributed.replicate(init_params, mesh)
     opt_state = jaxcomp.distributed.init_opt_state(tx, params, mesh, AXIS)
     train_step = _make_train_step(model, tx, mesh, num_params)
-    compress_fn = _make_compress_fn(compressor, mesh)
-    probe_grads = jax.jit(
-        lambda k: jax.tree.map(
-            lambda p: 1e-2 * jax.random.normal(k, (n_dev, *p.shape), p.dtype), init_params
-        ),
-        out_shardings=NamedSharding(mesh, P(AXIS)),
-    )(jax.random.key(c.seed + 1))
 
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     start_epoch = 0
@@ -980,6 +1046,12 @@ def train_and_evaluate(
     )
     train_step = train_step.lower(params, opt_state, *dummy).compile()
     compile_time = time.perf_counter() - t0
+    if c.time_split:
+        split_programs = (
+            train_step,
+            _make_train_step(model, tx, mesh, num_params, communicate=False),
+            _make_forward_backward(model, mesh),
+        )
     show = c.progress and jax.process_index() == 0
 
     end_epoch = c.epochs if stop_after_epoch is None else min(c.epochs, stop_after_epoch)
@@ -1014,9 +1086,9 @@ def train_and_evaluate(
                 bar.set_postfix(loss=f"{float(m['loss']):.4f}")
         if show:
             bar.close()
-        t_comp = -1.0
-        if c.time_compression:
-            t_comp = _median_seconds(compress_fn, probe_grads, opt_state[0])
+        split = None
+        if c.time_split:
+            split = _time_split(split_programs, params, opt_state, batch)
         t_step = statistics.median(step_times)
         acc = _evaluate(model, _host_tree(params), dataset.test_x, dataset.test_y)
         cum_bytes += sums["wire_bytes"]
@@ -1031,8 +1103,9 @@ def train_and_evaluate(
             "cumulative_bytes_per_device": cum_bytes,
             "density": sums["density"] / spe,
             "coded_bytes_per_step_per_device": statistics.mean(coded) if coded else -1.0,
-            "compression_time_share": t_comp / t_step if c.time_compression else -1.0,
+            "compression_time_share": split.compression / split.step if split else -1.0,
             "step_time": t_step,
+            **{f"time_{k}": getattr(split, k) if split else -1.0 for k in TIME_SPLIT_FIELDS},
         }
         records.append(record)
         logging.info("%s epoch %d: %s", c.compressor, epoch + 1, record)
@@ -1065,6 +1138,12 @@ def train_and_evaluate(
         manager.close()
     if jax.process_index() == 0 and records:
         write_plots({c.compressor: records}, os.path.join(workdir, "accuracy.png"))
+        if c.time_split:
+            write_time_split_plot(
+                {f"epoch {r['epoch']}": r for r in records if r["time_step"] >= 0},
+                os.path.join(workdir, "time_split.png"),
+                title=f"{c.compressor}: time per step",
+            )
     return {
         "compile_time": compile_time,
         "records": records,

@@ -215,7 +215,7 @@ def test_fit_check_smoke(tmp_path):
         max_steps_per_epoch=2,
         progress=False,
         checkpoint=False,
-        time_compression=False,
+        time_split=False,
         fit_check_epochs=(2,),
     )
     train.train_and_evaluate(config, str(tmp_path))

@@ -550,7 +550,7 @@ def test_training_run_records_coded_bytes(tmp_path):
         max_steps_per_epoch=2,
         progress=False,
         checkpoint=False,
-        time_compression=False,
+        time_split=False,
         lr=0.05,
     )
     result = train.train_and_evaluate(config, str(tmp_path))

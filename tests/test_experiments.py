@@ -211,3 +211,55 @@ def test_bench_merge_plans_on_a_small_model(tmp_path):
     assert rows["none"]["collectives"]["all_gather"] == 2 * 3
     assert rows["all_overlap"]["collectives"]["all_gather"] == 2
     assert all(r["wire_bytes"] > 0 for r in rows.values())
+
+
+def _fake_records(accuracies, step_seconds, split):
+    """Epoch records as train.train_and_evaluate writes them (only what compare reads)."""
+    fb, comp, comm = split
+    records, t = [], 0.0
+    for epoch, acc in enumerate(accuracies, 1):
+        t += step_seconds
+        records.append(
+            {
+                "epoch": epoch,
+                "test_accuracy": acc,
+                "train_time": t,
+                "wall_time": 2 * t,
+                "step_time": step_seconds,
+                "bytes_per_step_per_device": 100.0,
+                "message_bytes_per_step_per_device": 10.0,
+                "density": 0.01,
+                "compression_time_share": comp / (fb + comp + comm),
+                "time_forward_backward": fb,
+                "time_compression": comp + 1e-3 * epoch,  # medians over epochs are taken
+                "time_communication": comm,
+                "time_step": fb + comp + comm,
+                "time_step_without_communication": fb + comp,
+            }
+        )
+    return records
+
+
+def test_compare_table_has_table3_alpha_and_the_time_split():
+    from experiments import compare  # noqa: PLC0415
+
+    results = {
+        name: {"records": _fake_records(acc, sec, split), "compile_time": 1.0}
+        for name, acc, sec, split in [
+            ("dense", [0.5, 0.96, 0.97], 4.0, (0.001, 0.0, 0.003)),
+            ("top_k", [0.5, 0.8, 0.96], 2.0, (0.001, 0.002, 0.001)),  # target after 6 s
+            ("ldte_bs", [0.96, 0.97, 0.97], 1.5, (0.001, 0.0005, 0.001)),  # after 1.5 s
+            ("never", [0.1, 0.2, 0.3], 1.0, (0.001, 0.001, 0.001)),
+        ]
+    }
+    for r in results.values():
+        r["final"] = r["records"][-1]
+    table, rows = compare.format_table(results, target=0.95)
+    assert rows["top_k"]["speedup_to_target"] == 1.0
+    assert rows["ldte_bs"]["speedup_to_target"] == 6.0 / 1.5
+    assert rows["dense"]["speedup_to_target"] == 6.0 / 8.0
+    assert rows["never"]["speedup_to_target"] is None
+    # Medians over the three epochs, in ms.
+    np.testing.assert_allclose(rows["top_k"]["compression_ms"], 1e3 * (0.002 + 2e-3))
+    np.testing.assert_allclose(rows["dense"]["communication_ms"], 3.0)
+    assert "alpha" in table.splitlines()[0] and "4.00" in table

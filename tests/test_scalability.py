@@ -148,6 +148,31 @@ def test_compression_pays_agrees_with_prefer_sparse_on_bytes():
     assert not sc.compression_pays(size, 1, bandwidth=1e9, capacity=10).compress
 
 
+def test_latency_optimal_collectives_by_hand():
+    # 64 peers, 1 MB, 1 GB/s, 10 us: the ring pays 63 latencies per pass,
+    # recursive halving/doubling 6; the bytes are the same.
+    assert sc.allreduce_time(64, 1e6, 1e9, 1e-5) == pytest.approx(2 * 63 / 64 * 1e-3 + 2 * 63e-5)
+    assert sc.allreduce_time(64, 1e6, 1e9, 1e-5, algorithm="doubling") == pytest.approx(
+        2 * 63 / 64 * 1e-3 + 2 * 6e-5
+    )
+    assert sc.allgather_time(5, 1e6, 1e9, 1e-5, algorithm="doubling") == pytest.approx(
+        4e-3 + 3e-5  # ceil(log2 5) = 3 rounds
+    )
+    with pytest.raises(ValueError, match="algorithm"):
+        sc.allreduce_time(4, 1.0, 1.0, algorithm="tree")
+
+
+def test_compression_pays_uses_the_faster_dense_all_reduce():
+    # A 1000-element bucket on 64 devices, 1 GB/s, 50 us: the ring's 126
+    # latencies (6.3 ms) would make any compression pay; halving/doubling
+    # costs 12 latencies (0.6 ms) + 2 * 63/64 * 4 kB / 1 GB/s.
+    d = sc.compression_pays(
+        1000, 64, bandwidth=1e9, latency=50e-6, capacity=1, compression_time=1e-3
+    )
+    assert d.dense_time == pytest.approx(12 * 50e-6 + 2 * 63 / 64 * 4000 / 1e9)
+    assert d.exchange == "dense"
+
+
 def test_server_wins_only_where_it_should():
     # Two devices: the server's link carries one push and one pull, like a ring.
     d = sc.compression_pays(10**6, 2, bandwidth=1e9, ratio=1e-3)
@@ -216,6 +241,21 @@ def test_experiment_writes_json_and_png(tmp_path, capsys):
     # Sparse methods beat dense SGD at 1 Gbps from 2 nodes on; every curve has 4 points.
     for name in ("naive_rgc", "dgc", "ldte_bs"):
         assert curve[name]["speedup"][1] > curve["dense_sgd"]["speedup"][1]
-    assert "5.41" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "5.41" in out and "When compression pays" in out
+    # The compression-pays grid: one row per (bucket, link), as compression_pays decides.
+    pays = saved["compression_pays"]
+    assert len(pays) == len(exp.PAYS_BUCKETS) * len(exp.PAYS_GBPS)
+    for row in pays:
+        size = row["bucket_elements"]
+        d = sc.compression_pays(
+            size,
+            exp.PAYS_DEVICES,
+            bandwidth=sc.gbps(row["link_gbps"]),
+            latency=exp.INTER_LATENCY,
+            ratio=exp.RATIO,
+            compression_time=exp.PAYS_SECONDS_PER_BUCKET + exp.PAYS_SECONDS_PER_ELEMENT * size,
+        )
+        assert (row["compress"], row["exchange"]) == (d.compress, d.exchange)
     # The inconsistency bound printed beside the claims: 9 / (12.5 - 5.41) - 1.
     assert exp.implied_overhead(5.41, 1.25) == pytest.approx(9 / 7.09 - 1)

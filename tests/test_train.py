@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxcomp
 from experiments import data as data_lib
 from experiments import train
 
@@ -41,7 +42,7 @@ TINY = train.TrainConfig(
         # Quantizers with their default flags (momentum on the optimizer).
         {"compressor": "qsgd"},
         # Its compression step is slow to compile: timed by the others only.
-        {"compressor": "onebit", "bucket_size": 64, "time_compression": False},
+        {"compressor": "onebit", "bucket_size": 64, "time_split": False},
     ],
     ids=lambda o: o["compressor"],
 )
@@ -53,10 +54,22 @@ def test_one_epoch_per_compressor_family(tmp_path, overrides):
     assert np.isfinite(record["train_loss"])
     assert 0.0 <= record["test_accuracy"] <= 1.0
     assert record["bytes_per_step_per_device"] > 0
-    if config.time_compression:
-        assert record["compression_time_share"] > 0
+    split_keys = [f"time_{k}" for k in train.TIME_SPLIT_FIELDS]
+    if config.time_split:
+        assert record["time_forward_backward"] > 0 and record["time_step"] > 0
+        # The parts are the recorded medians' differences, noise clipped at 0.
+        again = jaxcomp.distributed.split_step_time(
+            record["time_forward_backward"],
+            record["time_step_without_communication"],
+            record["time_step"],
+        )
+        assert [record[k] for k in split_keys] == list(again)
+        assert record["compression_time_share"] == record["time_compression"] / record["time_step"]
+        assert (tmp_path / "time_split.png").stat().st_size > 0
     else:
         assert record["compression_time_share"] == -1.0  # not measured
+        assert [record[k] for k in split_keys] == [-1.0] * len(split_keys)
+        assert not (tmp_path / "time_split.png").exists()
     with open(tmp_path / "metrics.jsonl") as f:
         lines = [json.loads(line) for line in f]
     assert lines == result["records"]
@@ -77,7 +90,7 @@ def test_resume_gives_identical_parameters(tmp_path):
         checkpoint=True,
         schedule="cosine",
         granularity="global",
-        time_compression=False,
+        time_split=False,
     )
     straight = train.train_and_evaluate(config, str(tmp_path / "a"))
     first = train.train_and_evaluate(config, str(tmp_path / "b"), stop_after_epoch=1)
@@ -242,7 +255,7 @@ def test_resnet20_on_written_cifar_archive(tmp_path):
         data_dir=str(archive),
         model="resnet20",
         max_steps_per_epoch=1,
-        time_compression=False,
+        time_split=False,
     )
     result = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert result["num_params"] > 250_000
@@ -280,7 +293,7 @@ def test_vgg16_size():
 
 def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
     workdir = str(tmp_path / "w")
-    dense = dataclasses.replace(TINY, checkpoint=True, time_compression=False)
+    dense = dataclasses.replace(TINY, checkpoint=True, time_split=False)
     train.train_and_evaluate(dense, workdir)
     metrics = (tmp_path / "w" / "metrics.jsonl").read_text()
     top_k = dataclasses.replace(dense, compressor="top_k", ratio=0.05)
@@ -303,7 +316,7 @@ def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
 
 def test_workdir_without_config_or_with_bad_checkpoint_is_a_clear_error(tmp_path):
     workdir = tmp_path / "w"
-    config = dataclasses.replace(TINY, checkpoint=True, time_compression=False, epochs=2)
+    config = dataclasses.replace(TINY, checkpoint=True, time_split=False, epochs=2)
     train.train_and_evaluate(config, str(workdir), stop_after_epoch=1)
     config_json = (workdir / train.CONFIG_FILE).read_text()
 
@@ -344,7 +357,7 @@ _MAIN_TINY = [
     "--batch_size=16",
     "--max_steps_per_epoch=2",
     "--noprogress",
-    "--notime_compression",
+    "--notime_split",
 ]
 
 
@@ -457,7 +470,14 @@ def test_min_dense_size_applies_to_quantizers(name, min_dense_size, dense):
     def stacked(tree):  # one copy per device
         return jax.device_put(jax.tree.map(lambda a: np.stack([a, a]), tree), sharding)
 
-    _, state = train._make_compress_fn(compressor, mesh)(stacked(g), stacked(compressor.init(g)))
+    def run(grads, state):  # the compressor's update on each device's copy
+        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+        _, state = compressor.update(first(grads), first(state))
+        return jax.tree.map(lambda a: a[None], state)
+
+    spec = jax.sharding.PartitionSpec(train.AXIS)
+    run = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    state = run(stacked(g), stacked(compressor.init(g)))
     sent = int(np.asarray(train._get(state, "message_bytes")["w"])[0])
     assert (sent == 4 * 64) == dense and sent <= 4 * 64
 
@@ -483,7 +503,7 @@ def test_merge_plan_is_written_and_reused_on_resume(tmp_path, monkeypatch):
         reuse_period=2,
         epochs=2,
         checkpoint=True,
-        time_compression=False,
+        time_split=False,
     )
     first = train.train_and_evaluate(config, str(tmp_path), stop_after_epoch=1)
     path = tmp_path / train.MERGE_PLAN_FILE
