@@ -5,7 +5,7 @@ Compressors are optax gradient transformations with error-feedback state::
     tx = optax.chain(jaxcomp.ldte_bs(ratio=1e-3, axis_name="data"), optax.sgd(0.1))
 """
 
-from jaxcomp import analysis, coding, comm, distributed, planning, selection
+from jaxcomp import analysis, coding, comm, cssgd, distributed, planning, selection
 from jaxcomp.distributed import apply_if_finite, dense_exchange
 from jaxcomp.transforms import (
     DGC_WARMUP,
@@ -42,6 +42,7 @@ __all__ = [
     "bounded_sign",
     "coding",
     "comm",
+    "cssgd",
     "dense_exchange",
     "dgc",
     "distributed",

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
-__all__ = ["COLLECTIVES", "without_communication"]
+__all__ = ["COLLECTIVES", "communicates", "without_communication"]
 
 # Primitives that name a mesh axis but move no data between devices.
 _LOCAL = frozenset({"axis_index", "pvary"})
@@ -132,6 +132,16 @@ def _communicates(jaxpr, cache) -> bool:
             for e in jaxpr.eqns
         )
     return cache[key]
+
+
+def communicates(jaxpr) -> bool:
+    """Whether ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``) moves data between devices.
+
+    True when it holds a collective over a mesh axis (``psum``, ``all_gather``,
+    ``ppermute``, ...), also inside nested ``jit``, ``cond``, ``while_loop``,
+    ``scan`` and custom-derivative calls; ``axis_index`` does not count.
+    """
+    return _communicates(getattr(jaxpr, "jaxpr", jaxpr), {})
 
 
 def _eval_closed(closed, cache, *args):
