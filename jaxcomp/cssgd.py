@@ -514,7 +514,9 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
         :func:`assign_blocks` order; :func:`block_batch` lays data out so).
       cfg: the :class:`CodedConfig`.
       axis_name: the mesh axis of the ``n`` workers.
-      key: PRNG key for ``rounding="stochastic"`` (ignored otherwise).
+      key: PRNG key for ``rounding="stochastic"`` (ignored otherwise); the
+        same on every device (each block's noise is drawn from
+        ``fold_in(key, block id)``, so its ``r`` holders round it alike).
       return_blocks: also return the ``(C(n, r), G)`` integers of every block
         as this device decoded them (tests).
 
@@ -547,10 +549,16 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
     if cfg.rounding == "stochastic":
         if key is None:
             raise ValueError("coded_mean: rounding='stochastic' needs key=")
-        key = jax.random.fold_in(key, lax.axis_index(axis_name))
+        # The r holders of a block must round it identically, or the coded
+        # sums would not cancel: the noise depends on the block, not the device.
+        ids = jnp.asarray(plan.own)[lax.axis_index(axis_name)]
+        keys = jax.vmap(lambda q: jax.random.fold_in(key, q))(ids)
+        q, clipped, nonfinite = jax.vmap(lambda x, k: quantize(x, cfg.value_range, cfg.bits, k))(
+            flat, keys
+        )
+        clipped, nonfinite = jnp.sum(clipped), jnp.sum(nonfinite)
     else:
-        key = None
-    q, clipped, nonfinite = quantize(flat, cfg.value_range, cfg.bits, key)
+        q, clipped, nonfinite = quantize(flat, cfg.value_range, cfg.bits)
     blocks = _exchange_blocks(q, plan, cfg.exchange, axis_name)
     total = jnp.sum(dequantize(blocks, cfg.value_range, cfg.bits), axis=0) / plan.blocks
     # A NaN or Inf anywhere makes the step's gradient NaN, as plain SGD's would be.
@@ -579,7 +587,7 @@ class CodedState(NamedTuple):
     Attributes:
       clipped: finite gradient values clipped to the range so far (int32).
       nonfinite: non-finite gradient values seen so far (int32).
-      key: PRNG key of stochastic rounding.
+      key: PRNG key data of stochastic rounding, the same on every device.
       wire_bytes: bytes this device sent in the last step (multicast
         accounting; counted into ``metrics["wire_bytes"]``).
       received_bytes: bytes it received in the last step.
@@ -604,11 +612,12 @@ def init_opt_state(tx: optax.GradientTransformation, params, mesh: Mesh, axis_na
     tx_state = distributed.init_opt_state(tx, params, mesh, axis_name)
     n = mesh.shape[axis_name]
     zeros = np.zeros((n,), np.int32)
-    keys = jax.random.split(jax.random.key(seed), n)
+    # One key on every device: a block's holders must round it alike.
+    key = np.asarray(jax.random.key_data(jax.random.key(seed)))
     coded = CodedState(
         zeros,
         zeros,
-        jax.random.key_data(keys),
+        np.repeat(key[None], n, axis=0),
         np.zeros((n,), np.float32),
         np.zeros((n,), np.float32),
     )
