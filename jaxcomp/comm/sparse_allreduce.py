@@ -1,0 +1,487 @@
+"""Sparse all-reduces whose traffic does not grow like the all-gather's.
+
+:func:`jaxcomp.comm.sparse_mean` all-gathers every device's fixed-capacity
+(index, value) message: each device sends its message to the ``N - 1`` others,
+``(N - 1) m`` bytes for a message of ``m`` bytes, which passes a dense ring
+all-reduce's ``2 (N - 1) / N`` gradients at a few hundred devices. The
+exchanges here keep the traffic near a constant number of messages:
+
+==================  ====================================  ==========================
+exchange            per-device bytes (``m`` = message)      result
+==================  ====================================  ==========================
+:func:`gtopk_mean`  ``log2(N) m`` (N a power of two)       global top-``cap`` of the sum
+:func:`oktopk_mean` ``~(s + 1) (N-1)/N m`` + histogram      per-region top of the sum
+:func:`cyclic_mean`  2 all-reduces of ``cap`` entries       exact sum on one device's support
+:func:`sparcml_mean` ``sum_i min(2^i cap, U)`` pairs, or     exact sum (union)
+                    a dense all-reduce past the threshold
+==================  ====================================  ==========================
+
+The first two *select* from the merged messages: what they leave out of the
+result is returned as ``(indices, values)`` pairs to add back into exactly one
+device's residual (the one that dropped it, or a group's leader for pairs
+dropped by several devices at once), so nothing is lost globally:
+``sum_d new_residual_d + N * update == sum_d (old_residual_d + g_d)``. The
+sparsifiers do this with ``exchange="gtopk"`` / ``"oktopk"``.
+
+Every function runs inside ``jax.shard_map`` over ``axis_name``, takes this
+device's message (``indices`` int32 ``[cap]``, ``size`` marking padding,
+``values`` ``[cap]``) and returns an :class:`Exchanged`. Bytes are counted
+from the shapes the collectives move.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomp import _validation as V
+from jaxcomp.comm.collectives import (
+    _nbytes,
+    all_gather_invariant,
+    allgather_bytes,
+    allreduce_bytes,
+    axis_size,
+)
+
+__all__ = [
+    "EXACT_EXCHANGES",
+    "EXCHANGES",
+    "OKTOPK_SLACK",
+    "Exchanged",
+    "choose_exchange",
+    "cyclic_mean",
+    "exchange",
+    "gtopk_mean",
+    "gtopk_rounds",
+    "is_power_of_two",
+    "oktopk_capacities",
+    "oktopk_mean",
+    "sparcml_mean",
+    "sparcml_union_capacity",
+]
+
+# Ok-Topk: each device sends up to ``slack * cap / N`` pairs to each region
+# owner (padded all_to_all); overflow stays in the sender's residual.
+OKTOPK_SLACK = 1.5
+# Histogram bins per device for balancing the regions.
+_BINS_PER_DEVICE = 16
+
+
+class Exchanged(NamedTuple):
+    """What a sparse all-reduce gives this device.
+
+    Attributes:
+      update: the dense mean ``[size]`` (identical on every device).
+      wire_bytes: float32 bytes this device sent.
+      returned_indices: int32 pairs to add back into this device's residual
+        (``size`` = padding), or None when nothing is dropped.
+      returned_values: their values (the message dtype), or None.
+    """
+
+    update: jax.Array
+    wire_bytes: jax.Array
+    returned_indices: jax.Array | None = None
+    returned_values: jax.Array | None = None
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _check_power_of_two(name: str, n_dev: int) -> None:
+    if not is_power_of_two(n_dev):
+        raise ValueError(
+            f"exchange={name!r} pairs devices by recursive doubling and needs a power-of-two "
+            f"number of devices along the axis, got {n_dev}; use exchange='oktopk' (any N) "
+            "or 'sparse'"
+        )
+
+
+def gtopk_rounds(n_dev: int) -> int:
+    """Rounds of recursive doubling: ``log2 N``."""
+    return int(math.log2(n_dev)) if n_dev > 1 else 0
+
+
+def _scatter_mean(indices, values, size: int, n_dev: int):
+    scaled = values / jnp.asarray(n_dev, values.dtype) if n_dev > 1 else values
+    return jnp.zeros((size,), values.dtype).at[indices].add(scaled, mode="drop")
+
+
+def _merge_pairs(idx_a, val_a, idx_b, val_b, size: int):
+    """Union of two messages with unique indices, equal indices summed.
+
+    Canonical: the same pairs in the same order whichever message is ``a``
+    (sorted by index; of two equal indices the first slot holds the sum, the
+    second becomes padding), so both partners of a round compute the same.
+    """
+    idx = jnp.concatenate([idx_a, idx_b])
+    val = jnp.concatenate([val_a, val_b])
+    idx, val = lax.sort((idx, val), num_keys=1)
+    same = (idx[1:] == idx[:-1]) & (idx[:-1] < size)
+    dup_next = jnp.concatenate([same, jnp.zeros((1,), bool)])
+    dup_prev = jnp.concatenate([jnp.zeros((1,), bool), dup_next[:-1]])
+    nxt = jnp.concatenate([val[1:], jnp.zeros((1,), val.dtype)])
+    val = jnp.where(dup_next, val + nxt, jnp.where(dup_prev, 0, val))
+    idx = jnp.where(dup_prev, size, idx)
+    return idx, val
+
+
+def _top_and_rest(idx, val, keep: int, size: int):
+    """The ``keep`` largest ``|val|`` pairs and the rest (padding ranked last)."""
+    score = jnp.where(idx < size, jnp.abs(val).astype(jnp.float32), -1.0)
+    _, order = lax.top_k(score, idx.shape[0])  # full ranking; ties: lower position first
+    idx, val = idx[order], val[order]
+    return idx[:keep], val[:keep], idx[keep:], val[keep:]
+
+
+def gtopk_mean(indices, values, size: int, axis_name) -> Exchanged:
+    """gTop-k (Shi et al. 2019): recursive doubling that keeps the top ``cap`` per round.
+
+    At round ``i`` device ``d`` swaps its message with ``d XOR 2^i``
+    (``ppermute``), merges the two (equal indices summed) and keeps the
+    ``cap`` largest ``|value|`` pairs. After ``log2 N`` rounds every device
+    holds the same ``cap`` pairs: the top of the (partially merged) global
+    sum; the update is their mean over ``N``. The pairs a round drops are
+    identical for the ``2^(i+1)`` devices of a merging group; they are
+    returned to exactly one of them (the group's lowest index) for its
+    residual.
+
+    Returns:
+      :class:`Exchanged`: ``wire_bytes = log2(N) * cap * (4 + itemsize)``;
+      ``returned_*`` hold ``log2(N) * cap`` pairs.
+
+    Raises:
+      ValueError: ``N`` not a power of two.
+    """
+    n_dev = axis_size(axis_name)
+    _check_power_of_two("gtopk", n_dev)
+    cap = indices.shape[0]
+    me = lax.axis_index(axis_name)
+    idx, val = indices, jnp.where(indices < size, values, 0)
+    back_idx, back_val = [], []
+    for i in range(gtopk_rounds(n_dev)):
+        perm = [(d, d ^ (1 << i)) for d in range(n_dev)]
+        p_idx = lax.ppermute(idx, axis_name, perm)
+        p_val = lax.ppermute(val, axis_name, perm)
+        m_idx, m_val = _merge_pairs(idx, val, p_idx, p_val, size)
+        idx, val, d_idx, d_val = _top_and_rest(m_idx, m_val, cap, size)
+        leader = (me & ((2 << i) - 1)) == 0
+        back_idx.append(jnp.where(leader, d_idx, size))
+        back_val.append(jnp.where(leader, d_val, 0))
+    update = _scatter_mean(idx, val, size, n_dev)
+    wire = gtopk_rounds(n_dev) * (_nbytes(indices) + _nbytes(values))
+    if not back_idx:
+        return Exchanged(update, jnp.float32(wire))
+    return Exchanged(
+        update, jnp.float32(wire), jnp.concatenate(back_idx), jnp.concatenate(back_val)
+    )
+
+
+def oktopk_capacities(cap: int, n_dev: int, slack: float = OKTOPK_SLACK) -> tuple[int, int]:
+    """``(per_peer, per_region)``: pairs sent to each region owner, pairs each owner keeps."""
+    per_peer = max(1, math.ceil(slack * cap / n_dev))
+    per_region = max(1, math.ceil(cap / n_dev))
+    return per_peer, per_region
+
+
+def _region_bounds(indices, size: int, n_dev: int, axis_name):
+    """Region starts balancing the devices' selected indices (a psum-ed histogram)."""
+    bins = _BINS_PER_DEVICE * n_dev
+    width = -(-size // bins)
+    which = jnp.where(indices < size, indices // width, bins)
+    hist = jnp.zeros((bins,), jnp.int32).at[which].add(1, mode="drop")
+    hist = lax.psum(hist, axis_name)
+    cdf = jnp.cumsum(hist)
+    total = jnp.maximum(cdf[-1], 1)
+    # Region j starts at the first bin where the cumulative share passes j / N.
+    targets = (jnp.arange(1, n_dev) * total + n_dev - 1) // n_dev
+    first_bins = jnp.searchsorted(cdf, targets, side="left") + 1
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), (first_bins * width).astype(jnp.int32)])
+    starts = jnp.minimum(starts, size)
+    return starts, hist.shape[0] * 4
+
+
+def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_SLACK) -> Exchanged:
+    """A balanced sparse reduce-scatter, then an all-gather of the selection (Ok-Topk).
+
+    The index range is split into ``N`` regions balanced by a histogram of
+    every device's selected indices (one small all-reduce per step: the
+    regions follow the distribution each step, where Ok-Topk re-balances
+    periodically from stored statistics). Each device sends its pairs in
+    region ``j`` to device ``j`` over a padded ``all_to_all`` (at most
+    ``ceil(slack * cap / N)`` per peer: ``ragged_all_to_all`` does not run on
+    XLA:CPU; overflow is returned to the sender's residual); device ``j``
+    sums the pairs it receives and keeps the ``ceil(cap / N)`` largest (the
+    rest returned to its own residual); the selections are all-gathered and
+    averaged.
+
+    Returns:
+      :class:`Exchanged`: ``wire_bytes`` = all_to_all ``(N - 1) * per_peer``
+      pairs + all-gather ``(N - 1) * per_region`` pairs + the histogram's
+      all-reduce; about ``(slack + 1) (N - 1) / N`` messages.
+    """
+    n_dev = axis_size(axis_name)
+    slack = V.check_real("slack", slack, 0, low_open=True)
+    cap = indices.shape[0]
+    per_peer, per_region = oktopk_capacities(cap, n_dev, slack)
+    pair = 4 + jnp.dtype(values.dtype).itemsize
+    if n_dev == 1:
+        return Exchanged(_scatter_mean(indices, values, size, 1), jnp.float32(0))
+    starts, hist_bytes = _region_bounds(indices, size, n_dev, axis_name)
+    idx, val = lax.sort((indices, values), num_keys=1)  # padding (size) last
+    region = jnp.searchsorted(starts, idx, side="right") - 1
+    first = jnp.searchsorted(idx, starts, side="left")  # each region's first slot
+    rank = jnp.arange(cap) - first[jnp.clip(region, 0, n_dev - 1)]
+    valid = idx < size
+    fits = valid & (rank < per_peer)
+    slot = jnp.where(fits, region * per_peer + rank, n_dev * per_peer)
+    send_idx = jnp.full((n_dev * per_peer,), size, jnp.int32).at[slot].set(idx, mode="drop")
+    send_val = jnp.zeros((n_dev * per_peer,), values.dtype).at[slot].set(val, mode="drop")
+    # Row j goes to device j; the result's row s came from device s.
+    recv_idx = lax.all_to_all(send_idx.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True)
+    recv_val = lax.all_to_all(send_val.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True)
+    # Sum equal indices (up to N copies) in index order, then keep the largest.
+    r_idx, r_val = lax.sort((recv_idx.reshape(-1), recv_val.reshape(-1)), num_keys=1)
+    first_of = jnp.concatenate([jnp.ones((1,), bool), r_idx[1:] != r_idx[:-1]])
+    seg = jnp.cumsum(first_of) - 1
+    sums = jax.ops.segment_sum(r_val, seg, num_segments=r_idx.shape[0])
+    u_idx = jnp.full(r_idx.shape, size, jnp.int32).at[seg].set(r_idx)
+    u_idx = jnp.where(jnp.arange(r_idx.shape[0]) <= seg[-1], u_idx, size)
+    keep_idx, keep_val, drop_idx, drop_val = _top_and_rest(u_idx, sums, per_region, size)
+    all_idx = all_gather_invariant(keep_idx, axis_name).reshape(-1)
+    all_val = all_gather_invariant(keep_val, axis_name).reshape(-1)
+    update = _scatter_mean(all_idx, all_val, size, n_dev)
+    overflow_idx = jnp.where(valid & ~fits, idx, size)
+    overflow_val = jnp.where(valid & ~fits, val, 0)
+    wire = (n_dev - 1) * (per_peer + per_region) * pair + allreduce_bytes(hist_bytes, n_dev)
+    return Exchanged(
+        update,
+        jnp.float32(wire),
+        jnp.concatenate([overflow_idx, drop_idx]),
+        jnp.concatenate([overflow_val, drop_val]),
+    )
+
+
+def cyclic_mean(indices, values_at, size: int, axis_name, step) -> tuple[Exchanged, jax.Array]:
+    """ScaleCom's cyclic leader: one device's indices, then a plain all-reduce of their values.
+
+    At step ``t`` device ``t mod N`` leads: its indices are broadcast (an
+    all-reduce of the leader's indices, zeros elsewhere), every device
+    gathers *its own* accumulated values there (``values_at(indices)``) and
+    the ``cap`` values are all-reduced. Exact mean on the leader's support;
+    each device's residual keeps everything else. Traffic independent of
+    ``N``: two all-reduces of ``cap`` entries.
+
+    Args:
+      indices: this device's selected indices (only the leader's are used).
+      values_at: ``values_at(leader_indices) -> values`` of this device at
+        those indices (``size`` = padding gives 0).
+      size: length of the dense result.
+      axis_name: mesh axis.
+      step: the step counter (traced int).
+
+    Returns:
+      ``(Exchanged, leader_indices)``: what every device sent is its values
+      at ``leader_indices``.
+    """
+    n_dev = axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    leader = jnp.asarray(step, jnp.int32) % n_dev
+    # Broadcast as a sum: every other device contributes zeros (size is never 0 here).
+    shared = lax.psum(jnp.where(me == leader, indices, 0), axis_name)
+    shared = jnp.where(shared >= size, size, shared)
+    vals = values_at(shared)
+    update = _scatter_mean(shared, lax.psum(vals, axis_name), size, n_dev)
+    wire = allreduce_bytes(_nbytes(indices), n_dev) + allreduce_bytes(_nbytes(vals), n_dev)
+    return Exchanged(update, jnp.float32(wire)), shared
+
+
+def sparcml_union_capacity(cap: int, size: int, n_dev: int, itemsize: int) -> int:
+    """``U``: the largest total count (sum over devices) kept sparse by :func:`sparcml_mean`.
+
+    The break-even of the sparse path: the largest ``U`` whose recursive-doubling
+    bytes ``sum_i min(2^i cap, U) (4 + itemsize)`` stay below a dense ring
+    all-reduce's ``2 (N - 1) / N * size * itemsize``; at most ``N cap`` (every
+    message full).
+    """
+    dense = allreduce_bytes(size * itemsize, n_dev)
+
+    def cost(u):
+        return sum(min(cap << i, u) for i in range(gtopk_rounds(n_dev))) * (4 + itemsize)
+
+    lo, hi = 0, n_dev * cap
+    if cost(hi) < dense:
+        return hi
+    while lo < hi:  # the largest u with cost(u) < dense
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) < dense else (lo, mid - 1)
+    return lo
+
+
+def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchanged:
+    """SparCML: sparse recursive doubling of the union, or dense past a density threshold.
+
+    A tiny all-reduce of the message counts decides, identically on every
+    device: if the total count is at most :func:`sparcml_union_capacity`
+    ``U``, messages are merged by recursive doubling without dropping
+    anything (the union, equal indices summed; round ``i`` carries
+    ``min(2^i cap, U)`` pairs, enough since the union never exceeds the total
+    count); otherwise the messages are scattered into dense tensors and
+    all-reduced. Both branches have static shapes; the result is the exact
+    mean either way.
+
+    Returns:
+      :class:`Exchanged`; ``wire_bytes`` of the branch taken, plus the count's
+      4-byte all-reduce.
+
+    Raises:
+      ValueError: ``N`` not a power of two.
+    """
+    n_dev = axis_size(axis_name)
+    _check_power_of_two("sparcml", n_dev)
+    cap = indices.shape[0]
+    item = jnp.dtype(values.dtype).itemsize
+    union = sparcml_union_capacity(cap, size, n_dev, item)
+    count = jnp.sum(indices < size, dtype=jnp.int32)
+    total = lax.psum(count, axis_name)
+    count_bytes = allreduce_bytes(4, n_dev)
+
+    def sparse(_):
+        idx, val = indices, values
+        sent = 0
+        for i in range(gtopk_rounds(n_dev)):
+            perm = [(d, d ^ (1 << i)) for d in range(n_dev)]
+            p_idx = lax.ppermute(idx, axis_name, perm)
+            p_val = lax.ppermute(val, axis_name, perm)
+            sent += idx.shape[0] * (4 + item)
+            m_idx, m_val = _merge_pairs(idx, val, p_idx, p_val, size)
+            # Canonical order puts padding last; the union fits in min(2 c, U).
+            keep = min(m_idx.shape[0], union)
+            order = jnp.argsort(m_idx, stable=True)[:keep]
+            idx, val = m_idx[order], m_val[order]
+        return _scatter_mean(idx, val, size, n_dev), jnp.float32(sent)
+
+    def dense_path(_):
+        d = (
+            dense
+            if dense is not None
+            else jnp.zeros((size,), values.dtype).at[indices].add(values, mode="drop")
+        )
+        return lax.pmean(d, axis_name), jnp.float32(allreduce_bytes(size * item, n_dev))
+
+    if n_dev == 1:
+        update, wire = sparse(None)
+    else:
+        update, wire = lax.cond(total <= union, sparse, dense_path, None)
+    return Exchanged(update, wire + jnp.float32(count_bytes))
+
+
+# ---------------------------------------------------------------------------
+# One entry point for the sparsifiers.
+# ---------------------------------------------------------------------------
+
+# Values of the sparsifiers' ``exchange`` argument.
+EXCHANGES = (
+    "auto",
+    "auto_topk",
+    "sparse",
+    "dense",
+    "server",
+    "sparcml",
+    "gtopk",
+    "oktopk",
+    "scalecom",
+)
+# Exchanges whose result is the exact mean of the messages.
+EXACT_EXCHANGES = ("sparse", "dense", "server", "sparcml")
+
+
+def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: int) -> str:
+    """The exchange ``"auto"`` / ``"auto_topk"`` stand for (static, from sizes and ``N``).
+
+    ``"auto"`` keeps the exact mean: the sparse all-gather when it moves
+    fewer bytes than a dense all-reduce at full capacity
+    (:func:`jaxcomp.comm.prefer_sparse`), else SparCML (dense past its
+    threshold, decided per step from the counts) when ``N`` is a power of
+    two, else dense. ``"auto_topk"`` also considers the exchanges that apply
+    a global top of the sum instead of the union (``gtopk``, ``oktopk``) and
+    takes the fewest bytes per device. Other names are returned unchanged.
+
+    Example:
+      >>> from jaxcomp.comm.sparse_allreduce import choose_exchange
+      >>> [choose_exchange("auto", 4195, 2**22, 4, n) for n in (8, 2048)]
+      ['sparse', 'sparcml']
+      >>> [choose_exchange("auto_topk", 4195, 2**22, 4, n) for n in (2, 8, 32)]
+      ['sparse', 'oktopk', 'oktopk']
+    """
+    from jaxcomp.comm.collectives import prefer_sparse  # noqa: PLC0415 (same package)
+
+    if name not in ("auto", "auto_topk"):
+        return name
+    if n_dev <= 1:
+        return "dense"
+    pair = 4 + itemsize
+    costs = {"dense": allreduce_bytes(size * itemsize, n_dev)}
+    if prefer_sparse(capacity, size, itemsize, n_dev):
+        costs["sparse"] = allgather_bytes(capacity * pair, n_dev)
+    elif is_power_of_two(n_dev):
+        costs["sparcml"] = costs["dense"]  # at most dense (+ 4 bytes), less when counts are low
+    if name == "auto_topk":
+        if is_power_of_two(n_dev):
+            costs["gtopk"] = gtopk_rounds(n_dev) * capacity * pair
+        per_peer, per_region = oktopk_capacities(capacity, n_dev)
+        hist = allreduce_bytes(4 * _BINS_PER_DEVICE * n_dev, n_dev)
+        costs["oktopk"] = (n_dev - 1) * (per_peer + per_region) * pair + hist
+    order = ["sparse", "sparcml", "gtopk", "oktopk", "dense"]  # ties: the simpler first
+    return min(costs, key=lambda e: (costs[e], order.index(e)))
+
+
+def exchange(
+    name: str,
+    indices,
+    values,
+    size: int,
+    axis_name,
+    *,
+    dense=None,
+    include=None,
+) -> Exchanged:
+    """Runs the named exchange (not ``"scalecom"``, which needs the accumulator).
+
+    Args:
+      name: one of :data:`EXCHANGES` except ``"scalecom"``.
+      indices, values, size, axis_name: the message (see the module docstring).
+      dense: optional, this device's message scattered into ``[size]``.
+      include: backup-worker flag (only the exact exchanges take it).
+
+    Returns:
+      :class:`Exchanged`.
+    """
+    from jaxcomp.comm import collectives  # noqa: PLC0415
+
+    n_dev = axis_size(axis_name)
+    name = choose_exchange(name, indices.shape[0], size, jnp.dtype(values.dtype).itemsize, n_dev)
+    if include is not None and name not in EXACT_EXCHANGES:
+        raise ValueError(
+            f"exchange={name!r} does not take include= (backup workers): only "
+            f"{EXACT_EXCHANGES} average over the included devices"
+        )
+    if name in ("sparse", "dense"):
+        return Exchanged(
+            *collectives.exchange_mean(
+                indices, values, size, axis_name, exchange=name, dense=dense, include=include
+            )
+        )
+    if name == "server":
+        return Exchanged(*collectives.server_sparse_mean(indices, values, size, axis_name))
+    if name == "sparcml":
+        return sparcml_mean(indices, values, size, axis_name, dense=dense)
+    if name == "gtopk":
+        return gtopk_mean(indices, values, size, axis_name)
+    if name == "oktopk":
+        return oktopk_mean(indices, values, size, axis_name)
+    raise ValueError(f"exchange must be one of {EXCHANGES}, got {name!r}")

@@ -1,0 +1,270 @@
+"""jaxcomp.comm.sparse_allreduce against numpy references on simulated devices.
+
+Messages carry small integers so that every sum is exact in float32: the
+nothing-lost identities are checked with equality, not tolerances.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp.comm import sparse_allreduce as sa
+
+SIZE = 512
+
+
+def _mesh(n):
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def _messages(n_dev, cap, seed, *, fill=1.0, spread=SIZE, ties=False):
+    """Per-device messages: unique indices (padding = SIZE), integer values."""
+    rng = np.random.default_rng(seed)
+    idx = np.full((n_dev, cap), SIZE, np.int32)
+    val = np.zeros((n_dev, cap), np.float32)
+    for d in range(n_dev):
+        m = int(round(fill * cap))
+        chosen = np.sort(rng.choice(spread, size=m, replace=False))
+        idx[d, :m] = chosen
+        if ties:
+            val[d, :m] = rng.choice([-2.0, 2.0, 3.0], size=m)
+        else:
+            val[d, :m] = rng.integers(1, 1000, size=m) * rng.choice([-1, 1], size=m)
+        perm = rng.permutation(cap)  # messages need not be sorted
+        idx[d], val[d] = idx[d][perm], val[d][perm]
+    return idx, val
+
+
+def _run(fn, n_dev, idx, val):
+    """fn(indices, values) -> Exchanged inside shard_map; per-device numpy results."""
+    mesh = _mesh(n_dev)
+
+    def body(i, v):
+        ex = fn(i[0], v[0])
+        out = [ex.update, ex.wire_bytes]
+        if ex.returned_indices is not None:
+            out += [ex.returned_indices, ex.returned_values]
+        return [o[None] for o in out]
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=False
+        )
+    )
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))  # noqa: E731
+    return [np.asarray(o) for o in jax.device_get(f(put(idx), put(val)))]
+
+
+def _dense(idx, val):
+    """Scatter-add of (n_dev, m) pairs into (n_dev, SIZE), padding dropped."""
+    out = np.zeros((idx.shape[0], SIZE + 1), np.float64)
+    for d in range(idx.shape[0]):
+        np.add.at(out[d], idx[d], val[d])
+    return out[:, :SIZE]
+
+
+def _assert_nothing_lost(idx, val, update, back_idx, back_val, n_dev):
+    sent = _dense(idx, val).sum(0)
+    returned = _dense(back_idx, back_val).sum(0)
+    got = n_dev * update[0].astype(np.float64) + returned
+    if sa.is_power_of_two(n_dev):  # dividing by N is exact: so is the identity
+        np.testing.assert_array_equal(got, sent)
+    else:
+        np.testing.assert_allclose(got, sent, rtol=1e-6)
+
+
+def _gtopk_reference(idx, val, cap):
+    """Recursive doubling in numpy: merge pairs, keep the top cap (ties: lower index)."""
+    n_dev = idx.shape[0]
+    msgs = [dict(zip(idx[d].tolist(), val[d].tolist(), strict=True)) for d in range(n_dev)]
+    msgs = [{i: v for i, v in m.items() if i < SIZE} for m in msgs]
+    for i in range(int(math.log2(n_dev))):
+        new = []
+        for d in range(n_dev):
+            merged = dict(msgs[d])
+            for j, v in msgs[d ^ (1 << i)].items():
+                merged[j] = merged.get(j, 0.0) + v
+            ranked = sorted(merged.items(), key=lambda kv: (-abs(kv[1]), kv[0]))
+            new.append(dict(ranked[:cap]))
+        msgs = new
+    out = np.zeros(SIZE)
+    for j, v in msgs[0].items():
+        out[j] = v / n_dev
+    return out
+
+
+@pytest.mark.parametrize(
+    "n_dev, cap, fill", [(2, 16, 1.0), (4, 24, 0.8), (8, 32, 1.0), (8, 8, 0.5)]
+)
+def test_gtopk_matches_numpy_and_loses_nothing(n_dev, cap, fill):
+    idx, val = _messages(n_dev, cap, seed=n_dev * cap, fill=fill, spread=3 * cap)
+    update, wire, back_idx, back_val = _run(
+        lambda i, v: sa.gtopk_mean(i, v, SIZE, "data"), n_dev, idx, val
+    )
+    for d in range(n_dev):  # identical on every device
+        np.testing.assert_array_equal(update[d], update[0])
+    np.testing.assert_array_equal(update[0], _gtopk_reference(idx, val, cap))
+    _assert_nothing_lost(idx, val, update, back_idx, back_val, n_dev)
+    assert wire[0] == math.log2(n_dev) * cap * 8
+
+
+def test_gtopk_with_ties_loses_nothing():
+    idx, val = _messages(8, 16, seed=5, spread=40, ties=True)
+    update, _, back_idx, back_val = _run(
+        lambda i, v: sa.gtopk_mean(i, v, SIZE, "data"), 8, idx, val
+    )
+    for d in range(8):
+        np.testing.assert_array_equal(update[d], update[0])
+    _assert_nothing_lost(idx, val, update, back_idx, back_val, 8)
+
+
+def test_gtopk_rejects_non_power_of_two():
+    idx, val = _messages(3, 4, seed=0)
+    with pytest.raises(ValueError, match="power-of-two"):
+        _run(lambda i, v: sa.gtopk_mean(i, v, SIZE, "data"), 3, idx, val)
+
+
+@pytest.mark.parametrize("n_dev", [3, 5, 8])
+def test_oktopk_selects_the_top_of_each_region_and_loses_nothing(n_dev):
+    cap = 24
+    idx, val = _messages(n_dev, cap, seed=n_dev, spread=4 * cap)
+    # Enough slack that nothing overflows: the kept sums are exact global sums.
+    update, wire, back_idx, back_val = _run(
+        lambda i, v: sa.oktopk_mean(i, v, SIZE, "data", slack=float(n_dev)), n_dev, idx, val
+    )
+    for d in range(n_dev):
+        np.testing.assert_array_equal(update[d], update[0])
+    _assert_nothing_lost(idx, val, update, back_idx, back_val, n_dev)
+    total = _dense(idx, val).sum(0)
+    kept = np.flatnonzero(update[0])
+    np.testing.assert_allclose(n_dev * update[0][kept], total[kept], rtol=1e-6)
+    per_peer, per_region = sa.oktopk_capacities(cap, n_dev, float(n_dev))
+    # numpy reference: regions at the quantiles of the selected indices'
+    # histogram (16 bins per device), each owner keeps its top per_region.
+    bins = 16 * n_dev
+    width = -(-SIZE // bins)
+    live = idx[idx < SIZE]
+    cdf = np.cumsum(np.bincount(live // width, minlength=bins))
+    targets = [-(-j * cdf[-1] // n_dev) for j in range(1, n_dev)]
+    starts = [0] + [min((np.searchsorted(cdf, t) + 1) * width, SIZE) for t in targets] + [SIZE]
+    want = set()
+    for lo, hi in zip(starts[:-1], starts[1:], strict=True):
+        region = [j for j in range(lo, hi) if j in set(live.tolist())]
+        ranked = sorted(region, key=lambda j: (-abs(total[j]), j))
+        want |= set(ranked[:per_region])
+    assert set(kept.tolist()) == {j for j in want if total[j] != 0}
+    hist = sa._BINS_PER_DEVICE * n_dev * 4
+    expected = (n_dev - 1) * (per_peer + per_region) * 8 + 2 * (n_dev - 1) / n_dev * hist
+    np.testing.assert_allclose(wire[0], expected, rtol=1e-6)
+
+
+def test_oktopk_overflow_goes_back_to_the_sender():
+    # Every device's pairs crowd one region: the default slack overflows.
+    n_dev, cap = 4, 32
+    idx, val = _messages(n_dev, cap, seed=1, spread=SIZE)
+    idx[0, :] = np.arange(cap)  # device 0 sends 32 low indices
+    update, _, back_idx, back_val = _run(
+        lambda i, v: sa.oktopk_mean(i, v, SIZE, "data"), n_dev, idx, val
+    )
+    _assert_nothing_lost(idx, val, update, back_idx, back_val, n_dev)
+    for d in range(n_dev):
+        np.testing.assert_array_equal(update[d], update[0])
+
+
+@pytest.mark.parametrize("n_dev, fill", [(2, 1.0), (8, 0.1), (8, 1.0)])
+def test_sparcml_is_the_exact_mean_on_both_branches(n_dev, fill):
+    cap = 64
+    idx, val = _messages(n_dev, cap, seed=n_dev, fill=fill, spread=SIZE)
+    update, wire = _run(lambda i, v: sa.sparcml_mean(i, v, SIZE, "data"), n_dev, idx, val)
+    np.testing.assert_array_equal(n_dev * update[0].astype(np.float64), _dense(idx, val).sum(0))
+    union = sa.sparcml_union_capacity(cap, SIZE, n_dev, 4)
+    total = int((idx < SIZE).sum())
+    count_bytes = 2 * (n_dev - 1) / n_dev * 4
+    if total <= union:  # the sparse rounds: sum_i min(2^i cap, U) pairs
+        rounds = sum(min(cap << i, union) for i in range(int(math.log2(n_dev))))
+        np.testing.assert_allclose(wire[0], rounds * 8 + count_bytes, rtol=1e-6)
+    else:
+        dense = 2 * (n_dev - 1) / n_dev * SIZE * 4
+        np.testing.assert_allclose(wire[0], dense + count_bytes, rtol=1e-6)
+
+
+def test_sparcml_takes_each_branch():
+    # 8 devices, 64 pairs each of a 512-element tensor: U is below 8 * 64.
+    union = sa.sparcml_union_capacity(64, SIZE, 8, 4)
+    assert 64 <= union < 8 * 64
+    assert sa.sparcml_union_capacity(4, 2**22, 8, 4) == 32  # tiny messages: always sparse
+
+
+def test_cyclic_leader_rotates_and_is_exact():
+    n_dev, cap = 4, 8
+    rng = np.random.default_rng(0)
+    acc = rng.integers(-50, 50, size=(n_dev, SIZE)).astype(np.float32)
+    idx, _ = _messages(n_dev, cap, seed=3)
+    mesh = _mesh(n_dev)
+    for step in range(n_dev + 1):
+
+        def body(i, a, step=step):
+            ex, shared = sa.cyclic_mean(
+                i[0],
+                lambda ids: jnp.where(ids < SIZE, a[0][jnp.minimum(ids, SIZE - 1)], 0),
+                SIZE,
+                "data",
+                jnp.int32(step),
+            )
+            return ex.update[None], shared[None]
+
+        f = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P("data"), P("data")),
+                out_specs=P("data"),
+                check_vma=False,
+            )
+        )
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))  # noqa: E731
+        update, shared = jax.device_get(f(put(idx), put(acc)))
+        leader = step % n_dev
+        for d in range(n_dev):
+            np.testing.assert_array_equal(np.sort(shared[d]), np.sort(idx[leader]))
+        want = np.zeros(SIZE)
+        live = idx[leader][idx[leader] < SIZE]
+        want[live] = acc[:, live].sum(0) / n_dev
+        np.testing.assert_array_equal(update[0], want)
+
+
+@pytest.mark.parametrize(
+    "name, n_dev, want",
+    [
+        ("auto", 8, "sparse"),
+        ("auto", 2048, "sparcml"),
+        ("auto", 6, "sparse"),
+        ("auto_topk", 8, "oktopk"),
+        ("auto_topk", 2, "sparse"),  # a tie: the exact one
+        ("gtopk", 8, "gtopk"),
+    ],
+)
+def test_choose_exchange(name, n_dev, want):
+    assert sa.choose_exchange(name, 4195, 2**22, 4, n_dev) == want
+
+
+def test_auto_never_picks_an_approximate_exchange():
+    for n_dev in (2, 3, 8, 64, 1000):
+        for cap in (1, 100, 10_000, 2**20):
+            assert sa.choose_exchange("auto", cap, 2**22, 4, n_dev) in sa.EXACT_EXCHANGES
+
+
+def test_include_rejected_by_approximate_exchanges():
+    idx, val = _messages(2, 4, seed=0)
+    with pytest.raises(ValueError, match="include"):
+        _run(
+            lambda i, v: sa.exchange("gtopk", i, v, SIZE, "data", include=jnp.bool_(True)),
+            2,
+            idx,
+            val,
+        )
