@@ -405,16 +405,18 @@ def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: i
 
     ``"auto"`` keeps the exact mean: the sparse all-gather when it moves
     fewer bytes than a dense all-reduce at full capacity
-    (:func:`jaxcomp.comm.prefer_sparse`), else SparCML (dense past its
-    threshold, decided per step from the counts) when ``N`` is a power of
-    two, else dense. ``"auto_topk"`` also considers the exchanges that apply
+    (:func:`jaxcomp.comm.prefer_sparse`), else dense. (SparCML is exact too
+    but is never cheaper at full capacity; it pays only when the devices
+    send well below capacity, which is known per step, not statically: ask
+    for it by name.) ``"auto_topk"`` also considers the exchanges that apply
     a global top of the sum instead of the union (``gtopk``, ``oktopk``) and
-    takes the fewest bytes per device. Other names are returned unchanged.
+    takes the fewest bytes per device (ties: the exact one). Other names are
+    returned unchanged.
 
     Example:
       >>> from jaxcomp.comm.sparse_allreduce import choose_exchange
       >>> [choose_exchange("auto", 4195, 2**22, 4, n) for n in (8, 2048)]
-      ['sparse', 'sparcml']
+      ['sparse', 'dense']
       >>> [choose_exchange("auto_topk", 4195, 2**22, 4, n) for n in (2, 8, 32)]
       ['sparse', 'oktopk', 'oktopk']
     """
@@ -428,15 +430,13 @@ def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: i
     costs = {"dense": allreduce_bytes(size * itemsize, n_dev)}
     if prefer_sparse(capacity, size, itemsize, n_dev):
         costs["sparse"] = allgather_bytes(capacity * pair, n_dev)
-    elif is_power_of_two(n_dev):
-        costs["sparcml"] = costs["dense"]  # at most dense (+ 4 bytes), less when counts are low
     if name == "auto_topk":
         if is_power_of_two(n_dev):
             costs["gtopk"] = gtopk_rounds(n_dev) * capacity * pair
         per_peer, per_region = oktopk_capacities(capacity, n_dev)
         hist = allreduce_bytes(4 * _BINS_PER_DEVICE * n_dev, n_dev)
         costs["oktopk"] = (n_dev - 1) * (per_peer + per_region) * pair + hist
-    order = ["sparse", "sparcml", "gtopk", "oktopk", "dense"]  # ties: the simpler first
+    order = ["sparse", "dense", "gtopk", "oktopk"]  # ties: the exact one first
     return min(costs, key=lambda e: (costs[e], order.index(e)))
 
 

@@ -51,7 +51,7 @@ from jax import lax
 from jaxcomp import _validation as V
 from jaxcomp import _vma
 from jaxcomp._vma import check_per_device, varying_like
-from jaxcomp.comm import collectives
+from jaxcomp.comm import collectives, sparse_allreduce
 from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import selectors
 
@@ -428,11 +428,21 @@ def sparsify(
         the residual. ``optax.apply_if_finite`` around the compressor also
         protects the residual on one device; under ``shard_map`` its
         ``lax.cond`` decides per device, so prefer ``"skip"`` there.
-      exchange: how messages travel with ``axis_name``: ``"sparse"``
-        (all-gather of the (index, value) pairs), ``"dense"`` (all-reduce of
-        the decompressed message) or ``"auto"`` (per leaf and warm-up phase,
-        whichever moves fewer bytes: :func:`jaxcomp.comm.prefer_sparse`).
-        Same update either way, up to float summation order.
+      exchange: how messages travel with ``axis_name``
+        (:mod:`jaxcomp.comm.sparse_allreduce`). The exact mean of the
+        messages: ``"sparse"`` (all-gather of the (index, value) pairs),
+        ``"dense"`` (all-reduce of the decompressed message), ``"server"``
+        (parameter server: sparse pushes, dense pull), ``"sparcml"``
+        (recursive-doubling union, dense past a density decided from the
+        counts; power-of-two devices), ``"auto"`` (per leaf and warm-up
+        phase, sparse or dense, whichever moves fewer bytes at full
+        capacity: :func:`jaxcomp.comm.prefer_sparse`). A global
+        selection of the summed messages, which changes what is applied:
+        ``"gtopk"`` (gTop-k, power-of-two devices), ``"oktopk"`` (balanced
+        sparse reduce-scatter), ``"scalecom"`` (one device's indices per step,
+        cycling), ``"auto_topk"`` (the fewest bytes of all); what they leave
+        out goes back into a residual, so nothing is lost. ``include=``
+        (backup workers) works with the exact exchanges only.
       seed: seed of the PRNG stream of random selectors (``random_k``), an
         int32; only ``init`` reads it, so it may be traced.
 
@@ -550,7 +560,7 @@ def _make_config(
             f"already), got {groups!r}"
         )
     reuse_period = V.check_int("reuse_period", 1 if reuse_period is None else reuse_period, 1)
-    exchange = V.check_choice("exchange", exchange, collectives.EXCHANGES)
+    exchange = V.check_choice("exchange", exchange, sparse_allreduce.EXCHANGES)
     nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
     if residual_dtype is not None:  # None: per group, see resolve_residual_dtype
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
@@ -949,6 +959,8 @@ def _send_dense(cfg: _Config, acc, u, out_dtype, ctx, segments) -> _FlatOut:
         new_u = jnp.where(ctx.sends, 0, u)
     if cfg.axis_name is None:
         update, wire = sent_out, jnp.float32(0)
+    elif cfg.exchange == "server":
+        update, wire = collectives.server_mean(sent_out, cfg.axis_name)
     else:
         update, wire = collectives.dense_mean(sent_out, cfg.axis_name, include=ctx.include)
     count = jnp.where(ctx.sends, n, 0).astype(jnp.int32)
@@ -1005,30 +1017,51 @@ def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) ->
     n = acc.shape[0]
     if sel.indices is not None:
         idx = sel.indices
-        vals = jnp.where(idx < n, acc[jnp.minimum(idx, n - 1)], 0)
+        vals = _values_at(acc, idx)
         sent = sel.count
     else:
         idx, vals, count = kernels.extract(acc, sel.threshold, cap)
         sent = jnp.minimum(count, cap)
+    if cfg.axis_name is not None and cfg.exchange == "scalecom":
+        if ctx.include is not None:
+            raise ValueError("exchange='scalecom' does not take include= (backup workers)")
+        # Every device sends its own values at this step's leader's indices.
+        ex, idx = sparse_allreduce.cyclic_mean(
+            idx, lambda ids: _values_at(acc, ids).astype(out_dtype), n, cfg.axis_name, ctx.step
+        )
+        vals = _values_at(acc, idx)
+        sent = jnp.where(ctx.sends, jnp.sum(idx < n, dtype=jnp.int32), 0)
     sent_out, new_res, new_u = _scatter_message(cfg, acc, u, idx, vals, out_dtype)
     if cfg.axis_name is None:
         update, wire = sent_out, jnp.float32(0)
     else:
-        update, wire = collectives.exchange_mean(
-            idx,
-            vals.astype(out_dtype),
-            n,
-            cfg.axis_name,
-            exchange=cfg.exchange,
-            dense=sent_out,
-            include=ctx.include,
-        )
+        if cfg.exchange != "scalecom":
+            ex = sparse_allreduce.exchange(
+                cfg.exchange,
+                idx,
+                vals.astype(out_dtype),
+                n,
+                cfg.axis_name,
+                dense=sent_out,
+                include=ctx.include,
+            )
+        update, wire = ex.update, ex.wire_bytes
+        if ex.returned_indices is not None:
+            # What the exchange left out of the update stays in a residual.
+            back = ex.returned_values.astype(new_res.dtype)
+            new_res = new_res.at[ex.returned_indices].add(back, mode="drop")
     seg = None
     if segments is not None:
         seg = tuple(
             jnp.sum((idx >= lo) & (idx < hi), dtype=jnp.int32) for lo, hi in _bounds(segments)
         )
     return _FlatOut(update, new_res, new_u, sent, seg, sel.threshold, sel.iterations, wire)
+
+
+def _values_at(acc, idx):
+    """``acc[idx]``, 0 at padding indices (``>= acc.size``)."""
+    n = acc.shape[0]
+    return jnp.where(idx < n, acc[jnp.minimum(idx, n - 1)], 0)
 
 
 def _keep_rest(acc, mask, sent_out):
