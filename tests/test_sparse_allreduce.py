@@ -277,7 +277,6 @@ def test_include_rejected_by_approximate_exchanges():
 
 def _compress_on_devices(tx, grads, n_dev, steps=2):
     """Runs ``tx`` on each device's gradient for ``steps``; per-device results."""
-    import optax  # noqa: PLC0415
 
     mesh = _mesh(n_dev)
 
@@ -355,3 +354,41 @@ def test_gtopk_sparsifier_rejects_six_devices():
         _compress_on_devices(
             jaxcomp.top_k(ratio=0.05, axis_name="data", exchange="gtopk"), grads, 6
         )
+
+
+@pytest.mark.parametrize("factory", ["qsgd", "onebit", "sign_sgd", "ef_sign_sgd", "bounded_sign"])
+def test_quantizers_through_the_server_equal_the_all_gather(factory):
+    import jaxcomp  # noqa: PLC0415
+
+    rng = np.random.default_rng(1)
+    grads = rng.normal(size=(4, 3000)).astype(np.float32)
+    kw = {"min_dense_size": 0}
+    if factory == "qsgd":
+        kw["levels"] = 4
+    out = {}
+    for exchange in ("allgather", "server"):
+        tx = getattr(jaxcomp, factory)(axis_name="data", exchange=exchange, **kw)
+        mesh = _mesh(4)
+
+        def body(g, tx=tx):
+            u, s = tx.update(g[0], tx.init(g[0]))
+            return u[None], s.wire_bytes[None]
+
+        f = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)
+        )
+        out[exchange] = jax.device_get(f(jax.device_put(grads, NamedSharding(mesh, P("data")))))
+    for d in range(4):  # every device: the server's mean, equal to the all-gather's
+        np.testing.assert_allclose(
+            out["server"][0][d], out["allgather"][0][0], rtol=1e-6, atol=1e-7
+        )
+    # A worker's link: its message plus the dense pull (3000 float32).
+    msg = out["allgather"][1][0] / 3  # the all-gather sends the message to 3 peers
+    np.testing.assert_allclose(out["server"][1][0], msg + 3000 * 4, rtol=1e-6)
+
+
+def test_quantizer_exchange_checked():
+    import jaxcomp  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="exchange"):
+        jaxcomp.qsgd(4, axis_name="data", exchange="gtopk")

@@ -47,6 +47,8 @@ __all__ = [
     "gossip_mean",
     "include_fastest",
     "prefer_sparse",
+    "pull_from_root",
+    "push_to_root",
     "server_link_bytes",
     "server_mean",
     "server_sparse_mean",
@@ -412,6 +414,24 @@ def _pull(x, axis_name, root, n_dev):
     # Each device receives from exactly one of the ppermutes, zeros from the rest.
     got = sum(received[1:], received[0]) if received else x
     return jnp.where(lax.axis_index(axis_name) == root, x, got)
+
+
+def push_to_root(x: jax.Array, axis_name, *, root: int = 0) -> list:
+    """Every device's ``x`` sent to ``root`` (single-pair ``ppermute``s), in device order.
+
+    The list's entries are meaningful on ``root`` only (zeros elsewhere for
+    remote entries); the parameter server's push.
+    """
+    n_dev = axis_size(axis_name)
+    _check_root(root, n_dev)
+    return _push(x, axis_name, root, n_dev)
+
+
+def pull_from_root(x: jax.Array, axis_name, *, root: int = 0) -> jax.Array:
+    """``root``'s ``x`` on every device (the parameter server's pull)."""
+    n_dev = axis_size(axis_name)
+    _check_root(root, n_dev)
+    return _pull(x, axis_name, root, n_dev)
 
 
 def _check_root(root, n_dev):

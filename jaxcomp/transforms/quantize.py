@@ -51,6 +51,7 @@ from jaxcomp.transforms.sparsify import (
 
 __all__ = [
     "QSGD_NORMS",
+    "QUANTIZER_EXCHANGES",
     "QuantizeState",
     "Quantizer",
     "bounded_sign_quantizer",
@@ -498,10 +499,15 @@ def _nbytes(x) -> int:
     return x.size * jnp.dtype(x.dtype).itemsize
 
 
+# Values of the quantizers' ``exchange`` argument.
+QUANTIZER_EXCHANGES = ("allgather", "server")
+
+
 def quantize(
     quantizer: Quantizer,
     *,
     axis_name: Any = None,
+    exchange: str = "allgather",
     error_feedback: bool = True,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
@@ -519,6 +525,11 @@ def quantize(
         packed codes and the scales are all-gathered, every device decodes all
         ``N`` messages and averages them (in device order, so all devices get
         bit-identical updates). ``None``: return the local decoded update.
+      exchange: ``"allgather"`` (above) or ``"server"``: a parameter server
+        (device 0) receives every message, decodes and averages them in
+        device order and sends the dense mean back
+        (:func:`jaxcomp.comm.server_mean`'s pattern; bytes per worker link:
+        its message plus the dense pull). No ``include=`` with the server.
       error_feedback: keep ``residual = R - decoded`` and add it to the next
         gradient (1-bit SGD, EF-signSGD). ``False``: send the quantized
         gradient itself (unbiased QSGD, signSGD); no residual is allocated
@@ -565,6 +576,7 @@ def quantize(
         "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
     )
     nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
+    exchange = V.check_choice("exchange", exchange, QUANTIZER_EXCHANGES)
     if residual_dtype is not None:  # None: per leaf, see resolve_residual_dtype
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
     # Only init reads the seed, so it may be an injected (traced) hyperparameter.
@@ -586,6 +598,8 @@ def quantize(
             sent_out = jnp.where(sends, acc, 0).astype(out_dtype)
             if axis_name is None:
                 update, wire = sent_out, jnp.float32(0)
+            elif exchange == "server":
+                update, wire = collectives.server_mean(sent_out, axis_name)
             else:
                 update, wire = collectives.dense_mean(sent_out, axis_name, include=include)
             nbytes = jnp.where(sends, n * out_dtype.itemsize, 0).astype(jnp.int32)
@@ -596,6 +610,8 @@ def quantize(
             sent_out = _to_dtype(quantizer.decode(codes, scales, n), out_dtype)
             if axis_name is None:
                 update, wire = sent_out, jnp.float32(0)
+            elif exchange == "server":
+                update, wire = _server_mean(codes, scales, n, out_dtype)
             else:
                 update, wire = _gather_mean(codes, scales, n, out_dtype, include)
             message = _nbytes(codes) + _nbytes(scales)
@@ -619,6 +635,17 @@ def quantize(
         mean = jnp.sum(decoded, axis=0) / denom
         wire = collectives.allgather_bytes(_nbytes(codes) + _nbytes(scales), n_dev) + extra
         return _to_dtype(mean, out_dtype), jnp.float32(wire)
+
+    def _server_mean(codes, scales, n, out_dtype):
+        n_dev = collectives.axis_size(axis_name)
+        # The root decodes the N messages it received, in device order.
+        all_codes = jnp.stack(collectives.push_to_root(codes, axis_name))
+        all_scales = jnp.stack(collectives.push_to_root(scales, axis_name))
+        decoded = jax.vmap(lambda c, s: quantizer.decode(c, s, n))(all_codes, all_scales)
+        mean = collectives.pull_from_root(jnp.sum(decoded, axis=0) / n_dev, axis_name)
+        push = _nbytes(codes) + _nbytes(scales)
+        link = collectives.server_link_bytes(push, n * jnp.dtype(out_dtype).itemsize, n_dev)
+        return _to_dtype(mean, out_dtype), jnp.float32(link["worker"])
 
     def init(params):
         V.check_gradient_leaves(params, "jaxcomp.quantize.init", "parameter")
@@ -658,6 +685,8 @@ def quantize(
         check_per_device(updates, axis_name, "jaxcomp.quantize")
         grads, finite, send_ok = apply_nonfinite_policy(updates, nonfinite)
         if include is not None:
+            if exchange == "server":
+                raise ValueError("jaxcomp.quantize: exchange='server' does not take include=")
             include = jnp.asarray(include, jnp.bool_)
         sends = send_ok if include is None else send_ok & include
         key = jax.random.wrap_key_data(state.key)

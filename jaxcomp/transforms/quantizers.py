@@ -54,6 +54,7 @@ def qsgd(
     min_dense_size: int | None = None,
     error_feedback: bool = False,
     axis_name: Any = None,
+    exchange: str = "allgather",
     residual_dtype: Any = None,
     nonfinite: str = "skip",
     seed: int | jax.Array = 0,
@@ -85,7 +86,7 @@ def qsgd(
       min_dense_size: leaves with at most this many elements are sent dense
         (None: 10_000, the paper's).
       error_feedback: off by default (QSGD is unbiased).
-      axis_name, residual_dtype, nonfinite, seed: as in
+      axis_name, exchange, residual_dtype, nonfinite, seed: as in
         :func:`jaxcomp.transforms.quantize.quantize` (``seed`` traceable).
       keep_message: keep this step's packed message per leaf in the state
         (``state.message``), for :func:`jaxcomp.coding.coded_message_bytes`
@@ -106,6 +107,7 @@ def qsgd(
     return quantize(
         quantizer,
         axis_name=axis_name,
+        exchange=exchange,
         error_feedback=error_feedback,
         min_dense_size=10_000 if min_dense_size is None else min_dense_size,
         residual_dtype=residual_dtype,
@@ -120,6 +122,7 @@ def onebit(
     bucket_size: int | None = None,
     error_feedback: bool = True,
     axis_name: Any = None,
+    exchange: str = "allgather",
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -145,6 +148,7 @@ def onebit(
         onebit_quantizer(bucket_size),
         error_feedback=error_feedback,
         axis_name=axis_name,
+        exchange=exchange,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -157,6 +161,7 @@ def sign_sgd(
     bucket_size: int | None = None,
     error_feedback: bool = False,
     axis_name: Any = None,
+    exchange: str = "allgather",
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -179,6 +184,7 @@ def sign_sgd(
         sign_quantizer(bucket_size),
         error_feedback=error_feedback,
         axis_name=axis_name,
+        exchange=exchange,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -191,6 +197,7 @@ def ef_sign_sgd(
     bucket_size: int | None = None,
     error_feedback: bool = True,
     axis_name: Any = None,
+    exchange: str = "allgather",
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -213,6 +220,7 @@ def ef_sign_sgd(
         sign_quantizer(bucket_size),
         error_feedback=error_feedback,
         axis_name=axis_name,
+        exchange=exchange,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -227,6 +235,7 @@ def bounded_sign(
     bucket_size: int | None = None,
     error_feedback: bool = True,
     axis_name: Any = None,
+    exchange: str = "allgather",
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -260,6 +269,7 @@ def bounded_sign(
         quantizer,
         error_feedback=error_feedback,
         axis_name=axis_name,
+        exchange=exchange,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
