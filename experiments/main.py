@@ -6,6 +6,14 @@ Example (8 simulated CPU devices)::
         --momentum_correction --num_devices=8 --dataset=digits --model=mlp \
         --epochs=20 --batch_size=64 --lr=0.1 --workdir=/tmp/ldte
 
+CSSGD (coded synchronous SGD, :mod:`jaxcomp.cssgd`): every block of the
+batch on ``--redundancy`` devices, dense gradients exchanged by coded
+multicast; the batch size must be a multiple of ``C(num_devices, redundancy)``::
+
+    python -m experiments.main --compressor=dense --exchange=coded --redundancy=3 \
+        --num_devices=8 --dataset=digits --model=mlp --epochs=20 --batch_size=280 \
+        --workdir=/tmp/cssgd
+
 absl flags live only here; one flag per :class:`experiments.train.TrainConfig`
 field. The configuration is validated before JAX starts any work, and
 ``--num_devices`` is applied to the CPU backend (``jax_num_cpu_devices``)
@@ -29,7 +37,8 @@ __all__ = ["config_from_flags", "main"]
 def _define_flags() -> None:
     # Importing experiments.train imports jax, but does not initialise a
     # backend: device queries happen only inside train_and_evaluate.
-    from experiments.train import COMPRESSORS, TrainConfig  # noqa: PLC0415
+    from experiments.train import COMPRESSORS, EXCHANGES, TrainConfig  # noqa: PLC0415
+    from jaxcomp.cssgd import BITS  # noqa: PLC0415
 
     d = TrainConfig()
     flags.DEFINE_enum("compressor", d.compressor, list(COMPRESSORS), "Compressor or 'dense'.")
@@ -124,6 +133,32 @@ def _define_flags() -> None:
         lambda v: all(e.strip().isdigit() for e in v),
         message="--fit_check_epochs must be a comma list of epoch numbers",
     )
+    flags.DEFINE_enum(
+        "exchange",
+        d.exchange,
+        list(EXCHANGES),
+        "default: the compressor's own exchange; coded: CSSGD, blocks on --redundancy "
+        "devices and coded multicast of the dense gradients; uncoded: the same assignment, "
+        "missing blocks sent whole (both need --compressor=dense and --redundancy).",
+    )
+    flags.DEFINE_integer(
+        "redundancy",
+        d.redundancy,
+        "CSSGD's r: devices per block, in [1, num_devices] (coded/uncoded only; batch_size "
+        "a multiple of C(num_devices, r)).",
+    )
+    flags.DEFINE_float(
+        "coded_value_range",
+        d.coded_value_range,
+        "CSSGD's integer range [-v, v]; larger gradient values are clipped and counted "
+        "(default 10, the paper's; coded/uncoded only).",
+    )
+    flags.DEFINE_enum(
+        "coded_bits",
+        None if d.coded_bits is None else str(d.coded_bits),
+        [str(b) for b in BITS],
+        "CSSGD's integer width on the wire (default 32, the paper's; coded/uncoded only).",
+    )
     flags.DEFINE_string("workdir", "/tmp/jaxcomp_run", "Output directory.")
     flags.DEFINE_bool(
         "overwrite",
@@ -145,6 +180,8 @@ def config_from_flags():
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     values = {n: getattr(FLAGS, n) for n in names}
     values["fit_check_epochs"] = tuple(int(e) for e in values["fit_check_epochs"])
+    if values["coded_bits"] is not None:  # an enum flag holds strings
+        values["coded_bits"] = int(values["coded_bits"])
     return TrainConfig(**values)
 
 
@@ -194,8 +231,11 @@ def main(argv) -> None:
         sys.exit(f"error: {e}")
     final = result["final"]
     if final is not None and jax.process_index() == 0:
+        name = config.compressor
+        if train.is_coded(config):
+            name = f"{config.exchange} r={config.redundancy}"
         print(
-            f"{config.compressor}: test accuracy {100 * final['test_accuracy']:.2f}% after "
+            f"{name}: test accuracy {100 * final['test_accuracy']:.2f}% after "
             f"{final['epoch']} epochs, {final['bytes_per_step_per_device']:.0f} bytes/step/device, "
             f"wall {final['wall_time']:.1f}s; outputs in {FLAGS.workdir}"
         )

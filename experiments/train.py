@@ -5,6 +5,10 @@
 ``"data"``), the global batch sharded over it, each device compressing its
 own gradient inside ``jax.shard_map`` and the compressor exchanging the
 messages (``jaxcomp.dense_exchange`` for the uncompressed baseline).
+With ``exchange="coded"`` or ``"uncoded"`` the run is CSSGD instead
+(:mod:`jaxcomp.cssgd`): every block of the global batch lives on
+``redundancy`` devices and the dense gradients are exchanged by coded
+multicast (or, for comparison, uncoded) before a local SGD step.
 
 Outputs in ``workdir``:
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -47,12 +52,15 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 from experiments import data as data_lib
 from experiments import models, timing
-from jaxcomp import planning
+from jaxcomp import cssgd, planning
 from jaxcomp.transforms.quantize import qsgd_levels
 
 __all__ = [
+    "CODED_EXCHANGES",
+    "CODED_FIELDS",
     "COMPRESSORS",
     "CONFIG_FILE",
+    "EXCHANGES",
     "MERGE_ALPHA",
     "MERGE_BETA",
     "MERGE_PLAN_FILE",
@@ -65,6 +73,7 @@ __all__ = [
     "TrainConfig",
     "WorkdirError",
     "build_optimizer",
+    "is_coded",
     "learning_rate",
     "resolve_config",
     "train_and_evaluate",
@@ -96,6 +105,11 @@ COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS)
 SCHEDULES = ("constant", "cosine", "step")
 MERGES = ("none", "greedy", "optimal")
 DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
+# --exchange: "default" (None) is the compressor's own exchange; the others are CSSGD.
+CODED_EXCHANGES = cssgd.EXCHANGES
+EXCHANGES = ("default", *CODED_EXCHANGES)
+# Fields only CSSGD runs read (must stay None otherwise).
+CODED_FIELDS = ("redundancy", "coded_value_range", "coded_bits")
 
 
 @dataclasses.dataclass
@@ -170,6 +184,20 @@ class TrainConfig:
         device 0's gradient and residual are (:mod:`experiments.fit_check`;
         rows appended to ``fit_check.json``, histograms in
         ``fit_check_epoch<E>.png``); empty: off. Not timed in ``wall_time``.
+      exchange: None or ``"default"``: the compressor's own exchange;
+        ``"coded"``: CSSGD (:mod:`jaxcomp.cssgd`), the global batch split into
+        ``C(n, r)`` blocks, each on ``redundancy`` devices, the dense
+        gradients quantized to integers and exchanged by coded multicast;
+        ``"uncoded"``: the same assignment with the missing blocks sent whole
+        (the CSSGD paper's comparison; the same decoded gradient). Coded and
+        uncoded need ``compressor="dense"``, one process, ``redundancy``, and
+        a ``batch_size`` that is a multiple of ``C(num_devices, redundancy)``.
+      redundancy: CSSGD's ``r``, devices per block, in ``[1, num_devices]``
+        (coded/uncoded only, required there).
+      coded_value_range: the integers cover ``[-v, v]`` (None: 10.0, the
+        paper's; larger gradient values are clipped and counted; coded/uncoded only).
+      coded_bits: integer width on the wire, 8, 16 or 32 (None: 32, the
+        paper's; coded/uncoded only).
     """
 
     compressor: str = "ldte_bs"
@@ -203,6 +231,15 @@ class TrainConfig:
     num_processes: int | None = None
     process_id: int | None = None
     fit_check_epochs: tuple[int, ...] = ()
+    exchange: str | None = None
+    redundancy: int | None = None
+    coded_value_range: float | None = None
+    coded_bits: int | None = None
+
+
+def is_coded(config: TrainConfig) -> bool:
+    """Whether ``config`` is a CSSGD run (``exchange`` coded or uncoded)."""
+    return config.exchange in CODED_EXCHANGES
 
 
 def _kind(compressor: str) -> str:
@@ -246,13 +283,23 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     ``qsgd``: ``levels=16`` when neither ``levels`` nor ``bits`` is given.
     Dense: ``momentum_correction=False`` (either value is the same run).
     ``min_dense_size`` unset means the compressor factory's own default.
-    Fields the compressor does not use stay None.
+    Fields the compressor does not use stay None. ``exchange="default"``
+    becomes None (the same run); CSSGD runs get ``coded_value_range=10.0``
+    and ``coded_bits=32`` (the paper's int32 over ``[-10, 10]``).
 
     Raises:
       ValueError: as :func:`validate_config`.
     """
     validate_config(config)
     c = config
+    if c.exchange == "default":
+        c = dataclasses.replace(c, exchange=None)
+    if is_coded(c):
+        c = dataclasses.replace(
+            c,
+            coded_value_range=10.0 if c.coded_value_range is None else float(c.coded_value_range),
+            coded_bits=32 if c.coded_bits is None else c.coded_bits,
+        )
     if c.compressor in SPARSIFIERS:
         return dataclasses.replace(
             c,
@@ -291,6 +338,7 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
                 f"{name} (--{name}) is not used by {kind} {c.compressor!r} (it applies to "
                 f"{users}); leave it unset"
             )
+    _validate_exchange(c, fail)
     if c.ratio is not None and not 0.0 < c.ratio <= 1.0:
         fail(f"ratio must be in (0, 1], got {c.ratio}")
     if not 0 <= c.warmup_epochs <= len(jaxcomp.DGC_WARMUP):
@@ -354,7 +402,9 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
                 "before JAX initialises)"
             )
     n = c.num_devices or device_count
-    if n is not None and c.batch_size % n:
+    if is_coded(c):
+        _validate_coded_devices(c, n, fail)
+    elif n is not None and c.batch_size % n:
         fail(f"batch_size={c.batch_size} is not divisible by num_devices={n}")
     mp = (c.coordinator_address, c.num_processes, c.process_id)
     if any(v is not None for v in mp):
@@ -364,6 +414,80 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
             fail(f"need 0 <= process_id < num_processes, got {c.process_id}, {c.num_processes}")
         if c.batch_size % c.num_processes:
             fail(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
+
+
+def _validate_exchange(c: TrainConfig, fail) -> None:
+    """The checks of ``exchange`` and the CSSGD fields that need no device count."""
+    if c.exchange is not None and c.exchange not in EXCHANGES:
+        fail(f"exchange (--exchange) must be one of {', '.join(EXCHANGES)}, got {c.exchange!r}")
+    if not is_coded(c):
+        # Like the per-compressor flags: a CSSGD flag is never silently ignored.
+        for name in CODED_FIELDS:
+            if getattr(c, name) is not None:
+                fail(
+                    f"{name} (--{name}) is only used by CSSGD runs (--exchange=coded or "
+                    "--exchange=uncoded), not with the compressor's own exchange; leave it "
+                    "unset or set --exchange"
+                )
+        return
+    if c.compressor != "dense":
+        fail(
+            f"exchange={c.exchange!r} (--exchange) needs compressor='dense', got "
+            f"{_kind(c.compressor)} {c.compressor!r}: CSSGD's coded packets are wrap-around sums "
+            "of dense integer gradient segments, which only invert when every device quantizes "
+            "the same dense layout; a sparsifier's per-device supports or a quantizer's "
+            "per-bucket scales cannot be summed inside a packet, so a sparsified or quantized "
+            "message cannot be coded (use --coded_bits=8 or 16 to quantize the coded exchange "
+            "itself)"
+        )
+    if c.redundancy is None:
+        fail(
+            f"exchange={c.exchange!r} needs redundancy (--redundancy), the devices holding "
+            "each block of the batch, in [1, num_devices]"
+        )
+    if isinstance(c.redundancy, bool) or not isinstance(c.redundancy, (int, np.integer)):
+        fail(f"redundancy (--redundancy) must be an integer >= 1, got {c.redundancy!r}")
+    if c.redundancy < 1:
+        fail(f"redundancy (--redundancy) must be an integer >= 1, got {c.redundancy!r}")
+    if c.coded_value_range is not None and not (
+        np.isfinite(c.coded_value_range) and c.coded_value_range > 0
+    ):
+        fail(f"coded_value_range (--coded_value_range) must be > 0, got {c.coded_value_range}")
+    if c.coded_bits is not None and c.coded_bits not in cssgd.BITS:
+        fail(
+            f"coded_bits (--coded_bits) must be one of {', '.join(map(str, cssgd.BITS))}, "
+            f"got {c.coded_bits}"
+        )
+    if c.num_processes is not None or c.coordinator_address is not None:
+        fail(
+            f"exchange={c.exchange!r} runs in one process only (every device's blocks are cut "
+            "from the whole global batch on the host); leave coordinator_address, "
+            "num_processes and process_id unset"
+        )
+    if c.fit_check_epochs:
+        fail(
+            f"fit_check_epochs (--fit_check_epochs) is not supported with "
+            f"exchange={c.exchange!r} (it measures a device's share of a plain data-parallel "
+            "batch; CSSGD's devices hold several overlapping blocks); leave it empty"
+        )
+
+
+def _validate_coded_devices(c: TrainConfig, n: int | None, fail) -> None:
+    """CSSGD's checks that need the device count ``n`` (skipped when unknown)."""
+    if n is None:
+        return
+    if c.redundancy > n:
+        fail(
+            f"redundancy (--redundancy) must be in [1, num_devices={n}] (a block cannot live "
+            f"on more devices than there are), got {c.redundancy}"
+        )
+    blocks = math.comb(n, c.redundancy)
+    if c.batch_size % blocks:
+        fail(
+            f"batch_size={c.batch_size} must be a multiple of C(num_devices, redundancy) = "
+            f"C({n}, {c.redundancy}) = {blocks} (CSSGD splits each batch into one block per "
+            f"{c.redundancy}-subset of the {n} devices; e.g. 280 serves 8 devices at r = 1..4)"
+        )
 
 
 def learning_rate(config: TrainConfig, steps_per_epoch: int, total_steps: int):
@@ -393,9 +517,15 @@ def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int,
 
     Returns:
       ``(tx, compressor)``; ``tx``'s state is ``(compressor_state, sgd_state)``.
+      For CSSGD runs (``exchange`` coded or uncoded) ``(sgd, None)``: the
+      plain local SGD (with momentum) that ``jaxcomp.cssgd.make_train_step``
+      applies to the exchanged mean gradient; the coded exchange replaces the
+      compressor (a communicating ``tx`` would be rejected there).
     """
     c = resolve_config(config)
     lr = learning_rate(c, steps_per_epoch, total_steps)
+    if is_coded(c):
+        return (optax.sgd(lr, momentum=c.momentum) if c.momentum else optax.sgd(lr)), None
     on_compressor = c.momentum_correction and c.compressor in SPARSIFIERS and c.momentum > 0
     # Unset: the factory's own default (qsgd sends leaves of <= 10000 dense).
     dense_size = {} if c.min_dense_size is None else {"min_dense_size": c.min_dense_size}
@@ -513,6 +643,37 @@ def _make_forward_backward(model, mesh):
         jax.shard_map(
             step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P(), check_vma=False
         ),
+        donate_argnums=0,
+    )
+
+
+def _batch_loss_fn(model):
+    """``loss(params, (x, y))``: the loss of one block, as ``jaxcomp.cssgd`` calls it."""
+    loss_fn = _loss_fn(model)
+    return lambda params, batch: loss_fn(params, *batch)
+
+
+def _coded_config(config: TrainConfig) -> cssgd.CodedConfig:
+    c = resolve_config(config)
+    return cssgd.CodedConfig(
+        redundancy=c.redundancy,
+        value_range=c.coded_value_range,
+        bits=c.coded_bits,
+        exchange=c.exchange,
+    )
+
+
+def _make_coded_forward_backward(model, mesh):
+    """Each device's per-block gradients of a CSSGD step (vmapped), applied locally."""
+    value_and_grad = jaxcomp.distributed.per_device_value_and_grad(_batch_loss_fn(model), AXIS)
+
+    def step(params, blocks):
+        local = jax.tree.map(lambda a: a[0], blocks)
+        _, block_grads = jax.vmap(value_and_grad, in_axes=(None, 0))(params, local)
+        return optax.apply_updates(params, jax.tree.map(lambda g: jnp.mean(g, 0), block_grads))
+
+    return jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False),
         donate_argnums=0,
     )
 
@@ -942,6 +1103,24 @@ def train_and_evaluate(
     ``time_compression / time_step``. ``time_split.png`` stacks the three
     parts per epoch (:func:`jaxcomp.distributed.time_split` for the method).
 
+    CSSGD runs (``exchange`` coded or uncoded, :mod:`jaxcomp.cssgd`) record
+    the same fields with the multicast accounting of ``cssgd.coded_mean``:
+    ``bytes_per_step_per_device`` is the mean over devices of the bytes each
+    sends (every packet once, however many devices receive it;
+    ``cssgd.bytes_per_worker(n, r, num_params)["coded_sent"]`` when coded),
+    ``message_bytes_per_step_per_device`` the same bytes (a device's own
+    message is its packets), ``density`` -1, and besides them ``exchange``,
+    ``redundancy``, ``received_bytes_per_step_per_device`` (what a device
+    receives: each packet counted once per receiver) and ``clipped`` and
+    ``nonfinite`` (gradient values clipped to ``coded_value_range`` and
+    non-finite values so far in the run, summed over devices, so a value of
+    a block held by ``r`` devices counts ``r`` times). Their time split runs
+    the same method on CSSGD's step: ``time_forward_backward`` is the
+    per-block gradients of the device's ``C(n-1, r-1)`` blocks (``r`` times
+    plain data parallelism's work), ``time_compression`` the quantization,
+    encoding, decoding and SGD update, ``time_communication`` the exposed
+    all-gather that stands in for the multicast.
+
     Args:
       config: the run configuration (validated first).
       workdir: output directory (created); resumes from its checkpoints. Its
@@ -976,6 +1155,14 @@ def train_and_evaluate(
             f"invalid config: with {jax.process_count()} processes num_devices must be "
             f"every device ({jax.device_count()}), got {n_dev}"
         )
+    coded_cfg = _coded_config(c) if is_coded(c) else None
+    if coded_cfg is not None and jax.process_count() > 1:
+        raise ValueError(
+            f"invalid config: exchange={c.exchange!r} runs in one process only (each device's "
+            f"blocks are cut from the whole global batch on the host), got "
+            f"{jax.process_count()} processes"
+        )
+    label = c.compressor if coded_cfg is None else f"{c.exchange} r={c.redundancy}"
     _check_workdir(c, workdir, n_dev, overwrite)
     dataset = data_lib.load_dataset(c.dataset, c.data_dir, c.download)
     spe = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
@@ -997,10 +1184,21 @@ def train_and_evaluate(
     groups = merge_plan = None
     if c.compressor in SPARSIFIERS and c.merge != "none":
         groups, merge_plan = _merge_groups(c, model, init_params, dataset, workdir, n_dev)
-    tx, compressor = build_optimizer(c, spe, spe * c.epochs, groups=groups)
+    tx, _ = build_optimizer(c, spe, spe * c.epochs, groups=groups)
     params = jaxcomp.distributed.replicate(init_params, mesh)
-    opt_state = jaxcomp.distributed.init_opt_state(tx, params, mesh, AXIS)
-    train_step = _make_train_step(model, tx, mesh, num_params)
+    if coded_cfg is None:
+        opt_state = jaxcomp.distributed.init_opt_state(tx, params, mesh, AXIS)
+        train_step = _make_train_step(model, tx, mesh, num_params)
+    else:
+        # (CodedState, sgd state) per device: a pytree that orbax saves like any other.
+        opt_state = cssgd.init_opt_state(tx, params, mesh, AXIS, seed=c.seed)
+        train_step = cssgd.make_train_step(_batch_loss_fn(model), tx, mesh, coded_cfg, AXIS)
+
+    def place(xb, yb):
+        """The step's batch arguments: rows sharded, or CSSGD's per-device blocks."""
+        if coded_cfg is None:
+            return jaxcomp.distributed.shard_batch((xb, yb), mesh, AXIS)
+        return (cssgd.shard_block_batch((xb, yb), mesh, c.redundancy, AXIS),)
 
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     start_epoch = 0
@@ -1041,16 +1239,22 @@ def train_and_evaluate(
     local = c.batch_size // n_proc
     # Compile ahead of time so step times (and train_time) exclude compilation.
     t0 = time.perf_counter()
-    dummy = jaxcomp.distributed.shard_batch(
-        (dataset.train_x[:local], dataset.train_y[:local]), mesh, AXIS
-    )
+    dummy = place(dataset.train_x[:local], dataset.train_y[:local])
     train_step = train_step.lower(params, opt_state, *dummy).compile()
     compile_time = time.perf_counter() - t0
-    if c.time_split:
+    if c.time_split and coded_cfg is None:
         split_programs = (
             train_step,
             _make_train_step(model, tx, mesh, num_params, communicate=False),
             _make_forward_backward(model, mesh),
+        )
+    elif c.time_split:
+        split_programs = (
+            train_step,
+            cssgd.make_train_step(
+                _batch_loss_fn(model), tx, mesh, coded_cfg, AXIS, communicate=False
+            ),
+            _make_coded_forward_backward(model, mesh),
         )
     show = c.progress and jax.process_index() == 0
 
@@ -1059,8 +1263,10 @@ def train_and_evaluate(
         if show:
             from tqdm import tqdm  # noqa: PLC0415 (progress bars are optional)
 
-            bar = tqdm(total=spe, desc=f"{c.compressor} epoch {epoch + 1}/{c.epochs}", leave=False)
+            bar = tqdm(total=spe, desc=f"{label} epoch {epoch + 1}/{c.epochs}", leave=False)
         sums = {"loss": 0.0, "wire_bytes": 0.0, "message_bytes": 0.0, "density": 0.0}
+        if coded_cfg is not None:
+            sums["received_bytes"] = 0.0
         coded = []  # Elias-coded bytes of device 0's message, every coded_bytes_every steps
         step_times = []
         batches = data_lib.epoch_batches(
@@ -1070,11 +1276,14 @@ def train_and_evaluate(
             t0 = time.perf_counter()
             # Each process feeds its own rows of the global batch.
             xb, yb = xb[proc * local : (proc + 1) * local], yb[proc * local : (proc + 1) * local]
-            batch = jaxcomp.distributed.shard_batch((xb, yb), mesh, AXIS)
+            batch = place(xb, yb)
             params, opt_state, m = train_step(params, opt_state, *batch)
             # Block every step: many collective steps in flight deadlock the
             # simulated CPU devices' rendezvous (NOTES-jax-cpu.md).
             m = jax.device_get(jax.block_until_ready(m))
+            if coded_cfg is not None:
+                # A CSSGD device's own message is its packets, each multicast once.
+                m = {**m, "message_bytes": m["wire_bytes"], "density": -1.0}
             step_times.append(time.perf_counter() - t0)
             train_time += step_times[-1]
             for k in sums:
@@ -1107,8 +1316,17 @@ def train_and_evaluate(
             "step_time": t_step,
             **{f"time_{k}": getattr(split, k) if split else -1.0 for k in TIME_SPLIT_FIELDS},
         }
+        if coded_cfg is not None:
+            coded_state = opt_state[0]  # checkpointed, so the totals survive a resume
+            record.update(
+                exchange=c.exchange,
+                redundancy=c.redundancy,
+                received_bytes_per_step_per_device=sums["received_bytes"] / spe,
+                clipped=int(np.sum(np.asarray(coded_state.clipped))),
+                nonfinite=int(np.sum(np.asarray(coded_state.nonfinite))),
+            )
         records.append(record)
-        logging.info("%s epoch %d: %s", c.compressor, epoch + 1, record)
+        logging.info("%s epoch %d: %s", label, epoch + 1, record)
         if jax.process_index() == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -1137,12 +1355,12 @@ def train_and_evaluate(
     if manager is not None:
         manager.close()
     if jax.process_index() == 0 and records:
-        write_plots({c.compressor: records}, os.path.join(workdir, "accuracy.png"))
+        write_plots({label: records}, os.path.join(workdir, "accuracy.png"))
         if c.time_split:
             write_time_split_plot(
                 {f"epoch {r['epoch']}": r for r in records if r["time_step"] >= 0},
                 os.path.join(workdir, "time_split.png"),
-                title=f"{c.compressor}: time per step",
+                title=f"{label}: time per step",
             )
     return {
         "compile_time": compile_time,

@@ -462,7 +462,7 @@ class CodedStats(NamedTuple):
 
 
 def _exchange_blocks(q_own, plan: _Plan, exchange: str, axis_name):
-    """Every block's integers on this device, ``(Q, G)``: own plus decoded missing."""
+    """This device's decoded missing blocks' integers, ``(C(n-1, r), G)``."""
     k = lax.axis_index(axis_name)
     m, size = q_own.shape
     r = plan.r
@@ -486,9 +486,32 @@ def _exchange_blocks(q_own, plan: _Plan, exchange: str, axis_name):
             known = jnp.asarray(plan.recv_known)[k]  # (M, r, r-1, 2)
             got = got - jnp.sum(padded[known[..., 0], known[..., 1]], axis=2, dtype=q_own.dtype)
         received = got.reshape(-1, r * seg)[:, :size]
+    return received
+
+
+def _all_blocks(q_own, received, plan: _Plan, axis_name):
+    """Every block's integers in block order, ``(Q, G)`` (tests: ``return_blocks``)."""
+    k = lax.axis_index(axis_name)
     ids = jnp.concatenate([jnp.asarray(plan.own)[k], jnp.asarray(plan.missing)[k]])
     blocks = jnp.concatenate([q_own, received])
     return jnp.zeros_like(blocks).at[ids].set(blocks, unique_indices=True)
+
+
+def _exact_sum(q_own, received):
+    """The sum of all blocks' integers as float32, the same on every device.
+
+    Integer sums do not depend on the order of the terms, so each device adds
+    its own and its decoded blocks in whatever order it holds them. An int32
+    sum of ``Q`` values could overflow, so 32-bit values are split into a
+    signed high and an unsigned low 16-bit half, each summed exactly in
+    int32, and joined once in float32 (one rounding).
+    """
+    q = jnp.concatenate([q_own, received]).astype(jnp.int32)
+    if q_own.dtype != jnp.int32:  # 8 or 16 bits: Q * 2^15 fits in int32
+        return jnp.sum(q, axis=0).astype(jnp.float32)
+    hi = jnp.sum(q >> 16, axis=0)
+    lo = jnp.sum(q & 0xFFFF, axis=0)
+    return hi.astype(jnp.float32) * 65536.0 + lo.astype(jnp.float32)
 
 
 def _byte_counts(plan: _Plan, size: int, cfg: CodedConfig, axis_name):
@@ -559,8 +582,8 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
         clipped, nonfinite = jnp.sum(clipped), jnp.sum(nonfinite)
     else:
         q, clipped, nonfinite = quantize(flat, cfg.value_range, cfg.bits)
-    blocks = _exchange_blocks(q, plan, cfg.exchange, axis_name)
-    total = jnp.sum(dequantize(blocks, cfg.value_range, cfg.bits), axis=0) / plan.blocks
+    received = _exchange_blocks(q, plan, cfg.exchange, axis_name)
+    total = _exact_sum(q, received) / jnp.float32(_scale(cfg.value_range, cfg.bits) * plan.blocks)
     # A NaN or Inf anywhere makes the step's gradient NaN, as plain SGD's would be.
     any_nonfinite = lax.psum(nonfinite, axis_name) > 0
     total = jnp.where(any_nonfinite, jnp.nan, total)
@@ -570,10 +593,12 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
         count = math.prod(shape)
         out.append(total[start : start + count].reshape(shape).astype(x.dtype))
         start += count
-    sent, received = _byte_counts(plan, size, cfg, axis_name)
-    stats = CodedStats(clipped, nonfinite, sent, received)
+    sent_bytes, received_bytes = _byte_counts(plan, size, cfg, axis_name)
+    stats = CodedStats(clipped, nonfinite, sent_bytes, received_bytes)
     mean = jax.tree.unflatten(treedef, out)
-    return (mean, stats, blocks) if return_blocks else (mean, stats)
+    if return_blocks:
+        return mean, stats, _all_blocks(q, received, plan, axis_name)
+    return mean, stats
 
 
 # ---------------------------------------------------------------------------
@@ -652,6 +677,7 @@ def make_train_step(
     axis_name="data",
     *,
     donate: bool = True,
+    communicate: bool = True,
 ) -> Callable:
     """A jitted CSSGD train step: per-block gradients, coded exchange, ``tx``.
 
@@ -669,6 +695,9 @@ def make_train_step(
       cfg: :class:`CodedConfig` (redundancy, range, bits, rounding, exchange).
       axis_name: the workers' mesh axis.
       donate: donate parameters and state.
+      communicate: ``False`` replaces every collective of the step by a local
+        stand-in of the same shapes (:func:`jaxcomp.comm.without_communication`),
+        to time the step without its communication (not a training step).
 
     Returns:
       ``step(params, opt_state, blocks) -> (params, opt_state, metrics)``
@@ -730,7 +759,7 @@ def make_train_step(
         return params, jax.tree.map(lambda x: x[None], (coded, state)), metrics
 
     sharded = jax.shard_map(
-        step,
+        step if communicate else local_lib.without_communication(step),
         mesh=mesh,
         in_specs=(P(), P(axis_name), P(axis_name)),
         out_specs=(P(), P(axis_name), P()),

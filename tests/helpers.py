@@ -235,3 +235,21 @@ def check_step(acc, sent, new_res, t, cap, count):
     np.testing.assert_array_equal(np.flatnonzero(f32(sent)), expected_sent(acc, t, cap))
     assert count == len(expected_sent(acc, t, cap))
     assert np.array_equal(f32(sent) + np.asarray(new_res), acc)  # nothing lost, bit for bit
+
+
+def compress_on_mesh(compressor, mesh, grads, state, axis="data"):
+    """``compressor.update`` on each device's row of ``grads`` and ``state`` (leading axis).
+
+    Returns per-device ``(updates, state)`` stacked along the leading axis.
+    """
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    def run(grads, state):
+        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+        updates, state = compressor.update(first(grads), first(state))
+        return jax.tree.map(lambda a: a[None], (updates, state))
+
+    spec = P(axis)
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(
+        grads, state
+    )

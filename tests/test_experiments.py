@@ -6,6 +6,7 @@ import json
 import math
 
 import numpy as np
+from helpers import compress_on_mesh
 
 from experiments import bench_selection, demo
 
@@ -111,7 +112,9 @@ def test_ldte_bs_paper_row_runs_the_paper_variant():
     def stacked(tree):
         return jax.device_put(jax.tree.map(lambda a: np.stack([a, a]), tree), sharding)
 
-    updates, _ = train._make_compress_fn(compressor, mesh)(stacked(g), stacked(compressor.init(g)))
+    updates, _ = compress_on_mesh(
+        compressor, mesh, stacked(g), stacked(compressor.init(g)), train.AXIS
+    )
     ref = jaxcomp.ldte_bs(0.01, variant="paper")
     expected = ref.update(jax.tree.map(jnp.asarray, g), ref.init(g))[0]["w"]
     assert int(jnp.sum(expected != 0)) > 0
@@ -263,3 +266,39 @@ def test_compare_table_has_table3_alpha_and_the_time_split():
     np.testing.assert_allclose(rows["top_k"]["compression_ms"], 1e3 * (0.002 + 2e-3))
     np.testing.assert_allclose(rows["dense"]["communication_ms"], 3.0)
     assert "alpha" in table.splitlines()[0] and "4.00" in table
+
+
+def test_bench_cssgd_writes_json_and_png(tmp_path):
+    from experiments import bench_cssgd  # noqa: PLC0415
+    from jaxcomp import cssgd  # noqa: PLC0415
+
+    record = bench_cssgd.run(
+        str(tmp_path), models=("mlp",), redundancies=(1, 2), epochs=1, batch_size=24,
+        num_devices=4, max_steps_per_epoch=2,
+    )  # fmt: skip
+    data = json.loads((tmp_path / "bench_cssgd.json").read_text())
+    assert (tmp_path / "bench_cssgd.png").stat().st_size > 0
+    assert data == json.loads(json.dumps(record))
+    mlp = data["models"]["mlp"]
+    assert sorted(mlp["runs"]) == ["coded_r1", "coded_r2", "dense"]
+    for r in (1, 2):
+        expected = cssgd.bytes_per_worker(4, r, mlp["num_params"])
+        row = mlp["runs"][f"coded_r{r}"]
+        assert row["sent_bytes"] == expected["coded_sent"]
+        assert row["received_bytes"] == expected["coded_received"]
+        dense_ms = mlp["runs"]["dense"]["step_ms"]
+        np.testing.assert_allclose(row["step_vs_dense"], row["step_ms"] / dense_ms)
+        assert row["forward_backward_ms"] > 0
+        formula = mlp["formula"][r - 1]
+        assert formula["coded_sent"] == expected["coded_sent"]
+        assert formula["coded_load"] == float(cssgd.coded_load(4, r))
+    # The dense baseline's ring all-reduce, per leaf, sums to the formula's.
+    np.testing.assert_allclose(
+        mlp["runs"]["dense"]["sent_bytes"], mlp["formula"][0]["allreduce_sent"], rtol=1e-6
+    )
+    fit = mlp["fit"]
+    assert fit["t_calc_ms"] == mlp["runs"]["coded_r1"]["forward_backward_ms"]
+    assert fit["predicted_best_r"] == cssgd.best_redundancy(fit["t_calc_ms"], fit["t_comm_ms"], 4)
+    assert fit["measured_best_r"] in (1, 2)
+    table = bench_cssgd.format_table(record)
+    assert "coded_r2" in table and "memory copy" in table

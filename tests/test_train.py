@@ -13,6 +13,7 @@ import tarfile
 import jax
 import numpy as np
 import pytest
+from helpers import compress_on_mesh
 
 import jaxcomp
 from experiments import data as data_lib
@@ -470,14 +471,9 @@ def test_min_dense_size_applies_to_quantizers(name, min_dense_size, dense):
     def stacked(tree):  # one copy per device
         return jax.device_put(jax.tree.map(lambda a: np.stack([a, a]), tree), sharding)
 
-    def run(grads, state):  # the compressor's update on each device's copy
-        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
-        _, state = compressor.update(first(grads), first(state))
-        return jax.tree.map(lambda a: a[None], state)
-
-    spec = jax.sharding.PartitionSpec(train.AXIS)
-    run = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-    state = run(stacked(g), stacked(compressor.init(g)))
+    _, state = compress_on_mesh(
+        compressor, mesh, stacked(g), stacked(compressor.init(g)), train.AXIS
+    )
     sent = int(np.asarray(train._get(state, "message_bytes")["w"])[0])
     assert (sent == 4 * 64) == dense and sent <= 4 * 64
 
@@ -531,3 +527,153 @@ def test_merge_plan_is_written_and_reused_on_resume(tmp_path, monkeypatch):
     assert np.isfinite(resumed["final"]["train_loss"])
     assert resumed["merge_plan"]["groups"] == plan["groups"]
     assert path.read_text() == text
+
+
+# CSSGD runs (--exchange=coded/uncoded --redundancy=r, jaxcomp.cssgd).
+
+# 4 devices, r = 2: C(4, 2) = 6 blocks of 4 examples, 3 on each device.
+CODED = dataclasses.replace(
+    TINY, num_devices=4, batch_size=24, exchange="coded", redundancy=2, time_split=False
+)
+
+
+def _assert_same_params(a, b):
+    leaves_a, leaves_b = _leaves(a), _leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_coded_run_records_multicast_bytes_and_time_split(tmp_path):
+    config = dataclasses.replace(CODED, time_split=True)
+    result = train.train_and_evaluate(config, str(tmp_path))
+    (record,) = result["records"]
+    expected = jaxcomp.cssgd.bytes_per_worker(4, 2, result["num_params"])
+    assert record["bytes_per_step_per_device"] == expected["coded_sent"]
+    assert record["message_bytes_per_step_per_device"] == expected["coded_sent"]
+    assert record["received_bytes_per_step_per_device"] == expected["coded_received"]
+    assert record["cumulative_bytes_per_device"] == 2 * expected["coded_sent"]  # 2 steps
+    assert record["density"] == -1.0
+    assert (record["exchange"], record["redundancy"]) == ("coded", 2)
+    assert record["clipped"] == 0 and record["nonfinite"] == 0  # |gradients| << 10
+    assert np.isfinite(record["train_loss"])
+    # The split of CSSGD's step: per-block gradients, coding, exposed all-gather.
+    assert record["time_forward_backward"] > 0 and record["time_step"] > 0
+    again = jaxcomp.distributed.split_step_time(
+        record["time_forward_backward"],
+        record["time_step_without_communication"],
+        record["time_step"],
+    )
+    assert [record[f"time_{k}"] for k in train.TIME_SPLIT_FIELDS] == list(again)
+    assert (tmp_path / "time_split.png").stat().st_size > 0
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert lines == result["records"]
+    stored = json.loads((tmp_path / train.CONFIG_FILE).read_text())["config"]
+    assert (stored["exchange"], stored["redundancy"]) == ("coded", 2)
+    assert (stored["coded_value_range"], stored["coded_bits"]) == (10.0, 32)  # the paper's
+
+
+def test_coded_and_uncoded_decode_the_same_gradient(tmp_path):
+    coded = train.train_and_evaluate(CODED, str(tmp_path / "coded"))
+    uncoded = train.train_and_evaluate(
+        dataclasses.replace(CODED, exchange="uncoded"), str(tmp_path / "uncoded")
+    )
+    # Integer decoding is exact: the same mean gradient, bit for bit.
+    _assert_same_params(coded["params"], uncoded["params"])
+    assert coded["final"]["train_loss"] == uncoded["final"]["train_loss"]
+    expected = jaxcomp.cssgd.bytes_per_worker(4, 2, coded["num_params"])
+    assert uncoded["final"]["bytes_per_step_per_device"] == expected["uncoded_sent"]
+    # r = 2 halves what the uncoded exchange of the same assignment sends.
+    assert 2 * coded["final"]["bytes_per_step_per_device"] == expected["uncoded_sent"]
+
+
+def test_coded_r1_matches_dense_data_parallel_sgd(tmp_path):
+    # r = 1: device k's one block is its shard of the batch, so CSSGD is plain
+    # data-parallel SGD with the gradient quantized to int32 over [-10, 10].
+    config = dataclasses.replace(CODED, redundancy=1)
+    coded = train.train_and_evaluate(config, str(tmp_path / "coded"))
+    dense = train.train_and_evaluate(
+        dataclasses.replace(config, exchange=None, redundancy=None), str(tmp_path / "dense")
+    )
+    leaves_c, leaves_d = _leaves(coded["params"]), _leaves(dense["params"])
+    assert len(leaves_c) == len(leaves_d)
+    for c, d in zip(leaves_c, leaves_d, strict=True):
+        # Quantization step 10 / (2^31 - 1) ~ 5e-9 per gradient value.
+        np.testing.assert_allclose(np.asarray(c), np.asarray(d), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(coded["final"]["train_loss"], dense["final"]["train_loss"], 1e-5)
+
+
+def test_coded_resume_gives_identical_parameters_and_counts(tmp_path):
+    # A small range so that values are clipped: the counts live in the
+    # checkpointed CodedState and continue after a resume.
+    config = dataclasses.replace(CODED, epochs=2, checkpoint=True, coded_value_range=0.01)
+    straight = train.train_and_evaluate(config, str(tmp_path / "a"))
+    first = train.train_and_evaluate(config, str(tmp_path / "b"), stop_after_epoch=1)
+    resumed = train.train_and_evaluate(config, str(tmp_path / "b"))
+    assert [r["epoch"] for r in resumed["records"]] == [1, 2]
+    _assert_same_params(straight["params"], resumed["params"])
+    clipped = [r["clipped"] for r in straight["records"]]
+    assert 0 < clipped[0] < clipped[1]
+    assert [r["clipped"] for r in resumed["records"]] == clipped
+    assert first["records"][0]["clipped"] == clipped[0]
+    # Redundancy changes the run: not resumable from another r's checkpoint.
+    with pytest.raises(ValueError, match="redundancy=2 there, 1 now"):
+        train.train_and_evaluate(dataclasses.replace(config, redundancy=1), str(tmp_path / "b"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"exchange": None}, r"redundancy \(--redundancy\) is only used by CSSGD"),
+        ({"exchange": "default"}, r"--redundancy\) is only used by CSSGD"),
+        (
+            {"exchange": None, "redundancy": None, "coded_bits": 16},
+            r"--coded_bits\) is only used by CSSGD",
+        ),
+        (
+            {"exchange": None, "redundancy": None, "coded_value_range": 1.0},
+            r"--coded_value_range\) is only used by CSSGD",
+        ),
+        ({"redundancy": None}, r"needs redundancy \(--redundancy\)"),
+        ({"compressor": "ldte_bs"}, "needs compressor='dense'.*cannot be coded"),
+        ({"compressor": "qsgd"}, "needs compressor='dense'.*cannot be coded"),
+        ({"batch_size": 16}, r"multiple of C\(num_devices, redundancy\) = C\(4, 2\) = 6"),
+        ({"redundancy": 5, "batch_size": 20}, r"redundancy .* \[1, num_devices=4\].*got 5"),
+        ({"redundancy": 0}, "redundancy"),
+        ({"exchange": "multicast"}, "exchange"),
+        ({"coded_bits": 12}, "coded_bits"),
+        ({"coded_value_range": 0.0}, "coded_value_range"),
+        ({"fit_check_epochs": (1,)}, "fit_check_epochs"),
+        ({"coordinator_address": "h:1", "num_processes": 2, "process_id": 0}, "one process"),
+    ],
+)
+def test_invalid_coded_config_fails_before_training(tmp_path, overrides, message):
+    config = dataclasses.replace(CODED, **overrides)
+    with pytest.raises(ValueError, match=message):
+        train.train_and_evaluate(config, str(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_coded_batch_needs_no_divisibility_by_the_devices():
+    # 18 = 3 * C(4, 2): every device holds 3 blocks of 3 examples, though 4 does not divide 18.
+    config = dataclasses.replace(CODED, batch_size=18)
+    train.validate_config(config, 8)
+    assert train.build_optimizer(config, 2, 2)[1] is None  # plain sgd, no compressor
+    with pytest.raises(ValueError, match="divisible"):
+        train.validate_config(dataclasses.replace(config, exchange=None, redundancy=None), 8)
+
+
+def test_main_coded_flags_make_the_config():
+    from experiments import main  # noqa: PLC0415 (defines absl flags on import)
+
+    args = ["--compressor=dense", "--exchange=uncoded", "--redundancy=3"]
+    try:
+        main.FLAGS(["main", *args, "--coded_bits=16", "--coded_value_range=5"])
+        config = main.config_from_flags()
+    finally:
+        main.FLAGS.unparse_flags()
+    assert (config.exchange, config.redundancy) == ("uncoded", 3)
+    assert (config.coded_bits, config.coded_value_range) == (16, 5.0)
+    train.validate_config(config)
+    resolved = train.resolve_config(dataclasses.replace(config, coded_bits=None))
+    assert resolved.coded_bits == 32

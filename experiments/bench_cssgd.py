@@ -1,0 +1,433 @@
+"""Benchmark: CSSGD (coded synchronous SGD) against plain data-parallel SGD, per redundancy.
+
+On 8 simulated CPU devices, trains the MLP and the CNN of
+:mod:`experiments.models` on digits with ``exchange="coded"`` for
+``r = 1..4`` (``jaxcomp.cssgd``: every block of the batch on ``r`` devices,
+dense gradients quantized to int32 and exchanged by coded multicast), and the
+baseline: dense data-parallel SGD with a ring all-reduce (no redundancy),
+same global batch (280, a multiple of ``C(8, r)`` for every ``r <= 4``),
+learning rate, epochs and seed, all through
+:func:`experiments.train.train_and_evaluate`::
+
+    python -m experiments.bench_cssgd --out results/      # ~8 min on 2 CPU cores
+
+Measures per run: the median step time (median over epochs of each epoch's
+median), its split into forward+backward, compression (for CSSGD:
+quantization, encoding, decoding and the SGD update) and exposed
+communication (medians over epochs of the records' ``time_*``), the bytes each
+device sends and receives per step (multicast accounting: a packet is sent
+once, received once per receiver), and the final test accuracy. Ratios are
+against the dense run of the same invocation. Then the CSSGD paper's time
+model ``T(r) = r T_calc + T_comm / r`` (:func:`jaxcomp.cssgd.step_time`),
+fitted on the ``r = 1`` run (``T_calc`` its forward+backward, ``T_comm`` its
+exposed communication), predicts every ``r``'s step time and the best ``r``
+(:func:`jaxcomp.cssgd.best_redundancy`), printed beside the measured best;
+the paper found ``r = 3`` for an MLP and ``r = 2`` for a CNN on 8 workers.
+Beside it, the same fit with ``T_comm`` scaled by the bytes this
+implementation sends, ``coded_sent(r) / coded_sent(1)``
+(:func:`jaxcomp.cssgd.bytes_per_worker`): a block's gradient is a whole model
+gradient, so the bytes per device do not fall as ``1 / r`` (on 8 devices they
+are 1, 1.5, 1.67, 1.25 times the ``r = 1`` bytes for ``r = 1..4``).
+Also printed: the formula loads (:func:`jaxcomp.cssgd.coded_load`,
+:func:`jaxcomp.cssgd.uncoded_load`) and :func:`jaxcomp.cssgd.bytes_per_worker`
+for each ``r`` against the ring all-reduce's bytes.
+
+On simulated CPU devices communication is a memory copy: redundancy, which
+buys less communication with ``r`` times the computation, cannot win here the
+way it can on a slow network. The numbers show the mechanism and its costs,
+not the paper's speed-ups.
+
+Writes ``bench_cssgd.json`` and ``bench_cssgd.png`` (per model: step time vs
+``r`` with the dense baseline and the model's prediction; bytes per device vs
+``r`` with the all-reduce's) to ``--out``, the runs' own outputs under
+``--out/bench_cssgd/<model>/<run>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+
+__all__ = ["DEFAULT_MODELS", "DEFAULT_REDUNDANCIES", "format_table", "main", "run", "write_plot"]
+
+DEFAULT_MODELS = ("mlp", "cnn")
+DEFAULT_REDUNDANCIES = (1, 2, 3, 4)
+# The CSSGD paper's best redundancy on 8 workers (its Figs.), for the printout.
+PAPER_BEST_R = {"mlp": 3, "cnn": 2}
+NOTE = (
+    "On simulated CPU devices communication is a memory copy, so redundancy (r times the "
+    "computation for 1/r of the communication) cannot win here the way it can on a slow "
+    "network; these numbers show the mechanism and its costs, not the paper's speed-ups."
+)
+_PARTS = ("forward_backward", "compression", "communication", "step")
+
+
+def _median_part(records: list, part: str) -> float:
+    """Median over the epochs of ``time_<part>`` in seconds (-1 when never measured)."""
+    measured = [r[f"time_{part}"] for r in records if r.get("time_step", -1.0) >= 0]
+    return statistics.median(measured) if measured else -1.0
+
+
+def _summary(result: dict, dense: dict | None) -> dict:
+    """One run's row: times (ms), bytes per device per step, accuracy, ratios to ``dense``."""
+    records, final = result["records"], result["final"]
+    sent = final["bytes_per_step_per_device"]
+    row = {
+        "step_ms": 1e3 * statistics.median(r["step_time"] for r in records),
+        **{f"{p}_ms": 1e3 * _median_part(records, p) for p in _PARTS},
+        "sent_bytes": sent,
+        # A ring all-reduce receives what it sends; CSSGD counts each packet per receiver.
+        "received_bytes": final.get("received_bytes_per_step_per_device", sent),
+        "test_accuracy": final["test_accuracy"],
+        "clipped": final.get("clipped", 0),
+        "epochs": final["epoch"],
+    }
+    if dense is not None:
+        row["step_vs_dense"] = row["step_ms"] / dense["step_ms"]
+        row["sent_vs_dense"] = sent / dense["sent_bytes"]
+    return row
+
+
+def _formula(n: int, r: int, num_params: int) -> dict:
+    from jaxcomp import cssgd  # noqa: PLC0415
+
+    b = cssgd.bytes_per_worker(n, r, num_params)
+    return {
+        "r": r,
+        "coded_load": float(cssgd.coded_load(n, r)),
+        "coded_load_fraction": str(cssgd.coded_load(n, r)),
+        "uncoded_load": float(cssgd.uncoded_load(n, r)),
+        "uncoded_load_fraction": str(cssgd.uncoded_load(n, r)),
+        **{k: float(v) for k, v in b.items()},
+        "coded_sent_vs_allreduce": b["coded_sent"] / b["allreduce_sent"],
+    }
+
+
+def _fit(rows: dict, redundancies, n: int, num_params: int) -> dict:
+    """The paper's model fitted on the ``r = 1`` run, its predictions and best ``r``.
+
+    Also the variant whose communication term follows this implementation's
+    bytes, ``r T_calc + T_comm coded_sent(r) / coded_sent(1)`` (``_bytes`` keys).
+    """
+    from jaxcomp import cssgd  # noqa: PLC0415
+
+    measured = {r: rows[f"coded_r{r}"]["step_ms"] for r in redundancies}
+    out = {"measured_best_r": min(measured, key=lambda r: (measured[r], r))}
+    base = rows.get("coded_r1")
+    if base is None or base["forward_backward_ms"] < 0:
+        return out  # no r = 1 run or no time split: nothing to fit
+    t_calc, t_comm = base["forward_backward_ms"], max(base["communication_ms"], 0.0)
+    every = sorted({*range(1, n), *redundancies})
+    predicted = {r: cssgd.step_time(t_calc, t_comm, r) for r in every}
+    sent = {r: cssgd.bytes_per_worker(n, r, num_params)["coded_sent"] for r in every}
+    by_bytes = {r: r * t_calc + t_comm * sent[r] / sent[1] for r in every}
+    out.update(
+        t_calc_ms=t_calc,
+        t_comm_ms=t_comm,
+        predicted_ms={str(r): t for r, t in predicted.items()},
+        predicted_best_r=cssgd.best_redundancy(t_calc, t_comm, n),
+        # Over the measured r only, to compare like with like.
+        predicted_best_measured_r=min(redundancies, key=lambda r: (predicted[r], r)),
+        predicted_bytes_ms={str(r): t for r, t in by_bytes.items()},
+        predicted_bytes_best_r=min(range(1, n), key=lambda r: (by_bytes[r], r)),
+        # What the model leaves out: the coding's own cost at r = 1.
+        r1_compression_ms=base["compression_ms"],
+    )
+    return out
+
+
+def run(
+    out_dir: str,
+    *,
+    models=DEFAULT_MODELS,
+    redundancies=DEFAULT_REDUNDANCIES,
+    epochs: int = 5,
+    batch_size: int = 280,
+    lr: float = 0.1,
+    seed: int = 0,
+    num_devices: int = 8,
+    max_steps_per_epoch: int | None = None,
+    dataset: str = "digits",
+    progress: bool = False,
+) -> dict:
+    """Trains dense and CSSGD runs per model, writes ``bench_cssgd.json`` and ``.png``.
+
+    Args:
+      out_dir: where the JSON and PNG go; the runs under ``out_dir/bench_cssgd/``.
+      models: :mod:`experiments.models` names.
+      redundancies: the ``r`` of the coded runs, each in ``[1, num_devices]``.
+      epochs: epochs per run.
+      batch_size: global batch, a multiple of ``C(num_devices, r)`` for every ``r``.
+      lr: learning rate (constant; momentum 0.9).
+      seed: initialisation and data order, shared by all runs.
+      num_devices: mesh size (that many devices must exist).
+      max_steps_per_epoch: truncate epochs (smoke tests).
+      dataset: ``digits`` or ``synthetic`` (the others need files).
+      progress: progress bars.
+
+    Returns:
+      The JSON record: ``{"meta", "models": {model: {"num_params", "runs":
+      {"dense" | "coded_r<r>": row}, "fit", "formula"}}}``.
+
+    Raises:
+      ValueError: ``num_devices < 2``, no ``redundancies``, or a configuration
+        ``experiments.train`` rejects (e.g. a batch size that is not a
+        multiple of ``C(num_devices, r)``), before training.
+    """
+    import jax  # noqa: PLC0415 (after the device count is set)
+
+    from experiments import train  # noqa: PLC0415
+
+    redundancies = tuple(redundancies)
+    if num_devices < 2:
+        raise ValueError(f"num_devices must be >= 2 (a redundancy to choose), got {num_devices}")
+    if not redundancies:
+        raise ValueError("redundancies must name at least one r in [1, num_devices]")
+    base = train.TrainConfig(
+        compressor="dense",
+        num_devices=num_devices,
+        dataset=dataset,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        momentum=0.9,
+        seed=seed,
+        progress=progress,
+        checkpoint=False,
+        time_split=True,
+        max_steps_per_epoch=max_steps_per_epoch,
+    )
+    configs = {}
+    for model in models:
+        dense = dataclasses.replace(base, model=model)
+        configs[model] = {"dense": dense}
+        for r in redundancies:
+            configs[model][f"coded_r{r}"] = dataclasses.replace(
+                dense, exchange="coded", redundancy=r
+            )
+    # Every configuration checked before the first (minutes-long) run.
+    for runs in configs.values():
+        for config in runs.values():
+            train.validate_config(config, jax.device_count())
+    record = {
+        "meta": {
+            "num_devices": num_devices,
+            "batch_size": batch_size,
+            "epochs": epochs,
+            "lr": lr,
+            "momentum": 0.9,
+            "seed": seed,
+            "dataset": dataset,
+            "max_steps_per_epoch": max_steps_per_epoch,
+            "redundancies": list(redundancies),
+            "exchange": "coded",
+            "jax": jax.__version__,
+            "platform": platform.platform(),
+            "backend": jax.default_backend(),
+            "note": NOTE,
+        },
+        "models": {},
+    }
+    for model, runs in configs.items():
+        rows, num_params = {}, None
+        for name, config in runs.items():
+            workdir = os.path.join(out_dir, "bench_cssgd", model, name)
+            result = train.train_and_evaluate(config, workdir, overwrite=True)
+            num_params = result["num_params"]
+            rows[name] = _summary(result, rows.get("dense"))
+        record["models"][model] = {
+            "num_params": num_params,
+            "runs": rows,
+            "fit": _fit(rows, redundancies, num_devices, num_params),
+            "formula": [_formula(num_devices, r, num_params) for r in redundancies],
+        }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_cssgd.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    write_plot(record, os.path.join(out_dir, "bench_cssgd.png"))
+    return record
+
+
+def format_table(record: dict) -> str:
+    """The printed report of :func:`run`'s record."""
+    meta = record["meta"]
+    n = meta["num_devices"]
+    lines = [
+        f"CSSGD (exchange=coded) vs dense data-parallel SGD: {n} devices "
+        f"({meta['backend']}), {meta['dataset']}, batch {meta['batch_size']}, "
+        f"{meta['epochs']} epochs, lr {meta['lr']}, seed {meta['seed']}",
+    ]
+
+    def ms(v):
+        return "-" if v < 0 else f"{v:.1f}"
+
+    for model, m in record["models"].items():
+        head = (
+            f"{'run':<10}{'step ms':>9}{'x dense':>8}{'fb ms':>8}{'comp ms':>9}{'comm ms':>9}"
+            f"{'pred ms':>9}{'pred2 ms':>9}{'sent B/step':>13}{'x dense':>8}"
+            f"{'recv B/step':>13}{'acc %':>7}"
+        )
+        lines += ["", f"{model} ({m['num_params']:,} parameters)", head, "-" * len(head)]
+        fit = m["fit"]
+        predicted = fit.get("predicted_ms", {})
+        predicted2 = fit.get("predicted_bytes_ms", {})
+        for name, row in m["runs"].items():
+            r = name.removeprefix("coded_r")
+            pred = predicted.get(r) if name != "dense" else None
+            pred2 = predicted2.get(r) if name != "dense" else None
+            lines.append(
+                f"{name:<10}{row['step_ms']:>9.1f}{row.get('step_vs_dense', 1.0):>8.2f}"
+                f"{ms(row['forward_backward_ms']):>8}{ms(row['compression_ms']):>9}"
+                f"{ms(row['communication_ms']):>9}{'-' if pred is None else f'{pred:.1f}':>9}"
+                f"{'-' if pred2 is None else f'{pred2:.1f}':>9}"
+                f"{row['sent_bytes']:>13.0f}{row.get('sent_vs_dense', 1.0):>8.2f}"
+                f"{row['received_bytes']:>13.0f}{100 * row['test_accuracy']:>7.2f}"
+            )
+        rs = meta["redundancies"]
+        if "predicted_best_r" in fit:
+            lines.append(
+                f"model T(r) = r*T_calc + T_comm/r fitted at r=1: "
+                f"T_calc {fit['t_calc_ms']:.2f} ms, T_comm {fit['t_comm_ms']:.2f} ms -> "
+                "predicted best r = "
+                f"{fit['predicted_best_r']} of 1..{n - 1} ({fit['predicted_best_measured_r']} of "
+                f"{rs}); measured best r = {fit['measured_best_r']} of {rs}"
+            )
+            lines.append(
+                f"  with T_comm scaled by the bytes sent instead of 1/r (pred2 ms): best r = "
+                f"{fit['predicted_bytes_best_r']} of 1..{n - 1}"
+            )
+            lines.append(
+                f"  (both leave out the coding's own time, {fit['r1_compression_ms']:.1f} ms "
+                "at r=1 here, which grows with r)"
+            )
+        else:
+            lines.append(f"measured best r = {fit['measured_best_r']} of {rs} (no r=1 fit)")
+        if model in PAPER_BEST_R:
+            lines.append(
+                f"  the CSSGD paper found best r = {PAPER_BEST_R[model]} ({model}, 8 workers)"
+            )
+        fhead = (
+            f"{'r':>3}{'coded load':>12}{'uncoded load':>14}{'coded sent B':>14}"
+            f"{'coded recv B':>14}{'uncoded sent B':>16}{'all-reduce B':>14}{'coded/ar':>10}"
+        )
+        lines += [f"formula ({n} devices, {m['num_params']:,} float32 parameters):", fhead]
+        for f in m["formula"]:
+            lines.append(
+                f"{f['r']:>3}{f['coded_load_fraction']:>12}{f['uncoded_load_fraction']:>14}"
+                f"{f['coded_sent']:>14.0f}{f['coded_received']:>14.0f}"
+                f"{f['uncoded_sent']:>16.0f}{f['allreduce_sent']:>14.0f}"
+                f"{f['coded_sent_vs_allreduce']:>10.2f}"
+            )
+    lines += ["", f"note: {meta['note']}"]
+    return "\n".join(lines)
+
+
+def write_plot(record: dict, path: str) -> None:
+    """Per model: step time vs ``r`` (dense line, model prediction) and bytes vs ``r``."""
+    import matplotlib  # noqa: PLC0415 (plotting is optional at import time)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    models = list(record["models"])
+    rs = record["meta"]["redundancies"]
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.8 * len(models)), squeeze=False)
+    for (ax_t, ax_b), model in zip(axes, models, strict=True):
+        m = record["models"][model]
+        runs = m["runs"]
+        coded = [runs[f"coded_r{r}"] for r in rs]
+        ax_t.plot(rs, [row["step_ms"] for row in coded], "o-", label="coded: measured step")
+        if all(row["forward_backward_ms"] >= 0 for row in coded):
+            ax_t.plot(rs, [row["forward_backward_ms"] for row in coded], "s:", label="fwd+bwd")
+            ax_t.plot(rs, [row["compression_ms"] for row in coded], "^:", label="coding+update")
+            ax_t.plot(rs, [row["communication_ms"] for row in coded], "v:", label="exposed comm")
+        predicted = m["fit"].get("predicted_ms")
+        if predicted:
+            xs = sorted(int(r) for r in predicted)
+            ax_t.plot(xs, [predicted[str(r)] for r in xs], "k--", label="model r Tc + Tm / r")
+            by_bytes = m["fit"]["predicted_bytes_ms"]
+            ax_t.plot(xs, [by_bytes[str(r)] for r in xs], "k:", label="model, Tm scaled by bytes")
+        ax_t.axhline(runs["dense"]["step_ms"], color="gray", label="dense all-reduce step")
+        # Log scale: the parts and the dense step are orders of magnitude apart.
+        ax_t.set(
+            xlabel="redundancy r", ylabel="ms per step", title=f"{model}: step time", yscale="log"
+        )
+        formula = {f["r"]: f for f in m["formula"]}
+        ax_b.plot(rs, [row["sent_bytes"] for row in coded], "o-", label="coded: sent (measured)")
+        ax_b.plot(rs, [row["received_bytes"] for row in coded], "s-", label="coded: received")
+        ax_b.plot(rs, [formula[r]["uncoded_sent"] for r in rs], "^--", label="uncoded: sent")
+        ax_b.axhline(runs["dense"]["sent_bytes"], color="gray", label="dense ring all-reduce")
+        ax_b.set(
+            xlabel="redundancy r",
+            ylabel="bytes per device per step",
+            title=f"{model}: communication ({m['num_params']:,} params)",
+            yscale="log",
+        )
+        ax_t.set_xticks(sorted({*rs, *(int(r) for r in predicted or ())}))
+        ax_b.set_xticks(rs)
+        for ax in (ax_t, ax_b):
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    """Parses the flags, sets the simulated devices, runs and prints the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list")
+    parser.add_argument(
+        "--redundancies", default=",".join(map(str, DEFAULT_REDUNDANCIES)), help="comma list"
+    )
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch_size", type=int, default=280)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num_devices", type=int, default=8)
+    parser.add_argument("--max_steps_per_epoch", type=int, default=None)
+    parser.add_argument("--dataset", default="digits", choices=["digits", "synthetic"])
+    parser.add_argument("--progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        redundancies = tuple(int(r) for r in args.redundancies.split(","))
+    except ValueError:
+        parser.error(f"--redundancies must be a comma list of integers, got {args.redundancies!r}")
+    for r in redundancies:
+        if not 1 <= r <= args.num_devices:
+            parser.error(f"--redundancies must be in [1, num_devices={args.num_devices}], got {r}")
+    bad = [r for r in redundancies if args.batch_size % math.comb(args.num_devices, r)]
+    if bad:
+        parser.error(
+            f"--batch_size={args.batch_size} must be a multiple of C({args.num_devices}, r) "
+            f"for every r; not for r in {bad}"
+        )
+    from experiments.compare import set_cpu_devices  # noqa: PLC0415 (imports no JAX backend)
+
+    set_cpu_devices(args.num_devices)
+    record = run(
+        args.out,
+        models=tuple(m for m in args.models.split(",") if m),
+        redundancies=redundancies,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        num_devices=args.num_devices,
+        max_steps_per_epoch=args.max_steps_per_epoch,
+        dataset=args.dataset,
+        progress=args.progress,
+    )
+    print(format_table(record))
+    print(f"JSON and plot: {os.path.join(args.out, 'bench_cssgd.json')}, bench_cssgd.png")
+    return record
+
+
+if __name__ == "__main__":
+    main()
