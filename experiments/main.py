@@ -139,7 +139,9 @@ def _define_flags() -> None:
         list(EXCHANGES),
         "default: the compressor's own exchange; coded: CSSGD, blocks on --redundancy "
         "devices and coded multicast of the dense gradients; uncoded: the same assignment, "
-        "missing blocks sent whole (both need --compressor=dense and --redundancy).",
+        "missing blocks sent whole (both need --compressor=dense and --redundancy); "
+        "sparsifiers: sparse, dense, server, sparcml, gtopk, oktopk, scalecom, auto, "
+        "auto_topk; quantizers: allgather, server.",
     )
     flags.DEFINE_integer(
         "redundancy",

@@ -53,6 +53,7 @@ import jaxcomp
 from experiments import data as data_lib
 from experiments import models, timing
 from jaxcomp import cssgd, planning
+from jaxcomp.transforms.quantize import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
 from jaxcomp.transforms.quantize import qsgd_levels
 
 __all__ = [
@@ -107,7 +108,12 @@ MERGES = ("none", "greedy", "optimal")
 DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
 # --exchange: "default" (None) is the compressor's own exchange; the others are CSSGD.
 CODED_EXCHANGES = cssgd.EXCHANGES
-EXCHANGES = ("default", *CODED_EXCHANGES)
+# A sparsifier's exchange= (jaxcomp.comm.sparse_allreduce) and a quantizer's.
+SPARSIFIER_EXCHANGES = tuple(jaxcomp.comm.sparse_allreduce.EXCHANGES)
+QUANTIZER_EXCHANGES = tuple(_QUANTIZER_EXCHANGES)
+EXCHANGES = tuple(
+    dict.fromkeys(("default", *CODED_EXCHANGES, *SPARSIFIER_EXCHANGES, *QUANTIZER_EXCHANGES))
+)
 # Fields only CSSGD runs read (must stay None otherwise).
 CODED_FIELDS = ("redundancy", "coded_value_range", "coded_bits")
 
@@ -192,6 +198,10 @@ class TrainConfig:
         (the CSSGD paper's comparison; the same decoded gradient). Coded and
         uncoded need ``compressor="dense"``, one process, ``redundancy``, and
         a ``batch_size`` that is a multiple of ``C(num_devices, redundancy)``.
+        A sparsifier's exchange (``jaxcomp.comm.sparse_allreduce.EXCHANGES``:
+        ``"sparse"``, ``"dense"``, ``"server"``, ``"sparcml"``, ``"gtopk"``,
+        ``"oktopk"``, ``"scalecom"``, ``"auto"``, ``"auto_topk"``) or a
+        quantizer's (``"allgather"``, ``"server"``): passed to the compressor.
       redundancy: CSSGD's ``r``, devices per block, in ``[1, num_devices]``
         (coded/uncoded only, required there).
       coded_value_range: the integers cover ``[-v, v]`` (None: 10.0, the
@@ -420,6 +430,20 @@ def _validate_exchange(c: TrainConfig, fail) -> None:
     """The checks of ``exchange`` and the CSSGD fields that need no device count."""
     if c.exchange is not None and c.exchange not in EXCHANGES:
         fail(f"exchange (--exchange) must be one of {', '.join(EXCHANGES)}, got {c.exchange!r}")
+    if c.exchange is not None and not is_coded(c):
+        allowed = (
+            SPARSIFIER_EXCHANGES
+            if c.compressor in SPARSIFIERS
+            else QUANTIZER_EXCHANGES
+            if c.compressor in QUANTIZERS
+            else ()
+        )
+        if c.exchange not in allowed:
+            fail(
+                f"exchange={c.exchange!r} (--exchange) is not an exchange of "
+                f"{_kind(c.compressor)} {c.compressor!r}: it takes "
+                f"{', '.join(('default', *CODED_EXCHANGES) if not allowed else allowed)}"
+            )
     if not is_coded(c):
         # Like the per-compressor flags: a CSSGD flag is never silently ignored.
         for name in CODED_FIELDS:
@@ -529,6 +553,8 @@ def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int,
     on_compressor = c.momentum_correction and c.compressor in SPARSIFIERS and c.momentum > 0
     # Unset: the factory's own default (qsgd sends leaves of <= 10000 dense).
     dense_size = {} if c.min_dense_size is None else {"min_dense_size": c.min_dense_size}
+    # Unset: the compressor's own default exchange.
+    exchange = {} if c.exchange is None else {"exchange": c.exchange}
     if c.compressor == "dense":
         compressor = jaxcomp.dense_exchange(AXIS)
     elif c.compressor in SPARSIFIERS:
@@ -545,6 +571,7 @@ def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int,
             reuse_period=c.reuse_period,
             groups=groups,
             **dense_size,
+            **exchange,
             seed=c.seed,
         )
     elif c.compressor == "qsgd":
@@ -557,10 +584,11 @@ def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int,
             # Kept in the state only when measured: a copy of the message.
             keep_message=c.coded_bytes_every is not None,
             **dense_size,
+            **exchange,
         )
     else:
         compressor = getattr(jaxcomp, c.compressor)(
-            bucket_size=c.bucket_size, axis_name=AXIS, **dense_size
+            bucket_size=c.bucket_size, axis_name=AXIS, **dense_size, **exchange
         )
     # Momentum correction: the compressor accumulates velocity, so the
     # optimizer after it must be plain SGD or momentum would apply twice.

@@ -677,3 +677,29 @@ def test_main_coded_flags_make_the_config():
     train.validate_config(config)
     resolved = train.resolve_config(dataclasses.replace(config, coded_bits=None))
     assert resolved.coded_bits == 32
+
+
+@pytest.mark.parametrize(
+    "compressor, exchange",
+    [("top_k", "gtopk"), ("ldte_bs", "oktopk"), ("qsgd", "server"), ("top_k", "scalecom")],
+)
+def test_compressor_exchange_reaches_the_compressor(tmp_path, compressor, exchange):
+    config = dataclasses.replace(
+        TINY, compressor=compressor, exchange=exchange, time_split=False, num_devices=2
+    )
+    result = train.train_and_evaluate(config, str(tmp_path))
+    record = result["final"]
+    assert np.isfinite(record["train_loss"]) and record["bytes_per_step_per_device"] > 0
+    # The exchange is the compressor's: its state counted what it sent.
+    _, tx = train.build_optimizer(config, 2, 2)
+    assert tx is not None
+
+
+@pytest.mark.parametrize(
+    "compressor, exchange",
+    [("dense", "gtopk"), ("qsgd", "gtopk"), ("top_k", "allgather"), ("top_k", "nope")],
+)
+def test_exchange_the_compressor_lacks_is_rejected(compressor, exchange):
+    config = dataclasses.replace(TINY, compressor=compressor, exchange=exchange)
+    with pytest.raises(ValueError, match="exchange"):
+        train.validate_config(config)
