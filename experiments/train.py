@@ -430,7 +430,7 @@ def _validate_exchange(c: TrainConfig, fail) -> None:
     """The checks of ``exchange`` and the CSSGD fields that need no device count."""
     if c.exchange is not None and c.exchange not in EXCHANGES:
         fail(f"exchange (--exchange) must be one of {', '.join(EXCHANGES)}, got {c.exchange!r}")
-    if c.exchange is not None and not is_coded(c):
+    if c.exchange not in (None, "default") and not is_coded(c):
         allowed = (
             SPARSIFIER_EXCHANGES
             if c.compressor in SPARSIFIERS
