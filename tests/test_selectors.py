@@ -435,3 +435,42 @@ def test_dgc_may_end_below_k_and_reports_it():
     c = int(s.count)
     assert c == count_above(x, s.threshold)
     assert 1 <= c < k
+
+
+@pytest.mark.parametrize("t", [-1.0, 0.0, 0.5, 5.0])
+def test_one_device_send_is_first_cap_above_t_bit_for_bit(t):
+    """sparsify on one device, with any threshold selector (here a custom one that may
+    return a negative t): the update holds the first ``cap`` elements with |acc| > t in
+    index order and the residual the rest, bit for bit, signed zeros included, with and
+    without overflow. (The selector reads a copy of the accumulator and the update is
+    read off the residual: sparsify._select_and_send, _send_masked.)"""
+    import jaxcomp  # noqa: PLC0415
+
+    n, ratio, cap = 1000, 0.01, 15  # k = 10, capacity ceil(1.5 k)
+
+    def select(x, k):
+        tt = jnp.float32(t)
+        count = jnp.sum(jnp.abs(x.astype(jnp.float32)) > tt, dtype=jnp.int32)
+        return sel.Selection(tt, count, jnp.int32(0))
+
+    tx = jaxcomp.sparsify(select, ratio)
+    rng = np.random.default_rng(0)
+    g = rng.laplace(size=n).astype(np.float32)
+    g[::7] = 0.0
+    g[3::11] = -0.0
+    r = np.zeros(n, np.float32)
+    r[3::11] = -0.0  # -0.0 + -0.0: accumulators that are -0.0
+    state = tx.init(jnp.asarray(g))._replace(residual=jnp.asarray(r))
+    step = jax.jit(tx.update)
+    for _ in range(3):
+        upd, state = step(jnp.asarray(g), state)
+        acc = r + g
+        above = np.abs(acc) > np.float32(t)
+        idx = np.flatnonzero(above)
+        limit = idx[cap - 1] if idx.size > cap else n
+        mask = above & (np.arange(n) <= limit)
+        ref_u = np.where(mask, acc, np.float32(0))
+        r = np.where(mask, np.float32(0), acc)
+        np.testing.assert_array_equal(np.asarray(upd).view(np.uint32), ref_u.view(np.uint32))
+        np.testing.assert_array_equal(np.asarray(state.residual).view(np.uint32), r.view(np.uint32))
+        assert int(state.sent_count) == min(idx.size, cap)

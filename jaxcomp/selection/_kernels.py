@@ -27,6 +27,19 @@ How XLA:CPU (jax 0.10.2) compiles these patterns -- the facts behind every choic
   neither CSE the two compares nor drop one) and return their ``minimum`` (equal).
 * Float sums reduced by YNN are fast but float variadic reductions are sequential
   (~10 floors), so ``moments`` uses three YNN reductions instead of one variadic one.
+* Sibling elementwise outputs are NOT fused into one multi-output loop: two ``where``s of
+  the same x are two loop fusions, each reading x (``dense_split`` below). A variadic
+  reduce over a trailing axis of 2 does give one 2-output fusion, but it cannot write in
+  place of its operand, so with donated buffers XLA adds a copy.
+* An n-sized value that is read inside a ``lax.cond`` or ``lax.while_loop`` cannot be
+  updated in place afterwards (XLA's buffer sharing rejects it: "buffer cannot be
+  shared"), so it keeps its own buffer; when the program's outputs are two n-sized arrays
+  and only one input buffer is donated, that is a fresh temporary on every call. The
+  single-device sparsifier therefore gives the selector its own copy of the accumulator
+  (``sparsify._select_and_send``). Fresh n-sized buffers are expensive: glibc serves
+  them with ``mmap``, and the first write of a fresh 64 MiB buffer (2^24 floats) cost
+  ~20-35 ms here against ~3 ms for a floor pass, ~9 ms with
+  ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (huge pages) set before Python starts.
 
 Measured medians (float32 Laplacian data, eta = 1e-3, k = ceil(eta n), capacity =
 ceil(1.5 k), 2 cores; median of 3 interleaved rounds x 7 runs after warm-up). Absolute
@@ -53,7 +66,7 @@ the ``__main__`` benchmark, single values = prototype runs (/tmp, same protocol)
     extract (B=64, cumsum in-row rank)         2.6..3.4         2.9..3.1
     extract B=32 / 128 / 256 (cumsum rank)     2.8/3.5/5.7      2.8/6.1/10.9
     jnp.nonzero(mask, size=capacity)           59               54
-    dense_split: sent & residual, 1 fusion   * 3.4..3.8         10.6..12.2
+    dense_split: sent & residual (2 fusions) * 3.4..3.8         10.6..12.2
     zeros.at[idx].set(v) + x.at[idx].set(0)    1.9..2.5         10..12
     x.at[idx].set(0) with x donated            0.13             ~1 (noisy)
 
@@ -312,11 +325,12 @@ def extract(
 def dense_split(x: jax.Array, t: jax.Array | float) -> tuple[jax.Array, jax.Array]:
     """Dense ``sent = where(|x| > t, x, -0.)`` and ``residual = where(|x| > t, -0., x)``.
 
-    Both outputs come from one 2-output loop fusion reading x once; using ``where``
-    for both (not ``x - sent``) keeps every entry of x bit-exact in one of the two
-    outputs. The filler zero is ``-0.0`` so that even the float sum ``sent + residual``
-    equals x bit-for-bit for every non-NaN x, including ``-0.0`` (``+0.0 + -0.0`` would
-    give ``+0.0``; ``-0.0 + y == y`` bitwise for all y). Writing two n-sized outputs
+    XLA:CPU (jax 0.10.2) emits two loop fusions, each reading x (it does not fuse
+    sibling elementwise outputs); using ``where`` for both (not ``x - sent``) keeps
+    every entry of x bit-exact in one of the two outputs. The filler zero is ``-0.0``
+    so that even the float sum ``sent + residual`` equals x bit-for-bit for every
+    non-NaN x, including ``-0.0`` (``+0.0 + -0.0`` would give ``+0.0``; ``-0.0 + y ==
+    y`` bitwise for all y). Writing two n-sized outputs
     costs far more than the read (fresh output buffers are first-touched): measured
     3.4-3.8 floors at 2^22 and 10.6-12.2 floors at 2^24. Scattering ``capacity`` values instead
     (``zeros.at[idx].set(vals, mode="drop")`` + ``x.at[idx].set(0, mode="drop")``)

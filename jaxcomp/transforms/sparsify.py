@@ -937,7 +937,24 @@ def _select_and_send(
     send_ok = ctx.sends
     n = acc.shape[0]
     masked = cfg.axis_name is None
-    sel = _select(cfg, acc, k, key, stored, refresh, count_needed=masked)
+    x = None
+    if masked and cfg.select_fn not in (selectors.exact_top_k, selectors.sort_top_k):
+        # One device: the selector and the overflow cond of _send_masked read
+        # their own copy of the accumulator, equal bit for bit (x + (-0.0) ==
+        # x, NaN stays NaN; the barrier keeps XLA from folding the add or
+        # merging the copy into acc). XLA:CPU cannot update an n-sized value
+        # in place once it has been read inside a conditional or while loop
+        # (the selector's search, the overflow cond), and the step has two
+        # n-sized outputs for one donated buffer: an `acc` read there needed
+        # a fresh n-sized temporary on every call (page faults). With the
+        # copy, acc and the update reuse the donated residual's buffer and
+        # the copy and the new residual share the one fresh output buffer:
+        # one extra pass, one fresh buffer fewer (ldte_bs at 2^24: 96-101 vs
+        # 121-124 ms, experiments/bench_update.py). Not for top-k and sort:
+        # they materialise |x| for lax.top_k / the sort anyway and have no
+        # control flow over x, so the copy would be a third n-sized buffer.
+        x = acc + lax.optimization_barrier(jnp.array(-0.0, acc.dtype))
+    sel = _select(cfg, acc if x is None else x, k, key, stored, refresh, count_needed=masked)
     # A skipped (non-finite) step selects nothing.
     sel = sel._replace(
         threshold=jnp.where(send_ok, sel.threshold, jnp.inf),
@@ -945,7 +962,7 @@ def _select_and_send(
         indices=None if sel.indices is None else jnp.where(send_ok, sel.indices, n),
     )
     if sel.indices is None and masked:
-        return _send_masked(cfg, acc, u, sel, cap, out_dtype, segments)
+        return _send_masked(cfg, acc, u, sel, cap, out_dtype, segments, x)
     return _send_extracted(cfg, acc, u, sel, cap, out_dtype, ctx, segments)
 
 
@@ -975,19 +992,23 @@ def _bounds(segments):
     return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
-def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments) -> _FlatOut:
+def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) -> _FlatOut:
     """One device: a dense mask is enough, no stream compaction.
 
     On overflow (count > capacity: ties, fixed or reused thresholds) the
     message holds the first ``cap`` selected elements in index order, i.e.
     the selected ones up to the index of the cap-th; only then is that index
     extracted. The cond returns a scalar: the dense work stays outside it
-    (XLA:CPU runs conditional branches unfused).
+    (XLA:CPU runs conditional branches unfused). ``x`` (default ``acc``) is
+    what the cond reads: the selector's copy of ``acc``, equal to it bit for
+    bit, so that ``acc`` stays out of control flow (see _select_and_send).
     """
     n = acc.shape[0]
+    copied = x is not None
+    x = acc if x is None else x
     limit = lax.cond(
         sel.count > cap,
-        lambda _: kernels.extract(acc, sel.threshold, cap)[0][cap - 1],
+        lambda _: kernels.extract(x, sel.threshold, cap)[0][cap - 1],
         lambda _: varying_like(jnp.int32(n), acc),
         None,
     )
@@ -995,14 +1016,31 @@ def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments) -> _FlatOu
     # accumulator compared in float64 could select more than counted (values
     # that round down to the threshold).
     above = jnp.abs(acc.astype(jnp.float32)) > sel.threshold
-    mask = above & (lax.iota(jnp.int32, n) <= limit)
+    iota = lax.iota(jnp.int32, n)
+    mask = above & (iota <= limit)
     sent_out = jnp.where(mask, acc, 0).astype(out_dtype)
+    residual = _keep_rest(acc, mask, sent_out)
+    if copied and sent_out.dtype == acc.dtype:
+        # The same update, read off the residual (here where(mask, +0, acc)):
+        # an element above the threshold is sent iff its residual is +0.0
+        # bit for bit (one kept beyond the overflow limit keeps acc, and if
+        # that is +0.0 the update is +0.0 either way). Two reasons: the update
+        # now comes after the residual, so XLA accumulates in place of the
+        # donated residual, writes the update in place of acc, and the one
+        # fresh n-sized buffer (the new residual) is first written by the
+        # selector's copy, a lighter pass than the accumulation (ldte_bs at
+        # 2^24: 92-95 vs 96-101 ms with the copy alone); and an in-place
+        # kernel with the `iota <= limit` compare ran 1.8 ms at 2^22 against
+        # 1.15 ms for this one (experiments/bench_update.py, kernels_ms).
+        ibits = jnp.dtype(f"int{8 * acc.dtype.itemsize}")
+        kept_zero = lax.bitcast_convert_type(residual, ibits) == 0
+        sent_out = jnp.where(above & kept_zero, acc, 0).astype(out_dtype)
     seg = None
     if segments is not None:
         seg = tuple(jnp.sum(mask[lo:hi], dtype=jnp.int32) for lo, hi in _bounds(segments))
     return _FlatOut(
         update=sent_out,
-        residual=_keep_rest(acc, mask, sent_out),
+        residual=residual,
         velocity=_mask_velocity(cfg, u, mask),
         count=jnp.minimum(sel.count, cap),
         segment_counts=seg,

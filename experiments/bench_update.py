@@ -1,0 +1,577 @@
+"""The full update, as a training step runs it: the donated single-device ``tx.update``.
+
+For each compressor (``ldte_bs``, ``top_k``, optionally ``gaussian_k``) at
+``ratio = 1e-3`` and each size (default ``2^22`` and ``2^24`` float32
+elements), it times exactly what a one-device training step pays for the
+compressor::
+
+    step = jax.jit(lambda g, s: tx.update(g, s), donate_argnums=1)
+    u, s = step(g, s)  # the state threaded from call to call, as in a training loop
+
+with ``g`` a fixed Laplacian gradient (``bench_selection.make_data``), after
+``--warm_steps`` steps, as medians of ``--repeats`` rounds that interleave
+every program of a size (one call each per round), so that the load of a
+shared machine drifts over all of them alike. In the same rounds it times:
+
+- ``floor``: one memory pass, ``jnp.sum(jnp.abs(x))``;
+- ``contract``: the least a sparsifier can do under the optax contract on
+  XLA:CPU, ``(where(|r + g| > t, r + g, 0), where(|r + g| > t, 0, r + g))``
+  with ``r`` donated and ``t`` fixed (no selection): the dense update is an
+  output, so with the gradient not donated one n-sized output buffer is
+  fresh on every call;
+- a breakdown by stage (each a separately compiled, donated program, so the
+  differences are indicative): ``check`` (the non-finite check, one read of
+  ``g``), ``accumulate`` (``r <- r + g``, in place), ``select``
+  (accumulate, then the selector's threshold and count); ``send`` is
+  ``update - select``: the mask, the overflow check, the dense update and
+  residual outputs and any fresh buffers.
+
+It also counts the memory passes of the compiled update from its HLO
+(``hlo_passes``): every kernel that reads or writes an n-sized buffer, at
+the top level (run on every call) or inside a conditional or loop body (run
+only when taken), the input/output aliasing of the donated state and
+``memory_analysis()`` (fresh temporaries; those of untaken branches are
+allocated but never touched); and it times each of those kernels in the real
+update from a ``jax.profiler`` trace (``profile_kernels``, ``kernels_ms``):
+the per-pass breakdown of where the time goes.
+
+Fresh n-sized buffers cost page faults on every call (glibc serves them
+with ``mmap``): at ``2^24`` writing one costs about as much as all the
+compressor's passes together. That is the process's allocator, not the
+compiled program: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc >= 2.35,
+transparent huge pages for large blocks) set before Python starts cut the
+first write of the fresh 64 MiB output from ~35 to ~9 ms here. The
+environment's allocator settings are recorded in the JSON (``malloc_env``).
+
+Ratios (``speedup_vs_top_k``, ``floors``) come from medians measured in the
+same run. Writes ``<out>/bench_update.json`` and ``<out>/bench_update.png``.
+
+Run: ``python -m experiments.bench_update [--sizes 22,24]
+[--methods ldte_bs,top_k] [--repeats 15] [--warm_steps 20] [--no_stages]
+[--no_profile] [--out results]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jaxcomp
+from experiments.bench_selection import make_data
+from jaxcomp.selection import selectors
+
+ETA = 1e-3
+# name -> (transform factory, the selector it runs).
+METHODS = {
+    "ldte_bs": (jaxcomp.ldte_bs, selectors.ldte_bs),
+    "top_k": (jaxcomp.top_k, selectors.exact_top_k),
+    "gaussian_k": (jaxcomp.gaussian_k, selectors.gaussian_k),
+}
+STAGES = ("check", "accumulate", "select")
+MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_")
+TARGET_FLOORS = 8.0
+TARGET_SPEEDUP = 4.0
+
+
+def update_fn(tx):
+    """The timed program: the whole ``tx.update`` with the state donated."""
+    return jax.jit(lambda g, s: tx.update(g, s), donate_argnums=1)
+
+
+def _finite_grad(g):
+    # What sparsify does first with nonfinite="skip" (the default): one full
+    # reduction decides whether the step sends, then g is used as is or zeroed.
+    finite = jnp.isfinite(jnp.sum(g - g))
+    return jnp.where(finite, g, 0)
+
+
+def stage_fns(select, k):
+    """The breakdown programs, each ``(r, g) -> (..., r)`` with ``r`` donated (but ``check``)."""
+    return {
+        "check": (jax.jit(lambda g: jnp.isfinite(jnp.sum(g - g))), False),
+        "accumulate": (jax.jit(lambda r, g: r + _finite_grad(g), donate_argnums=0), True),
+        "select": (
+            jax.jit(
+                lambda r, g: (lambda acc: (*select(acc, k)[:2], acc))(r + _finite_grad(g)),
+                donate_argnums=0,
+            ),
+            True,
+        ),
+    }
+
+
+def contract_fn():
+    """The optax contract's dense outputs from ``r + g`` and a fixed ``t``, ``r`` donated."""
+
+    def f(r, g, t):
+        # (update, residual) as tx.update returns them: output 0 reuses r's buffer.
+        acc = r + g
+        keep = jnp.abs(acc) > t
+        return jnp.where(keep, acc, 0), jnp.where(keep, 0, acc)
+
+    return jax.jit(f, donate_argnums=0)
+
+
+# ---------------------------------------------------------------------------
+# Memory passes from the compiled HLO.
+# ---------------------------------------------------------------------------
+
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier"}
+_PARTIAL = {"slice", "dynamic-slice", "gather"}
+
+
+def _computations(text):
+    """``{name: (is_entry, [(name, type, opcode, rest), ...])}`` of an HLO module's text."""
+    comps, cur = {}, None
+    for line in text.splitlines():
+        head = re.match(r"^(ENTRY )?%(\S+) \(.*\) -> .* \{$", line)
+        if head:
+            cur = head.group(2)
+            comps[cur] = (bool(head.group(1)), [])
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            m = re.match(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([\w-]+)\((.*)$", line)
+            if m:
+                comps[cur][1].append(m.groups())
+    return comps
+
+
+def _sizes(hlo_type):
+    """Element counts of the arrays in an HLO type (a tuple type gives several)."""
+    return [
+        math.prod(int(d) for d in dims.split(",") if d)
+        for dims in re.findall(r"\[([\d,]*)\]", hlo_type)
+    ]
+
+
+def _operands(rest):
+    return re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+
+
+def _full_reads(comps, instr, types, n):
+    """n-sized operands an instruction reads in full (not just a slice or a gather)."""
+    _, _, opcode, rest = instr
+    big = [
+        i
+        for i, a in enumerate(_operands(rest))
+        if any(s >= n // 2 for s in _sizes(types.get(a, "")))
+    ]
+    called = re.search(r"calls=%([\w.\-]+)", rest)
+    if opcode != "fusion" or not called or called.group(1) not in comps:
+        return len(big)
+    body = comps[called.group(1)][1]
+    params = {
+        int(re.match(r"(\d+)", r).group(1)): name for name, _, op, r in body if op == "parameter"
+    }
+
+    def sliced_only(value, n_full):
+        # True if every use of `value` inside the fusion ends in a slice or a
+        # gather, possibly through elementwise ops and bitcasts of the same
+        # size (XLA computes those only where the slice reads): the kernel
+        # reads a few elements, not the buffer.
+        users = [(nm, t, op) for nm, t, op, r in body if value in _operands(r)]
+        return bool(users) and all(
+            op in _PARTIAL or (_sizes(t) == [n_full] and sliced_only(nm, n_full))
+            for nm, t, op in users
+        )
+
+    ops = _operands(rest)
+    return sum(not sliced_only(params.get(i), max(_sizes(types[ops[i]]))) for i in big)
+
+
+def _braced(text, key):
+    """The text inside the balanced braces after ``key`` (empty if absent)."""
+    start = text.find(key + "{")
+    if start < 0:
+        return ""
+    depth, i0 = 0, start + len(key)
+    for i in range(i0, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[i0 + 1 : i].strip()
+    return ""
+
+
+def hlo_passes(compiled, n):
+    """The kernels of a compiled program that touch n-sized buffers, and a summary.
+
+    Returns ``{"kernels": [...], "control": [...], "summary": {...}}``; each
+    kernel has its ``name``, ``opcode``, ``reads`` and ``writes`` (n-sized
+    operands read in full / n-sized outputs), ``where`` (``"every call"`` at
+    the top level, else the conditional or loop it runs in), ``op`` (the JAX
+    operation) and, if it computes one of the program's outputs, ``output``
+    (its index in the flattened outputs); ``control`` lists the conditionals
+    and loops.
+    """
+    text = compiled.as_text()
+    comps = _computations(text)
+    entry = next(name for name, (is_entry, _) in comps.items() if is_entry)
+    kernels, control_ops = [], []
+
+    def visit(comp, where, seen):
+        instrs = comps[comp][1]
+        types = {name: t for name, t, _, _ in instrs}
+        for instr in instrs:
+            name, t, opcode, rest = instr
+            if opcode in _FREE:
+                continue
+            reads = _full_reads(comps, instr, types, n)
+            control = opcode in ("while", "conditional")
+            writes = 0 if control else sum(s >= n // 2 for s in _sizes(t))
+            op = re.search(r'op_name="([^"]*)"', rest)
+            if (reads or writes) and not control:
+                kernels.append(
+                    {
+                        "name": name,
+                        "opcode": opcode,
+                        "reads": reads,
+                        "writes": writes,
+                        "where": where,
+                        "op": op.group(1).split("/")[-1] if op else "",
+                    }
+                )
+            if control:
+                control_ops.append({"name": name, "opcode": opcode, "where": where})
+                inner = re.findall(r"(?:condition|body|to_apply)=%([\w.\-]+)", rest)
+                branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+                if branches:
+                    inner += re.findall(r"%([\w.\-]+)", branches.group(1))
+                label = (
+                    f"{opcode} {name}" if where == "every call" else f"{where} > {opcode} {name}"
+                )
+                for c in inner:
+                    if c in comps and c not in seen:
+                        visit(c, label, seen | {c})
+
+    visit(entry, "every call", {entry})
+    # Which kernels write the program's outputs (flattened (updates, state):
+    # output 0 is the update, output 2 the new residual).
+    root = re.search(r"ROOT %\S+ = .*? tuple\((.*)\)", text[text.find("\nENTRY ") :])
+    outputs = _operands(root.group(1) + "), ") if root else []
+    for kk in kernels:
+        if kk["where"] == "every call" and kk["name"] in outputs:
+            kk["output"] = outputs.index(kk["name"])
+    memory = compiled.memory_analysis()
+    top = [kk for kk in kernels if kk["where"] == "every call"]
+    alias = _braced(text, "input_output_alias=")
+    nbytes = 4 * n
+    summary = {
+        "kernels_every_call": len(top),
+        "reads_every_call": sum(kk["reads"] for kk in top),
+        "writes_every_call": sum(kk["writes"] for kk in top),
+        "kernels_conditional": len(kernels) - len(top),
+        "copies_every_call": sum(kk["opcode"] == "copy" for kk in top),
+        "temp_n": memory.temp_size_in_bytes / nbytes,
+        "fresh_outputs_n": (memory.output_size_in_bytes - memory.alias_size_in_bytes) / nbytes,
+        "aliased_n": memory.alias_size_in_bytes / nbytes,
+        # e.g. "{0}: (2, {}, may-alias)": output 0 (the update) is written into the
+        # buffer of parameter 2 (the donated residual).
+        "input_output_alias": alias,
+    }
+    return {"kernels": kernels, "control": control_ops, "summary": summary}
+
+
+def profile_kernels(fn, g, state, hlo, steps=5):
+    """Mean ms per call of each kernel of ``hlo`` (and of each conditional/loop) in ``fn``.
+
+    From a ``jax.profiler`` trace of ``steps`` calls (XLA:CPU names its events
+    after the HLO instructions). A conditional's or loop's time includes the
+    kernels run inside it. Returns ``(rows, state)``; ``rows`` is empty if the
+    profiler is unavailable.
+    """
+    import collections
+    import glob
+    import gzip
+    import tempfile
+
+    per = collections.defaultdict(float)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                for _ in range(steps):
+                    u, state = jax.block_until_ready(fn(g, state))
+                    del u
+            (path,) = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+            with gzip.open(path) as f:
+                events = json.load(f)["traceEvents"]
+    except Exception as e:  # noqa: BLE001 - the timing is optional, the benchmark is not
+        print(f"  (no kernel profile: {type(e).__name__}: {e})", flush=True)
+        return [], state
+    for e in events:
+        if e.get("ph") == "X":
+            per[e["name"]] += e["dur"] / 1e3 / steps
+    rows = []
+    for kk in [*hlo["kernels"], *hlo["control"]]:
+        if kk["name"] in per:
+            rows.append({**kk, "ms": per[kk["name"]]})
+    return rows, state
+
+
+# ---------------------------------------------------------------------------
+# The benchmark.
+# ---------------------------------------------------------------------------
+
+
+def _call(entry):
+    """Runs one program once (threading its donated state); returns seconds."""
+    fn, kind, args = entry["fn"], entry["kind"], entry["args"]
+    t0 = time.perf_counter()
+    if kind == "update":
+        u, entry["state"] = jax.block_until_ready(fn(args[0], entry["state"]))
+        del u
+    elif kind == "donated":
+        out = jax.block_until_ready(fn(entry["state"], *args))
+        # The program's new donated state comes last (`select`: acc;
+        # `contract`: the residual).
+        entry["state"] = out[-1] if isinstance(out, tuple) else out
+        del out
+    else:
+        jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def run(sizes_log2, methods, repeats, out_dir, warm_steps=20, stages=True, profile=True):
+    """Times every method's donated update at every size; returns the result rows.
+
+    ``stages``: also time the breakdown programs; ``profile``: also time each
+    kernel of the update from a profiler trace (``profile_kernels``).
+    """
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"methods must be among {sorted(METHODS)}, got unknown {unknown}")
+    methods = list(dict.fromkeys(["top_k", *methods]))  # top_k is the baseline, always run
+    results = []
+    for lg in sizes_log2:
+        n = 2**lg
+        k = selectors.target_count(ETA, n)
+        g = jnp.asarray(make_data("laplace", n))
+        progs = {"floor": {"fn": jax.jit(lambda v: jnp.sum(jnp.abs(v))), "kind": "plain"}}
+        progs["floor"]["args"] = (g,)
+        hlo, sel_out, kernel_ms = {}, {}, {}
+        for m in methods:
+            make, select = METHODS[m]
+            tx = make(ETA)
+            fn = update_fn(tx)
+            state = tx.init(g)
+            hlo[m] = hlo_passes(fn.lower(g, state).compile(), n)
+            for _ in range(warm_steps):
+                _, state = fn(g, state)
+            state = jax.block_until_ready(state)  # no queued steps in what follows
+            if profile:
+                kernel_ms[m], state = profile_kernels(fn, g, state, hlo[m])
+            progs[m] = {"fn": fn, "kind": "update", "args": (g,), "state": state}
+            if stages:
+                for stage, (sfn, donated) in stage_fns(select, k).items():
+                    entry = {"fn": sfn, "kind": "donated" if donated else "plain"}
+                    entry["args"] = (g,)
+                    if donated:
+                        entry["state"] = jnp.zeros_like(g)
+                    progs[f"{m}/{stage}"] = entry
+            sel_out[m] = state
+        t_fixed = jnp.float32(sel_out["top_k"].threshold)
+        progs["contract"] = {
+            "fn": contract_fn(),
+            "kind": "donated",
+            "args": (g, t_fixed),
+            "state": jnp.zeros_like(g),
+        }
+        times = {name: [] for name in progs}
+        for rnd in range(repeats + 2):  # two warm-up rounds (compilation, first touch)
+            for name, entry in progs.items():
+                dt = _call(entry)
+                if rnd >= 2:
+                    times[name].append(dt)
+        med = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+        floor = med["floor"]
+        row = {
+            "log2_n": lg,
+            "n": n,
+            "k": k,
+            "floor_ms": floor,
+            "contract_ms": med["contract"],
+            "contract_floors": med["contract"] / floor,
+            "methods": {},
+        }
+        for m in methods:
+            state = progs[m]["state"]
+            entry = {
+                "update_ms": med[m],
+                "floors": med[m] / floor,
+                "over_contract": med[m] / med["contract"],
+                "search_iterations": int(state.search_iterations),
+                "sent_count": int(state.sent_count),
+                "sent_over_k": int(state.sent_count) / k,
+                "hlo": hlo[m],
+            }
+            if m in kernel_ms:
+                # Per-kernel means of a profiled run (slower than the timed
+                # calls, and the machine drifts): shares, not exact times.
+                entry["kernels_ms"] = kernel_ms[m]
+                top = [kk for kk in kernel_ms[m] if kk["where"] == "every call"]
+                entry["profiled_ms"] = sum(kk["ms"] for kk in top)
+            if stages:
+                st = {s: med[f"{m}/{s}"] for s in STAGES}
+                st["send"] = med[m] - st["select"]
+                entry["stages_ms"] = st
+                entry["stages_floors"] = {s: v / floor for s, v in st.items()}
+            row["methods"][m] = entry
+        base = row["methods"]["top_k"]["update_ms"]
+        for entry in row["methods"].values():
+            entry["speedup_vs_top_k"] = base / entry["update_ms"]
+        results.append(row)
+        _print_row(row)
+    meta = {
+        "eta": ETA,
+        "repeats": repeats,
+        "warm_steps": warm_steps,
+        "targets": {"max_floors": TARGET_FLOORS, "min_speedup_vs_top_k": TARGET_SPEEDUP},
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        # Allocator settings change the cost of fresh buffers (see the module
+        # docstring): recorded so that runs with and without them are told apart.
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_update.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    png = plot(results, os.path.join(out_dir, "bench_update.png"))
+    print(f"wrote {path} and {png}")
+    return results
+
+
+def _kernel_label(kk):
+    rw = f"R{kk['reads']}W{kk['writes']}" if "reads" in kk else kk["opcode"]
+    out = f" -> output {kk['output']}" if "output" in kk else ""
+    return f"{kk['name']} ({kk.get('op') or kk['opcode']}, {rw}{out})"
+
+
+def _print_row(row):
+    print(
+        f"2^{row['log2_n']}: floor {row['floor_ms']:.3f} ms, contract {row['contract_ms']:.2f} ms"
+        f" ({row['contract_floors']:.1f} floors)",
+        flush=True,
+    )
+    for m, e in row["methods"].items():
+        s = e["hlo"]["summary"]
+        print(
+            f"  {m:10s} {e['update_ms']:8.2f} ms {e['floors']:5.1f} floors"
+            f" {e['speedup_vs_top_k']:5.2f}x top_k | {e['search_iterations']} it,"
+            f" sent {e['sent_over_k']:.2f}k | HLO every call: {s['kernels_every_call']} n-sized"
+            f" kernels, {s['reads_every_call']} reads, {s['writes_every_call']} writes,"
+            f" {s['copies_every_call']} copies; temp {s['temp_n']:.2f} n,"
+            f" fresh outputs {s['fresh_outputs_n']:.2f} n",
+            flush=True,
+        )
+        if "stages_floors" in e:
+            print(
+                "    stage programs (floors): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in e["stages_floors"].items()),
+                flush=True,
+            )
+        for kk in e.get("kernels_ms", []):
+            if kk["where"] == "every call" and kk["ms"] >= 0.02 * e["update_ms"]:
+                print(f"    {kk['ms']:8.2f} ms  {_kernel_label(kk)}", flush=True)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results[0]["methods"])
+    ncol = 1 + len(names)
+    fig, axes = plt.subplots(
+        len(results), ncol, figsize=(5.2 * ncol, 4.4 * len(results)), squeeze=False
+    )
+    for axrow, row in zip(axes, results, strict=True):
+        ax = axrow[0]
+        floors = [row["methods"][m]["floors"] for m in names]
+        ax.bar(range(len(names)), floors, color=[f"C{i}" for i in range(len(names))])
+        for i, m in enumerate(names):
+            e = row["methods"][m]
+            ax.annotate(
+                f"{e['floors']:.1f} floors\n{e['update_ms']:.1f} ms\n"
+                f"{e['speedup_vs_top_k']:.2f}x top_k",
+                (i, e["floors"]),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.axhline(
+            TARGET_FLOORS, color="r", ls="--", lw=1, label=f"target {TARGET_FLOORS:g} floors"
+        )
+        ax.axhline(
+            row["contract_floors"], color="k", ls=":", lw=1.5, label="contract (no selection)"
+        )
+        ax.set_ylim(0, 1.3 * max(floors + [TARGET_FLOORS, row["contract_floors"]]))
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel("one-pass floors (sum |x|)")
+        ax.set_title(f"donated tx.update, n = 2^{row['log2_n']} (floor {row['floor_ms']:.2f} ms)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+        for ax, m in zip(axrow[1:], names, strict=True):
+            e = row["methods"][m]
+            ks = [
+                kk
+                for kk in e.get("kernels_ms", [])
+                if kk["where"] == "every call" and kk["ms"] >= 0.005 * e["update_ms"]
+            ]
+            ks = sorted(ks, key=lambda kk: kk["ms"])[-12:]
+            ax.barh(range(len(ks)), [kk["ms"] for kk in ks], color="C7")
+            ax.set_yticks(range(len(ks)), [_kernel_label(kk) for kk in ks], fontsize=7)
+            ax.set_xlabel("ms per call (profiled)")
+            ax.set_title(f"{m}, 2^{row['log2_n']}: top-level kernels", fontsize=9)
+            ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(
+        f"top-{ETA:g} update on {jax.default_backend()} ({jax.__version__}); R/W = n-sized"
+        " buffers read/written; a cond/while includes its kernels"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="22,24", help="log2 sizes")
+    parser.add_argument("--methods", default="ldte_bs,top_k", help=f"among {sorted(METHODS)}")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--warm_steps", type=int, default=20)
+    parser.add_argument("--no_stages", action="store_true", help="skip the stage breakdown")
+    parser.add_argument("--no_profile", action="store_true", help="skip the kernel profile")
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args(argv)
+    if args.repeats < 5:
+        parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
+    run(
+        [int(s) for s in args.sizes.split(",")],
+        [m for m in args.methods.split(",") if m],
+        args.repeats,
+        args.out,
+        warm_steps=args.warm_steps,
+        stages=not args.no_stages,
+        profile=not args.no_profile,
+    )
+
+
+if __name__ == "__main__":
+    main()
