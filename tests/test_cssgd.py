@@ -186,30 +186,25 @@ def test_stochastic_rounding_needs_a_key_and_stays_exact():
         np.testing.assert_array_equal(coded[1][k], want)
     cfg = cssgd.CodedConfig(redundancy=2, rounding="stochastic")
     with pytest.raises(ValueError, match="key"):
-        jax.make_jaxpr(
-            jax.shard_map(
-                lambda b: cssgd.coded_mean(b[0], cfg, "data")[0],
-                mesh=_mesh(4),
-                in_specs=P(),
-                out_specs=P(),
-                check_vma=False,
-            )
-        )(jnp.zeros((1, 3, 2)))
+        _trace_coded_mean(cfg, (1, 3, 2))
+
+
+def _trace_coded_mean(cfg, shape):
+    """Traces ``coded_mean`` (no key) on 4 devices, each given zeros of ``shape[1:]``."""
+    jax.make_jaxpr(
+        jax.shard_map(
+            lambda b: cssgd.coded_mean(b[0], cfg, "data")[0],
+            mesh=_mesh(4),
+            in_specs=P(),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )(jnp.zeros(shape))
 
 
 def test_leading_axis_and_redundancy_checked():
     cfg = cssgd.CodedConfig(redundancy=2)
-
-    def trace(cfg, shape):
-        jax.make_jaxpr(
-            jax.shard_map(
-                lambda b: cssgd.coded_mean(b[0], cfg, "data")[0],
-                mesh=_mesh(4),
-                in_specs=P(),
-                out_specs=P(),
-                check_vma=False,
-            )
-        )(jnp.zeros(shape))
+    trace = _trace_coded_mean
 
     with pytest.raises(ValueError, match="leading axis of C"):
         trace(cfg, (1, 2, 5))  # C(3, 1) = 3 blocks per worker, not 2
