@@ -53,12 +53,14 @@ __all__ = [
     "TimeSplit",
     "apply_if_finite",
     "dense_exchange",
+    "flax_param_specs",
     "init_opt_state",
     "initialize_multiprocess",
     "make_pmap_train_step",
     "make_train_step",
     "per_device_grad",
     "per_device_value_and_grad",
+    "place_params",
     "replicate",
     "shard_batch",
     "split_step_time",
@@ -322,7 +324,197 @@ def shard_batch(batch, mesh: Mesh, axis_name="data"):
     return jax.tree.map(lambda x: _place(x, sharding), batch)
 
 
-def init_opt_state(tx: optax.GradientTransformation, params, mesh: Mesh, axis_name="data"):
+class _Layout(NamedTuple):
+    """How a step's arrays sit on a mesh with a data axis and optional model axes."""
+
+    data_axes: tuple  # the axes the batch is split over (compression exchanges over these)
+    model_axes: tuple  # every other mesh axis: parameters may be sharded over them
+    specs: object  # PartitionSpec per parameter leaf (None: no model axes, all replicated)
+
+    @property
+    def manual_data(self) -> frozenset:
+        return frozenset(self.data_axes)
+
+
+def _spec_axes(spec) -> set:
+    names = set()
+    for entry in spec:
+        if entry is None:
+            continue
+        names.update(entry if isinstance(entry, tuple) else (entry,))
+    return names
+
+
+def _layout(mesh: Mesh, axis_name, params, param_specs) -> _Layout:
+    """Validates ``param_specs`` against ``mesh`` and the data axis ``axis_name``."""
+    data_axes = _axis_names(axis_name)
+    missing = [a for a in data_axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"axis_name {axis_name!r} is not an axis of the mesh (axes {mesh.axis_names})"
+        )
+    model_axes = tuple(a for a in mesh.axis_names if a not in data_axes)
+    if param_specs is None:
+        return _Layout(data_axes, model_axes, None if not model_axes else _replicated(params))
+    leaves, treedef = jax.tree.flatten(params)
+    try:
+        specs = treedef.flatten_up_to(param_specs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "param_specs must be a pytree of PartitionSpec with the parameters' structure "
+            f"({treedef}): {e}"
+        ) from None
+    for leaf, spec in zip(leaves, specs, strict=True):
+        if not isinstance(spec, P):
+            raise ValueError(f"param_specs: every leaf must be a PartitionSpec, got {spec!r}")
+        axes = _spec_axes(spec)
+        if axes & set(data_axes):
+            raise ValueError(
+                f"param_specs: {spec} shards a parameter over the data axis {axis_name!r}: "
+                "parameters are replicated over the data axis (each device computes its own "
+                "gradient and the compressor exchanges over that axis); shard them over the "
+                f"other mesh axes {model_axes} (tensor/model parallel)"
+            )
+        unknown = axes - set(model_axes)
+        if unknown:
+            raise ValueError(
+                f"param_specs: {spec} names axes {sorted(unknown)} that the mesh does not have "
+                f"(model axes: {model_axes})"
+            )
+        if len(spec) > jnp.ndim(leaf):
+            raise ValueError(f"param_specs: {spec} has more entries than the leaf's rank")
+        for dim, entry in enumerate(spec):
+            if entry is None:
+                continue
+            size = int(np.prod([mesh.shape[a] for a in _axis_names(entry)]))
+            if jnp.shape(leaf)[dim] % size:
+                raise ValueError(
+                    f"param_specs: {spec} splits dimension {dim} of a leaf of shape "
+                    f"{jnp.shape(leaf)} over {size} devices, which does not divide it"
+                )
+    return _Layout(data_axes, model_axes, jax.tree.unflatten(treedef, specs))
+
+
+def _replicated(params):
+    return jax.tree.map(lambda _: P(), params)
+
+
+def place_params(params, mesh: Mesh, param_specs=None, axis_name="data"):
+    """Places parameters on ``mesh``: sharded over model axes by ``param_specs``, else replicated.
+
+    Args:
+      params: the parameter pytree (host or device arrays).
+      mesh: the device mesh (a data axis, optionally model axes).
+      param_specs: a pytree of ``PartitionSpec`` like ``params`` naming model
+        axes only (e.g. ``P(None, "model")`` for a Dense kernel split by
+        columns), or None (replicated: :func:`replicate`).
+      axis_name: the data axis.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp import distributed as dist
+      >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
+      >>> w = dist.place_params(jnp.zeros((2, 4)), mesh, P(None, "model"))
+      >>> w.sharding.spec
+      P(None, 'model')
+    """
+    layout = _layout(mesh, axis_name, params, param_specs)
+    if layout.specs is None:
+        return replicate(params, mesh)
+    return jax.tree.map(lambda x, s: _place(x, NamedSharding(mesh, s)), params, layout.specs)
+
+
+def flax_param_specs(boxed_params, rules=None):
+    """Mesh ``PartitionSpec``s read from Flax's (logical) partitioning metadata.
+
+    ``boxed_params`` are the parameters as ``model.init`` returns them when
+    the model annotates its kernels with ``nn.with_partitioning`` (mesh axes)
+    or ``nn.with_logical_partitioning`` (logical axes, mapped to mesh axes by
+    ``rules``, e.g. ``(("mlp", "model"), ("embed", None))``). Leaves without
+    metadata are replicated. Unbox the parameters themselves with
+    ``flax.linen.meta.unbox``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> from jaxcomp import distributed as dist
+      >>> init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+      >>> layer = nn.Dense(4, kernel_init=init)
+      >>> boxed = layer.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+      >>> specs = dist.flax_param_specs(boxed, rules=(("embed", None), ("mlp", "model")))
+      >>> specs["kernel"], specs["bias"]
+      (P(None, 'model'), P())
+    """
+    import flax.linen as nn  # noqa: PLC0415 (flax only for this helper)
+
+    logical = nn.get_partition_spec(boxed_params)
+    if rules is None:
+        return logical
+    return nn.logical_to_mesh(logical, rules)
+
+
+def _stack(tree, n_leading: int):
+    return jax.tree.map(lambda x: jnp.asarray(x)[(None,) * n_leading], tree)
+
+
+def _unstack(tree, n_leading: int):
+    return jax.tree.map(lambda x: x[(0,) * n_leading], tree)
+
+
+def _per_model_shard(fn, layout: _Layout, in_specs, out_specs, *, check_vma=False):
+    """Runs ``fn`` once per model shard (manual over the model axes), inside the data map."""
+    if not layout.model_axes:
+        return fn
+
+    def mapped(*args):
+        # Built when called: the mesh is the one the enclosing data map is tracing in.
+        return jax.shard_map(
+            fn,
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=frozenset(layout.model_axes),
+            check_vma=check_vma,
+        )(*args)
+
+    return mapped
+
+
+def _sharded_update(tx, layout: _Layout, *, check_vma=False, stack_updates=False):
+    """``tx.update`` where each model shard compresses its own slice of every leaf.
+
+    With model axes the optimizer state is stacked ``(model axes..., *local
+    shape)`` inside the data map; each shard unstacks its copy, runs ``tx`` on
+    its slices of the gradients and parameters, and stacks the result again.
+    ``stack_updates`` stacks the updates too (the typing probe: a replicated
+    leaf's update is then not asserted equal across shards, which
+    ``check_vma`` cannot prove since the state is per shard).
+    """
+    if not layout.model_axes:
+        return tx.update
+    n_model = len(layout.model_axes)
+    state_spec = P(*layout.model_axes)
+
+    def local(grads, state, params, extra):
+        updates, state = tx.update(grads, _unstack(state, n_model), params, **extra)
+        return (_stack(updates, n_model) if stack_updates else updates), _stack(state, n_model)
+
+    def update(grads, state, params, **extra):
+        mapped = _per_model_shard(
+            local,
+            layout,
+            in_specs=(layout.specs, state_spec, layout.specs, P()),
+            out_specs=(state_spec if stack_updates else layout.specs, state_spec),
+            check_vma=check_vma,
+        )
+        return mapped(grads, state, params, extra)
+
+    return update
+
+
+def init_opt_state(
+    tx: optax.GradientTransformation, params, mesh: Mesh, axis_name="data", *, param_specs=None
+):
     """Per-device optimizer state, stacked along a leading device axis.
 
     Runs ``tx.init`` on every device (inside ``shard_map``) so each holds its
@@ -336,16 +528,36 @@ def init_opt_state(tx: optax.GradientTransformation, params, mesh: Mesh, axis_na
       params: the parameters (placed replicated with :func:`replicate` if not).
       mesh: the device mesh.
       axis_name: the data-parallel axis.
+      param_specs: with model axes in ``mesh`` (every axis but ``axis_name``),
+        how each parameter is sharded over them (:func:`place_params`; None:
+        replicated). Each model shard then holds the state of its own slices:
+        leaves get shape ``(N, M_1, ..., *local shape)`` for model axes of
+        sizes ``M_1, ...``, sharded over ``(axis_name, *model axes)``.
 
     Returns:
       The stacked state (a pytree of global arrays).
     """
-    params = replicate(params, mesh)
+    layout = _layout(mesh, axis_name, params, param_specs)
+    params = place_params(params, mesh, param_specs, axis_name)
+    n_model = len(layout.model_axes)
+
+    def init_shard(p):
+        return _stack(tx.init(p), n_model)
 
     def init(p):
-        return jax.tree.map(lambda x: x[None], tx.init(p))
+        shard = _per_model_shard(
+            init_shard, layout, in_specs=(layout.specs,), out_specs=P(*layout.model_axes)
+        )
+        return _stack(shard(p), 1)
 
-    init_fn = jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=P(axis_name), check_vma=False)
+    init_fn = jax.shard_map(
+        init,
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(axis_name),
+        axis_names=layout.manual_data,
+        check_vma=False,
+    )
     return jax.jit(init_fn)(params)
 
 
@@ -354,13 +566,14 @@ def _wire_bytes_total(state):
     found = optax.tree.get_all_with_path(state, "wire_bytes")
     if not found:
         return None
-    return sum((jnp.asarray(v, jnp.float32) for _, v in found), jnp.float32(0))
+    # Each field is a scalar, or one per model shard (stacked): summed over them.
+    return sum((jnp.sum(jnp.asarray(v, jnp.float32)) for _, v in found), jnp.float32(0))
 
 
 _UNEXCHANGED = ("mean", "error")
 
 
-def _unexchanged_paths(tx, params, mesh, axis_name, update_args) -> list:
+def _unexchanged_paths(tx, params, mesh, axis_name, update_args, layout=None) -> list:
     """Key paths of the update leaves that ``tx`` leaves un-averaged over ``axis_name``.
 
     Traces (abstractly, nothing runs) ``tx.update`` on device-varying
@@ -379,14 +592,25 @@ def _unexchanged_paths(tx, params, mesh, axis_name, update_args) -> list:
     # cannot be typed on fresh state, so look through it.
     multi = getattr(tx.update, "__self__", tx)
     if isinstance(multi, optax.MultiSteps):
-        return _unexchanged_paths(multi.inner_opt, params, mesh, axis_name, update_args)
+        return _unexchanged_paths(multi.inner_opt, params, mesh, axis_name, update_args, layout)
+    if layout is None:
+        layout = _layout(mesh, axis_name, params, None)
+    n_model = len(layout.model_axes)
+    init_shard = _per_model_shard(
+        lambda p: _stack(tx.init(p), n_model),
+        layout,
+        in_specs=(layout.specs,),
+        out_specs=P(*layout.model_axes),
+        check_vma=True,
+    )
+    update = _sharded_update(tx, layout, check_vma=True, stack_updates=True)
 
     def probe(params, extra):
         grads = jax.tree.map(
             lambda p: lax.pcast(jnp.zeros_like(p), axis_name, to="varying"), params
         )
         extra = jax.tree.map(lambda x: x[0], extra)
-        updates, _ = tx.update(grads, tx.init(params), params, **extra)
+        updates, _ = update(grads, init_shard(params), params, **extra)
         for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
             if names & varying_axes(leaf):
                 found.append(path)
@@ -397,13 +621,19 @@ def _unexchanged_paths(tx, params, mesh, axis_name, update_args) -> list:
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
 
     probe_map = jax.shard_map(
-        probe, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=P(), check_vma=True
+        probe,
+        mesh=mesh,
+        in_specs=(P(), P(axis_name)),
+        out_specs=P(),
+        axis_names=layout.manual_data,
+        check_vma=True,
     )
+    param_specs = layout.specs if layout.specs is not None else _replicated(params)
     try:
         with vma.probing():
             jax.eval_shape(
                 probe_map,
-                jax.tree.map(lambda x: abstract(x, P()), params),
+                jax.tree.map(abstract, params, param_specs),
                 jax.tree.map(lambda x: abstract(x, P(axis_name)), update_args),
             )
     except Exception as e:  # noqa: BLE001 (any tracing failure: say what it means)
@@ -429,6 +659,7 @@ def make_train_step(
     unexchanged: str = "mean",
     overlap: bool = False,
     communicate: bool = True,
+    param_specs=None,
 ) -> Callable:
     """Builds a jitted data-parallel train step over ``mesh``.
 
@@ -491,6 +722,23 @@ def make_train_step(
         not a training step (each device sees its own message ``N`` times), the
         same program without its communication, to time it
         (:func:`time_split`).
+      param_specs: data x model parallel training. ``mesh`` may have axes
+        besides ``axis_name`` (e.g. ``("data", "model")``); ``param_specs``
+        (a pytree of ``PartitionSpec`` like the parameters, naming model axes
+        only, e.g. ``P(None, "model")`` for a Dense kernel split by columns;
+        :func:`flax_param_specs` reads them from Flax's partitioning metadata)
+        says how each parameter is sharded over them; None replicates
+        every parameter. ``loss_fn`` is written for whole arrays: XLA
+        partitions it over the model axes (``jax.shard_map`` is manual over
+        ``axis_name`` only). The compressor runs once per model shard on that
+        shard's slice of each gradient (its ``ratio`` applies to the slice, so
+        ``k`` is split over the shards in proportion to their sizes: each of
+        ``M`` equal shards sends ``ceil(ratio * n / M)``) and exchanges over
+        ``axis_name`` only, among the devices holding the same shard. With a
+        model axis of size 1 this is the 1-D step. Place the parameters with
+        :func:`place_params` and the state with :func:`init_opt_state` (both
+        given the same ``param_specs``). ``overlap`` is not available with
+        model axes.
 
     Returns:
       ``step(params, opt_state, batch, update_args=None, *, model_state=None,
@@ -540,8 +788,15 @@ def make_train_step(
         return lambda params, *args, **kw: vg(_to_varying(params, axis_name), *args, **kw)
 
     overlapped = overlap_lib.value_and_compressed_grad(value_and_grad_with_carriers, tx, axis_name)
+    model_axes = tuple(a for a in mesh.axis_names if a not in _axis_names(axis_name))
+    if overlap and model_axes:
+        raise ValueError(
+            f"make_train_step(overlap=True) works on a mesh with the data axis only; this mesh "
+            f"also has {model_axes} (compress after the backward pass with model axes)"
+        )
+    n_model_devices = int(np.prod([mesh.shape[a] for a in model_axes]))
 
-    def step(params, opt_state, batch, model_state, rng, update_args, dense_paths):
+    def step(params, opt_state, batch, model_state, rng, update_args, dense_paths, layout):
         state = jax.tree.map(lambda x: x[0], opt_state)
         extra = jax.tree.map(lambda x: x[0], update_args)
         kwargs = {}
@@ -557,7 +812,7 @@ def make_train_step(
         else:
             loss, grads = value_and_grad(params, batch, **kwargs)
             grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name)
-            updates, state = tx.update(grads, state, params, **extra)
+            updates, state = _sharded_update(tx, layout)(grads, state, params, **extra)
         params = optax.apply_updates(params, updates)
         value, aux = (loss[0], loss[1]) if (has_aux or mutable) else (loss, None)
         if mutable:
@@ -565,6 +820,12 @@ def make_train_step(
             model_state = jax.tree.map(lambda x: _mean_if_float(x, axis_name), new_model_state)
         metrics = {"loss": lax.pmean(value, axis_name)}
         wire = _wire_bytes_total(state)
+        if wire is not None and model_axes:
+            # Summed over the model shards' stacked statistics: one device sends its shard's.
+            wire = wire / n_model_devices
+        if dense_paths:
+            # The dense all-reduce of whole leaves, split among the model shards.
+            dense_wire = dense_wire / n_model_devices
         if wire is not None or dense_paths:
             wire = dense_wire if wire is None else wire + dense_wire
             metrics["wire_bytes"] = lax.pmean(wire, axis_name)
@@ -572,7 +833,8 @@ def make_train_step(
         return params, jax.tree.map(lambda x: x[None], state), model_state, metrics, aux_out
 
     def run(params, opt_state, batch, model_state, rng, update_args):
-        paths = _unexchanged_paths(tx, params, mesh, axis_name, update_args)
+        layout = _layout(mesh, axis_name, params, param_specs)
+        paths = _unexchanged_paths(tx, params, mesh, axis_name, update_args, layout)
         if paths and unexchanged == "error":
             raise ValueError(
                 "make_train_step: tx does not average these update leaves over "
@@ -594,7 +856,7 @@ def make_train_step(
                 len(paths),
                 ", ".join(jax.tree_util.keystr(p) for p in paths),
             )
-        per_device = functools.partial(step, dense_paths=frozenset(paths))
+        per_device = functools.partial(step, dense_paths=frozenset(paths), layout=layout)
         if not communicate:
             per_device = local_lib.without_communication(per_device)
         sharded = jax.shard_map(
@@ -604,6 +866,8 @@ def make_train_step(
             # and extra args.
             in_specs=(P(), P(axis_name), P(axis_name), P(), P(), P(axis_name)),
             out_specs=(P(), P(axis_name), P(), P(), P(axis_name)),
+            # Manual over the data axis; model axes (if any) stay XLA's to partition.
+            axis_names=layout.manual_data,
             # Exchanged updates are bit-identical on every device; the
             # optimizer state that produced them is per device (typed varying),
             # so the check would reject replicated parameters. What the check
@@ -748,7 +1012,7 @@ def time_split(
       True
     """
     repeats = V.check_int("repeats", repeats, 1)
-    unknown = set(step_options) - {"has_aux", "mutable", "unexchanged", "overlap"}
+    unknown = set(step_options) - {"has_aux", "mutable", "unexchanged", "overlap", "param_specs"}
     if unknown:
         raise ValueError(f"time_split: unknown step options {sorted(unknown)}")
     has_aux = step_options.get("has_aux", False)
@@ -778,6 +1042,7 @@ def time_split(
             mesh=mesh,
             in_specs=(P(), P(axis_name), P(), P()),
             out_specs=P(),
+            axis_names=frozenset(_axis_names(axis_name)),
             check_vma=False,
         ),
         donate_argnums=0,

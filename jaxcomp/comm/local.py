@@ -179,10 +179,20 @@ def _higher_order(eqn, ins, cache):
 
         carry, ys = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"])
         return [*carry, *ys]
+    if name == "shard_map":
+        # A nested map (jaxcomp's per-model-shard compressor): same map, rewritten body.
+        return jax.shard_map(
+            lambda *args: tuple(_eval(p["jaxpr"], (), cache, *args)),
+            mesh=p["mesh"],
+            in_specs=p["in_specs"],
+            out_specs=p["out_specs"],
+            axis_names=p["newly_manual_axes"],
+            check_vma=p["check_vma"],
+        )(*ins)
     raise ValueError(
         f"without_communication: cannot replace the collectives inside a {name!r} "
         "primitive; supported around collectives: jit, cond, while_loop, scan, "
-        "custom_jvp/custom_vjp calls"
+        "shard_map, custom_jvp/custom_vjp calls"
     )
 
 

@@ -1,0 +1,228 @@
+"""Data x model parallel training: compression over the data axis, parameters sharded over "model".
+
+References: the same compressor on a 1-D data mesh with every model shard of a
+parameter given as a leaf of its own (per-shard selection is per-leaf
+selection of the slices), the 1-D step itself (model axis of size 1), and
+plain single-device SGD on the whole batch (dense exchange).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import FACTORIES, RANDOMIZED
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp
+from jaxcomp import distributed as dist
+from jaxcomp.comm import collectives
+
+N_DATA, N_MODEL = 4, 2
+RATIO = 0.25
+ROWS = 3  # batch rows per data device
+SHAPES = {"w": (6, 8), "v": (8, 5), "b": (7,)}
+SPECS = {"w": P(None, "model"), "v": P("model", None), "b": P()}
+# Slices of each leaf held by model shard 0 and 1.
+SLICES = {
+    "w": [np.s_[:, :4], np.s_[:, 4:]],
+    "v": [np.s_[:4, :], np.s_[4:, :]],
+}
+
+
+def _mesh(n_data=N_DATA, n_model=N_MODEL, types=AxisType.Auto):
+    devices = np.array(jax.devices()[: n_data * n_model]).reshape(n_data, n_model)
+    return jax.sharding.Mesh(devices, ("data", "model"), axis_types=(types, types))
+
+
+def _mesh_1d(n_data=N_DATA):
+    return jax.sharding.Mesh(np.array(jax.devices()[:n_data]), ("data",))
+
+
+def _linear_loss(params, batch):
+    # d loss / d params[leaf] = mean of this device's rows of batch[leaf]: per-device
+    # gradients are exactly the data, whatever the sharding.
+    return sum(jnp.sum(jnp.mean(batch[k], axis=0) * params[k]) for k in params)
+
+
+def _data(seed, n_data=N_DATA, steps=2):
+    rng = np.random.default_rng(seed)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    batches = [
+        {k: rng.laplace(size=(n_data * ROWS, *s)).astype(np.float32) for k, s in SHAPES.items()}
+        for _ in range(steps)
+    ]
+    return params, batches
+
+
+def _split(tree):
+    """Every model-sharded leaf as one leaf per shard (the 1-D reference's parameters)."""
+    out = {}
+    for k, x in tree.items():
+        if k not in SLICES:
+            out[k] = x
+            continue
+        for i, sl in enumerate(SLICES[k]):
+            out[f"{k}{i}"] = x[(slice(None), *sl)] if x.ndim > len(SHAPES[k]) else x[sl]
+    return out
+
+
+def _train(loss, tx, mesh, params, batches, specs=None):
+    params = dist.place_params(params, mesh, specs)
+    state = dist.init_opt_state(tx, params, mesh, param_specs=specs)
+    step = dist.make_train_step(loss, tx, mesh, param_specs=specs)
+    metrics = None
+    for batch in batches:
+        params, state, metrics = step(params, state, dist.shard_batch(batch, mesh))
+    return jax.device_get(params), jax.device_get(state), jax.device_get(metrics)
+
+
+def _tx(name, axis_name="data"):
+    # min_dense_size 2: the small test leaves are compressed, not sent dense.
+    return optax.chain(
+        FACTORIES[name](RATIO, axis_name=axis_name, min_dense_size=2), optax.sgd(0.1)
+    )
+
+
+DETERMINISTIC = [n for n in FACTORIES if n not in RANDOMIZED and n != "random_k"]
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_each_model_shard_compresses_its_own_slice(name):
+    params, batches = _data(0)
+    got, state, _ = _train(_linear_loss, _tx(name), _mesh(), params, batches, SPECS)
+    ref, _, _ = _train(_linear_loss, _tx(name), _mesh_1d(), _split(params), map(_split, batches))
+    for k, slices in SLICES.items():
+        for i, sl in enumerate(slices):
+            np.testing.assert_allclose(got[k][sl], ref[f"{k}{i}"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["b"], ref["b"], rtol=1e-6, atol=1e-6)
+    # The state is per (data device, model shard), holding the shard's slice.
+    residual = optax.tree.get(state, "residual")
+    if residual is not None:
+        assert residual["w"].shape == (N_DATA, N_MODEL, 6, 4)
+        assert residual["v"].shape == (N_DATA, N_MODEL, 4, 5)
+
+
+# The randomized ones (their keys fold in the leaf index, so the split reference differs),
+# and one of each kind.
+@pytest.mark.parametrize("name", ["random_k", *RANDOMIZED, "top_k", "onebit"])
+def test_model_axis_of_size_one_is_the_1d_step(name):
+    params, batches = _data(1, n_data=8)
+    specs = {"w": P(None, "model"), "v": P("model", None), "b": P()}
+    got, state, m2 = _train(_linear_loss, _tx(name), _mesh(8, 1), params, batches, specs)
+    ref, ref_state, m1 = _train(_linear_loss, _tx(name), _mesh_1d(8), params, batches)
+    for k in params:
+        np.testing.assert_array_equal(got[k], ref[k])
+    residual = optax.tree.get(state, "residual")
+    ref_residual = optax.tree.get(ref_state, "residual")
+    if ref_residual is not None:
+        for k in params:
+            np.testing.assert_array_equal(residual[k][:, 0], ref_residual[k])
+    assert float(m2["wire_bytes"]) == float(m1["wire_bytes"])
+
+
+class _MLP(nn.Module):
+    """Megatron-style pair: first kernel split by columns, second by rows."""
+
+    # With explicit axes, the row-split product must say how its output is sharded.
+    explicit: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        x = nn.Dense(8, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+        x = nn.tanh(x)
+        dot = functools.partial(lax.dot_general, out_sharding=P()) if self.explicit else None
+        kernel_init = nn.with_logical_partitioning(init, ("mlp", "embed"))
+        return nn.Dense(3, kernel_init=kernel_init, dot_general=dot)(x)
+
+
+RULES = (("embed", None), ("mlp", "model"))
+
+
+@pytest.mark.parametrize("axis_types", [AxisType.Auto, AxisType.Explicit])
+def test_flax_partitioned_dense_training_equals_single_device_sgd(axis_types):
+    model = _MLP()
+    sharded_model = _MLP(explicit=axis_types == AxisType.Explicit)
+    boxed = model.init(jax.random.key(0), jnp.ones((1, 5)))["params"]
+    specs = dist.flax_param_specs(boxed, RULES)
+    assert specs["Dense_0"]["kernel"] == P(None, "model")
+    assert specs["Dense_1"]["kernel"] == P("model", None)
+    params = nn.meta.unbox(boxed)
+    rng = np.random.default_rng(2)
+    batches = [
+        {"x": rng.normal(size=(8, 5)).astype(np.float32), "y": rng.normal(size=(8, 3))}
+        for _ in range(3)
+    ]
+
+    def loss(p, batch, model=model):
+        out = model.apply({"params": p}, batch["x"])
+        return jnp.mean((out - batch["y"].astype(np.float32)) ** 2)
+
+    sharded_loss = functools.partial(loss, model=sharded_model)
+
+    mesh = _mesh(4, 2, axis_types)
+    for tx in (
+        optax.chain(jaxcomp.dense_exchange("data"), optax.sgd(0.1)),
+        # ratio 1: every element is selected, so the exchange is the dense mean.
+        optax.chain(jaxcomp.top_k(1.0, axis_name="data"), optax.sgd(0.1)),
+    ):
+        got, _, metrics = _train(sharded_loss, tx, mesh, params, batches, specs)
+        ref = params
+        for batch in batches:  # the unsharded reference: one device, the whole batch
+            g = jax.grad(loss)(ref, batch)
+            ref = jax.tree.map(lambda p, g: p - 0.1 * g, ref, g)
+        for g_leaf, r_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(g_leaf, r_leaf, rtol=2e-5, atol=2e-6)
+        assert float(metrics["loss"]) == pytest.approx(float(loss(got, batches[-1])), rel=0.5)
+
+
+def test_wire_bytes_are_one_devices_share():
+    params, batches = _data(3)
+    tx = optax.chain(jaxcomp.dense_exchange("data"), optax.sgd(0.1))
+    _, _, metrics = _train(_linear_loss, tx, _mesh(), params, batches, SPECS)
+    # Each device all-reduces its slices over the 4 data devices: w and v halves, b whole.
+    local = (24 + 20 + 7) * 4
+    assert float(metrics["wire_bytes"]) == pytest.approx(collectives.allreduce_bytes(local, 4))
+
+
+def test_time_split_and_communicate_false_with_model_axes():
+    params, batches = _data(4)
+    mesh = _mesh()
+    tx = _tx("top_k")
+    placed = dist.place_params(params, mesh, SPECS)
+    state = dist.init_opt_state(tx, placed, mesh, param_specs=SPECS)
+    batch = dist.shard_batch(batches[0], mesh)
+    split = dist.time_split(_linear_loss, tx, mesh, placed, state, batch, param_specs=SPECS)
+    assert split.step > 0
+    step = dist.make_train_step(_linear_loss, tx, mesh, param_specs=SPECS, communicate=False)
+    hlo = step.lower(placed, state, batch).as_text()
+    # The data axis' exchange is gone (the model axis has no collective in this loss).
+    assert "all-gather" not in hlo and "all_gather" not in hlo
+
+
+@pytest.mark.parametrize(
+    "specs, match",
+    [
+        ({"w": P(None, "data"), "v": P(), "b": P()}, "data axis"),
+        ({"w": P(None, "tensor"), "v": P(), "b": P()}, "does not have"),
+        ({"w": P(None, "model"), "v": P(None, "model"), "b": P()}, "does not divide"),
+        ({"w": P(None, "model"), "v": P()}, "structure"),
+    ],
+)
+def test_bad_param_specs(specs, match):
+    params, _ = _data(5)
+    with pytest.raises(ValueError, match=match):
+        dist.place_params(params, _mesh(), specs)
+
+
+def test_overlap_rejected_with_model_axes():
+    with pytest.raises(ValueError, match="overlap"):
+        dist.make_train_step(_linear_loss, _tx("top_k"), _mesh(), param_specs=SPECS, overlap=True)
