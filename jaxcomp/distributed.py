@@ -50,6 +50,7 @@ from jaxcomp.transforms.sparsify import _all_finite
 
 __all__ = [
     "DenseExchangeState",
+    "ShardedOptimizerState",
     "TimeSplit",
     "apply_if_finite",
     "dense_exchange",
@@ -63,6 +64,7 @@ __all__ = [
     "place_params",
     "replicate",
     "shard_batch",
+    "sharded_optimizer",
     "split_step_time",
     "stack_for_pmap",
     "time_split",
@@ -292,6 +294,142 @@ def apply_if_finite(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+# --- FSDP: optimizer state sharded over the data axis ------------------------------
+
+
+class ShardedOptimizerState(NamedTuple):
+    """State of :func:`sharded_optimizer`.
+
+    Attributes:
+      compressor: the compressor's state, over whole parameters (error
+        feedback keeps this device's unsent part of its *whole* gradient).
+      optimizer: the optimizer's state over this device's slice of each
+        FSDP parameter (whole replicated parameters).
+    """
+
+    compressor: optax.OptState
+    optimizer: optax.OptState
+
+
+def _own_slice_tree(tree, fsdp_dims, axis_name, *, keep_sliced=False):
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(leaves) != len(fsdp_dims):
+        raise ValueError(
+            f"sharded_optimizer: param_specs describe {len(fsdp_dims)} leaves, got {len(leaves)}"
+        )
+    n_dev = collectives.axis_size(axis_name)
+    index = lax.axis_index(axis_name)
+    out = []
+    for x, dim in zip(leaves, fsdp_dims, strict=True):
+        if dim is None:
+            out.append(x)
+            continue
+        size = x.shape[dim] // n_dev
+        out.append(lax.dynamic_slice_in_dim(x, index * size, size, axis=dim))
+    return jax.tree.unflatten(treedef, out)
+
+
+def sharded_optimizer(
+    compressor: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation,
+    param_specs,
+    axis_name="data",
+) -> optax.GradientTransformationExtraArgs:
+    """ZeRO-style: the optimizer's state lives on the slice of each parameter a device owns.
+
+    For FSDP training with :func:`make_train_step` (``param_specs`` splitting
+    parameters over the data axis, e.g. ``P("data", None)``): the compressor
+    sees this device's whole gradient (its residual is whole: error feedback
+    keeps what *this device* has not sent of its own gradient) and exchanges
+    over ``axis_name``; of the exchanged mean, each device keeps the slice of
+    each split parameter it owns, and ``optimizer`` (any optax optimizer:
+    momentum, Adam moments) runs on those slices only, so its state is
+    ``1/N`` of the parameters' size per device. Replicated parameters
+    (``P()`` leaves) are optimized whole. Equivalent to
+    ``optax.chain(compressor, optimizer)`` with the whole state on every
+    device (tested), at ``1/N`` of the optimizer's memory.
+
+    Args:
+      compressor: a jaxcomp compressor with ``axis_name`` (or
+        :func:`dense_exchange`).
+      optimizer: the optax optimizer run on the owned slices.
+      param_specs: the parameters' specs, as given to :func:`make_train_step`.
+      axis_name: the data axis.
+
+    Returns:
+      A transformation whose ``update`` returns, for split parameters, the
+      update of the owned slice (``make_train_step`` applies it to that slice).
+      Use it only inside :func:`make_train_step` / :func:`init_opt_state`
+      (it needs the data axis bound).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp import distributed as dist
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> specs = P("data", None)
+      >>> tx = dist.sharded_optimizer(jaxcomp.top_k(0.5, axis_name="data"),
+      ...                             optax.adam(0.1), specs)
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> w = dist.place_params(jnp.zeros((2, 1)), mesh, specs)
+      >>> state = dist.init_opt_state(tx, w, mesh, param_specs=specs)
+      >>> step = dist.make_train_step(loss, tx, mesh, param_specs=specs)
+      >>> batch = dist.shard_batch({"x": np.eye(2, dtype=np.float32),
+      ...                           "y": np.ones((2, 1), np.float32)}, mesh)
+      >>> w, state, metrics = step(w, state, batch)
+      >>> w.sharding.spec
+      P('data', None)
+    """
+    if not isinstance(axis_name, str):
+        raise ValueError(f"sharded_optimizer: axis_name must be one axis name, got {axis_name!r}")
+    specs_cache = {}
+
+    def fsdp_dims(params):
+        leaves, treedef = jax.tree.flatten(params)
+        key = (treedef, tuple(jnp.shape(x) for x in leaves))
+        if key not in specs_cache:
+            specs = treedef.flatten_up_to(_broadcast_specs(param_specs, params))
+            specs_cache[key] = tuple(
+                next(
+                    (
+                        d
+                        for d, e in enumerate(spec)
+                        if e is not None and axis_name in _axis_names(e)
+                    ),
+                    None,
+                )
+                for spec in specs
+            )
+        return specs_cache[key]
+
+    def init_fn(params):
+        dims = fsdp_dims(params)
+        owned = _own_slice_tree(params, dims, axis_name)
+        return ShardedOptimizerState(compressor.init(params), optimizer.init(owned))
+
+    def update_fn(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("sharded_optimizer.update needs params (make_train_step passes them)")
+        dims = fsdp_dims(params)
+        exchanged, comp_state = compressor_update(updates, state.compressor, params, **extra)
+        owned_updates = _own_slice_tree(exchanged, dims, axis_name)
+        owned_params = _own_slice_tree(params, dims, axis_name)
+        new, opt_state = optimizer.update(owned_updates, state.optimizer, owned_params)
+        return new, ShardedOptimizerState(comp_state, opt_state)
+
+    compressor_update = optax.with_extra_args_support(compressor).update
+    # make_train_step's exchange check looks through to the compressor.
+    update_fn.sharded_compressor = compressor
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _broadcast_specs(param_specs, params):
+    """``param_specs`` as a pytree like ``params`` (one spec for all is broadcast)."""
+    if isinstance(param_specs, P):
+        return jax.tree.map(lambda _: param_specs, params)
+    return param_specs
+
+
 # --- placing data on the mesh --------------------------------------------------
 
 
@@ -329,11 +467,17 @@ class _Layout(NamedTuple):
 
     data_axes: tuple  # the axes the batch is split over (compression exchanges over these)
     model_axes: tuple  # every other mesh axis: parameters may be sharded over them
-    specs: object  # PartitionSpec per parameter leaf (None: no model axes, all replicated)
+    specs: object  # model-axes part of each leaf's spec (None: no model axes)
+    data_specs: object  # data-axis part of each leaf's spec: the step's in/out specs
+    fsdp_dims: tuple  # per leaf (flattened order): the dimension split over the data axis, or None
 
     @property
     def manual_data(self) -> frozenset:
         return frozenset(self.data_axes)
+
+    @property
+    def fsdp(self) -> bool:
+        return any(d is not None for d in self.fsdp_dims)
 
 
 def _spec_axes(spec) -> set:
@@ -345,6 +489,45 @@ def _spec_axes(spec) -> set:
     return names
 
 
+def _keep_axes(spec: P, axes) -> P:
+    """``spec`` with only the entries naming ``axes`` (others None)."""
+    return P(*(e if e is not None and set(_axis_names(e)) <= set(axes) else None for e in spec))
+
+
+def _check_spec(leaf, spec, mesh, data_axes, model_axes, axis_name):
+    """Validates one leaf's spec; returns the dimension split over the data axis, or None."""
+    if not isinstance(spec, P):
+        raise ValueError(f"param_specs: every leaf must be a PartitionSpec, got {spec!r}")
+    axes = _spec_axes(spec)
+    unknown = axes - set(mesh.axis_names)
+    if unknown:
+        raise ValueError(
+            f"param_specs: {spec} names axes {sorted(unknown)} that the mesh does not have "
+            f"(axes: {mesh.axis_names})"
+        )
+    if len(spec) > jnp.ndim(leaf):
+        raise ValueError(f"param_specs: {spec} has more entries than the leaf's rank")
+    fsdp_dim = None
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        names = set(_axis_names(entry))
+        if names & set(data_axes):
+            if names != set(data_axes) or len(data_axes) != 1 or fsdp_dim is not None:
+                raise ValueError(
+                    f"param_specs: {spec}: a parameter is split over the data axis "
+                    f"{axis_name!r} (FSDP) along one dimension, by that axis alone"
+                )
+            fsdp_dim = dim
+        size = int(np.prod([mesh.shape[a] for a in names]))
+        if jnp.shape(leaf)[dim] % size:
+            raise ValueError(
+                f"param_specs: {spec} splits dimension {dim} of a leaf of shape "
+                f"{jnp.shape(leaf)} over {size} devices, which does not divide it"
+            )
+    return fsdp_dim
+
+
 def _layout(mesh: Mesh, axis_name, params, param_specs) -> _Layout:
     """Validates ``param_specs`` against ``mesh`` and the data axis ``axis_name``."""
     data_axes = _axis_names(axis_name)
@@ -354,45 +537,30 @@ def _layout(mesh: Mesh, axis_name, params, param_specs) -> _Layout:
             f"axis_name {axis_name!r} is not an axis of the mesh (axes {mesh.axis_names})"
         )
     model_axes = tuple(a for a in mesh.axis_names if a not in data_axes)
-    if param_specs is None:
-        return _Layout(data_axes, model_axes, None if not model_axes else _replicated(params))
     leaves, treedef = jax.tree.flatten(params)
-    try:
-        specs = treedef.flatten_up_to(param_specs)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            "param_specs must be a pytree of PartitionSpec with the parameters' structure "
-            f"({treedef}): {e}"
-        ) from None
-    for leaf, spec in zip(leaves, specs, strict=True):
-        if not isinstance(spec, P):
-            raise ValueError(f"param_specs: every leaf must be a PartitionSpec, got {spec!r}")
-        axes = _spec_axes(spec)
-        if axes & set(data_axes):
+    if param_specs is None:
+        specs = [P()] * len(leaves)
+    else:
+        try:
+            specs = treedef.flatten_up_to(param_specs)
+        except (ValueError, TypeError) as e:
             raise ValueError(
-                f"param_specs: {spec} shards a parameter over the data axis {axis_name!r}: "
-                "parameters are replicated over the data axis (each device computes its own "
-                "gradient and the compressor exchanges over that axis); shard them over the "
-                f"other mesh axes {model_axes} (tensor/model parallel)"
-            )
-        unknown = axes - set(model_axes)
-        if unknown:
-            raise ValueError(
-                f"param_specs: {spec} names axes {sorted(unknown)} that the mesh does not have "
-                f"(model axes: {model_axes})"
-            )
-        if len(spec) > jnp.ndim(leaf):
-            raise ValueError(f"param_specs: {spec} has more entries than the leaf's rank")
-        for dim, entry in enumerate(spec):
-            if entry is None:
-                continue
-            size = int(np.prod([mesh.shape[a] for a in _axis_names(entry)]))
-            if jnp.shape(leaf)[dim] % size:
-                raise ValueError(
-                    f"param_specs: {spec} splits dimension {dim} of a leaf of shape "
-                    f"{jnp.shape(leaf)} over {size} devices, which does not divide it"
-                )
-    return _Layout(data_axes, model_axes, jax.tree.unflatten(treedef, specs))
+                "param_specs must be a pytree of PartitionSpec with the parameters' structure "
+                f"({treedef}): {e}"
+            ) from None
+    dims = [
+        _check_spec(leaf, spec, mesh, data_axes, model_axes, axis_name)
+        for leaf, spec in zip(leaves, specs, strict=True)
+    ]
+    model_specs = [_keep_axes(spec, model_axes) for spec in specs]
+    data_specs = [_keep_axes(spec, data_axes) for spec in specs]
+    return _Layout(
+        data_axes,
+        model_axes,
+        jax.tree.unflatten(treedef, model_specs) if model_axes else None,
+        jax.tree.unflatten(treedef, data_specs),
+        tuple(dims),
+    )
 
 
 def _replicated(params):
@@ -419,10 +587,13 @@ def place_params(params, mesh: Mesh, param_specs=None, axis_name="data"):
       >>> w.sharding.spec
       P(None, 'model')
     """
-    layout = _layout(mesh, axis_name, params, param_specs)
-    if layout.specs is None:
+    _layout(mesh, axis_name, params, param_specs)  # validates
+    if param_specs is None:
         return replicate(params, mesh)
-    return jax.tree.map(lambda x, s: _place(x, NamedSharding(mesh, s)), params, layout.specs)
+    leaves, treedef = jax.tree.flatten(params)
+    specs = treedef.flatten_up_to(param_specs)
+    placed = [_place(x, NamedSharding(mesh, s)) for x, s in zip(leaves, specs, strict=True)]
+    return jax.tree.unflatten(treedef, placed)
 
 
 def flax_param_specs(boxed_params, rules=None):
@@ -459,6 +630,51 @@ def _stack(tree, n_leading: int):
 
 def _unstack(tree, n_leading: int):
     return jax.tree.map(lambda x: x[(0,) * n_leading], tree)
+
+
+def _fsdp_specs(param_specs, axis_name) -> bool:
+    """Whether ``param_specs`` split some parameter over the data axis."""
+    names = set(_axis_names(axis_name))
+    specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
+    return any(_spec_axes(s) & names for s in specs if isinstance(s, P))
+
+
+def _gather_fsdp(params, layout: _Layout, axis_name):
+    """Whole FSDP leaves from this device's slices (all-gather); (params, bytes sent)."""
+    if not layout.fsdp:
+        return params, jnp.float32(0)
+    leaves, treedef = jax.tree.flatten(params)
+    n_dev = collectives.axis_size(axis_name)
+    out, nbytes = [], 0
+    for x, dim in zip(leaves, layout.fsdp_dims, strict=True):
+        if dim is None:
+            out.append(x)
+            continue
+        out.append(lax.all_gather(x, axis_name, axis=dim, tiled=True))
+        nbytes += x.size * x.dtype.itemsize
+    wire = jnp.float32(collectives.allgather_bytes(nbytes, n_dev))
+    return jax.tree.unflatten(treedef, out), wire
+
+
+def _own_slices(updates, params, layout: _Layout, axis_name):
+    """This device's slice of each FSDP leaf's update (already a slice: kept)."""
+    if not layout.fsdp:
+        return updates
+    leaves, treedef = jax.tree.flatten(updates)
+    index = lax.axis_index(axis_name)
+    out = []
+    for u, p, dim in zip(leaves, jax.tree.leaves(params), layout.fsdp_dims, strict=True):
+        if dim is None or u.shape == p.shape:
+            out.append(u)
+            continue
+        size = p.shape[dim]
+        if u.shape[dim] != size * collectives.axis_size(axis_name):
+            raise ValueError(
+                f"make_train_step: an update of shape {u.shape} for a parameter slice of "
+                f"shape {p.shape} split over {axis_name!r} along dimension {dim}"
+            )
+        out.append(lax.dynamic_slice_in_dim(u, index * size, size, axis=dim))
+    return jax.tree.unflatten(treedef, out)
 
 
 def _per_model_shard(fn, layout: _Layout, in_specs, out_specs, *, check_vma=False):
@@ -548,12 +764,12 @@ def init_opt_state(
         shard = _per_model_shard(
             init_shard, layout, in_specs=(layout.specs,), out_specs=P(*layout.model_axes)
         )
-        return _stack(shard(p), 1)
+        return _stack(shard(_gather_fsdp(p, layout, axis_name)[0]), 1)
 
     init_fn = jax.shard_map(
         init,
         mesh=mesh,
-        in_specs=P(),
+        in_specs=(layout.data_specs,),
         out_specs=P(axis_name),
         axis_names=layout.manual_data,
         check_vma=False,
@@ -593,6 +809,10 @@ def _unexchanged_paths(tx, params, mesh, axis_name, update_args, layout=None) ->
     multi = getattr(tx.update, "__self__", tx)
     if isinstance(multi, optax.MultiSteps):
         return _unexchanged_paths(multi.inner_opt, params, mesh, axis_name, update_args, layout)
+    # sharded_optimizer: the compressor exchanges; the optimizer then works on owned slices.
+    sharded = getattr(tx.update, "sharded_compressor", None)
+    if sharded is not None:
+        return _unexchanged_paths(sharded, params, mesh, axis_name, update_args, layout)
     if layout is None:
         layout = _layout(mesh, axis_name, params, None)
     n_model = len(layout.model_axes)
@@ -789,10 +1009,11 @@ def make_train_step(
 
     overlapped = overlap_lib.value_and_compressed_grad(value_and_grad_with_carriers, tx, axis_name)
     model_axes = tuple(a for a in mesh.axis_names if a not in _axis_names(axis_name))
-    if overlap and model_axes:
+    if overlap and (model_axes or _fsdp_specs(param_specs, axis_name)):
         raise ValueError(
-            f"make_train_step(overlap=True) works on a mesh with the data axis only; this mesh "
-            f"also has {model_axes} (compress after the backward pass with model axes)"
+            "make_train_step(overlap=True) works with replicated parameters on a mesh with the "
+            f"data axis only; this mesh has {mesh.axis_names} and param_specs {param_specs} "
+            "(compress after the backward pass with model axes or FSDP)"
         )
     n_model_devices = int(np.prod([mesh.shape[a] for a in model_axes]))
 
@@ -810,9 +1031,15 @@ def make_train_step(
             )
             dense_wire = jnp.float32(0)
         else:
-            loss, grads = value_and_grad(params, batch, **kwargs)
+            # FSDP leaves: this device holds a slice; the forward and the
+            # compressor see the whole parameter (gathered), the update keeps
+            # this device's slice.
+            full, gather_wire = _gather_fsdp(params, layout, axis_name)
+            loss, grads = value_and_grad(full, batch, **kwargs)
             grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name)
-            updates, state = _sharded_update(tx, layout)(grads, state, params, **extra)
+            updates, state = _sharded_update(tx, layout)(grads, state, full, **extra)
+            updates = _own_slices(updates, params, layout, axis_name)
+            dense_wire = dense_wire + gather_wire
         params = optax.apply_updates(params, updates)
         value, aux = (loss[0], loss[1]) if (has_aux or mutable) else (loss, None)
         if mutable:
@@ -823,10 +1050,10 @@ def make_train_step(
         if wire is not None and model_axes:
             # Summed over the model shards' stacked statistics: one device sends its shard's.
             wire = wire / n_model_devices
-        if dense_paths:
+        if dense_paths or layout.fsdp:
             # The dense all-reduce of whole leaves, split among the model shards.
             dense_wire = dense_wire / n_model_devices
-        if wire is not None or dense_paths:
+        if wire is not None or dense_paths or layout.fsdp:
             wire = dense_wire if wire is None else wire + dense_wire
             metrics["wire_bytes"] = lax.pmean(wire, axis_name)
         aux_out = jax.tree.map(lambda x: jnp.asarray(x)[None], aux) if has_aux else None
@@ -864,8 +1091,8 @@ def make_train_step(
             mesh=mesh,
             # Replicated params, model state and key; per-device state, batch
             # and extra args.
-            in_specs=(P(), P(axis_name), P(axis_name), P(), P(), P(axis_name)),
-            out_specs=(P(), P(axis_name), P(), P(), P(axis_name)),
+            in_specs=(layout.data_specs, P(axis_name), P(axis_name), P(), P(), P(axis_name)),
+            out_specs=(layout.data_specs, P(axis_name), P(), P(), P(axis_name)),
             # Manual over the data axis; model axes (if any) stay XLA's to partition.
             axis_names=layout.manual_data,
             # Exchanged updates are bit-identical on every device; the

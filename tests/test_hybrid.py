@@ -226,3 +226,88 @@ def test_bad_param_specs(specs, match):
 def test_overlap_rejected_with_model_axes():
     with pytest.raises(ValueError, match="overlap"):
         dist.make_train_step(_linear_loss, _tx("top_k"), _mesh(), param_specs=SPECS, overlap=True)
+
+
+# --- FSDP: parameters (and optimizer state) split over the data axis ---------------
+
+FSDP_SPECS = {"w": P("data", None), "v": P("data", None), "b": P()}
+
+
+def _mlp_loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w"] + params["b"][:8])
+    return jnp.mean((h @ params["v"][:, :3] - batch["y"]) ** 2)
+
+
+def _mlp_data(seed, steps=2, rows=2 * 4):
+    rng = np.random.default_rng(seed)
+    params = {
+        "w": rng.normal(size=(8, 8)).astype(np.float32),
+        "v": rng.normal(size=(8, 4)).astype(np.float32),
+        "b": rng.normal(size=(8,)).astype(np.float32),
+    }
+    batches = [
+        {
+            "x": rng.normal(size=(rows, 8)).astype(np.float32),
+            "y": rng.normal(size=(rows, 3)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+    return params, batches
+
+
+@pytest.mark.parametrize("axis_types", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("name", ["dense", "top_k", "ldte_bs", "qsgd_ef"])
+def test_fsdp_equals_replicated_training(name, axis_types):
+    """Split parameters (and, with sharded_optimizer, Adam's moments) train as replicated ones."""
+    params, batches = _mlp_data(6)
+    devices = np.array(jax.devices()[:4])
+    mesh = jax.sharding.Mesh(devices, ("data",), axis_types=(axis_types,))
+    if name == "dense":
+        compressor = jaxcomp.dense_exchange("data")
+    else:
+        compressor = FACTORIES[name](RATIO, axis_name="data", min_dense_size=2)
+    runs = {
+        "replicated": (optax.chain(compressor, optax.adam(0.01)), None),
+        "fsdp": (optax.chain(compressor, optax.adam(0.01)), FSDP_SPECS),
+        "sharded": (dist.sharded_optimizer(compressor, optax.adam(0.01), FSDP_SPECS), FSDP_SPECS),
+    }
+    out = {
+        k: _train(_mlp_loss, tx, mesh, params, batches, specs) for k, (tx, specs) in runs.items()
+    }
+    ref_params, _, ref_metrics = out["replicated"]
+    for kind in ("fsdp", "sharded"):
+        got, state, metrics = out[kind]
+        for k in params:
+            np.testing.assert_array_equal(got[k], ref_params[k])
+        # The FSDP all-gather of the split parameters is counted on top of the exchange.
+        gathered = (8 * 8 + 8 * 4) // 4 * 4
+        assert float(metrics["wire_bytes"]) == pytest.approx(
+            float(ref_metrics["wire_bytes"]) + collectives.allgather_bytes(gathered, 4)
+        )
+    mu = out["sharded"][1].optimizer[0].mu
+    assert mu["w"].shape == (4, 2, 8) and mu["v"].shape == (4, 2, 4) and mu["b"].shape == (4, 8)
+    # Device d's moments are the whole run's moments of its slice.
+    whole_mu = out["replicated"][1][1][0].mu
+    for d in range(4):
+        np.testing.assert_array_equal(mu["w"][d], whole_mu["w"][d, 2 * d : 2 * d + 2])
+    fsdp_params = dist.place_params(params, mesh, FSDP_SPECS)
+    assert fsdp_params["w"].sharding.spec == P("data", None)
+
+
+def test_fsdp_and_model_axes_together():
+    """A leaf split over "data" (FSDP) beside leaves split over "model" (tensor parallel)."""
+    params, batches = _data(7)
+    specs = {"w": P(None, "model"), "v": P("data", None), "b": P()}
+    tx = optax.chain(jaxcomp.dense_exchange("data"), optax.sgd(0.1))
+    got, state, _ = _train(_linear_loss, tx, _mesh(), params, batches, specs)
+    ref, _, _ = _train(_linear_loss, tx, _mesh_1d(), params, batches)
+    for k in params:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-6, atol=1e-6)
+
+
+def test_bad_fsdp_specs():
+    params, _ = _mlp_data(8)
+    with pytest.raises(ValueError, match="does not divide"):
+        dist.place_params(params, _mesh_1d(3), {"w": P("data", None), "v": P(), "b": P()})
+    with pytest.raises(ValueError, match="one dimension"):
+        dist.place_params({"w": params["w"]}, _mesh_1d(), {"w": P("data", "data")})
