@@ -5,7 +5,17 @@ Compressors are optax gradient transformations with error-feedback state::
     tx = optax.chain(jaxcomp.ldte_bs(ratio=1e-3, axis_name="data"), optax.sgd(0.1))
 """
 
-from jaxcomp import analysis, coding, comm, cssgd, distributed, planning, selection
+from jaxcomp import (
+    aggregation,
+    analysis,
+    coding,
+    comm,
+    cssgd,
+    distributed,
+    elastic,
+    planning,
+    selection,
+)
 from jaxcomp.distributed import apply_if_finite, dense_exchange
 from jaxcomp.transforms import (
     DGC_WARMUP,
@@ -36,6 +46,7 @@ __all__ = [
     "QuantizeState",
     "Quantizer",
     "SparsifyState",
+    "aggregation",
     "analysis",
     "apply_if_finite",
     "binary_search",
@@ -47,6 +58,7 @@ __all__ = [
     "dgc",
     "distributed",
     "ef_sign_sgd",
+    "elastic",
     "gaussian_k",
     "ldte_bs",
     "onebit",

@@ -856,6 +856,8 @@ def _unexchanged_paths(tx, params, mesh, axis_name, update_args, layout=None) ->
                 jax.tree.map(abstract, params, param_specs),
                 jax.tree.map(lambda x: abstract(x, P(axis_name)), update_args),
             )
+    except collectives.DecentralizedExchangeError:
+        raise  # already names make_gossip_train_step
     except Exception as e:  # noqa: BLE001 (any tracing failure: say what it means)
         raise ValueError(
             "make_train_step could not trace tx under shard_map's check_vma typing to find "

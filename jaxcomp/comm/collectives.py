@@ -7,15 +7,16 @@ actually moves (not estimated from a ratio). Byte counts follow the usual cost
 model of each collective, with ``B`` the bytes of one device's message and
 ``N`` the number of devices along the axis:
 
-=====================  ==============================  ================================
-collective             per-device bytes reported        what it models
-=====================  ==============================  ================================
-:func:`dense_mean`     ``2 (N - 1) / N * B``            ring all-reduce
-:func:`sparse_mean`    ``(N - 1) * B``                  all-gather of (index, value)
-:func:`server_mean`    ``B_push + B_pull``              parameter server, a worker's link
-:func:`gossip_mean`    ``2 * B``                        two ring neighbours (ppermute)
-:func:`weighted_mean`  ``2 (N - 1) / N * (B + 4)``      all-reduce of ``w x`` and ``w``
-=====================  ==============================  ================================
+==========================  =================================  =================================
+collective                  per-device bytes reported          what it models
+==========================  =================================  =================================
+:func:`dense_mean`          ``2 (N - 1) / N * B``              ring all-reduce
+:func:`sparse_mean`         ``(N - 1) * B``                    all-gather of (index, value)
+:func:`server_mean`         ``B_push + B_pull``                parameter server, a worker's link
+:func:`gossip_mean`         ``2 * B``                          two ring neighbours (ppermute)
+:func:`gossip_sparse_mean`  ``2 * B`` (B: the sparse message)  the same, (index, value) pairs
+:func:`weighted_mean`       ``2 (N - 1) / N * (B + 4)``        all-reduce of ``w x`` and ``w``
+==========================  =================================  =================================
 
 Backup workers (partial aggregation): :func:`dense_mean`, :func:`sparse_mean`
 and :func:`exchange_mean` take ``include``, this device's boolean flag; the
@@ -34,9 +35,12 @@ import numpy as np
 from jax import lax
 
 from jaxcomp import _validation as V
+from jaxcomp import _vma
 
 __all__ = [
     "EXCHANGES",
+    "GOSSIP_WEIGHTS",
+    "DecentralizedExchangeError",
     "all_gather_invariant",
     "allgather_bytes",
     "allreduce_bytes",
@@ -44,7 +48,9 @@ __all__ = [
     "dense_mean",
     "exchange_mean",
     "fastest_mask",
+    "check_gossip_weights",
     "gossip_mean",
+    "gossip_sparse_mean",
     "include_fastest",
     "prefer_sparse",
     "pull_from_root",
@@ -504,9 +510,70 @@ def server_sparse_mean(
 
 # --- gossip ------------------------------------------------------------------
 
+# Default ring mixing weights ``(w_self, w_left, w_right)``: a symmetric,
+# doubly stochastic mixing matrix, so repeated mixing keeps the replicas' mean.
+GOSSIP_WEIGHTS = (1 / 3, 1 / 3, 1 / 3)
+
+
+class DecentralizedExchangeError(ValueError):
+    """A gossip (decentralized) exchange traced where updates must be averaged.
+
+    A gossip exchange gives every device a different update (its ring mix), so
+    it cannot drive replicated parameters: ``jaxcomp.distributed.make_train_step``
+    would otherwise keep device 0's parameters and silently drop the others'.
+    Raised while ``make_train_step`` probes ``tx``; use
+    :func:`jaxcomp.aggregation.make_gossip_train_step` (per-device parameters).
+    """
+
+
+def check_gossip_weights(weights: Sequence[float]) -> tuple[float, float, float]:
+    """Validates ring mixing weights: 3 non-negative numbers summing to 1.
+
+    Returns:
+      ``(w_self, w_left, w_right)`` as Python floats.
+
+    Raises:
+      ValueError: anything else, naming ``weights``.
+    """
+    bad = ValueError(f"weights must be 3 non-negative numbers summing to 1, got {weights!r}")
+    try:
+        w = np.asarray([V.check_real("weights", v, 0.0, 1.0) for v in weights], np.float64)
+    except (TypeError, ValueError):
+        raise bad from None
+    if w.shape != (3,) or not np.isclose(w.sum(), 1.0):
+        raise bad
+    return tuple(float(v) for v in w)
+
+
+def ring_neighbours(x, axis_name):
+    """``(from_left, from_right)``: the ring neighbours' ``x`` (two ``ppermute``s).
+
+    ``from_left`` on device ``i`` is device ``i - 1``'s ``x``, ``from_right``
+    device ``i + 1``'s (indices mod ``N``); ``x`` may be a pytree (one
+    ``ppermute`` per leaf and direction). On one device both are ``x``.
+
+    Raises:
+      DecentralizedExchangeError: when traced by ``make_train_step``'s probe
+        (replicated parameters): every gossip exchange goes through here.
+    """
+    if _vma._PROBING.get():  # noqa: SLF001 (the flag make_train_step sets while probing)
+        raise DecentralizedExchangeError(
+            "a gossip exchange (exchange='gossip', jaxcomp.aggregation.gossip_exchange or "
+            "jaxcomp.comm.gossip_mean) gives each device a different update, so it cannot "
+            "train the replicated parameters of make_train_step (they would silently become "
+            "device 0's). Use jaxcomp.aggregation.make_gossip_train_step, which keeps one "
+            "parameter replica per device, or an averaging exchange."
+        )
+    n_dev = axis_size(axis_name)
+    if n_dev == 1:
+        return x, x
+    from_left = lax.ppermute(x, axis_name, perm=[(i, (i + 1) % n_dev) for i in range(n_dev)])
+    from_right = lax.ppermute(x, axis_name, perm=[(i, (i - 1) % n_dev) for i in range(n_dev)])
+    return from_left, from_right
+
 
 def gossip_mean(
-    x: jax.Array, axis_name, *, weights: Sequence[float] = (1 / 3, 1 / 3, 1 / 3)
+    x: jax.Array, axis_name, *, weights: Sequence[float] = GOSSIP_WEIGHTS
 ) -> tuple[jax.Array, jax.Array]:
     """One gossip step on a ring (D-PSGD): mix with the two ring neighbours.
 
@@ -514,15 +581,20 @@ def gossip_mean(
     ``N``), with two ``ppermute``s. Replicas may differ (``x`` is per device);
     with a doubly stochastic mixing matrix (these symmetric weights, summing
     to 1) repeated steps converge to the average of the initial replicas.
+    With ``N = 2`` both neighbours are the other device.
 
     Args:
-      x: this device's replica.
+      x: this device's replica (floating point; mixed in float32 or wider).
       axis_name: mesh axis (the ring follows the axis order).
       weights: ``(w_self, w_left, w_right)``, non-negative, summing to 1.
 
     Returns:
       ``(mixed, bytes_sent)``: each device sends ``x`` to both neighbours,
       ``2 B`` (0 on one device).
+
+    Raises:
+      DecentralizedExchangeError: inside ``make_train_step`` (see
+        :func:`ring_neighbours`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -534,18 +606,68 @@ def gossip_mean(
       >>> f(jnp.ones(2)).tolist()
       [1.0, 1.0]
     """
-    bad = ValueError(f"weights must be 3 non-negative numbers summing to 1, got {weights!r}")
-    try:
-        w = np.asarray([V.check_real("weights", v, 0.0, 1.0) for v in weights], np.float64)
-    except (TypeError, ValueError):
-        raise bad from None
-    if w.shape != (3,) or not np.isclose(w.sum(), 1.0):
-        raise bad
-    n_dev = axis_size(axis_name)
-    if n_dev == 1:
+    w = check_gossip_weights(weights)
+    from_left, from_right = ring_neighbours(x, axis_name)
+    if axis_size(axis_name) == 1:
         return x, jnp.float32(0)
-    from_left = lax.ppermute(x, axis_name, perm=[(i, (i + 1) % n_dev) for i in range(n_dev)])
-    from_right = lax.ppermute(x, axis_name, perm=[(i, (i - 1) % n_dev) for i in range(n_dev)])
-    w_self, w_left, w_right = (jnp.asarray(v, x.dtype) for v in w)
-    mixed = w_self * x + w_left * from_left + w_right * from_right
-    return mixed, jnp.float32(2 * _nbytes(x))
+    # Mixed in float32 at least: bf16 weights of 1/3 would not sum to 1.
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    w_self, w_left, w_right = (jnp.asarray(v, wide) for v in w)
+    mixed = w_self * x.astype(wide) + w_left * from_left.astype(wide)
+    mixed = mixed + w_right * from_right.astype(wide)
+    return mixed.astype(x.dtype), jnp.float32(2 * _nbytes(x))
+
+
+def gossip_sparse_mean(
+    indices: jax.Array,
+    values: jax.Array,
+    size: int,
+    axis_name,
+    *,
+    dense: jax.Array | None = None,
+    weights: Sequence[float] = GOSSIP_WEIGHTS,
+) -> tuple[jax.Array, jax.Array]:
+    """Gossip of sparse messages: this device's ring mix of its own and its neighbours'.
+
+    Each device sends its fixed-capacity (index, value) message (see
+    :func:`sparse_mean`) to its two ring neighbours and returns ``w_self S_i +
+    w_left S_{i-1} + w_right S_{i+1}`` as a dense ``[size]`` array, ``S_j``
+    device ``j``'s message scattered. The result differs per device
+    (decentralized training, :func:`jaxcomp.aggregation.make_gossip_train_step`).
+
+    Args:
+      indices: int32 ``[capacity]`` (``size`` = padding).
+      values: ``[capacity]`` message values.
+      size: length of the dense result.
+      axis_name: mesh axis (the ring follows the axis order).
+      dense: optional, this device's message already scattered into ``[size]``.
+      weights: ``(w_self, w_left, w_right)``, non-negative, summing to 1.
+
+    Returns:
+      ``(mixed, bytes_sent)``: two messages, ``2 * capacity * (4 + itemsize)``
+      (0 on one device).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp.comm.collectives import gossip_sparse_mean
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(
+      ...     lambda i, v: gossip_sparse_mean(i, v, 3, "data")[0], mesh=mesh,
+      ...     in_specs=(P(), P()), out_specs=P("data"))
+      >>> f(jnp.array([1, 3], jnp.int32), jnp.array([2.0, 0.0])).tolist()
+      [0.0, 2.0, 0.0]
+    """
+    w = check_gossip_weights(weights)
+    if dense is None:
+        dense = jnp.zeros((size,), values.dtype).at[indices].add(values, mode="drop")
+    (l_idx, l_val), (r_idx, r_val) = ring_neighbours((indices, values), axis_name)
+    if axis_size(axis_name) == 1:
+        return dense, jnp.float32(0)
+    wide = jnp.promote_types(values.dtype, jnp.float32)
+    w_self, w_left, w_right = (jnp.asarray(v, wide) for v in w)
+    # One scatter of both neighbours' pairs onto the weighted own message.
+    pairs = jnp.concatenate([w_left * l_val.astype(wide), w_right * r_val.astype(wide)])
+    own = w_self * dense.astype(wide)
+    mixed = own.at[jnp.concatenate([l_idx, r_idx])].add(pairs, mode="drop")
+    return mixed.astype(values.dtype), jnp.float32(2 * (_nbytes(indices) + _nbytes(values)))

@@ -23,6 +23,11 @@ dropped by several devices at once), so nothing is lost globally:
 ``sum_d new_residual_d + N * update == sum_d (old_residual_d + g_d)``. The
 sparsifiers do this with ``exchange="gtopk"`` / ``"oktopk"``.
 
+:func:`exchange` also runs ``"gossip"``, which is no all-reduce: each device
+gets the ring mix of its own and its two neighbours' messages
+(:func:`jaxcomp.comm.collectives.gossip_sparse_mean`), for decentralized
+training (:func:`jaxcomp.aggregation.make_gossip_train_step`).
+
 Every function runs inside ``jax.shard_map`` over ``axis_name``, takes this
 device's message (``indices`` int32 ``[cap]``, ``size`` marking padding,
 ``values`` ``[cap]``) and returns an :class:`Exchanged`. Bytes are counted
@@ -40,6 +45,7 @@ from jax import lax
 
 from jaxcomp import _validation as V
 from jaxcomp.comm.collectives import (
+    _INDEX_ITEMSIZE,
     _nbytes,
     all_gather_invariant,
     allgather_bytes,
@@ -50,6 +56,7 @@ from jaxcomp.comm.collectives import (
 __all__ = [
     "EXACT_EXCHANGES",
     "EXCHANGES",
+    "INCLUDE_EXCHANGES",
     "OKTOPK_SLACK",
     "Exchanged",
     "choose_exchange",
@@ -395,9 +402,13 @@ EXCHANGES = (
     "gtopk",
     "oktopk",
     "scalecom",
+    "gossip",
 )
 # Exchanges whose result is the exact mean of the messages.
 EXACT_EXCHANGES = ("sparse", "dense", "server", "sparcml")
+# Exchanges that take ``include=`` (backup workers): the mean over the included
+# devices. The server and SparCML divide by N, so they reject it.
+INCLUDE_EXCHANGES = ("sparse", "dense")
 
 
 def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: int) -> str:
@@ -452,11 +463,19 @@ def exchange(
 ) -> Exchanged:
     """Runs the named exchange (not ``"scalecom"``, which needs the accumulator).
 
+    ``"gossip"`` is not an average: this device's update is the ring mix
+    ``(S_{i-1} + S_i + S_{i+1}) / 3`` of its own and its two ring neighbours'
+    messages (:func:`jaxcomp.comm.collectives.gossip_sparse_mean`, or
+    :func:`jaxcomp.comm.gossip_mean` of the dense message when that is
+    smaller), different on every device: for decentralized training
+    (:func:`jaxcomp.aggregation.make_gossip_train_step`); two messages on the
+    wire.
+
     Args:
       name: one of :data:`EXCHANGES` except ``"scalecom"``.
       indices, values, size, axis_name: the message (see the module docstring).
       dense: optional, this device's message scattered into ``[size]``.
-      include: backup-worker flag (only the exact exchanges take it).
+      include: backup-worker flag (only :data:`INCLUDE_EXCHANGES` take it).
 
     Returns:
       :class:`Exchanged`.
@@ -465,10 +484,10 @@ def exchange(
 
     n_dev = axis_size(axis_name)
     name = choose_exchange(name, indices.shape[0], size, jnp.dtype(values.dtype).itemsize, n_dev)
-    if include is not None and name not in EXACT_EXCHANGES:
+    if include is not None and name not in INCLUDE_EXCHANGES:
         raise ValueError(
             f"exchange={name!r} does not take include= (backup workers): only "
-            f"{EXACT_EXCHANGES} average over the included devices"
+            f"{INCLUDE_EXCHANGES} (and 'auto') average over the included devices"
         )
     if name in ("sparse", "dense"):
         return Exchanged(
@@ -484,4 +503,14 @@ def exchange(
         return gtopk_mean(indices, values, size, axis_name)
     if name == "oktopk":
         return oktopk_mean(indices, values, size, axis_name)
+    if name == "gossip":
+        # Send whichever form of the message is smaller (static).
+        itemsize = jnp.dtype(values.dtype).itemsize
+        if indices.shape[0] * (_INDEX_ITEMSIZE + itemsize) < size * itemsize:
+            return Exchanged(
+                *collectives.gossip_sparse_mean(indices, values, size, axis_name, dense=dense)
+            )
+        if dense is None:
+            dense = jnp.zeros((size,), values.dtype).at[indices].add(values, mode="drop")
+        return Exchanged(*collectives.gossip_mean(dense, axis_name))
     raise ValueError(f"exchange must be one of {EXCHANGES}, got {name!r}")

@@ -500,7 +500,7 @@ def _nbytes(x) -> int:
 
 
 # Values of the quantizers' ``exchange`` argument.
-QUANTIZER_EXCHANGES = ("allgather", "server")
+QUANTIZER_EXCHANGES = ("allgather", "server", "gossip")
 
 
 def quantize(
@@ -530,6 +530,13 @@ def quantize(
         device order and sends the dense mean back
         (:func:`jaxcomp.comm.server_mean`'s pattern; bytes per worker link:
         its message plus the dense pull). No ``include=`` with the server.
+        ``"gossip"``: decentralized, not an average: each device sends its
+        message to its two ring neighbours and its update is the mix (1/3
+        each) of its own and their decoded messages
+        (:func:`jaxcomp.comm.gossip_mean`'s ring), different per device; two
+        messages on the wire. Train with
+        :func:`jaxcomp.aggregation.make_gossip_train_step` (``make_train_step``
+        rejects it); no ``include=``.
       error_feedback: keep ``residual = R - decoded`` and add it to the next
         gradient (1-bit SGD, EF-signSGD). ``False``: send the quantized
         gradient itself (unbiased QSGD, signSGD); no residual is allocated
@@ -600,6 +607,8 @@ def quantize(
                 update, wire = sent_out, jnp.float32(0)
             elif exchange == "server":
                 update, wire = collectives.server_mean(sent_out, axis_name)
+            elif exchange == "gossip":
+                update, wire = collectives.gossip_mean(sent_out, axis_name)
             else:
                 update, wire = collectives.dense_mean(sent_out, axis_name, include=include)
             nbytes = jnp.where(sends, n * out_dtype.itemsize, 0).astype(jnp.int32)
@@ -607,11 +616,14 @@ def quantize(
             codes, scales = quantizer.encode(acc, key)
             # An unsent message still travels (static shapes): zero scales decode to 0.
             scales = jnp.where(sends, scales, 0)
-            sent_out = _to_dtype(quantizer.decode(codes, scales, n), out_dtype)
+            decoded = quantizer.decode(codes, scales, n)
+            sent_out = _to_dtype(decoded, out_dtype)
             if axis_name is None:
                 update, wire = sent_out, jnp.float32(0)
             elif exchange == "server":
                 update, wire = _server_mean(codes, scales, n, out_dtype)
+            elif exchange == "gossip":
+                update, wire = _gossip_mix(codes, scales, decoded, n, out_dtype)
             else:
                 update, wire = _gather_mean(codes, scales, n, out_dtype, include)
             message = _nbytes(codes) + _nbytes(scales)
@@ -635,6 +647,22 @@ def quantize(
         mean = jnp.sum(decoded, axis=0) / denom
         wire = collectives.allgather_bytes(_nbytes(codes) + _nbytes(scales), n_dev) + extra
         return _to_dtype(mean, out_dtype), jnp.float32(wire)
+
+    def _gossip_mix(codes, scales, decoded, n, out_dtype):
+        # This device's ring mix of its own and its two neighbours' decoded
+        # messages (float32, then cast once): decentralized, differs per device.
+        (l_codes, l_scales), (r_codes, r_scales) = collectives.ring_neighbours(
+            (codes, scales), axis_name
+        )
+        if collectives.axis_size(axis_name) == 1:
+            return _to_dtype(decoded, out_dtype), jnp.float32(0)
+        w_self, w_left, w_right = (jnp.float32(w) for w in collectives.GOSSIP_WEIGHTS)
+        mixed = (
+            w_self * decoded
+            + w_left * quantizer.decode(l_codes, l_scales, n)
+            + w_right * quantizer.decode(r_codes, r_scales, n)
+        )
+        return _to_dtype(mixed, out_dtype), jnp.float32(2 * (_nbytes(codes) + _nbytes(scales)))
 
     def _server_mean(codes, scales, n, out_dtype):
         n_dev = collectives.axis_size(axis_name)
@@ -685,8 +713,11 @@ def quantize(
         check_per_device(updates, axis_name, "jaxcomp.quantize")
         grads, finite, send_ok = apply_nonfinite_policy(updates, nonfinite)
         if include is not None:
-            if exchange == "server":
-                raise ValueError("jaxcomp.quantize: exchange='server' does not take include=")
+            if exchange in ("server", "gossip"):
+                raise ValueError(
+                    f"jaxcomp.quantize: exchange={exchange!r} does not take include= "
+                    "(backup workers); use exchange='allgather'"
+                )
             include = jnp.asarray(include, jnp.bool_)
         sends = send_ok if include is None else send_ok & include
         key = jax.random.wrap_key_data(state.key)

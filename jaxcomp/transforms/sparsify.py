@@ -441,8 +441,13 @@ def sparsify(
         ``"gtopk"`` (gTop-k, power-of-two devices), ``"oktopk"`` (balanced
         sparse reduce-scatter), ``"scalecom"`` (one device's indices per step,
         cycling), ``"auto_topk"`` (the fewest bytes of all); what they leave
-        out goes back into a residual, so nothing is lost. ``include=``
-        (backup workers) works with the exact exchanges only.
+        out goes back into a residual, so nothing is lost. Decentralized:
+        ``"gossip"``, each device's update is the ring mix (1/3 each) of its
+        own and its two ring neighbours' messages, different per device
+        (two messages on the wire; train with
+        :func:`jaxcomp.aggregation.make_gossip_train_step`,
+        ``make_train_step`` rejects it). ``include=`` (backup workers) works
+        with ``"sparse"``, ``"dense"`` and ``"auto"`` only.
       seed: seed of the PRNG stream of random selectors (``random_k``), an
         int32; only ``init`` reads it, so it may be traced.
 
@@ -976,8 +981,17 @@ def _send_dense(cfg: _Config, acc, u, out_dtype, ctx, segments) -> _FlatOut:
         new_u = jnp.where(ctx.sends, 0, u)
     if cfg.axis_name is None:
         update, wire = sent_out, jnp.float32(0)
-    elif cfg.exchange == "server":
-        update, wire = collectives.server_mean(sent_out, cfg.axis_name)
+    elif cfg.exchange in ("server", "gossip"):
+        if ctx.include is not None:  # server_mean divides by N; gossip mixes neighbours
+            raise ValueError(
+                f"exchange={cfg.exchange!r} does not take include= (backup workers): only "
+                f"{sparse_allreduce.INCLUDE_EXCHANGES} (and 'auto') average over the "
+                "included devices"
+            )
+        if cfg.exchange == "server":
+            update, wire = collectives.server_mean(sent_out, cfg.axis_name)
+        else:  # this device's ring mix, not the mean
+            update, wire = collectives.gossip_mean(sent_out, cfg.axis_name)
     else:
         update, wire = collectives.dense_mean(sent_out, cfg.axis_name, include=ctx.include)
     count = jnp.where(ctx.sends, n, 0).astype(jnp.int32)
