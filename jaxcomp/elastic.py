@@ -108,7 +108,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
-from jaxcomp import cssgd, distributed
+from jaxcomp import aggregation, cssgd, distributed
 from jaxcomp.transforms.quantize import QuantizeState
 from jaxcomp.transforms.sparsify import SparsifyState
 
@@ -156,6 +156,9 @@ FIELD_RULES: Mapping[type, Mapping[str, str]] = types.MappingProxyType(
             }
         ),
         distributed.DenseExchangeState: types.MappingProxyType({"wire_bytes": "copy"}),
+        aggregation.WeightedExchangeState: types.MappingProxyType({"wire_bytes": "copy"}),
+        aggregation.ScaleByWeightState: types.MappingProxyType({"wire_bytes": "copy"}),
+        aggregation.GossipExchangeState: types.MappingProxyType({"wire_bytes": "copy"}),
         cssgd.CodedState: types.MappingProxyType(
             {
                 "clipped": "sum",
