@@ -15,6 +15,7 @@ from jaxcomp import (
     elastic,
     planning,
     selection,
+    staleness,
 )
 from jaxcomp.distributed import apply_if_finite, dense_exchange
 from jaxcomp.transforms import (
@@ -69,6 +70,7 @@ __all__ = [
     "selection",
     "sign_sgd",
     "sparsify",
+    "staleness",
     "threshold",
     "top_k",
     "trimmed_top_k",
