@@ -48,8 +48,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp import _sharding, _vma
 from jaxcomp import _validation as V
-from jaxcomp import _vma
 from jaxcomp._vma import check_per_device, varying_like
 from jaxcomp.comm import collectives, sparse_allreduce
 from jaxcomp.selection import _kernels as kernels
@@ -507,7 +507,18 @@ def sparsify(
         del params, extra_args
         if jaxcomp_overlap is not None:
             return jaxcomp_overlap.visit(cfg, updates, state, include)
-        return _update(cfg, updates, state, include)
+        specs = _sharding.explicit_specs(updates)
+        if specs is None:
+            return _update(cfg, updates, state, include)
+        # Leaves split over explicit mesh axes (jit outside shard_map): each
+        # leaf compressed whole, as on one device (see jaxcomp._sharding).
+        new_updates, new_state = _update(
+            cfg, _sharding.replicate_explicit(updates), _sharding.replicate_explicit(state), include
+        )
+        return _sharding.reshard_like(new_updates, specs), new_state._replace(
+            residual=_sharding.reshard_like(new_state.residual, specs),
+            velocity=_sharding.reshard_like(new_state.velocity, specs),
+        )
 
     return optax.GradientTransformationExtraArgs(init, update)
 

@@ -1,0 +1,63 @@
+"""Compressors on leaves sharded with explicit mesh axes (``jax.jit`` outside ``shard_map``).
+
+With ``jax.make_mesh``'s default explicit axis types, an array's sharding is
+part of its type, and operations a compressor needs on the whole leaf
+(``lax.top_k``, slicing a sample, gathering at indices) raise
+``ShardingTypeError`` on a leaf split over a mesh axis. A compressor called on
+such leaves (e.g. in a GSPMD/FSDP program: the gradient there is already the
+global mean, reduced by XLA) compresses each whole leaf, as on one device: the
+leaf is resharded to replicated for the compressor, and its update and
+per-element state (residual, velocity) go back to the leaf's sharding. With
+auto axis types XLA does the same by itself. Inside ``shard_map`` (manual
+axes) nothing is explicit and nothing changes.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["explicit_specs", "replicate_explicit", "reshard_like"]
+
+
+def _spec(x):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(e is None for e in spec):
+        return None
+    return spec
+
+
+def explicit_specs(tree):
+    """Per leaf, its explicit ``PartitionSpec`` if it is split over a mesh axis; None if none is.
+
+    Returns None when no leaf of ``tree`` is explicitly split (the common case:
+    nothing to do).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    specs = [_spec(x) for x in leaves]
+    if all(s is None for s in specs):
+        return None
+    return treedef, specs
+
+
+def replicate_explicit(tree):
+    """``tree`` with every explicitly split leaf resharded to replicated."""
+
+    def full(x):
+        return x if _spec(x) is None else jax.sharding.reshard(x, P())
+
+    return jax.tree.map(full, tree)
+
+
+def reshard_like(tree, specs):
+    """Reshards ``tree``'s leaves (same structure as ``specs``' tree) to those specs."""
+    if specs is None or tree is None:
+        return tree
+    treedef, leaf_specs = specs
+    leaves = treedef.flatten_up_to(tree)
+    out = [
+        x if s is None else jax.sharding.reshard(x, s)
+        for x, s in zip(leaves, leaf_specs, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
