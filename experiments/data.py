@@ -2,8 +2,9 @@
 
 Every loader returns a :class:`Dataset` of NHWC float32 images scaled to about
 [0, 1] (CIFAR: per-channel standardised) and int32 labels. Batches come from
-:func:`epoch_batches`, whose order depends only on ``(seed, epoch)`` so that a
-resumed run sees exactly the batches an uninterrupted one would.
+:func:`epoch_batches`, whose order depends only on ``(seed, epoch)`` (and the
+sampling mode and device count, :mod:`jaxcomp.sampling`) so that a resumed run
+sees exactly the batches an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import tarfile
 import urllib.request
 
 import numpy as np
+
+from jaxcomp import sampling as jaxcomp_sampling
 
 __all__ = [
     "CIFAR_URLS",
@@ -219,13 +222,40 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
     return num_examples // batch_size
 
 
-def epoch_batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, epoch: int):
-    """Yields the shuffled full batches of one epoch.
+def epoch_batches(
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    *,
+    sampling: str = "global",
+    num_devices: int = 1,
+):
+    """Yields the full global batches of one epoch, drawn by ``sampling``.
 
     The order is a function of ``(seed, epoch)`` only: the data-order state
-    a checkpoint needs is the epoch number.
+    a checkpoint needs is the epoch number. Each batch is laid out as
+    ``jaxcomp.distributed.shard_batch`` splits it: device ``d`` gets rows
+    ``[d * b, (d + 1) * b)``, ``b = batch_size // num_devices``, which are its
+    draws of :func:`jaxcomp.sampling.epoch_indices` (``"global"``: one
+    permutation of the training set per epoch, the same batches for any
+    ``num_devices``; ``"replacement"``: each device draws i.i.d. from the
+    whole set; ``"local"``: each device shuffles its own fixed shard).
+
+    Args:
+      x: training inputs.
+      y: training labels.
+      batch_size: global batch size.
+      seed: the run's seed.
+      epoch: 0-based epoch.
+      sampling: a mode of ``jaxcomp.sampling.SAMPLE_MODES``.
+      num_devices: devices sharing each batch (divides ``batch_size``).
     """
-    order = np.random.default_rng([seed, epoch]).permutation(len(y))
-    for i in range(steps_per_epoch(len(y), batch_size)):
-        idx = order[i * batch_size : (i + 1) * batch_size]
+    if len(y) < batch_size:
+        return  # no full batch (the caller reports it)
+    plan = jaxcomp_sampling.epoch_indices(
+        sampling, len(y), batch_size, num_devices, seed=seed, epoch=epoch
+    )
+    for idx in plan.reshape(len(plan), -1):
         yield x[idx], y[idx]

@@ -6,6 +6,14 @@ Example (8 simulated CPU devices)::
         --momentum_correction --num_devices=8 --dataset=digits --model=mlp \
         --epochs=20 --batch_size=64 --lr=0.1 --workdir=/tmp/ldte
 
+Sampling modes (:mod:`jaxcomp.sampling`): ``--sampling=local`` gives each
+device a fixed shard it shuffles alone, ``--sampling=replacement`` draws
+i.i.d. from the whole set, ``--sampling=feature`` slices the input features
+(and the mlp's first layer) over the devices::
+
+    python -m experiments.main --compressor=dense --sampling=feature --num_devices=8 \
+        --dataset=digits --model=mlp --epochs=5 --batch_size=64 --workdir=/tmp/feature
+
 CSSGD (coded synchronous SGD, :mod:`jaxcomp.cssgd`): every block of the
 batch on ``--redundancy`` devices, dense gradients exchanged by coded
 multicast; the batch size must be a multiple of ``C(num_devices, redundancy)``::
@@ -37,7 +45,7 @@ __all__ = ["config_from_flags", "main"]
 def _define_flags() -> None:
     # Importing experiments.train imports jax, but does not initialise a
     # backend: device queries happen only inside train_and_evaluate.
-    from experiments.train import COMPRESSORS, EXCHANGES, TrainConfig  # noqa: PLC0415
+    from experiments.train import COMPRESSORS, EXCHANGES, SAMPLINGS, TrainConfig  # noqa: PLC0415
     from jaxcomp.cssgd import BITS  # noqa: PLC0415
 
     d = TrainConfig()
@@ -161,6 +169,15 @@ def _define_flags() -> None:
         [str(b) for b in BITS],
         "CSSGD's integer width on the wire (default 32, the paper's; coded/uncoded only).",
     )
+    flags.DEFINE_enum(
+        "sampling",
+        d.sampling,
+        list(SAMPLINGS),
+        "How the devices share the data (jaxcomp.sampling): global (one shuffle of the "
+        "training set per epoch), replacement (each device draws i.i.d. from the whole set), "
+        "local (each device shuffles only its own fixed shard), feature (each device holds a "
+        "slice of the input features and of the mlp's first layer, the rest replicated).",
+    )
     flags.DEFINE_string("workdir", "/tmp/jaxcomp_run", "Output directory.")
     flags.DEFINE_bool(
         "overwrite",
@@ -236,6 +253,8 @@ def main(argv) -> None:
         name = config.compressor
         if train.is_coded(config):
             name = f"{config.exchange} r={config.redundancy}"
+        if config.sampling != "global":
+            name = f"{name} ({config.sampling} sampling)"
         print(
             f"{name}: test accuracy {100 * final['test_accuracy']:.2f}% after "
             f"{final['epoch']} epochs, {final['bytes_per_step_per_device']:.0f} bytes/step/device, "

@@ -5,6 +5,9 @@
 ``"data"``), the global batch sharded over it, each device compressing its
 own gradient inside ``jax.shard_map`` and the compressor exchanging the
 messages (``jaxcomp.dense_exchange`` for the uncompressed baseline).
+``sampling`` picks how the devices share the data (global shuffling,
+sampling with replacement, local shuffling of fixed shards, or feature
+slices with a model-parallel first layer; :mod:`jaxcomp.sampling`).
 With ``exchange="coded"`` or ``"uncoded"`` the run is CSSGD instead
 (:mod:`jaxcomp.cssgd`): every block of the global batch lives on
 ``redundancy`` devices and the dense gradients are exchanged by coded
@@ -53,6 +56,7 @@ import jaxcomp
 from experiments import data as data_lib
 from experiments import models, timing
 from jaxcomp import cssgd, planning
+from jaxcomp import sampling as sampling_lib
 from jaxcomp.transforms.quantize import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
 from jaxcomp.transforms.quantize import qsgd_levels
 
@@ -67,6 +71,7 @@ __all__ = [
     "MERGE_PLAN_FILE",
     "RESUMABLE_FIELDS",
     "QUANTIZERS",
+    "SAMPLINGS",
     "SPARSIFIERS",
     "SPARSIFIER_FACTORIES",
     "TIME_SPLIT_FIELDS",
@@ -109,13 +114,21 @@ DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
 # --exchange: "default" (None) is the compressor's own exchange; the others are CSSGD.
 CODED_EXCHANGES = cssgd.EXCHANGES
 # A sparsifier's exchange= (jaxcomp.comm.sparse_allreduce) and a quantizer's.
-SPARSIFIER_EXCHANGES = tuple(jaxcomp.comm.sparse_allreduce.EXCHANGES)
-QUANTIZER_EXCHANGES = tuple(_QUANTIZER_EXCHANGES)
+# Not "gossip": its updates differ per device, a decentralized run with per-device
+# parameters (jaxcomp.aggregation.make_gossip_train_step), not this replicated one.
+_RUN_EXCLUDED = ("gossip",)
+SPARSIFIER_EXCHANGES = tuple(
+    e for e in jaxcomp.comm.sparse_allreduce.EXCHANGES if e not in _RUN_EXCLUDED
+)
+QUANTIZER_EXCHANGES = tuple(e for e in _QUANTIZER_EXCHANGES if e not in _RUN_EXCLUDED)
 EXCHANGES = tuple(
     dict.fromkeys(("default", *CODED_EXCHANGES, *SPARSIFIER_EXCHANGES, *QUANTIZER_EXCHANGES))
 )
 # Fields only CSSGD runs read (must stay None otherwise).
 CODED_FIELDS = ("redundancy", "coded_value_range", "coded_bits")
+# --sampling: the by-sample modes of jaxcomp.sampling, and "feature" (the
+# model-parallel first layer over feature slices, mlp only).
+SAMPLINGS = (*sampling_lib.SAMPLE_MODES, "feature")
 
 
 @dataclasses.dataclass
@@ -208,6 +221,29 @@ class TrainConfig:
         paper's; larger gradient values are clipped and counted; coded/uncoded only).
       coded_bits: integer width on the wire, 8, 16 or 32 (None: 32, the
         paper's; coded/uncoded only).
+      sampling: how the devices share the data (``SAMPLINGS``; see
+        :mod:`jaxcomp.sampling`). By sample, each device computes its
+        gradient on ``batch_size / num_devices`` examples per step drawn by
+        ``"global"`` shuffling (one permutation of the training set per
+        epoch; the default, and what runs without this field did),
+        ``"replacement"`` (each device draws i.i.d. uniformly from the whole
+        training set) or ``"local"`` shuffling (the training set split once
+        into ``num_devices`` fixed shards, each device shuffling only its
+        own). CSSGD runs cut their blocks from the global batch: they take
+        ``"global"`` or ``"replacement"`` (the global batch then ``batch_size``
+        i.i.d. draws). By feature, ``"feature"``: every device sees the whole
+        global batch (``"global"`` order) but only its contiguous slice of
+        the input features (``jaxcomp.sampling.feature_slices``) and owns that
+        slice of the first dense layer's kernel; the partial products are
+        summed over the devices (``jaxcomp.sampling.feature_parallel_dense``)
+        and the rest of the model runs identically on every device. The
+        kernel slices are updated by the optimizer alone (plain SGD with
+        ``momentum`` and the schedule; never compressed or averaged: a
+        slice's gradient is its device's own and never leaves it); the other
+        parameters' gradients, the same on every device, go through the
+        compressor and its exchange as in data-parallel runs. ``model="mlp"``
+        only, one process, not with ``merge``, ``fit_check_epochs`` or a
+        CSSGD exchange; ``batch_size`` need not divide by ``num_devices``.
     """
 
     compressor: str = "ldte_bs"
@@ -245,6 +281,7 @@ class TrainConfig:
     redundancy: int | None = None
     coded_value_range: float | None = None
     coded_bits: int | None = None
+    sampling: str = "global"
 
 
 def is_coded(config: TrainConfig) -> bool:
@@ -411,9 +448,12 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
                 "(on CPU set --num_devices in main.py, or jax_num_cpu_devices / XLA_FLAGS "
                 "before JAX initialises)"
             )
+    _validate_sampling(c, fail)
     n = c.num_devices or device_count
     if is_coded(c):
         _validate_coded_devices(c, n, fail)
+    elif c.sampling == "feature":
+        pass  # every device sees the whole batch; features vs devices is checked on the data
     elif n is not None and c.batch_size % n:
         fail(f"batch_size={c.batch_size} is not divisible by num_devices={n}")
     mp = (c.coordinator_address, c.num_processes, c.process_id)
@@ -424,6 +464,41 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
             fail(f"need 0 <= process_id < num_processes, got {c.process_id}, {c.num_processes}")
         if c.batch_size % c.num_processes:
             fail(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
+
+
+def _validate_sampling(c: TrainConfig, fail) -> None:
+    """The checks of ``sampling`` that need neither the devices nor the data."""
+    if c.sampling not in SAMPLINGS:
+        fail(f"sampling (--sampling) must be one of {', '.join(SAMPLINGS)}, got {c.sampling!r}")
+    if is_coded(c) and c.sampling in ("local", "feature"):
+        fail(
+            f"sampling={c.sampling!r} (--sampling) does not go with exchange={c.exchange!r}: "
+            "CSSGD puts every block of the global batch on several devices, so a device would "
+            "compute on examples (or features) it does not hold; use --sampling=global or "
+            "--sampling=replacement"
+        )
+    if c.sampling != "feature":
+        return
+    why = "(--sampling=feature slices the input features of the mlp's first dense layer)"
+    if c.model != "mlp":
+        fail(f"sampling='feature' needs model='mlp', got {c.model!r} {why}")
+    if c.merge not in (None, "none"):
+        fail(
+            f"merge={c.merge!r} (--merge) is not supported with sampling='feature': it plans "
+            "groups over all the model's layers, and the first kernel's slices are not "
+            "compressed there; leave it unset"
+        )
+    if c.fit_check_epochs:
+        fail(
+            "fit_check_epochs (--fit_check_epochs) is not supported with sampling='feature' (it "
+            "measures a device's gradient of a data-parallel batch); leave it empty"
+        )
+    if c.num_processes is not None or c.coordinator_address is not None:
+        fail(
+            "sampling='feature' runs in one process only (the kernel slices are placed and "
+            "gathered on the host as whole arrays); leave coordinator_address, num_processes "
+            "and process_id unset"
+        )
 
 
 def _validate_exchange(c: TrainConfig, fail) -> None:
@@ -675,6 +750,186 @@ def _make_forward_backward(model, mesh):
     )
 
 
+# --sampling=feature: the mlp's first dense layer is model-parallel over slices of
+# the input features; the rest of the model runs replicated on the whole batch.
+#
+# Parameters {"slices": kernel slices (N, F_max, H) sharded over AXIS (device d
+# owns rows feature_slices(F, N)[d] of the kernel, zero-padded to F_max), "rest":
+# every other parameter, replicated}; optimizer state (slice state, rest state),
+# each stacked per device. The slices' gradients are their devices' own
+# (sampling.feature_parallel_dense sums the partial products forward and
+# passes the replicated cotangent back unchanged), so they get the optimizer
+# alone; the rest's gradients are the same on every device and take the
+# compressor's path as in data-parallel runs.
+
+_FIRST = "Dense_0"
+
+
+def _feature_rest(params):
+    """The mlp's parameters without the first kernel (the replicated part)."""
+    rest = dict(params)
+    rest[_FIRST] = {k: v for k, v in params[_FIRST].items() if k != "kernel"}
+    return rest
+
+
+def _feature_layers(params) -> int:
+    """The mlp's dense layers ``Dense_0..Dense_{L-1}`` (what the feature loss applies)."""
+    names = [f"Dense_{i}" for i in range(len(params))]
+    if sorted(params) != sorted(names) or "kernel" not in params[_FIRST]:
+        raise ValueError(
+            f"sampling='feature' needs the mlp's parameters Dense_0..Dense_{len(params) - 1}, "
+            f"got {sorted(params)}"
+        )
+    return len(names)
+
+
+def _feature_params(params, mesh):
+    """Host mlp parameters placed in the feature layout (one process)."""
+    n = mesh.shape[AXIS]
+    slices = sampling_lib.split_features(np.asarray(params[_FIRST]["kernel"]), n, axis=0)
+    return {
+        "slices": jax.device_put(slices, jax.sharding.NamedSharding(mesh, P(AXIS))),
+        "rest": jaxcomp.distributed.replicate(_feature_rest(params), mesh),
+    }
+
+
+def _feature_host_params(params, num_features: int):
+    """The feature layout gathered back into the mlp's parameters (host numpy)."""
+    rest = _host_tree(params["rest"])
+    kernel = sampling_lib.join_features(np.asarray(params["slices"]), num_features, axis=0)
+    return {**rest, _FIRST: {**rest[_FIRST], "kernel": kernel}}
+
+
+def _feature_batch(xb, yb, mesh):
+    """A global batch as the feature step reads it: (N, B, F_max) slices, labels replicated."""
+    x = np.asarray(xb).reshape(len(xb), -1)
+    slices = sampling_lib.split_features(x, mesh.shape[AXIS], axis=1)
+    return (
+        jax.device_put(slices, jax.sharding.NamedSharding(mesh, P(AXIS))),
+        jaxcomp.distributed.replicate(np.asarray(yb), mesh),
+    )
+
+
+def _feature_loss_fn(num_layers: int):
+    """``loss({"slice", "rest"}, x_slice, y)`` of the mlp, inside shard_map over AXIS."""
+
+    def loss_fn(p, x, y):
+        # models.MLP: Dense, ReLU after every layer but the last.
+        h = sampling_lib.feature_parallel_dense(x, p["slice"], AXIS) + p["rest"][_FIRST]["bias"]
+        for i in range(1, num_layers):
+            layer = p["rest"][f"Dense_{i}"]
+            h = jnp.matmul(jax.nn.relu(h), layer["kernel"]) + layer["bias"]
+        return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+    return loss_fn
+
+
+def _feature_value_and_grad(num_layers: int):
+    """This device's ``(loss, {"slice": grad, "rest": grad})``, inside shard_map."""
+    value_and_grad = jaxcomp.distributed.per_device_value_and_grad(
+        _feature_loss_fn(num_layers), AXIS
+    )
+
+    def f(params, x, y):
+        return value_and_grad({"slice": params["slices"][0], "rest": params["rest"]}, x[0], y)
+
+    return f
+
+
+_FEATURE_PARAM_SPECS = {"slices": P(AXIS), "rest": P()}
+
+
+def _feature_slice_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int):
+    """The kernel slices' optimizer: the run's SGD (momentum, schedule), no compressor."""
+    c = resolve_config(config)
+    lr = learning_rate(c, steps_per_epoch, total_steps)
+    return optax.sgd(lr, momentum=c.momentum) if c.momentum else optax.sgd(lr)
+
+
+def _init_feature_opt_state(slice_tx, tx, params, mesh):
+    """(slice state, rest state), each with a leading device axis sharded over AXIS."""
+
+    def init(slices, rest):
+        return jax.tree.map(lambda a: a[None], (slice_tx.init(slices[0]), tx.init(rest)))
+
+    init_fn = jax.shard_map(
+        init, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS), check_vma=False
+    )
+    return jax.jit(init_fn)(params["slices"], params["rest"])
+
+
+def _make_feature_train_step(
+    slice_tx,
+    tx,
+    mesh,
+    num_layers: int,
+    num_rest: int,
+    activation_bytes: float,
+    communicate: bool = True,
+):
+    """The jitted feature-parallel step (params and optimizer state donated).
+
+    ``num_rest`` counts the compressed parameters (density and the dense
+    message size refer to them); ``activation_bytes`` is the all-reduce of
+    the first layer's partial products, added to the step's wire bytes.
+    """
+    value_and_grad = _feature_value_and_grad(num_layers)
+
+    def step(params, opt_state, x, y):
+        slice_state, state = jax.tree.map(lambda a: a[0], opt_state)
+        loss, grads = value_and_grad(params, x, y)
+        own = params["slices"][0]
+        # A slice's gradient is its device's alone: no exchange, no compression.
+        slice_updates, slice_state = slice_tx.update(grads["slice"], slice_state, own)
+        updates, state = tx.update(grads["rest"], state, params["rest"])
+        new_params = {
+            "slices": optax.apply_updates(own, slice_updates)[None],
+            "rest": optax.apply_updates(params["rest"], updates),
+        }
+        stats = _step_stats(state, num_rest)
+        stats["wire_bytes"] = stats["wire_bytes"] + jnp.float32(activation_bytes)
+        metrics = {k: lax.pmean(v, AXIS) for k, v in stats.items()}
+        metrics["loss"] = lax.pmean(loss, AXIS)
+        return new_params, jax.tree.map(lambda a: a[None], (slice_state, state)), metrics
+
+    sharded = jax.shard_map(
+        step if communicate else jaxcomp.comm.without_communication(step),
+        mesh=mesh,
+        in_specs=(_FEATURE_PARAM_SPECS, P(AXIS), P(AXIS), P()),
+        out_specs=(_FEATURE_PARAM_SPECS, P(AXIS), P()),
+        check_vma=False,  # as _make_train_step (sparse exchanges end in an all-gather)
+    )
+    return jax.jit(sharded, donate_argnums=(0, 1))
+
+
+def _make_feature_forward_backward(mesh, num_layers: int):
+    """The feature step's forward and backward, applied locally, without collectives.
+
+    The forward's all-reduce of the partial products is communication: it is
+    replaced by its local stand-in here, so the split's communication part
+    holds it with the gradient exchange.
+    """
+    value_and_grad = _feature_value_and_grad(num_layers)
+
+    def step(params, x, y):
+        _, grads = value_and_grad(params, x, y)
+        return {
+            "slices": (params["slices"][0] - grads["slice"])[None],
+            "rest": optax.apply_updates(params["rest"], grads["rest"]),
+        }
+
+    return jax.jit(
+        jax.shard_map(
+            jaxcomp.comm.without_communication(step),
+            mesh=mesh,
+            in_specs=(_FEATURE_PARAM_SPECS, P(AXIS), P()),
+            out_specs=_FEATURE_PARAM_SPECS,
+            check_vma=False,
+        ),
+        donate_argnums=0,
+    )
+
+
 def _batch_loss_fn(model):
     """``loss(params, (x, y))``: the loss of one block, as ``jaxcomp.cssgd`` calls it."""
     loss_fn = _loss_fn(model)
@@ -872,15 +1127,22 @@ def _config_record(config: TrainConfig, num_devices: int) -> dict:
     return {"format": _CONFIG_FORMAT, "config": fields}
 
 
+# Fields added after config.json existed whose default is not None: a
+# config.json without them is a run that had this value.
+_ADDED_FIELD_DEFAULTS = {"sampling": "global"}
+
+
 def _config_differences(stored: dict, current: dict) -> list:
     constant = stored.get("schedule") == current.get("schedule") == "constant"
     diffs = []
     for name in sorted(set(stored) | set(current)):
         if name in RESUMABLE_FIELDS or (name == "epochs" and constant):
             continue
-        # A field absent from an older config.json had its default, None.
-        if stored.get(name) != current.get(name):
-            diffs.append(f"{name}={stored.get(name)!r} there, {current.get(name)!r} now")
+        # A field absent from an older config.json had its default (None unless listed).
+        old = stored.get(name, _ADDED_FIELD_DEFAULTS.get(name))
+        new = current.get(name, _ADDED_FIELD_DEFAULTS.get(name))
+        if old != new:
+            diffs.append(f"{name}={old!r} there, {new!r} now")
     return diffs
 
 
@@ -1149,6 +1411,16 @@ def train_and_evaluate(
     encoding, decoding and SGD update, ``time_communication`` the exposed
     all-gather that stands in for the multicast.
 
+    ``sampling`` decides which examples each device's share of a batch holds
+    (:mod:`jaxcomp.sampling`; the step is the same). Feature runs
+    (``sampling="feature"``) put the first layer's partial products through
+    an all-reduce every step: ``bytes_per_step_per_device`` adds its bytes
+    (``activation_bytes_per_step_per_device``, a ring all-reduce of the
+    ``(batch_size, hidden)`` float32 product) to the compressor's exchange
+    of the other parameters' gradients, which ``message_bytes`` and
+    ``density`` describe (the kernel slices are not compressed); their time
+    split counts that all-reduce as communication.
+
     Args:
       config: the run configuration (validated first).
       workdir: output directory (created); resumes from its checkpoints. Its
@@ -1190,7 +1462,15 @@ def train_and_evaluate(
             f"blocks are cut from the whole global batch on the host), got "
             f"{jax.process_count()} processes"
         )
+    feature = c.sampling == "feature"
+    if feature and jax.process_count() > 1:
+        raise ValueError(
+            f"invalid config: sampling='feature' runs in one process only, got "
+            f"{jax.process_count()} processes"
+        )
     label = c.compressor if coded_cfg is None else f"{c.exchange} r={c.redundancy}"
+    if c.sampling != "global":
+        label = f"{label} ({c.sampling} sampling)"
     _check_workdir(c, workdir, n_dev, overwrite)
     dataset = data_lib.load_dataset(c.dataset, c.data_dir, c.download)
     spe = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
@@ -1198,6 +1478,12 @@ def train_and_evaluate(
         raise ValueError(
             f"invalid config: batch_size={c.batch_size} exceeds the "
             f"{len(dataset.train_y)} training examples"
+        )
+    num_features = int(np.prod(dataset.train_x.shape[1:]))
+    if feature and n_dev > num_features:
+        raise ValueError(
+            f"invalid config: sampling='feature' gives every device at least one of the "
+            f"{num_features} input features; num_devices={n_dev} is too many"
         )
     if c.max_steps_per_epoch is not None:
         spe = min(spe, c.max_steps_per_epoch)
@@ -1213,17 +1499,41 @@ def train_and_evaluate(
     if c.compressor in SPARSIFIERS and c.merge != "none":
         groups, merge_plan = _merge_groups(c, model, init_params, dataset, workdir, n_dev)
     tx, _ = build_optimizer(c, spe, spe * c.epochs, groups=groups)
-    params = jaxcomp.distributed.replicate(init_params, mesh)
-    if coded_cfg is None:
+    if feature:
+        num_layers = _feature_layers(init_params)
+        slice_tx = _feature_slice_optimizer(c, spe, spe * c.epochs)
+        num_rest = num_params - int(np.size(init_params[_FIRST]["kernel"]))
+        hidden = int(np.shape(init_params[_FIRST]["kernel"])[1])
+        # Each device sends its (batch, hidden) float32 partial product into an all-reduce.
+        activation_bytes = jaxcomp.comm.collectives.allreduce_bytes(
+            4 * c.batch_size * hidden, n_dev
+        )
+        params = _feature_params(init_params, mesh)
+        opt_state = _init_feature_opt_state(slice_tx, tx, params, mesh)
+        feature_step_args = (slice_tx, tx, mesh, num_layers, num_rest, activation_bytes)
+        train_step = _make_feature_train_step(*feature_step_args)
+        logging.info(
+            "sampling='feature': the first kernel's %d slices are updated by SGD alone (each "
+            "device's own gradient, never compressed or averaged); %s compresses the other "
+            "%d parameters",
+            n_dev,
+            c.compressor,
+            num_rest,
+        )
+    elif coded_cfg is None:
+        params = jaxcomp.distributed.replicate(init_params, mesh)
         opt_state = jaxcomp.distributed.init_opt_state(tx, params, mesh, AXIS)
         train_step = _make_train_step(model, tx, mesh, num_params)
     else:
+        params = jaxcomp.distributed.replicate(init_params, mesh)
         # (CodedState, sgd state) per device: a pytree that orbax saves like any other.
         opt_state = cssgd.init_opt_state(tx, params, mesh, AXIS, seed=c.seed)
         train_step = cssgd.make_train_step(_batch_loss_fn(model), tx, mesh, coded_cfg, AXIS)
 
     def place(xb, yb):
-        """The step's batch arguments: rows sharded, or CSSGD's per-device blocks."""
+        """The step's batch arguments: rows sharded, feature slices, or CSSGD's blocks."""
+        if feature:
+            return _feature_batch(xb, yb, mesh)
         if coded_cfg is None:
             return jaxcomp.distributed.shard_batch((xb, yb), mesh, AXIS)
         return (cssgd.shard_block_batch((xb, yb), mesh, c.redundancy, AXIS),)
@@ -1270,7 +1580,13 @@ def train_and_evaluate(
     dummy = place(dataset.train_x[:local], dataset.train_y[:local])
     train_step = train_step.lower(params, opt_state, *dummy).compile()
     compile_time = time.perf_counter() - t0
-    if c.time_split and coded_cfg is None:
+    if c.time_split and feature:
+        split_programs = (
+            train_step,
+            _make_feature_train_step(*feature_step_args, communicate=False),
+            _make_feature_forward_backward(mesh, num_layers),
+        )
+    elif c.time_split and coded_cfg is None:
         split_programs = (
             train_step,
             _make_train_step(model, tx, mesh, num_params, communicate=False),
@@ -1298,11 +1614,19 @@ def train_and_evaluate(
         coded = []  # Elias-coded bytes of device 0's message, every coded_bytes_every steps
         step_times = []
         batches = data_lib.epoch_batches(
-            dataset.train_x, dataset.train_y, c.batch_size, c.seed, epoch
+            dataset.train_x,
+            dataset.train_y,
+            c.batch_size,
+            c.seed,
+            epoch,
+            # Feature runs read whole batches in the global order; CSSGD cuts its
+            # blocks from the global batch, whose draws need not divide by device.
+            sampling="global" if feature else c.sampling,
+            num_devices=1 if feature or coded_cfg is not None else n_dev,
         )
         for i, (xb, yb) in zip(range(spe), batches, strict=False):
             t0 = time.perf_counter()
-            # Each process feeds its own rows of the global batch.
+            # Each process feeds its own rows of the global batch (device-major).
             xb, yb = xb[proc * local : (proc + 1) * local], yb[proc * local : (proc + 1) * local]
             batch = place(xb, yb)
             params, opt_state, m = train_step(params, opt_state, *batch)
@@ -1317,7 +1641,8 @@ def train_and_evaluate(
             for k in sums:
                 sums[k] += float(m[k])
             if c.coded_bytes_every and (epoch * spe + i + 1) % c.coded_bytes_every == 0:
-                coded.append(_coded_bytes(c, opt_state, init_params))
+                compressed = _feature_rest(init_params) if feature else init_params
+                coded.append(_coded_bytes(c, opt_state, compressed))
             if show:
                 bar.update(1)
                 bar.set_postfix(loss=f"{float(m['loss']):.4f}")
@@ -1327,7 +1652,8 @@ def train_and_evaluate(
         if c.time_split:
             split = _time_split(split_programs, params, opt_state, batch)
         t_step = statistics.median(step_times)
-        acc = _evaluate(model, _host_tree(params), dataset.test_x, dataset.test_y)
+        host_params = _feature_host_params(params, num_features) if feature else _host_tree(params)
+        acc = _evaluate(model, host_params, dataset.test_x, dataset.test_y)
         cum_bytes += sums["wire_bytes"]
         record = {
             "epoch": epoch + 1,
@@ -1344,6 +1670,8 @@ def train_and_evaluate(
             "step_time": t_step,
             **{f"time_{k}": getattr(split, k) if split else -1.0 for k in TIME_SPLIT_FIELDS},
         }
+        if feature:
+            record["activation_bytes_per_step_per_device"] = activation_bytes
         if coded_cfg is not None:
             coded_state = opt_state[0]  # checkpointed, so the totals survive a resume
             record.update(
@@ -1395,6 +1723,6 @@ def train_and_evaluate(
         "records": records,
         "final": records[-1] if records else None,
         "num_params": num_params,
-        "params": _host_tree(params),
+        "params": _feature_host_params(params, num_features) if feature else _host_tree(params),
         "merge_plan": merge_plan,
     }

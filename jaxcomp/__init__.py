@@ -14,6 +14,7 @@ from jaxcomp import (
     distributed,
     elastic,
     planning,
+    sampling,
     selection,
     staleness,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "qsgd",
     "quantize",
     "random_k",
+    "sampling",
     "selection",
     "sign_sgd",
     "sparsify",
