@@ -115,8 +115,9 @@ DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
 CODED_EXCHANGES = cssgd.EXCHANGES
 # A sparsifier's exchange= (jaxcomp.comm.sparse_allreduce) and a quantizer's.
 # Not "gossip": its updates differ per device, a decentralized run with per-device
-# parameters (jaxcomp.aggregation.make_gossip_train_step), not this replicated one.
-_RUN_EXCLUDED = ("gossip",)
+# parameters (jaxcomp.aggregation.make_gossip_train_step), not this replicated one;
+# not "scatter": FSDP's reduce-scatter (jaxcomp.distributed.sharded_optimizer).
+_RUN_EXCLUDED = ("gossip", "scatter")
 SPARSIFIER_EXCHANGES = tuple(
     e for e in jaxcomp.comm.sparse_allreduce.EXCHANGES if e not in _RUN_EXCLUDED
 )

@@ -14,6 +14,8 @@ exchange            per-device bytes (``m`` = message)      result
 :func:`cyclic_mean`  2 all-reduces of ``cap`` entries       exact sum on one device's support
 :func:`sparcml_mean` ``sum_i min(2^i cap, U)`` pairs, or     exact sum (union)
                     a dense all-reduce past the threshold
+:func:`scatter_mean` ``~s (N-1)/N m``                       this device's region of
+                                                         the sum (FSDP)
 ==================  ====================================  ==========================
 
 The first two *select* from the merged messages: what they leave out of the
@@ -67,6 +69,8 @@ __all__ = [
     "is_power_of_two",
     "oktopk_capacities",
     "oktopk_mean",
+    "scatter_capacity",
+    "scatter_mean",
     "sparcml_mean",
     "sparcml_union_capacity",
 ]
@@ -273,6 +277,77 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
     )
 
 
+def scatter_capacity(cap: int, n_dev: int, slack: float = OKTOPK_SLACK) -> int:
+    """Pairs each device sends to each region owner in :func:`scatter_mean`."""
+    return max(1, math.ceil(slack * cap / n_dev))
+
+
+def scatter_mean(
+    indices, values, size: int, axis_name, *, slack: float = OKTOPK_SLACK
+) -> Exchanged:
+    """A sparse reduce-scatter: device ``j`` gets the mean of every message's region ``j``.
+
+    For FSDP (:func:`jaxcomp.distributed.sharded_optimizer`): the index range
+    is split into ``N`` equal contiguous regions (``size`` divisible by ``N``;
+    a parameter split over the data axis along its first dimension owns
+    exactly its region of the flat gradient). Each device sends its pairs in
+    region ``j`` to device ``j`` over a padded ``all_to_all`` (at most
+    ``ceil(slack * cap / N)`` per peer; overflow is returned to the sender's
+    residual), and device ``j`` sums what it receives into its region.
+    Nothing else travels: no device needs the other regions.
+
+    Returns:
+      :class:`Exchanged` whose ``update`` is this device's region only
+      (``[size // N]``, different on every device), ``wire_bytes`` =
+      ``(N - 1) * per_peer`` pairs (about ``slack`` messages, whatever ``N``),
+      and the overflow as returned pairs.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxcomp.comm.sparse_allreduce import scatter_mean
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(
+      ...     lambda i, v: scatter_mean(i, v, 4, "data").update, mesh=mesh,
+      ...     in_specs=(P(), P()), out_specs=P("data"))
+      >>> f(jnp.array([1, 3], jnp.int32), jnp.array([2.0, -1.0])).tolist()
+      [0.0, 2.0, 0.0, -1.0]
+    """
+    n_dev = axis_size(axis_name)
+    slack = V.check_real("slack", slack, 0, low_open=True)
+    if size % n_dev:
+        raise ValueError(
+            f"exchange='scatter' splits a leaf's {size} elements into {n_dev} equal regions "
+            "(one per device); the size must be divisible by the number of devices"
+        )
+    if n_dev == 1:
+        return Exchanged(_scatter_mean(indices, values, size, 1), jnp.float32(0))
+    cap = indices.shape[0]
+    region = size // n_dev
+    per_peer = scatter_capacity(cap, n_dev, slack)
+    idx, val = lax.sort((indices, values), num_keys=1)  # padding (size) last
+    valid = idx < size
+    owner = jnp.where(valid, idx // region, n_dev)
+    first = jnp.searchsorted(idx, jnp.arange(n_dev, dtype=idx.dtype) * region, side="left")
+    rank = jnp.arange(cap) - first[jnp.clip(owner, 0, n_dev - 1)]
+    fits = valid & (rank < per_peer)
+    slot = jnp.where(fits, owner * per_peer + rank, n_dev * per_peer)
+    # Offsets within the owner's region; `region` marks padding.
+    offset = jnp.where(fits, idx - owner * region, region).astype(jnp.int32)
+    send_idx = jnp.full((n_dev * per_peer,), region, jnp.int32).at[slot].set(offset, mode="drop")
+    send_val = jnp.zeros((n_dev * per_peer,), values.dtype).at[slot].set(val, mode="drop")
+    recv_idx = lax.all_to_all(send_idx.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True)
+    recv_val = lax.all_to_all(send_val.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True)
+    update = _scatter_mean(recv_idx.reshape(-1), recv_val.reshape(-1), region, n_dev)
+    pair = _INDEX_ITEMSIZE + jnp.dtype(values.dtype).itemsize
+    return Exchanged(
+        update,
+        jnp.float32((n_dev - 1) * per_peer * pair),
+        jnp.where(valid & ~fits, idx, size),
+        jnp.where(valid & ~fits, val, 0),
+    )
+
+
 def cyclic_mean(indices, values_at, size: int, axis_name, step) -> tuple[Exchanged, jax.Array]:
     """ScaleCom's cyclic leader: one device's indices, then a plain all-reduce of their values.
 
@@ -403,6 +478,7 @@ EXCHANGES = (
     "oktopk",
     "scalecom",
     "gossip",
+    "scatter",
 )
 # Exchanges whose result is the exact mean of the messages.
 EXACT_EXCHANGES = ("sparse", "dense", "server", "sparcml")
@@ -503,6 +579,8 @@ def exchange(
         return gtopk_mean(indices, values, size, axis_name)
     if name == "oktopk":
         return oktopk_mean(indices, values, size, axis_name)
+    if name == "scatter":
+        return scatter_mean(indices, values, size, axis_name)
     if name == "gossip":
         # Send whichever form of the message is smaller (static).
         itemsize = jnp.dtype(values.dtype).itemsize

@@ -497,8 +497,22 @@ def sparsify(
     def init(params):
         return _init(cfg, seed, params)
 
-    def update(updates, state, params=None, *, include=None, jaxcomp_overlap=None, **extra_args):
+    def update(
+        updates,
+        state,
+        params=None,
+        *,
+        include=None,
+        scatter=None,
+        jaxcomp_overlap=None,
+        **extra_args,
+    ):
         """``include``: optional bool scalar, this device's backup-worker flag.
+
+        ``scatter``: with ``exchange="scatter"``, a pytree of bools like the
+        updates: which leaves are reduce-scattered (their update is this
+        device's slice, the first dimension split over the devices);
+        :func:`jaxcomp.distributed.sharded_optimizer` passes it.
 
         ``jaxcomp_overlap`` is private to ``make_train_step(overlap=True)``,
         which runs this compressor inside the backward pass
@@ -507,6 +521,8 @@ def sparsify(
         del params, extra_args
         if jaxcomp_overlap is not None:
             return jaxcomp_overlap.visit(cfg, updates, state, include)
+        if cfg.exchange == "scatter":
+            return _update(cfg, updates, state, include, scatter=_scatter_leaves(updates, scatter))
         specs = _sharding.explicit_specs(updates)
         if specs is None:
             return _update(cfg, updates, state, include)
@@ -577,6 +593,12 @@ def _make_config(
         )
     reuse_period = V.check_int("reuse_period", 1 if reuse_period is None else reuse_period, 1)
     exchange = V.check_choice("exchange", exchange, sparse_allreduce.EXCHANGES)
+    if exchange == "scatter" and (groups is not None or granularity != "layer"):
+        raise ValueError(
+            "exchange='scatter' reduce-scatters each leaf over the devices that own its slices: "
+            f"it needs per-leaf buffers (groups=None, granularity='layer'), got groups={groups!r}, "
+            f"granularity={granularity!r}"
+        )
     nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
     if residual_dtype is not None:  # None: per group, see resolve_residual_dtype
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
@@ -728,7 +750,23 @@ def _step_inputs(cfg: _Config, tree, state: SparsifyState) -> _StepInputs:
     return _StepInputs(layout, treedef, groups)
 
 
-def _update(cfg: _Config, updates, state: SparsifyState, include):
+def _scatter_leaves(updates, scatter) -> tuple:
+    """Per leaf (flattened order), whether ``exchange="scatter"`` reduce-scatters it."""
+    if scatter is None:
+        raise ValueError(
+            "exchange='scatter' reduce-scatters the gradients of parameters split over the data "
+            "axis (FSDP): use the compressor inside jaxcomp.distributed.sharded_optimizer, which "
+            "tells it which leaves are split (update argument scatter=)"
+        )
+    treedef = jax.tree.structure(updates)
+    try:
+        flags = treedef.flatten_up_to(scatter)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"scatter= must be a pytree of bools like the updates: {e}") from None
+    return tuple(bool(f) for f in flags)
+
+
+def _update(cfg: _Config, updates, state: SparsifyState, include, scatter=None):
     _check_updates(cfg, updates, state)
     grads, finite, send_ok = apply_nonfinite_policy(updates, cfg.nonfinite)
     if include is not None:
@@ -738,7 +776,7 @@ def _update(cfg: _Config, updates, state: SparsifyState, include):
     g_leaves = inputs.treedef.flatten_up_to(grads)
     outs = [
         _compress_group(
-            cfg,
+            _leaf_exchange(cfg, scatter, gi.members),
             [g_leaves[i] for i in gi.members],
             gi.residuals,
             gi.velocities,
@@ -750,6 +788,14 @@ def _update(cfg: _Config, updates, state: SparsifyState, include):
         for gi in inputs.groups
     ]
     return _finish(cfg, state, inputs, outs, finite)
+
+
+def _leaf_exchange(cfg: _Config, scatter, members) -> _Config:
+    """``exchange="scatter"``: the leaves marked split are reduce-scattered, the others ``auto``."""
+    if scatter is None or cfg.exchange != "scatter":
+        return cfg
+    (i,) = members  # scatter needs per-leaf groups (checked by the factory)
+    return cfg if scatter[i] else dataclasses.replace(cfg, exchange="auto")
 
 
 def _finish(cfg: _Config, state: SparsifyState, inputs: _StepInputs, outs, finite):
@@ -818,7 +864,13 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
             parts = jnp.split(flat, list(itertools.accumulate(sizes))[:-1]) if sizes else []
         return [p.reshape(g.shape) for p, g in zip(parts, gs, strict=True)]
 
-    wide = split(o.update)
+    if cfg.exchange == "scatter":
+        # This device's slice of the one leaf: its first dimension split over the devices.
+        (g,) = gs
+        n_dev = collectives.axis_size(cfg.axis_name)
+        wide = [o.update.reshape(g.shape[0] // n_dev, *g.shape[1:])]
+    else:
+        wide = split(o.update)
     updates = [u.astype(g.dtype) for u, g in zip(wide, gs, strict=True)]
     residuals = split(o.residual)
     if cfg.axis_name is None:
@@ -1003,6 +1055,10 @@ def _send_dense(cfg: _Config, acc, u, out_dtype, ctx, segments) -> _FlatOut:
             update, wire = collectives.server_mean(sent_out, cfg.axis_name)
         else:  # this device's ring mix, not the mean
             update, wire = collectives.gossip_mean(sent_out, cfg.axis_name)
+    elif cfg.exchange == "scatter":
+        if ctx.include is not None:
+            raise ValueError("exchange='scatter' does not take include= (backup workers)")
+        update, wire = collectives.dense_scatter_mean(sent_out, cfg.axis_name)
     else:
         update, wire = collectives.dense_mean(sent_out, cfg.axis_name, include=ctx.include)
     count = jnp.where(ctx.sends, n, 0).astype(jnp.int32)
