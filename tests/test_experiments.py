@@ -124,7 +124,7 @@ def test_ldte_bs_paper_row_runs_the_paper_variant():
 def test_bench_train_step_writes_json_and_png(tmp_path):
     from experiments import bench_train_step
 
-    result = bench_train_step.run(width=16, depth=1, ratio=0.05, repeats=5, out_dir=str(tmp_path))
+    result = bench_train_step.run(width=16, depth=1, ratio=0.05, repeats=3, out_dir=str(tmp_path))
     data = json.loads((tmp_path / "bench_train_step.json").read_text())
     assert (tmp_path / "bench_train_step.png").stat().st_size > 0
     rows = data["results"]
