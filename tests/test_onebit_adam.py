@@ -1,0 +1,575 @@
+"""1-bit Adam and 0/1 Adam (jaxcomp.transforms.adam), and the EF-before-Adam mistake.
+
+References: optax.adam (warm-up), numpy re-implementations of one step of
+each algorithm from the same state (the papers' / DeepSpeed's formulas), a
+pure-Python copy of DeepSpeed's ZeroOneAdam counters, and exact least-squares
+optima from numpy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp
+from jaxcomp import aggregation as agg
+from jaxcomp import distributed as dist
+from jaxcomp.transforms.adam import onebit_adam, zero_one_adam
+
+N = 8
+B1, B2, EPS = 0.9, 0.999, 1e-8
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((N,), ("data",))
+
+
+def _stacked(tree, mesh):
+    sh = NamedSharding(mesh, P("data"))
+    return jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), sh), tree)
+
+
+def _mesh_update(tx, mesh):
+    """Jitted ``tx.update`` on every device's row of (grads, state): per-device outputs."""
+
+    def run(grads, state):
+        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+        upd, new = tx.update(first(grads), first(state))
+        return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
+
+    spec = P("data")
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+def _stack_init(tx, params, mesh):
+    return _stacked(jax.tree.map(lambda x: np.stack([np.asarray(x)] * N), tx.init(params)), mesh)
+
+
+def sign_codec(x):
+    """numpy ``||x||_1 / d * sign(x)`` (zeros sent as +), one bucket."""
+    x = np.asarray(x, np.float32)
+    scale = np.float32(np.sum(np.abs(x), dtype=np.float64) / x.size)
+    return np.where(x < 0, -scale, scale).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# 1-bit Adam.
+# ---------------------------------------------------------------------------
+
+
+def _lsq_problem(seed=0, n=16, d=12):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(N * n, d)).astype(np.float32)
+    y = (a @ rng.normal(size=d) + 1.0 + 0.1 * rng.normal(size=N * n)).astype(np.float32)
+    return {"x": a, "y": y}
+
+
+def _lsq_loss(w, b):
+    return 0.5 * jnp.mean((b["x"] @ w["w"] + w["b"] - b["y"]) ** 2)
+
+
+def test_warmup_is_optax_adam_on_the_mean_gradient(mesh):
+    """8 devices, make_train_step: warm-up == dense pmean + optax.adam, to float32 rounding."""
+    batch = dist.shard_batch(_lsq_problem(), mesh)
+    lr, steps = 0.05, 5
+
+    def run(tx):
+        params = dist.replicate({"w": jnp.zeros(12), "b": jnp.zeros(())}, mesh)
+        state = dist.init_opt_state(tx, params, mesh)
+        step = dist.make_train_step(_lsq_loss, tx, mesh, unexchanged="error")
+        out = []
+        for _ in range(steps):
+            params, state, metrics = step(params, state, batch)
+            out.append(jax.tree.map(np.asarray, jax.block_until_ready(params)))
+        return out, metrics
+
+    ref, ref_metrics = run(optax.chain(dist.dense_exchange("data"), optax.adam(lr)))
+    got, metrics = run(onebit_adam(lr, freeze_step=100, axis_name="data"))
+    for r, g in zip(ref, got, strict=True):
+        for leaf in r:
+            np.testing.assert_allclose(g[leaf], r[leaf], rtol=2e-6, atol=1e-8)
+    # Dense exchange of the gradient: the same bytes as the baseline, plus the 4-byte
+    # all-reduce that counts the devices with finite gradients.
+    extra = 2 * (N - 1) / N * 4
+    assert float(metrics["wire_bytes"]) == pytest.approx(float(ref_metrics["wire_bytes"]) + extra)
+
+
+def test_warmup_single_device_bit_for_bit():
+    lr = 0.1
+    tx, ref = onebit_adam(lr, freeze_step=10), optax.adam(lr)
+    g_rng = np.random.default_rng(1)
+    params = {"a": jnp.zeros((7,), jnp.float32), "s": jnp.zeros((), jnp.float32)}
+    s, r = tx.init(params), ref.init(params)
+    f, fr = jax.jit(tx.update), jax.jit(ref.update)
+    for _ in range(4):
+        g = jax.tree.map(lambda p: jnp.asarray(g_rng.normal(size=p.shape), jnp.float32), params)
+        u, s = f(g, s)
+        ur, r = fr(g, r)
+        for leaf in params:
+            assert np.array_equal(np.asarray(u[leaf]), np.asarray(ur[leaf])), leaf
+            assert np.array_equal(np.asarray(s.nu[leaf]), np.asarray(r[0].nu[leaf])), leaf
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_compressed_step_matches_numpy_reference(mesh, bias_correction):
+    """After the freeze: local momentum, 1-bit EF exchange, frozen v; per device vs numpy."""
+    lr, freeze, d = 0.01, 3, 40
+    tx = onebit_adam(lr, freeze_step=freeze, axis_name="data", bias_correction=bias_correction)
+    upd_fn = _mesh_update(tx, mesh)
+    rng = np.random.default_rng(2)
+    state = _stack_init(tx, {"w": jnp.zeros(d)}, mesh)
+    for _ in range(freeze + 2):  # warm-up, then two compressed steps: residuals differ
+        g = {"w": rng.normal(size=(N, d)).astype(np.float32)}
+        _, state = upd_fn(_stacked(g, mesh), state)
+    old = jax.tree.map(np.asarray, state)
+    g = {"w": rng.normal(size=(N, d)).astype(np.float32)}
+    upd, new = jax.tree.map(np.asarray, upd_fn(_stacked(g, mesh), state))
+
+    t = int(old.count[0]) + 1
+    mu, nu = old.mu["w"][0], old.nu["w"][0]
+    assert all(np.array_equal(old.nu["w"][i], nu) for i in range(N))  # replicated
+    m_i = (1 - np.float32(B1)) * g["w"] + np.float32(B1) * mu
+    acc = old.residual["w"] + m_i
+    sent = np.stack([sign_codec(a) for a in acc])
+    m = sent.sum(0, dtype=np.float64) / N
+    if bias_correction:
+        m_hat, nu_hat = m / (1 - B1**t), nu / (1 - B2**freeze)
+    else:
+        m_hat, nu_hat = m, nu
+    expected = -lr * m_hat / (np.sqrt(nu_hat.astype(np.float64)) + EPS)
+    for i in range(N):
+        # Identical on every device (replicated parameters stay replicated) ...
+        assert np.array_equal(upd["w"][i], upd["w"][0])
+        assert np.array_equal(new.mu["w"][i], new.mu["w"][0])
+        # ... and equal to the reference.
+        np.testing.assert_allclose(upd["w"][i], expected, rtol=1e-5, atol=1e-9)
+        np.testing.assert_allclose(new.mu["w"][i], m, rtol=1e-5, atol=1e-9)
+        # Nothing lost per device: residual == accumulated momentum - sent.
+        np.testing.assert_allclose(new.residual["w"][i], acc[i] - sent[i], rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(new.nu["w"][i], nu)  # v frozen
+    assert int(new.message_bytes["w"][0]) == 40 // 8 + 4  # 1 bit per coordinate + one scale
+    assert float(new.wire_bytes[0]) == pytest.approx((N - 1) * 9 + 2 * (N - 1) / N * 4 * 2)
+
+
+def _lsq_single(seed=0, n=200, d=50):
+    rng = np.random.default_rng(seed)
+    a = (rng.normal(size=(n, d)) * np.linspace(0.3, 2, d)).astype(np.float32)
+    y = (a @ rng.normal(size=d) + 0.1 * rng.normal(size=n)).astype(np.float32)
+    a64, y64 = a.astype(np.float64), y.astype(np.float64)
+    w_opt = np.linalg.lstsq(a64, y64, rcond=None)[0]
+
+    def f(w):
+        return 0.5 * np.mean((a64 @ np.asarray(w, np.float64) - y64) ** 2)
+
+    return a, y, f, f(w_opt), f(np.zeros(d))
+
+
+def _relative_suboptimality(tx, problem, steps=400):
+    """Full-batch least squares on one device, lax.scan; (f(w) - f*) / (f(0) - f*)."""
+    a, y, f, f_star, f_zero = problem
+
+    def loss(w):
+        return 0.5 * jnp.mean((a @ w - y) ** 2)
+
+    def body(carry, _):
+        w, st = carry
+        u, st = tx.update(jax.grad(loss)(w), st, w)
+        return (optax.apply_updates(w, u), st), None
+
+    w0 = jnp.zeros(a.shape[1])
+    run = jax.jit(lambda w, s: jax.lax.scan(body, (w, s), None, length=steps)[0][0])
+    w = run(w0, tx.init(w0))
+    return (f(w) - f_star) / (f_zero - f_star)
+
+
+@pytest.fixture(scope="module")
+def lsq():
+    return _lsq_single()
+
+
+def test_error_feedback_before_adam_is_the_mistake(lsq):
+    """EF assumes a linear optimizer after the compressor: fine before SGD, broken before Adam.
+
+    Measured on full-batch least squares (one device, deterministic, 400
+    steps): a compressor with error feedback before SGD ends where SGD ends;
+    the same compressor before optax.adam ends thousands of times worse than
+    Adam and far worse than before SGD; 1-bit Adam (compressing the momentum
+    under a frozen variance) ends far better than either mistake.
+    """
+    lr_adam, lr_sgd = 0.03, 0.1
+    compressors = {"top_k": lambda: jaxcomp.top_k(0.1), "ef_sign": lambda: jaxcomp.ef_sign_sgd()}
+    sub = {"adam": _relative_suboptimality(optax.adam(lr_adam), lsq)}
+    sub["sgd"] = _relative_suboptimality(optax.sgd(lr_sgd), lsq)
+    sub["onebit_adam"] = _relative_suboptimality(onebit_adam(lr_adam, freeze_step=300), lsq)
+    for name, make in compressors.items():
+        sub[f"{name}>sgd"] = _relative_suboptimality(optax.chain(make(), optax.sgd(lr_sgd)), lsq)
+        sub[f"{name}>adam"] = _relative_suboptimality(optax.chain(make(), optax.adam(lr_adam)), lsq)
+    for name in compressors:
+        assert sub[f"{name}>sgd"] <= 1.5 * sub["sgd"], sub  # EF + linear optimizer: no loss
+        assert sub[f"{name}>adam"] >= 1000 * sub["adam"], sub  # EF + Adam: broken
+        assert sub[f"{name}>adam"] >= 30 * sub[f"{name}>sgd"], sub
+        assert sub[f"{name}>adam"] >= 20 * sub["onebit_adam"], sub
+    assert sub["onebit_adam"] < 1e-4, sub
+
+
+# ---------------------------------------------------------------------------
+# 0/1 Adam.
+# ---------------------------------------------------------------------------
+
+
+def deepspeed_schedule(steps, var_freeze_step, var_update_scaler, local_scaler, clipper):
+    """(kind per step t = 1..steps) from a copy of DeepSpeed ZeroOneAdam's counters.
+
+    ``"var"`` (dense, v updated), ``"onebit"`` (stage 1, 1-bit gradient),
+    ``"local"`` (stage 2, no communication) or ``"sync"`` (stage 2, 1-bit sync).
+    """
+    var_interval, var_counter, local_interval, local_counter = 1, 0, 1, 0
+    kinds = []
+    for t in range(1, steps + 1):
+        if t <= var_freeze_step:
+            is_var = t % var_interval == 0
+            kinds.append("var" if is_var else "onebit")
+            if is_var:
+                var_counter += 1
+                if var_counter == var_update_scaler:
+                    var_counter, var_interval = 0, var_interval * 2
+        else:
+            kinds.append("sync" if t % local_interval == 0 else "local")
+            local_counter += 1
+            if local_counter == local_scaler:
+                local_counter, local_interval = 0, min(clipper, local_interval * 2)
+    return kinds
+
+
+def test_zero_one_adam_schedule_matches_deepspeed():
+    steps, d = 90, 64
+    kw = dict(var_freeze_step=40, var_update_scaler=3, local_step_scaler=6, local_step_clipper=4)
+    tx = zero_one_adam(0.01, **kw)
+    f = jax.jit(tx.update)
+    g = {"w": jnp.asarray(np.random.default_rng(3).normal(size=d), jnp.float32)}
+    state = tx.init(g)
+    got = []
+    for _ in range(steps):
+        nu_count = int(state.nu_count)
+        _, state = f(g, state)
+        mb = int(state.message_bytes["w"])
+        if int(state.nu_count) == nu_count + 1:
+            assert mb == d * 4
+            got.append("var")
+        elif mb == 0:
+            got.append("local")
+        else:
+            assert mb == d // 8 + 4
+            got.append("onebit" if int(state.count) <= 40 else "sync")
+    want = deepspeed_schedule(steps, 40, 3, 6, 4)
+    assert got == want
+    assert set(want) == {"var", "onebit", "local", "sync"}
+
+
+def zero_one_sync_reference(old, g, lr, t, nu_count):
+    """numpy: one stage-2 sync step of 0/1 Adam (DeepSpeed's order of operations) per device."""
+    mu, nu = old.mu["w"], old.nu["w"][0]  # m differs per device after local steps
+    d = np.sqrt(nu / (1 - B2**nu_count)) + EPS
+    m_i = (1 - np.float32(B1)) * g + np.float32(B1) * mu
+    step = lr * (m_i / (1 - B1**t)) / d  # this step's local move (positive: p -= step)
+    c_i = (old.accumulator["w"] - step) * d  # -sum lr m_hat over the interval
+    acc = old.residual["w"] + c_i
+    sent = np.stack([sign_codec(a) for a in acc])
+    c = sent.sum(0, dtype=np.float64) / N
+    lr_sum = old.lr_sum[0] + lr
+    upd = c / d - old.accumulator["w"]  # from (last sync + accumulator) to last sync + c / d
+    mu_new = -c / lr_sum * (1 - B1**t)
+    return upd, mu_new, acc - sent
+
+
+def test_zero_one_adam_local_steps_and_sync_on_replicas(mesh):
+    """Per-device replicas (make_gossip_train_step, mix_params=False): local steps diverge,
+    a sync brings every replica to the same point; the sync step matches numpy."""
+    lr, d = 0.02, 24
+    kw = dict(var_freeze_step=4, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+    tx = zero_one_adam(lr, axis_name="data", **kw)
+    upd_fn = _mesh_update(tx, mesh)
+    rng = np.random.default_rng(4)
+    state = _stack_init(tx, {"w": jnp.zeros(d)}, mesh)
+    params = np.zeros((N, d), np.float32)
+    kinds = deepspeed_schedule(16, 4, 2, 2, 4)
+    checked_sync = 0
+    for t, kind in enumerate(kinds, start=1):
+        g = {"w": rng.normal(size=(N, d)).astype(np.float32)}
+        old = jax.tree.map(np.asarray, state)
+        upd, state = upd_fn(_stacked(g, mesh), state)
+        upd = np.asarray(upd["w"])
+        params = params + upd
+        if kind == "local":
+            assert float(np.asarray(state.wire_bytes)[0]) == 0.0
+            assert not np.allclose(params[0], params[1])  # replicas differ between syncs
+        else:
+            spread = np.max(np.abs(params - params[0]))
+            assert spread <= 1e-6 * max(1.0, np.max(np.abs(params))), (t, kind, spread)
+        if kind == "sync" and np.any(old.accumulator["w"]):
+            ref_upd, ref_mu, ref_res = zero_one_sync_reference(
+                old, g["w"], lr, t, int(old.nu_count[0])
+            )
+            new = jax.tree.map(np.asarray, state)
+            for i in range(N):
+                np.testing.assert_allclose(upd[i], ref_upd[i], rtol=1e-5, atol=1e-7)
+                np.testing.assert_allclose(new.mu["w"][i], ref_mu, rtol=1e-5, atol=1e-7)
+                np.testing.assert_allclose(new.residual["w"][i], ref_res[i], atol=1e-6)
+            assert not np.any(new.accumulator["w"]) and not np.any(new.lr_sum)
+            checked_sync += 1
+    assert checked_sync >= 2
+
+
+def test_zero_one_adam_gossip_step_trains(mesh):
+    """End to end with make_gossip_train_step(mix_params=False): ends close to dense Adam."""
+    data = _lsq_problem(5)
+    batch = dist.shard_batch(data, mesh)
+    params0 = {"w": jnp.zeros(12), "b": jnp.zeros(())}
+    a = np.c_[data["x"], np.ones(len(data["y"]))].astype(np.float64)
+    w_opt = np.linalg.lstsq(a, data["y"].astype(np.float64), rcond=None)[0]
+
+    def f(w):
+        return 0.5 * np.mean((a @ w - data["y"]) ** 2)
+
+    def run(tx, steps=80):
+        reps = agg.stack_replicas(params0, mesh)
+        state = agg.init_replica_opt_state(tx, reps, mesh)
+        step = agg.make_gossip_train_step(_lsq_loss, tx, mesh, mix_params=False)
+        for _ in range(steps):
+            reps, state, _ = step(reps, state, batch)
+            jax.block_until_ready(reps)
+        w = np.c_[np.asarray(reps["w"]), np.asarray(reps["b"])]
+        assert np.max(np.abs(w - w[0])) <= 1e-5  # step 80 syncs: the replicas agree
+        return (f(w[0]) - f(w_opt)) / (f(np.zeros(13)) - f(w_opt))
+
+    kw = dict(var_freeze_step=20, var_update_scaler=4, local_step_scaler=10, local_step_clipper=4)
+    ours = run(zero_one_adam(0.1, axis_name="data", **kw))
+    adam = run(optax.chain(dist.dense_exchange("data"), optax.adam(0.1)))
+    assert ours <= max(3 * adam, 1e-3), (ours, adam)
+
+
+def test_make_train_step_rejects_local_steps(mesh):
+    tx = zero_one_adam(0.1, var_freeze_step=2, axis_name="data")
+    params = dist.replicate({"w": jnp.zeros(12), "b": jnp.zeros(())}, mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(_lsq_loss, tx, mesh)
+    with pytest.raises(ValueError, match="local_step_clipper"):
+        step(params, state, dist.shard_batch(_lsq_problem(), mesh))
+
+
+def test_zero_one_adam_without_local_steps_under_make_train_step(mesh):
+    tx = zero_one_adam(0.05, var_freeze_step=3, local_step_clipper=1, axis_name="data")
+    params = dist.replicate({"w": jnp.zeros(12), "b": jnp.zeros(())}, mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(_lsq_loss, tx, mesh, unexchanged="error")
+    batch = dist.shard_batch(_lsq_problem(), mesh)
+    losses = []
+    for _ in range(8):
+        params, state, metrics = step(params, state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    assert int(np.asarray(state.count)[0]) == 8
+
+
+# ---------------------------------------------------------------------------
+# Conformance-style checks (both optimizers).
+# ---------------------------------------------------------------------------
+
+FACTORIES = {
+    "onebit_adam": lambda **kw: onebit_adam(0.01, freeze_step=2, **kw),
+    "zero_one_adam": lambda **kw: zero_one_adam(
+        0.01, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1, **kw
+    ),
+}
+TREE = {
+    "scalar": ((), jnp.float32),
+    "empty": ((0,), jnp.float32),
+    "b16": ((30,), jnp.bfloat16),
+    "h16": ((9,), jnp.float16),
+}
+
+
+def _tree(rng, spec=TREE):
+    return {k: jnp.asarray(rng.normal(size=s)).astype(dt) for k, (s, dt) in spec.items()}
+
+
+class _Counted:
+    """``jax.jit(tx.update)`` counting its traces."""
+
+    def __init__(self, tx):
+        self.tx = tx
+        self.traces = 0
+
+        def update(g, s):
+            self.traces += 1
+            return tx.update(g, s)
+
+        self.fn = jax.jit(update)
+
+
+_CACHE: dict = {}
+
+
+def _counted(name, **kw) -> _Counted:
+    """One compiled update per (optimizer, options), shared by the tests below."""
+    key = (name, tuple(sorted(kw.items())))
+    if key not in _CACHE:
+        _CACHE[key] = _Counted(FACTORIES[name](**kw))
+    return _CACHE[key]
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_one_compilation_dtypes_tiny_and_empty_leaves(name):
+    counted = _counted(name)
+    tx = counted.tx
+    rng = np.random.default_rng(6)
+    state = tx.init(_tree(rng))
+    for _ in range(8):  # across the warm-up / stage boundaries and local/sync steps
+        g = _tree(rng)
+        upd, state = counted.fn(g, state)
+        for leaf, gl in g.items():
+            assert upd[leaf].dtype == gl.dtype and upd[leaf].shape == gl.shape, leaf
+            assert np.all(np.isfinite(np.asarray(upd[leaf], np.float32))), leaf
+            assert state.mu[leaf].dtype == jnp.float32 and state.residual[leaf].dtype == jnp.float32
+    assert counted.traces == 1
+    assert int(state.count) == 8
+    assert int(state.message_bytes["empty"]) == 0
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_skip_keeps_state(name, bad):
+    counted = _counted(name)
+    tx, f = counted.tx, counted.fn
+    rng = np.random.default_rng(7)
+    state = tx.init(_tree(rng))
+    for _ in range(4):
+        _, state = f(_tree(rng), state)
+    g = _tree(rng)
+    g["b16"] = g["b16"].at[3].set(bad)
+    upd, new = f(g, state)
+    for leaf in g:
+        assert not np.any(np.asarray(upd[leaf], np.float32)), leaf
+        for field in ("mu", "nu", "residual"):
+            a, b = getattr(new, field)[leaf], getattr(state, field)[leaf]
+            assert np.array_equal(np.asarray(a), np.asarray(b)), (field, leaf)
+    assert int(new.count) == int(state.count)
+    assert int(new.nonfinite_steps) == int(state.nonfinite_steps) + 1
+    upd2, new2 = f(_tree(rng), new)
+    assert any(np.any(np.asarray(u, np.float32)) for u in upd2.values())
+    assert int(new2.count) == int(state.count) + 1
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_nonfinite_zero_uses_the_finite_part(name):
+    tx = FACTORIES[name](nonfinite="zero")
+    f = jax.jit(tx.update)
+    rng = np.random.default_rng(8)
+    spec = {"w": ((5, 7), jnp.float32)}
+    state = tx.init(_tree(rng, spec))
+    for _ in range(5):
+        g = _tree(rng, spec)
+        g["w"] = g["w"].at[1, 2].set(np.nan)
+        upd, state = f(g, state)
+        for leaf in g:
+            assert np.all(np.isfinite(np.asarray(upd[leaf], np.float32))), leaf
+            assert np.all(np.isfinite(np.asarray(state.mu[leaf]))), leaf
+            assert np.all(np.isfinite(np.asarray(state.residual[leaf]))), leaf
+    assert int(state.nonfinite_steps) == 5 and int(state.count) == 5
+
+
+def test_one_device_with_nan_is_left_out_of_the_mean(mesh):
+    """8 devices, device 3's gradient NaN: the mean is over the other 7, its residual kept."""
+    lr, d = 0.01, 16
+    tx = onebit_adam(lr, freeze_step=1, axis_name="data")
+    upd_fn = _mesh_update(tx, mesh)
+    rng = np.random.default_rng(9)
+    state = _stack_init(tx, {"w": jnp.zeros(d)}, mesh)
+    _, state = upd_fn(_stacked({"w": rng.normal(size=(N, d)).astype(np.float32)}, mesh), state)
+    _, state = upd_fn(_stacked({"w": rng.normal(size=(N, d)).astype(np.float32)}, mesh), state)
+    old = jax.tree.map(np.asarray, state)
+    g = rng.normal(size=(N, d)).astype(np.float32)
+    g[3, 5] = np.nan
+    _, new = jax.tree.map(np.asarray, upd_fn(_stacked({"w": g}, mesh), state))
+    mu = old.mu["w"][0]
+    acc = old.residual["w"] + ((1 - np.float32(B1)) * g + np.float32(B1) * mu)
+    ok = [i for i in range(N) if i != 3]
+    m = np.mean([sign_codec(acc[i]) for i in ok], axis=0)
+    np.testing.assert_allclose(new.mu["w"][0], m, rtol=1e-5, atol=1e-8)
+    assert np.array_equal(new.residual["w"][3], old.residual["w"][3])
+    assert int(new.nonfinite_steps[3]) == 1 and int(new.nonfinite_steps[0]) == 0
+
+
+def test_apply_if_finite_composes():
+    tx = optax.apply_if_finite(FACTORIES["onebit_adam"](), 3)
+    f = jax.jit(tx.update)
+    rng = np.random.default_rng(10)
+    spec = {"w": ((20,), jnp.float32)}
+    state = tx.init(_tree(rng, spec))
+    _, state = f(_tree(rng, spec), state)
+    g = _tree(rng, spec)
+    g["w"] = g["w"].at[0].set(np.nan)
+    _, state2 = f(g, state)
+    assert int(state2.notfinite_count) == 1
+    assert np.all(np.isfinite(np.asarray(optax.tree.get(state2, "residual")["w"])))
+
+
+BAD = [
+    (dict(learning_rate=0.0), "learning_rate"),
+    (dict(learning_rate=-1.0), "learning_rate"),
+    (dict(b1=1.0), "b1"),
+    (dict(b2=-0.1), "b2"),
+    (dict(eps=0.0), "eps"),
+    (dict(codec="nope"), "codec"),
+    (dict(bucket_size=0), "bucket_size"),
+    (dict(nonfinite="nope"), "nonfinite"),
+    (dict(min_dense_size=-1), "min_dense_size"),
+    (dict(residual_dtype=jnp.int32), "residual_dtype"),
+    (dict(bias_correction=1), "bias_correction"),
+]
+
+
+@pytest.mark.parametrize("kwargs,arg", BAD)
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_bad_arguments(name, kwargs, arg):
+    kw = dict(kwargs)
+    lr = kw.pop("learning_rate", 0.01)
+    make = onebit_adam if name == "onebit_adam" else zero_one_adam
+    extra = {"freeze_step": 2} if name == "onebit_adam" else {"var_freeze_step": 2}
+    with pytest.raises(ValueError, match=arg):
+        make(lr, **extra, **kw)
+
+
+@pytest.mark.parametrize(
+    "make,arg",
+    [
+        (lambda: onebit_adam(0.1, freeze_step=-1), "freeze_step"),
+        (lambda: onebit_adam(0.1, freeze_step=1.5), "freeze_step"),
+        (lambda: zero_one_adam(0.1, var_freeze_step=-2), "var_freeze_step"),
+        (lambda: zero_one_adam(0.1, var_freeze_step=2, var_update_scaler=0), "var_update_scaler"),
+        (lambda: zero_one_adam(0.1, var_freeze_step=2, local_step_scaler=0), "local_step_scaler"),
+        (lambda: zero_one_adam(0.1, var_freeze_step=2, local_step_clipper=0), "local_step_clipper"),
+    ],
+)
+def test_bad_schedule_arguments(make, arg):
+    with pytest.raises(ValueError, match=arg):
+        make()
+
+
+def test_schedule_learning_rate_and_tree_mismatch():
+    sched = optax.linear_schedule(0.1, 0.0, 10)
+    tx, ref = onebit_adam(sched, freeze_step=5), optax.adam(sched)
+    g = {"w": jnp.array([1.0, -2.0, 0.5])}
+    s, r = tx.init(g), ref.init(g)
+    for _ in range(3):
+        u, s = tx.update(g, s)
+        ur, r = ref.update(g, r)
+        np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(ur["w"]), rtol=1e-6)
+    with pytest.raises(ValueError, match="update got a gradient tree unlike"):
+        tx.update({"v": jnp.zeros(3)}, s)
