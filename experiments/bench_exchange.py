@@ -13,6 +13,12 @@ exchange step inside ``jax.shard_map`` over 8 simulated CPU devices:
 - ``auto``: ``exchange="auto"``, which picks per leaf the path that moves
   fewer bytes (:func:`jaxcomp.comm.prefer_sparse`).
 
+Quantizers (``--quantizers``, per size, no ratio): the full update step of
+each named configuration in ``QUANTIZERS`` below (TernGrad, natural
+compression, Signum with majority vote, 16-bit casts with the all-gather and
+with the compressed all-reduce, QSGD 4-bit for reference), its bytes per
+device and its message, against the same run's dense all-reduce.
+
 Times are medians after warm-up with every step blocked on (several collective
 steps in flight deadlock simulated devices); the optimizer state is donated
 and threaded from step to step, as in a training loop. Bytes are per device per step as
@@ -55,6 +61,18 @@ __all__ = ["bench_one", "main"]
 
 AXIS = "data"
 UPPER = 1.5  # ldte_bs capacity factor (its default ``upper``)
+
+# name -> factory(axis_name) of the quantizer rows.
+QUANTIZERS = {
+    "qsgd_4bit_512": lambda a: jaxcomp.qsgd(bits=4, bucket_size=512, axis_name=a),
+    "terngrad": lambda a: jaxcomp.terngrad(axis_name=a),
+    "natural": lambda a: jaxcomp.natural_compression(axis_name=a),
+    "natural_allreduce": lambda a: jaxcomp.natural_compression(axis_name=a, exchange="allreduce"),
+    "signum_majority": lambda a: jaxcomp.signum(0.9, axis_name=a),
+    "cast_bf16_allgather": lambda a: jaxcomp.cast(jnp.bfloat16, axis_name=a),
+    "cast_bf16_allreduce": lambda a: jaxcomp.cast(jnp.bfloat16, axis_name=a, exchange="allreduce"),
+    "cast_fp16_allreduce": lambda a: jaxcomp.cast(jnp.float16, axis_name=a, exchange="allreduce"),
+}
 
 
 def _stacked_state(tx, size, mesh):
@@ -148,7 +166,49 @@ def bench_one(size: int, ratio: float, mesh, repeats: int) -> dict:
     return row
 
 
-def _plot(rows, path):
+def bench_quantizers(size: int, mesh, repeats: int, names) -> list[dict]:
+    """Time, bytes per device and message of each quantizer's update step, beside dense."""
+    sh = NamedSharding(mesh, P(AXIS))
+    grads = jax.device_put(
+        jax.random.laplace(jax.random.key(size + 1), (N_DEVICES, size), jnp.float32), sh
+    )
+
+    def run(tx):
+        step = _update_step(tx, mesh)
+        ms = median_ms_threaded(
+            step,
+            _stacked_state(tx, size, mesh),
+            grads,
+            next_state=lambda out: out[0],
+            repeats=repeats,
+        )
+        new_state, _ = jax.block_until_ready(step(_stacked_state(tx, size, mesh), grads))
+        return ms, new_state
+
+    dense_ms, dstate = run(dist.dense_exchange(AXIS))
+    dense_bytes = _wire_bytes(dstate)
+    rows = []
+    for name in names:
+        ms, state = run(QUANTIZERS[name](AXIS))
+        message = float(np.asarray(optax.tree.get(state, "message_bytes")["g"])[0])
+        rows.append(
+            {
+                "size": size,
+                "quantizer": name,
+                "ms": ms,
+                "wire_bytes": _wire_bytes(state),
+                "message_bytes": message,
+                "message_bits_per_value": 8 * message / size,
+                "dense_ms": dense_ms,
+                "dense_bytes": dense_bytes,
+                "wire_vs_dense": _wire_bytes(state) / dense_bytes,
+                "time_vs_dense": ms / dense_ms,
+            }
+        )
+    return rows
+
+
+def _plot(rows, path, qrows=()):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,10 +216,11 @@ def _plot(rows, path):
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
     ratios = sorted({r["ratio"] for r in rows}, reverse=True)
-    sizes = sorted({r["size"] for r in rows})
-    dense = [next(r["dense_ms"] for r in rows if r["size"] == s) for s in sizes]
+    base = list(rows) or list(qrows)  # either part may be skipped; both time dense
+    sizes = sorted({r["size"] for r in base})
+    dense = [next(r["dense_ms"] for r in base if r["size"] == s) for s in sizes]
     ax_t.plot(sizes, dense, "k-o", label="dense all-reduce")
-    dense_b = [next(r["dense_bytes"] for r in rows if r["size"] == s) for s in sizes]
+    dense_b = [next(r["dense_bytes"] for r in base if r["size"] == s) for s in sizes]
     ax_b.plot(sizes, dense_b, "k-o", label="dense all-reduce")
     for ratio, style in zip(ratios, ["-s", "-^", "-v"], strict=False):
         sel = [r for r in rows if r["ratio"] == ratio]
@@ -169,6 +230,12 @@ def _plot(rows, path):
             xs, [r["exchange_only_ms"] for r in sel], "C1" + style, label=f"exchange only {ratio:g}"
         )
         ax_b.plot(xs, [r["sparse_bytes"] for r in sel], "C0" + style, label=f"sparse {ratio:g}")
+    for i, name in enumerate(dict.fromkeys(r["quantizer"] for r in qrows)):
+        sel = [r for r in qrows if r["quantizer"] == name]
+        xs = [r["size"] for r in sel]
+        style = f"C{i + 2}--."
+        ax_t.plot(xs, [r["ms"] for r in sel], style, label=name)
+        ax_b.plot(xs, [r["wire_bytes"] for r in sel], style, label=name)
     for ax, title in ((ax_t, "time per step (median ms)"), (ax_b, "bytes per device per step")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -187,6 +254,16 @@ def main(argv=None):
     parser.add_argument("--max_log2", type=int, default=22)
     parser.add_argument("--ratios", type=float, nargs="+", default=[1e-2, 1e-3])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--quantizers",
+        nargs="*",
+        default=list(QUANTIZERS),
+        choices=list(QUANTIZERS),
+        help="quantizer rows to run (none: skip them)",
+    )
+    parser.add_argument(
+        "--no_sparse", action="store_true", help="skip the sparsifier rows (quantizers only)"
+    )
     args = parser.parse_args(argv)
 
     if jax.device_count() < N_DEVICES:
@@ -194,9 +271,19 @@ def main(argv=None):
             f"need {N_DEVICES} devices, have {jax.device_count()} (XLA_FLAGS set late?)"
         )
     mesh = jax.make_mesh((N_DEVICES,), (AXIS,))
-    rows = []
+    rows, qrows = [], []
     for log2 in range(args.min_log2, args.max_log2 + 1):
-        for ratio in args.ratios:
+        if args.quantizers:
+            for row in bench_quantizers(2**log2, mesh, args.repeats, args.quantizers):
+                qrows.append(row)
+                print(
+                    f"2^{log2} {row['quantizer']}: {row['ms']:.1f} ms "
+                    f"({row['time_vs_dense']:.2f}x dense {row['dense_ms']:.1f} ms) "
+                    f"{row['wire_bytes'] / 1e6:.3f} MB ({100 * row['wire_vs_dense']:.1f}% of dense "
+                    f"wire), message {row['message_bits_per_value']:.3f} bits/value",
+                    flush=True,
+                )
+        for ratio in () if args.no_sparse else args.ratios:
             row = bench_one(2**log2, ratio, mesh, args.repeats)
             rows.append(row)
             print(
@@ -217,8 +304,10 @@ def main(argv=None):
         "machine": platform.machine(),
         "repeats": args.repeats,
     }
-    (out / "bench_exchange.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    _plot(rows, out / "bench_exchange.png")
+    (out / "bench_exchange.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "quantizer_rows": qrows}, indent=2)
+    )
+    _plot(rows, out / "bench_exchange.png", qrows)
     print(f"wrote {out / 'bench_exchange.json'} and {out / 'bench_exchange.png'}")
 
 

@@ -128,6 +128,15 @@ FACTORIES = {
     "sign_sgd": lambda ratio, **kw: jaxcomp.sign_sgd(**kw),
     "ef_sign_sgd": lambda ratio, **kw: jaxcomp.ef_sign_sgd(bucket_size=64, **kw),
     "bounded_sign": lambda ratio, **kw: jaxcomp.bounded_sign(0.5, error_bound=0.9, **kw),
+    "terngrad": lambda ratio, **kw: jaxcomp.terngrad(bucket_size=64, **kw),
+    "terngrad_clip_ef": lambda ratio, **kw: jaxcomp.terngrad(clip=2.5, error_feedback=True, **kw),
+    "natural": lambda ratio, **kw: jaxcomp.natural_compression(**kw),
+    "natural_dithering_ef": lambda ratio, **kw: jaxcomp.natural_compression(
+        levels=3, bucket_size=50, error_feedback=True, **kw
+    ),
+    "signum": lambda ratio, **kw: jaxcomp.signum(0.9, bucket_size=64, **kw),
+    "cast_bf16_ef": lambda ratio, **kw: jaxcomp.cast(jnp.bfloat16, error_feedback=True, **kw),
+    "cast_fp16": lambda ratio, **kw: jaxcomp.cast(jnp.float16, **kw),
 }
 
 # Quantizers: name -> (bits per coordinate, bucket size or None, float32 scales per bucket).
@@ -138,11 +147,20 @@ QUANTIZERS = {
     "sign_sgd": (1, None, 1),
     "ef_sign_sgd": (1, 64, 1),
     "bounded_sign": (1, None, 1),
+    "terngrad": (2, 64, 1),
+    "terngrad_clip_ef": (2, None, 1),
+    "natural": (9, None, 1),  # sign + 8 exponent bits; a float32 1 per leaf
+    "natural_dithering_ef": (3, 50, 1),  # s = 3: 1 sign bit + 2 level bits
+    "signum": (1, 64, 1),
+    "cast_bf16_ef": (16, None, 1),  # a float32 power-of-two scale per leaf
+    "cast_fp16": (16, None, 1),
 }
 # Quantizers without error feedback: their residual stays zero.
-NO_ERROR_FEEDBACK = ("qsgd", "sign_sgd")
+NO_ERROR_FEEDBACK = ("qsgd", "sign_sgd", "terngrad", "natural", "signum", "cast_fp16")
 # Quantizers drawing random numbers (the device index is folded into the key).
-RANDOMIZED = ("qsgd", "qsgd_ef")
+RANDOMIZED = ("qsgd", "qsgd_ef", "terngrad", "terngrad_clip_ef", "natural", "natural_dithering_ef")
+# Quantizers whose exchange is a majority vote, not a mean (exchange="majority").
+MAJORITY = ("signum",)
 SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS)
 
 
@@ -151,6 +169,19 @@ def quantized_bytes(name: str, n: int) -> int:
     bits, bucket, per_bucket = QUANTIZERS[name]
     d = n if bucket is None else min(bucket, n)
     return math.ceil(n * bits / 8) + math.ceil(n / d) * per_bucket * 4
+
+
+def majority_vote(per_device: np.ndarray) -> np.ndarray:
+    """numpy reference of ``exchange="majority"``: ``sign(sum sign)`` times the voters' mean |x|.
+
+    ``per_device`` is ``[N, ...]``: each device's decoded message. A tie (or no
+    voter) gives 0.
+    """
+    x = np.asarray(per_device, np.float64)
+    votes = np.sign(x)
+    voters = np.sum(votes != 0, axis=0)
+    size = np.sum(np.abs(x), axis=0) / np.maximum(voters, 1)
+    return np.sign(np.sum(votes, axis=0)) * size
 
 
 # Selectors that guarantee at least k sent (when k nonzero, tie-free values exist).

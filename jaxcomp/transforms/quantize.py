@@ -2,14 +2,17 @@
 
 ``quantize`` is one optax ``GradientTransformationExtraArgs`` that every
 quantizing method in jaxcomp is built from (QSGD, 1-bit SGD, scaled sign,
-...); the named factories in ``quantizers.py`` only pick the codec. It is the
-analogue of :func:`jaxcomp.sparsify`. Per step and per leaf:
+TernGrad, natural compression, Signum, 16-bit casts, ...); the named factories
+in ``quantizers.py`` only pick the codec and the options. It is the analogue
+of :func:`jaxcomp.sparsify`. Per step and per leaf:
 
-    R      = e + g  (error feedback)  or  R = g  (without)
+    v      = b v + (1 - b) g           # only with momentum=b (Signum's)
+    R      = e + v  (error feedback)  or  R = v  (without); v = g without momentum
     msg    = encode(R)                 # packed codes + float32 scales
     S      = decode(msg)               # what every receiver reconstructs
     e_new  = R - S                     # with error feedback; else no e is kept
-    update = mean over devices of decode(msg_d)
+    update = mean over devices of decode(msg_d)     (summed in accumulation_dtype)
+          or majority vote of the decode(msg_d)     (exchange="majority", sign codecs)
 
 A :class:`Quantizer` turns a flat float32 vector into a message
 ``(codes, scales)``: ``codes`` an unsigned-integer array with several
@@ -30,6 +33,7 @@ sparsifier's exact invariant.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -50,12 +54,19 @@ from jaxcomp.transforms.sparsify import (
 )
 
 __all__ = [
+    "CAST_DTYPES",
+    "MomentumQuantizeState",
     "QSGD_NORMS",
     "QUANTIZER_EXCHANGES",
     "QuantizeState",
     "Quantizer",
+    "SIGN_SCALES",
+    "VOTE_EXCHANGES",
     "bounded_sign_quantizer",
+    "cast_quantizer",
     "message_nbytes",
+    "natural_dithering_quantizer",
+    "natural_quantizer",
     "onebit_quantizer",
     "pack_codes",
     "qsgd_bits",
@@ -63,10 +74,15 @@ __all__ = [
     "qsgd_quantizer",
     "quantize",
     "sign_quantizer",
+    "terngrad_quantizer",
     "unpack_codes",
 ]
 
 QSGD_NORMS = ("l2", "max")
+# sign_quantizer's scales: ||x||_1 / d (scaled sign), or 1 (signSGD / Signum).
+SIGN_SCALES = ("l1", "unit")
+# cast_quantizer's wire dtypes.
+CAST_DTYPES = ("float16", "bfloat16")
 
 # ---------------------------------------------------------------------------
 # Bit packing.
@@ -170,12 +186,17 @@ class Quantizer(NamedTuple):
         decode to zeros.
       randomized: whether ``encode`` draws random numbers.
       name: for error messages and ``repr``.
+      signs: whether this is a sign codec: every coordinate decodes to
+        ``+-`` its bucket's value (or 0 for a bucket sent as zeros), so the
+        sign of the decoded value is the coordinate's vote and
+        ``quantize(exchange="majority")`` may take it.
     """
 
     encode: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
     decode: Callable[[jax.Array, jax.Array, int], jax.Array]
     randomized: bool
     name: str
+    signs: bool = False
 
 
 def _check_bucket_size(bucket_size):
@@ -205,6 +226,23 @@ def _true_counts(n: int, d: int, nb: int) -> np.ndarray:
     counts = np.full((nb,), d, np.float32)
     counts[-1] = n - (nb - 1) * d
     return counts
+
+
+def _bucket_norms(xb: jax.Array, norm: str):
+    """``(scale, a, ns)`` per bucket row: the norm, ``|x| / max|x|`` and ``scale / max|x|``.
+
+    Scaled by the bucket's max, as BLAS nrm2: ``sum(v * v)`` overflows for
+    ``|v| ~ 1e19`` and underflows for ``|v| ~ 1e-20``; ``sum((v / m)^2)`` is
+    in ``[1, d]``. ``a`` is in ``[0, 1]``, exactly 1 at the max; ``ns`` is
+    ``||a||_2`` in ``[1, sqrt(d)]`` (``norm="l2"``) or None (``"max"``).
+    """
+    m = jnp.max(jnp.abs(xb), axis=1)
+    live = m > 0
+    a = jnp.abs(xb) / jnp.where(live, m, 1)[:, None]
+    if norm == "l2":
+        ns = jnp.where(live, jnp.sqrt(jnp.sum(a * a, axis=1)), 1)
+        return m * ns, a, ns
+    return m, a, None
 
 
 def qsgd_bits(levels: int) -> int:
@@ -275,18 +313,8 @@ def qsgd_quantizer(levels: int, bucket_size: int | None = None, norm: str = "l2"
         n = x.shape[0]
         d, nb = _bucketing(n, bucket_size)
         xb = _to_buckets(x.astype(jnp.float32), d, nb)
-        # Scaled by the bucket's max, as BLAS nrm2: sum(v * v) overflows for
-        # |v| ~ 1e19 and underflows for |v| ~ 1e-20; sum((v / m)^2) is in [1, d].
-        m = jnp.max(jnp.abs(xb), axis=1)
-        live = m > 0
-        a = jnp.abs(xb) / jnp.where(live, m, 1)[:, None]  # in [0, 1], exactly 1 at the max
-        if norm == "l2":
-            ns = jnp.where(live, jnp.sqrt(jnp.sum(a * a, axis=1)), 1)  # in [1, sqrt(d)]
-            scale = m * ns
-            r = a * (jnp.float32(s) / ns)[:, None]
-        else:
-            scale = m
-            r = a * jnp.float32(s)
+        scale, a, ns = _bucket_norms(xb, norm)
+        r = a * (jnp.float32(s) / ns)[:, None] if norm == "l2" else a * jnp.float32(s)
         low = jnp.floor(r)
         u = jax.random.uniform(key, xb.shape, jnp.float32)
         level = jnp.minimum(low + (u < r - low), s).astype(jnp.uint32)
@@ -322,25 +350,34 @@ def _sign_decode(bucket_size, pos_col, neg_col, negate_neg):
     return decode
 
 
-def sign_quantizer(bucket_size: int | None = None) -> Quantizer:
-    """Scaled sign, ``C[x] = (||x||_1 / d) * sign(x)`` per bucket (signSGD / EF-signSGD).
+def sign_quantizer(bucket_size: int | None = None, *, scale: str = "l1") -> Quantizer:
+    """Sign per bucket: scaled, ``C[x] = (||x||_1 / d) * sign(x)``, or unit, ``C[x] = sign(x)``.
 
-    ``||x||_1 / d`` (``d`` the bucket's true length) is the scale that
-    minimises ``||C[x] - x||_2`` over all ``alpha * sign(x)``. Zeros are sent
-    as ``+`` (one bit has no zero). Wire: 1 bit per coordinate, one float32
-    per bucket.
+    ``scale="l1"`` (signSGD / EF-signSGD): ``||x||_1 / d`` (``d`` the
+    bucket's true length) is the scale that minimises ``||C[x] - x||_2`` over
+    all ``alpha * sign(x)``. ``scale="unit"`` (signSGD and Signum as in
+    Bernstein et al., whose learning rate sets the step): every coordinate
+    decodes to ``+-1``, and a bucket of zeros to zeros (its scale is 0: an
+    unused layer does not drift by the learning rate every step). Zeros in a
+    bucket that has nonzeros are sent as ``+`` (one bit has no zero). Wire: 1
+    bit per coordinate, one float32 per bucket.
     """
     bucket_size = _check_bucket_size(bucket_size)
+    scale = V.check_choice("scale", scale, SIGN_SCALES)
 
     def encode(x, key):
         del key
         n = x.shape[0]
         d, nb = _bucketing(n, bucket_size)
         xb = _to_buckets(x.astype(jnp.float32), d, nb)
-        scale = jnp.sum(jnp.abs(xb), axis=1) / _true_counts(n, d, nb)
-        return _sign_codes(xb, n), scale[:, None]
+        if scale == "l1":
+            alpha = jnp.sum(jnp.abs(xb), axis=1) / _true_counts(n, d, nb)
+        else:
+            alpha = jnp.any(xb != 0, axis=1).astype(jnp.float32)
+        return _sign_codes(xb, n), alpha[:, None]
 
-    return Quantizer(encode, _sign_decode(bucket_size, 0, 0, True), False, "sign")
+    name = "sign" if scale == "l1" else "sign(scale='unit')"
+    return Quantizer(encode, _sign_decode(bucket_size, 0, 0, True), False, name, signs=True)
 
 
 def onebit_quantizer(bucket_size: int | None = None) -> Quantizer:
@@ -369,7 +406,7 @@ def onebit_quantizer(bucket_size: int | None = None) -> Quantizer:
         neg_mean = jnp.where(neg_count > 0, neg_sum / jnp.maximum(neg_count, 1), 0)
         return _sign_codes(xb, n), jnp.stack([pos_mean, neg_mean], axis=1)
 
-    return Quantizer(encode, _sign_decode(bucket_size, 0, 1, False), False, "onebit")
+    return Quantizer(encode, _sign_decode(bucket_size, 0, 1, False), False, "onebit", signs=True)
 
 
 def bounded_sign_quantizer(
@@ -426,7 +463,201 @@ def bounded_sign_quantizer(
         if V.is_dynamic(lam) or V.is_dynamic(error_bound)
         else f"(lam={lam}, error_bound={error_bound})"
     )
-    return Quantizer(encode, _sign_decode(bucket_size, 0, 0, True), False, name)
+    return Quantizer(encode, _sign_decode(bucket_size, 0, 0, True), False, name, signs=True)
+
+
+def terngrad_quantizer(bucket_size: int | None = None, clip: float | None = None) -> Quantizer:
+    """TernGrad's stochastic ternarization (Wen et al., 2017), with its gradient clipping.
+
+    Per bucket (per layer: ``bucket_size=None``) with ``s = max_i |x_i|``:
+    ``C[x]_i = s * sign(x_i) * b_i``, ``b_i ~ Bernoulli(|x_i| / s)``, so
+    ``E C[x] = x`` and each coordinate is one of ``{-s, 0, s}``. This is
+    :func:`qsgd_quantizer` with one level and the max norm, and is built from
+    it: the same codes and the same decoder.
+
+    ``clip=c``: the paper's gradient clipping first, ``x_i <- sign(x_i)
+    min(|x_i|, c * sigma)`` with ``sigma`` the bucket's standard deviation
+    (population, over its true elements; computed scaled by the bucket's max,
+    so it neither over- nor underflows). The paper uses ``c = 2.5``. Clipping
+    makes ``C`` biased (``E C[x]`` is the clipped ``x``); with error feedback
+    the clipped part stays in the residual.
+
+    Wire: 2 bits per coordinate (level bit and sign bit, QSGD's code layout
+    for ``s = 1``), packed; one float32 scale per bucket.
+    """
+    bucket_size = _check_bucket_size(bucket_size)
+    clip = V.check_real("clip", clip, 0.0, None, low_open=True, allow_none=True)
+    inner = qsgd_quantizer(1, bucket_size, "max")
+    c32 = None if clip is None else np.float32(clip)
+
+    def encode(x, key):
+        if c32 is not None:
+            x = _clip_sigma(x.astype(jnp.float32), c32, bucket_size)
+        return inner.encode(x, key)
+
+    return Quantizer(encode, inner.decode, True, f"terngrad(clip={clip})")
+
+
+def _clip_sigma(x: jax.Array, c, bucket_size) -> jax.Array:
+    """``x`` clipped to ``[-c sigma, c sigma]`` per bucket, ``sigma`` the bucket's std."""
+    n = x.shape[0]
+    d, nb = _bucketing(n, bucket_size)
+    xb = _to_buckets(x, d, nb)
+    counts = _true_counts(n, d, nb)
+    valid = (np.arange(nb * d) < n).reshape(nb, d)  # padding is not part of the bucket
+    m = jnp.max(jnp.abs(xb), axis=1)
+    a = xb / jnp.where(m > 0, m, 1)[:, None]  # in [-1, 1]: no square over- or underflows
+    mean = jnp.sum(a, axis=1) / counts
+    dev = jnp.where(valid, a - mean[:, None], 0)
+    sigma = m * jnp.sqrt(jnp.sum(dev * dev, axis=1) / counts)
+    t = (c * sigma)[:, None]
+    return _from_buckets(jnp.clip(xb, -t, t), n)
+
+
+def _pow2(k: jax.Array) -> jax.Array:
+    """``2.0 ** k`` in float32, exact, for integer ``k`` in [-126, 127] (built from the bits)."""
+    return lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+NATURAL_BITS = 9  # float32's sign and 8 exponent bits
+
+
+def natural_quantizer() -> Quantizer:
+    """Natural compression ``C_nat`` (Horvath et al., 2019): each value to a power of two.
+
+    ``|x| = 2^e (1 + f)``, ``f in [0, 1)``, goes to ``2^(e + 1)`` with
+    probability ``f`` and to ``2^e`` otherwise, sign kept: unbiased, ``E
+    C_nat(x) = x``, with variance at most ``x^2 / 8``. The probability is
+    exact: ``f`` is the float32 mantissa ``M / 2^23`` and the draw is
+    ``r < M`` for a uniform 23-bit integer ``r``. Float32 subnormals
+    (``|x| < 2^-126``) round the same way between 0 and ``2^-126``, so they
+    stay unbiased. Values above ``2^127`` always round down to ``2^127``
+    (``2^128`` is not a float32): never inf, but biased there, by up to a
+    factor 2 (with error feedback the excess stays in the residual).
+
+    Wire: what is left of a float32 once the mantissa is dropped, the sign
+    bit and the 8-bit exponent: 9 bits per coordinate (the sign is sent as 0
+    for zeros), packed with :func:`pack_codes`; plus one float32 per leaf,
+    1 (0 from a device that sends nothing, see :func:`quantize`).
+    """
+
+    def encode(x, key):
+        n = x.shape[0]
+        b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+        exponent = (b >> 23) & jnp.uint32(0xFF)
+        mantissa = b & jnp.uint32(0x7FFFFF)
+        r = jax.random.bits(key, (n,), jnp.uint32) >> 9  # uniform on [0, 2^23)
+        e = jnp.minimum(exponent + (r < mantissa).astype(jnp.uint32), jnp.uint32(254))
+        negative = ((b >> 31) != 0) & (e > 0)
+        code = e | jnp.where(negative, jnp.uint32(1 << 8), jnp.uint32(0))
+        return pack_codes(code, NATURAL_BITS), jnp.ones((1, 1), jnp.float32)
+
+    def decode(codes, scales, n):
+        c = unpack_codes(codes, NATURAL_BITS, n)
+        b = ((c >> 8) << 31) | ((c & jnp.uint32(0xFF)) << 23)
+        return lax.bitcast_convert_type(b, jnp.float32) * scales[0, 0]
+
+    return Quantizer(encode, decode, True, "natural")
+
+
+def natural_dithering_quantizer(
+    levels: int, bucket_size: int | None = None, norm: str = "l2"
+) -> Quantizer:
+    """Natural dithering ``C_nd`` (Horvath et al., 2019): QSGD with power-of-two levels.
+
+    Per bucket with scale ``||v||_2`` (``norm="l2"``) or ``max_i |v_i|``
+    (``"max"``) and ``s = levels``: ``a_i = |v_i| / scale`` in ``[0, 1]`` is
+    rounded stochastically and without bias to one of its two neighbours in
+    ``{0, 2^(1-s), ..., 1/4, 1/2, 1}``, and ``C(v)_i = scale * sgn(v_i) *
+    level``. Between two powers of two the probability of rounding up is
+    ``2 f - 1`` for ``a = f 2^e`` (exact in float32); below ``2^(1-s)`` it
+    is ``a 2^(s-1)``. The norm is computed scaled, as in
+    :func:`qsgd_quantizer`.
+
+    Wire: QSGD's code layout with the level index ``0..s`` in the low bits
+    and the sign on top, ``1 + ceil(log2(s + 1))`` bits per coordinate
+    (``s = 8``: 5 bits), packed; one float32 scale per bucket.
+    """
+    s = V.check_int("levels", levels, 1, 126)
+    bucket_size = _check_bucket_size(bucket_size)
+    norm = V.check_choice("norm", norm, QSGD_NORMS)
+    bits = qsgd_bits(s)
+    sign_bit = 1 << (bits - 1)
+    lowest = np.float32(2.0 ** (1 - s))
+
+    def encode(x, key):
+        n = x.shape[0]
+        d, nb = _bucketing(n, bucket_size)
+        xb = _to_buckets(x.astype(jnp.float32), d, nb)
+        scale, a, ns = _bucket_norms(xb, norm)
+        if ns is not None:
+            a = a / ns[:, None]
+        f, e = jnp.frexp(a)  # a = f 2^e, f in [0.5, 1): between 2^(e-1) and 2^e
+        small = a < lowest
+        p = jnp.where(small, a * np.float32(2.0 ** (s - 1)), 2 * f - 1)
+        up = jax.random.uniform(key, xb.shape, jnp.float32) < p
+        low = jnp.where(small, 0, e - 1 + s)  # level index of 2^(e-1) is e - 1 + s
+        level = jnp.clip(low + up, 0, s).astype(jnp.uint32)
+        negative = (xb < 0) & (level > 0)
+        code = level | jnp.where(negative, jnp.uint32(sign_bit), jnp.uint32(0))
+        return pack_codes(_from_buckets(code, n), bits), scale[:, None]
+
+    def decode(codes, scales, n):
+        d, nb = _bucketing(n, bucket_size)
+        code = _to_buckets(unpack_codes(codes, bits, n), d, nb)
+        level = (code & jnp.uint32(sign_bit - 1)).astype(jnp.int32)
+        mag = jnp.where(level > 0, _pow2(jnp.maximum(level, 1) - s), 0)
+        signed = jnp.where(code >= jnp.uint32(sign_bit), -mag, mag)
+        return _from_buckets(signed * scales, n)
+
+    return Quantizer(encode, decode, True, f"natural_dithering(levels={s}, norm={norm!r})")
+
+
+def cast_quantizer(dtype: Any = jnp.bfloat16) -> Quantizer:
+    """A cast to float16 or bfloat16, as PyTorch DDP's ``fp16_compress_hook`` / ``bf16_...``.
+
+    The message is ``x`` rounded to ``dtype`` (round to nearest even), 16 bits
+    per coordinate, sent as its bit pattern; it decodes exactly to float32.
+
+    Overflow: a value beyond ``dtype``'s range would round to ``inf``
+    (float16: ``|x| >= 65520``). Then the whole leaf is divided by a power of
+    two ``2^k`` that brings its max under ``2^(emax - 1)`` (exact: only the
+    exponents change) and ``2^k`` travels as the message's float32 scale;
+    otherwise the scale is 1 and the message is bit for bit the plain cast.
+    So the update is never inf; with error feedback the residual keeps every
+    rounding. When scaled, values more than float16's dynamic range (about
+    ``2^40``) below the leaf's max round to 0 (kept in the residual with
+    error feedback, lost without). The check costs one ``max|x|`` pass per
+    leaf.
+
+    Wire: 16 bits per coordinate plus one float32 per leaf.
+    """
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in CAST_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype!r}")
+    _, top = math.frexp(float(jnp.finfo(dt).max))  # max < 2^top
+    f32_max = np.float32(jnp.finfo(jnp.float32).max)
+
+    def encode(x, key):
+        del key
+        x = x.astype(jnp.float32)
+        m = jnp.max(jnp.abs(x))
+        over = jnp.isinf(m.astype(dt))
+        _, e = jnp.frexp(m)  # m < 2^e: m / 2^(e - top + 1) < 2^(top - 1) <= max
+        scale = jnp.where(over, _pow2(jnp.where(over, e - top + 1, 0)), np.float32(1))
+        y = (x / scale).astype(dt)
+        return lax.bitcast_convert_type(y, jnp.uint16), scale.reshape(1, 1)
+
+    def decode(codes, scales, n):
+        del n
+        y = lax.bitcast_convert_type(codes, dt).astype(jnp.float32) * scales[0, 0]
+        # A scaled max within 2^-9 of float32's max may round up to 2^128.
+        return jnp.clip(y, -f32_max, f32_max)
+
+    return Quantizer(encode, decode, False, f"cast({dt.name})")
 
 
 # ---------------------------------------------------------------------------
@@ -473,12 +704,37 @@ class QuantizeState(NamedTuple):
     message: Any = None
 
 
+class MomentumQuantizeState(NamedTuple):
+    """State of :func:`quantize` with ``momentum`` (Signum): :class:`QuantizeState` + ``velocity``.
+
+    A separate type, so that :class:`QuantizeState` (and checkpoints and
+    :mod:`jaxcomp.elastic`'s rules for it) keep their layout.
+
+    Attributes:
+      step, residual, key, message_bytes, wire_bytes, nonfinite_steps,
+        message: as in :class:`QuantizeState`.
+      velocity: the momentum ``v = b v + (1 - b) g`` per device, a pytree like
+        the gradients in the residual dtype; ``None`` for ``momentum=0``
+        (signSGD: nothing is allocated). A skipped (non-finite) step keeps it.
+    """
+
+    step: jax.Array
+    residual: Any
+    key: jax.Array
+    message_bytes: Any
+    wire_bytes: jax.Array
+    nonfinite_steps: jax.Array
+    message: Any = None
+    velocity: Any = None
+
+
 class _LeafOut(NamedTuple):
     update: jax.Array
     residual: jax.Array
     message_bytes: jax.Array
     wire_bytes: jax.Array
     message: Any
+    velocity: Any
 
 
 def _to_dtype(x: jax.Array, dtype) -> jax.Array:
@@ -499,8 +755,68 @@ def _nbytes(x) -> int:
     return x.size * jnp.dtype(x.dtype).itemsize
 
 
-# Values of the quantizers' ``exchange`` argument.
-QUANTIZER_EXCHANGES = ("allgather", "server", "gossip")
+# Values of the quantizers' ``exchange`` argument, for every codec.
+QUANTIZER_EXCHANGES = ("allgather", "allreduce", "server", "gossip")
+# Exchanges that aggregate by vote, for sign codecs only (``Quantizer.signs``).
+VOTE_EXCHANGES = ("majority",)
+
+
+def _mean_of_messages(decode_one, messages, denom, acc_dtype) -> jax.Array:
+    """Mean of ``decode_one(*messages[d])`` over the leading (device) axis, in device order.
+
+    A ``lax.scan`` that decodes one message per step into a running sum in
+    ``acc_dtype``: XLA:CPU reduces a stacked ``[N, n]`` array over its
+    leading axis ~50x slower than it adds rows, and this never materializes
+    it. At least float32: sum, then divide by ``denom``. Narrower (bfloat16,
+    float16): each message divided by ``denom`` first, as PyTorch DDP's fp16
+    hook divides before its all-reduce (no overflow; exact for a power-of-two
+    ``denom``, bar underflow), and every partial sum rounded to
+    ``acc_dtype`` (saturating), as an all-reduce in that dtype rounds.
+    """
+    narrow = jnp.finfo(acc_dtype).bits < 32
+    denom = jnp.asarray(denom, jnp.float32)
+
+    def term(message):
+        x = decode_one(*message)
+        return _to_dtype(x / denom, acc_dtype) if narrow else x.astype(acc_dtype)
+
+    def body(total, message):
+        total = total + term(message)
+        return (_to_dtype(total, acc_dtype) if narrow else total), None
+
+    # The first message starts the sum (it carries the messages' device-varying type).
+    first = jax.tree.map(lambda m: m[0], messages)
+    rest = jax.tree.map(lambda m: m[1:], messages)
+    total, _ = lax.scan(body, term(first), rest)
+    return total if narrow else total / denom.astype(acc_dtype)
+
+
+def _majority_of_messages(decode_one, messages, acc_dtype) -> jax.Array:
+    """Majority vote over the leading (device) axis of decoded sign messages.
+
+    Each device votes ``sign(S_d)`` per coordinate (0: abstains, e.g. a device
+    that sent nothing); the result is ``sign(sum_d sign(S_d))`` (a tie is 0)
+    times the mean ``|S_d|`` of the devices that voted: exactly ``+-1`` or 0
+    for unit signs (Signum), the devices' mean scale for scaled signs, and a
+    single device's own ``S``. One message decoded per scan step, as in
+    :func:`_mean_of_messages`.
+    """
+
+    def term(message):
+        x = decode_one(*message)
+        vote = jnp.sign(x)  # integers: the tally is exact in float32 up to 2^24 devices
+        return vote, (vote != 0).astype(jnp.int32), _to_dtype(jnp.abs(x), acc_dtype)
+
+    def body(carry, message):
+        tally, voters, size = carry
+        vote, voted, mag = term(message)
+        return (tally + vote, voters + voted, _to_dtype(size + mag, acc_dtype)), None
+
+    first = jax.tree.map(lambda m: m[0], messages)
+    rest = jax.tree.map(lambda m: m[1:], messages)
+    (tally, voters, size), _ = lax.scan(body, term(first), rest)
+    mean_size = size / jnp.maximum(voters, 1).astype(acc_dtype)
+    return jnp.sign(tally).astype(acc_dtype) * mean_size
 
 
 def quantize(
@@ -514,13 +830,17 @@ def quantize(
     nonfinite: str = "skip",
     seed: int | jax.Array = 0,
     keep_message: bool = False,
+    momentum: float | jax.Array | None = None,
+    accumulation_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """A quantizing compressor, with optional error feedback, around any codec.
 
     Args:
       quantizer: a :class:`Quantizer` (:func:`qsgd_quantizer`,
         :func:`sign_quantizer`, :func:`onebit_quantizer`,
-        :func:`bounded_sign_quantizer`, or your own).
+        :func:`bounded_sign_quantizer`, :func:`terngrad_quantizer`,
+        :func:`natural_quantizer`, :func:`natural_dithering_quantizer`,
+        :func:`cast_quantizer`, or your own).
       axis_name: mesh axis to average over inside ``shard_map``/``pmap``: the
         packed codes and the scales are all-gathered, every device decodes all
         ``N`` messages and averages them (in device order, so all devices get
@@ -537,6 +857,30 @@ def quantize(
         messages on the wire. Train with
         :func:`jaxcomp.aggregation.make_gossip_train_step` (``make_train_step``
         rejects it); no ``include=``.
+        ``"allreduce"``: a compressed all-reduce whose bytes scale like a
+        ring all-reduce's: the leaf is cut into ``N`` chunks, each encoded as
+        its own message (``message_bytes``: the ``N`` chunk messages); an
+        all-to-all gives device ``j`` chunk ``j`` of every device, which it
+        decodes, averages (in ``accumulation_dtype``) and encodes again; an
+        all-gather of the ``N`` re-encoded mean chunks gives every device the
+        update. ``2 (N - 1)`` chunk messages per device, about ``2 (N-1)/N``
+        messages against the all-gather's ``N - 1``. The last chunk is
+        zero-padded to the common length and its codec sees the zeros (a
+        sign codec's last bucket counts them in ``||x||_1 / d``; elementwise
+        codecs, casts and natural compression, are unaffected). The mean is
+        quantized a second time: a cast rounds the float32 mean to 16 bits
+        once more (as the DDP hooks' result is 16-bit), a randomized codec
+        draws again (still unbiased). No ``keep_message``.
+        ``"majority"`` (sign codecs only, ``quantizer.signs``; signSGD with
+        majority vote, Bernstein et al. 2018): the messages are all-gathered
+        as for ``"allgather"`` (same bytes) but aggregated by vote, not
+        averaged: per coordinate ``sign(sum_d sign(S_d))``, a tie giving 0,
+        times the mean ``|S_d|`` over the devices that voted (a device that
+        sends nothing abstains). For unit signs (Signum) that is exactly
+        ``+-1`` or 0; for scaled signs, the majority sign at the devices'
+        mean scale. Leaves sent dense (``min_dense_size``) are all-gathered
+        and voted on the same way, with their full-precision values.
+        ``include=`` works (a left-out device abstains).
       error_feedback: keep ``residual = R - decoded`` and add it to the next
         gradient (1-bit SGD, EF-signSGD). ``False``: send the quantized
         gradient itself (unbiased QSGD, signSGD); no residual is allocated
@@ -551,16 +895,32 @@ def quantize(
       nonfinite: policy for NaN/Inf gradients, as in :func:`jaxcomp.sparsify`.
         ``"skip"`` (default): a device whose gradients hold a non-finite
         element sends zero scales (an all-zero message) and keeps its
-        residual; ``"zero"``: non-finite elements are replaced by 0.
+        residual (and velocity); ``"zero"``: non-finite elements are replaced
+        by 0.
       seed: seed of the PRNG stream of randomized codecs.
       keep_message: also store this step's packed message per leaf (codes +
         scales, fixed shape) in ``state.message``, so the host can measure it
         (e.g. QSGD's Elias-coded size with
         :func:`jaxcomp.coding.coded_message_bytes`). Off by default: it costs
         a copy of the message in the state.
+      momentum: ``None`` (default): none, the state is a
+        :class:`QuantizeState`. A number ``b`` in ``[0, 1)`` (traceable):
+        the codec sees the exponential moving average ``v = b v + (1 - b) g``
+        of this device's gradients (Signum's momentum, Bernstein et al.;
+        ``sign(v)`` equals the sign of the heavy-ball ``b v + g``), added to the
+        residual with error feedback; the state is a
+        :class:`MomentumQuantizeState` (``velocity``; None for ``b = 0``).
+      accumulation_dtype: the float dtype in which the devices' decoded
+        messages are summed (all exchanges); ``None``: float32. Narrower
+        dtypes (bfloat16, float16) sum in device order with every partial
+        sum rounded to the dtype, after dividing each message by the device
+        count (PyTorch DDP's fp16 hook's order: no overflow); float64 needs
+        ``jax_enable_x64``. The update is then cast to the gradient dtype
+        (saturating).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with :class:`QuantizeState`.
+      An ``optax.GradientTransformationExtraArgs`` with :class:`QuantizeState`
+      (:class:`MomentumQuantizeState` with ``momentum``).
       ``update`` also takes ``include`` (this device's backup-worker flag): a
       left-out device's message is zeroed, the mean is over included devices.
 
@@ -583,14 +943,37 @@ def quantize(
         "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
     )
     nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
-    exchange = V.check_choice("exchange", exchange, QUANTIZER_EXCHANGES)
+    exchange = V.check_choice("exchange", exchange, QUANTIZER_EXCHANGES + VOTE_EXCHANGES)
+    if exchange in VOTE_EXCHANGES and not quantizer.signs:
+        raise ValueError(
+            f"exchange={exchange!r} votes with signs: it needs a sign codec "
+            f"(Quantizer.signs, e.g. sign_quantizer), got {quantizer.name}"
+        )
     if residual_dtype is not None:  # None: per leaf, see resolve_residual_dtype
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
+    acc_dtype = jnp.dtype(
+        jnp.float32
+        if accumulation_dtype is None
+        else V.check_float_dtype("accumulation_dtype", accumulation_dtype)
+    )
+    if acc_dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("accumulation_dtype=float64 needs jax_enable_x64")
     # Only init reads the seed, so it may be an injected (traced) hyperparameter.
     seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
     keep_message = V.check_bool("keep_message", keep_message)
+    if keep_message and exchange == "allreduce":
+        raise ValueError(
+            "keep_message=True is for one message per leaf; exchange='allreduce' sends N "
+            "chunk messages (use exchange='allgather' to measure messages)"
+        )
+    with_momentum = momentum is not None
+    if with_momentum:
+        momentum = V.check_real("momentum", momentum, 0.0, 1.0, high_open=True, allow_traced=True)
+    # A JAX-array momentum (injected hyperparameter) keeps a velocity even when 0.
+    use_velocity = with_momentum and (V.is_dynamic(momentum) or momentum > 0)
+    State = MomentumQuantizeState if with_momentum else QuantizeState  # noqa: N806
 
-    def compress_leaf(g, residual, key, sends, include) -> _LeafOut:
+    def compress_leaf(g, residual, velocity, key, sends, send_ok, include) -> _LeafOut:
         shape, n = g.shape, g.size
         out_dtype = g.dtype
         if error_feedback:
@@ -598,6 +981,16 @@ def quantize(
         else:  # no residual allocated: the dtype init would have given it
             rdt = resolve_residual_dtype(residual_dtype, [g])
         x = g.reshape(-1).astype(rdt)
+        new_vel = None
+        if use_velocity:
+            # b and 1 - b in the residual dtype, so that an injected (array)
+            # momentum gives the same bits as the same Python float.
+            b = jnp.asarray(momentum).astype(rdt)
+            v = velocity.reshape(-1)
+            # A skipped step keeps the velocity and accumulates nothing.
+            v = jnp.where(send_ok, b * v + (1 - b) * x, v)
+            x = jnp.where(send_ok, v, 0)
+            new_vel = v.reshape(shape)
         acc = residual.reshape(-1) + x if error_feedback else x
 
         kept = None
@@ -609,9 +1002,14 @@ def quantize(
                 update, wire = collectives.server_mean(sent_out, axis_name)
             elif exchange == "gossip":
                 update, wire = collectives.gossip_mean(sent_out, axis_name)
+            elif exchange == "majority":
+                update, wire = _gather_vote_dense(sent_out)
             else:
                 update, wire = collectives.dense_mean(sent_out, axis_name, include=include)
             nbytes = jnp.where(sends, n * out_dtype.itemsize, 0).astype(jnp.int32)
+        elif exchange == "allreduce" and axis_name is not None:
+            sent_out, update, wire, codes, scales = _allreduce(acc, key, sends, include, out_dtype)
+            nbytes = jnp.where(sends, _nbytes(codes) + _nbytes(scales), 0).astype(jnp.int32)
         else:
             codes, scales = quantizer.encode(acc, key)
             # An unsent message still travels (static shapes): zero scales decode to 0.
@@ -630,38 +1028,105 @@ def quantize(
             nbytes = jnp.where(sends, message, 0).astype(jnp.int32)
             kept = (codes, scales) if keep_message else None
         new_res = (acc - sent_out.astype(rdt)).reshape(shape) if error_feedback else None
-        return _LeafOut(update.reshape(shape), new_res, nbytes, wire, kept)
+        return _LeafOut(update.reshape(shape), new_res, nbytes, wire, kept, new_vel)
 
     def _gather_mean(codes, scales, n, out_dtype, include):
         n_dev = collectives.axis_size(axis_name)
         extra = 0.0
-        if include is None:
+        if include is None or exchange == "majority":  # a vote needs no count
             denom = jnp.float32(n_dev)
         else:
             include = jnp.asarray(include, jnp.bool_)
             denom = jnp.maximum(lax.psum(include.astype(jnp.float32), axis_name), 1.0)
             extra = collectives.allreduce_bytes(4, n_dev)
-        all_codes = collectives.all_gather_invariant(codes, axis_name)
-        all_scales = collectives.all_gather_invariant(scales, axis_name)
-        decoded = jax.vmap(lambda c, s: quantizer.decode(c, s, n))(all_codes, all_scales)
-        mean = jnp.sum(decoded, axis=0) / denom
+        messages = (
+            collectives.all_gather_invariant(codes, axis_name),
+            collectives.all_gather_invariant(scales, axis_name),
+        )
+        decode_one = functools.partial(_decode_n, n=n)
+        if exchange == "majority":
+            mean = _majority_of_messages(decode_one, messages, acc_dtype)
+        else:
+            mean = _mean_of_messages(decode_one, messages, denom, acc_dtype)
         wire = collectives.allgather_bytes(_nbytes(codes) + _nbytes(scales), n_dev) + extra
         return _to_dtype(mean, out_dtype), jnp.float32(wire)
 
+    def _decode_n(codes, scales, n):
+        return quantizer.decode(codes, scales, n)
+
+    def _allreduce(acc, key, sends, include, out_dtype):
+        """A compressed all-reduce: reduce-scatter by all-to-all, then all-gather.
+
+        The leaf is cut into ``N`` chunks, each encoded as its own message;
+        device ``j`` receives chunk ``j`` of every device (``all_to_all``),
+        decodes and averages them in the accumulation dtype, encodes that mean
+        chunk again and all-gathers it. Returns this device's sent values, the
+        update, the wire bytes and this device's ``N`` chunk messages.
+        """
+        n = acc.shape[0]
+        n_dev = collectives.axis_size(axis_name)
+        c = -(-n // n_dev)
+        chunks = jnp.pad(acc, (0, n_dev * c - n)).reshape(n_dev, c)
+        keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n_dev))
+        codes, scales = jax.vmap(quantizer.encode)(chunks, keys)
+        scales = jnp.where(sends, scales, 0)
+        decode = jax.vmap(functools.partial(_decode_n, n=c))
+        sent = decode(codes, scales).reshape(-1)[:n]
+        extra = 0.0
+        if include is None:
+            denom = jnp.float32(n_dev)
+        else:
+            denom = jnp.maximum(lax.psum(include.astype(jnp.float32), axis_name), 1.0)
+            extra = collectives.allreduce_bytes(4, n_dev)
+        # Row d of the result: device d's message for this device's chunk.
+        got_codes = lax.all_to_all(codes, axis_name, 0, 0)
+        got_scales = lax.all_to_all(scales, axis_name, 0, 0)
+        decode_one = functools.partial(_decode_n, n=c)
+        mean = _mean_of_messages(decode_one, (got_codes, got_scales), denom, acc_dtype)
+        m_codes, m_scales = quantizer.encode(
+            mean.astype(jnp.float32), jax.random.fold_in(key, n_dev)
+        )
+        all_codes = collectives.all_gather_invariant(m_codes, axis_name)
+        all_scales = collectives.all_gather_invariant(m_scales, axis_name)
+        update = decode(all_codes, all_scales).reshape(-1)[:n]
+        chunk_message = _nbytes(m_codes) + _nbytes(m_scales)
+        wire = 2 * collectives.allgather_bytes(chunk_message, n_dev) + extra
+        return (
+            _to_dtype(sent, out_dtype),
+            _to_dtype(update, out_dtype),
+            jnp.float32(wire),
+            codes,
+            scales,
+        )
+
+    def _gather_vote_dense(values):
+        # A small leaf's full-precision values, all-gathered and voted on.
+        n_dev = collectives.axis_size(axis_name)
+        gathered = collectives.all_gather_invariant(values, axis_name)
+        as_f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
+        vote = _majority_of_messages(as_f32, (gathered,), acc_dtype)
+        wire = collectives.allgather_bytes(_nbytes(values), n_dev)
+        return _to_dtype(vote, values.dtype), jnp.float32(wire)
+
     def _gossip_mix(codes, scales, decoded, n, out_dtype):
         # This device's ring mix of its own and its two neighbours' decoded
-        # messages (float32, then cast once): decentralized, differs per device.
+        # messages (in the accumulation dtype, then cast once): decentralized,
+        # differs per device.
         (l_codes, l_scales), (r_codes, r_scales) = collectives.ring_neighbours(
             (codes, scales), axis_name
         )
         if collectives.axis_size(axis_name) == 1:
             return _to_dtype(decoded, out_dtype), jnp.float32(0)
-        w_self, w_left, w_right = (jnp.float32(w) for w in collectives.GOSSIP_WEIGHTS)
-        mixed = (
-            w_self * decoded
-            + w_left * quantizer.decode(l_codes, l_scales, n)
-            + w_right * quantizer.decode(r_codes, r_scales, n)
-        )
+        w_self, w_left, w_right = (jnp.asarray(w, acc_dtype) for w in collectives.GOSSIP_WEIGHTS)
+        parts = [
+            _to_dtype(p, acc_dtype)
+            for p in (
+                decoded,
+                quantizer.decode(l_codes, l_scales, n),
+                quantizer.decode(r_codes, r_scales, n),
+            )
+        ]
+        mixed = w_self * parts[0] + w_left * parts[1] + w_right * parts[2]
         return _to_dtype(mixed, out_dtype), jnp.float32(2 * (_nbytes(codes) + _nbytes(scales)))
 
     def _server_mean(codes, scales, n, out_dtype):
@@ -669,29 +1134,35 @@ def quantize(
         # The root decodes the N messages it received, in device order.
         all_codes = jnp.stack(collectives.push_to_root(codes, axis_name))
         all_scales = jnp.stack(collectives.push_to_root(scales, axis_name))
-        decoded = jax.vmap(lambda c, s: quantizer.decode(c, s, n))(all_codes, all_scales)
-        mean = collectives.pull_from_root(jnp.sum(decoded, axis=0) / n_dev, axis_name)
+        decode_one = functools.partial(_decode_n, n=n)
+        mean = _mean_of_messages(decode_one, (all_codes, all_scales), n_dev, acc_dtype)
+        mean = collectives.pull_from_root(mean, axis_name)
         push = _nbytes(codes) + _nbytes(scales)
         link = collectives.server_link_bytes(push, n * jnp.dtype(out_dtype).itemsize, n_dev)
         return _to_dtype(mean, out_dtype), jnp.float32(link["worker"])
 
     def init(params):
         V.check_gradient_leaves(params, "jaxcomp.quantize.init", "parameter")
-        return QuantizeState(
-            step=jnp.zeros([], jnp.int32),
-            # Without error feedback no residual is allocated (a full gradient copy).
-            residual=jax.tree.map(
+
+        def zeros_like_params():
+            return jax.tree.map(
                 lambda p: jnp.zeros(jnp.shape(p), resolve_residual_dtype(residual_dtype, [p])),
                 params,
             )
-            if error_feedback
-            else None,
+
+        fields = dict(
+            step=jnp.zeros([], jnp.int32),
+            # Without error feedback no residual is allocated (a full gradient copy).
+            residual=zeros_like_params() if error_feedback else None,
             key=jax.random.key_data(jax.random.key(seed)),
             message_bytes=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params),
             wire_bytes=jnp.zeros([], jnp.float32),
             nonfinite_steps=jnp.zeros([], jnp.int32),
             message=jax.tree.map(_empty_message, params) if keep_message else None,
         )
+        if with_momentum:
+            fields["velocity"] = zeros_like_params() if use_velocity else None
+        return State(**fields)
 
     def _empty_message(p):
         """Zeros shaped like the leaf's message; None for a leaf sent dense."""
@@ -710,6 +1181,8 @@ def quantize(
             V.check_tree_like(updates, state.residual, "jaxcomp.quantize")
         else:  # no residual: message_bytes is laid out like the parameters too
             V.check_tree_like(updates, state.message_bytes, "jaxcomp.quantize", shapes=False)
+        if use_velocity:
+            V.check_tree_like(updates, state.velocity, "jaxcomp.quantize")
         check_per_device(updates, axis_name, "jaxcomp.quantize")
         grads, finite, send_ok = apply_nonfinite_policy(updates, nonfinite)
         if include is not None:
@@ -727,21 +1200,25 @@ def quantize(
                 key = jax.random.fold_in(key, lax.axis_index(axis_name))
 
         g_leaves, treedef = jax.tree.flatten(grads)
-        if error_feedback:
-            r_leaves = treedef.flatten_up_to(state.residual)
-        else:
-            r_leaves = [None] * len(g_leaves)
+        r_leaves = treedef.flatten_up_to(state.residual) if error_feedback else None
+        v_leaves = treedef.flatten_up_to(state.velocity) if use_velocity else None
         outs = [
-            compress_leaf(g, r, jax.random.fold_in(key, i), sends, include)
-            if quantizer.randomized
-            else compress_leaf(g, r, key, sends, include)
-            for i, (g, r) in enumerate(zip(g_leaves, r_leaves, strict=True))
+            compress_leaf(
+                g,
+                None if r_leaves is None else r_leaves[i],
+                None if v_leaves is None else v_leaves[i],
+                jax.random.fold_in(key, i) if quantizer.randomized else key,
+                sends,
+                send_ok,
+                include,
+            )
+            for i, g in enumerate(g_leaves)
         ]
 
         def field(name):
             return treedef.unflatten([getattr(o, name) for o in outs])
 
-        new_state = QuantizeState(
+        fields = dict(
             step=state.step + 1,
             residual=field("residual") if error_feedback else None,
             key=state.key,
@@ -750,7 +1227,9 @@ def quantize(
             nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
             message=field("message") if keep_message else None,
         )
-        return field("update"), new_state
+        if with_momentum:
+            fields["velocity"] = field("velocity") if use_velocity else None
+        return field("update"), State(**fields)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
