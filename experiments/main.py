@@ -94,6 +94,13 @@ def _define_flags() -> None:
         "bits", d.bits, "QSGD 'b-bit' as in the paper: s = 2**bits levels (not with --levels)."
     )
     flags.DEFINE_integer("bucket_size", d.bucket_size, "Quantizer bucket size (default: leaf).")
+    flags.DEFINE_integer("rank", d.rank, "PowerSGD rank (powersgd only; default 4).")
+    flags.DEFINE_integer(
+        "freeze_step",
+        d.freeze_step,
+        "1-bit / 0/1 Adam: steps of Adam warm-up before the variance is frozen and the "
+        "momentum goes 1-bit (default: a fifth of the run).",
+    )
     flags.DEFINE_integer("num_devices", d.num_devices, "Mesh size (simulated devices on CPU).")
     flags.DEFINE_string("dataset", d.dataset, "digits | synthetic | cifar10 | cifar100.")
     flags.DEFINE_string("data_dir", d.data_dir, "CIFAR directory or .tar.gz archive.")
@@ -149,7 +156,7 @@ def _define_flags() -> None:
         "devices and coded multicast of the dense gradients; uncoded: the same assignment, "
         "missing blocks sent whole (both need --compressor=dense and --redundancy); "
         "sparsifiers: sparse, dense, server, sparcml, gtopk, oktopk, scalecom, auto, "
-        "auto_topk; quantizers: allgather, server.",
+        "auto_topk; quantizers: allgather, allreduce, server (signum: majority, its default).",
     )
     flags.DEFINE_integer(
         "redundancy",

@@ -63,9 +63,11 @@ from jaxcomp.transforms.quantize import qsgd_levels
 __all__ = [
     "CODED_EXCHANGES",
     "CODED_FIELDS",
+    "COMPRESSED_OPTIMIZERS",
     "COMPRESSORS",
     "CONFIG_FILE",
     "EXCHANGES",
+    "LOW_RANK",
     "MERGE_ALPHA",
     "MERGE_BETA",
     "MERGE_PLAN_FILE",
@@ -106,8 +108,22 @@ SPARSIFIERS = (
 )
 # Registry names that are not a jaxcomp factory name: (factory, fixed options).
 SPARSIFIER_FACTORIES = {"ldte_bs_paper": ("ldte_bs", {"variant": "paper"})}
-QUANTIZERS = ("qsgd", "onebit", "sign_sgd", "ef_sign_sgd", "bounded_sign")
-COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS)
+QUANTIZERS = (
+    "qsgd",
+    "onebit",
+    "sign_sgd",
+    "ef_sign_sgd",
+    "bounded_sign",
+    "terngrad",
+    "natural_compression",
+    "signum",
+    "cast",
+)
+# PowerSGD: rank-r power iteration, chained before SGD like the others.
+LOW_RANK = ("powersgd",)
+# Whole optimizers with compression inside (nothing chained after them).
+COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
+COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS, *LOW_RANK, *COMPRESSED_OPTIMIZERS)
 SCHEDULES = ("constant", "cosine", "step")
 MERGES = ("none", "greedy", "optimal")
 DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
@@ -245,6 +261,15 @@ class TrainConfig:
         compressor and its exchange as in data-parallel runs. ``model="mlp"``
         only, one process, not with ``merge``, ``fit_check_epochs`` or a
         CSSGD exchange; ``batch_size`` need not divide by ``num_devices``.
+      rank: PowerSGD's rank (None: 4; ``powersgd`` only). Flax kernels are
+        reshaped with ``reshape="last"`` (``(fan_in, out)`` matrices).
+      freeze_step: the step after which 1-bit Adam / 0/1 Adam freeze the
+        variance and start exchanging 1-bit momentum (None: a fifth of the
+        run's steps, the 1-bit Adam paper's 15-25% warm-up;
+        ``onebit_adam``/``zero_one_adam`` only). These are whole optimizers:
+        ``momentum`` is their ``b1``, the learning rate and schedule are
+        theirs, and 0/1 Adam syncs every step (``local_step_clipper=1``: the
+        replicated parameters of these runs cannot take local steps).
     """
 
     compressor: str = "ldte_bs"
@@ -283,6 +308,8 @@ class TrainConfig:
     coded_value_range: float | None = None
     coded_bits: int | None = None
     sampling: str = "global"
+    rank: int | None = None
+    freeze_step: int | None = None
 
 
 def is_coded(config: TrainConfig) -> bool:
@@ -295,6 +322,10 @@ def _kind(compressor: str) -> str:
         return "the sparsifier"
     if compressor in QUANTIZERS:
         return "the quantizer"
+    if compressor in LOW_RANK:
+        return "the low-rank compressor"
+    if compressor in COMPRESSED_OPTIMIZERS:
+        return "the compressed optimizer"
     return "the baseline"
 
 
@@ -313,11 +344,15 @@ def unused_fields(compressor: str) -> dict:
     if compressor not in SPARSIFIERS:
         for name in ("ratio", "granularity", "reuse_period", "merge"):
             out[name] = "the sparsifiers"
-    if compressor not in QUANTIZERS:
-        out["bucket_size"] = "the quantizers"
+    if compressor not in QUANTIZERS or compressor == "cast":
+        out["bucket_size"] = "the quantizers but cast"
     if compressor != "qsgd":
         # "bits" is qsgd's other way to give the levels, when the config has it.
         out.update({n: "qsgd" for n in ("levels", "bits", "coded_bytes_every") if n in names})
+    if compressor not in LOW_RANK:
+        out["rank"] = "powersgd"
+    if compressor not in COMPRESSED_OPTIMIZERS:
+        out["freeze_step"] = "onebit_adam and zero_one_adam"
     if compressor == "dense":
         out["min_dense_size"] = "the sparsifiers and quantizers"
     return out
@@ -360,6 +395,8 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     c = dataclasses.replace(c, momentum_correction=False)
     if c.compressor == "qsgd" and c.levels is None and getattr(c, "bits", None) is None:
         c = dataclasses.replace(c, levels=16)
+    if c.compressor in LOW_RANK and c.rank is None:
+        c = dataclasses.replace(c, rank=4)
     return c
 
 
@@ -398,11 +435,11 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
         )
     if not 0.0 <= c.momentum < 1.0:
         fail(f"momentum must be in [0, 1), got {c.momentum}")
-    if c.momentum_correction and c.compressor in QUANTIZERS:
+    if c.momentum_correction and c.compressor not in (*SPARSIFIERS, "dense"):
         fail(
-            f"momentum_correction (--momentum_correction) needs a sparsifier, not the "
-            f"quantizer {c.compressor!r} (leave it unset or false: quantizers run with "
-            "momentum on the optimizer)"
+            f"momentum_correction (--momentum_correction) needs a sparsifier, not {kind} "
+            f"{c.compressor!r} (leave it unset or false: it runs with momentum on the "
+            "optimizer, or its own)"
         )
     if c.granularity is not None and c.granularity not in ("layer", "global"):
         fail(f"granularity must be 'layer' or 'global', got {c.granularity!r}")
@@ -416,6 +453,12 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
         fail(f"min_dense_size must be >= 0, got {c.min_dense_size}")
     if c.levels is not None and c.levels < 1:
         fail(f"qsgd needs levels >= 1, got {c.levels}")
+    if c.rank is not None and c.rank < 1:
+        fail(f"rank must be >= 1, got {c.rank}")
+    if c.freeze_step is not None and c.freeze_step < 0:
+        fail(f"freeze_step must be >= 0, got {c.freeze_step}")
+    if c.compressor in COMPRESSED_OPTIMIZERS and (c.exchange not in (None, "default")):
+        fail(f"{c.compressor} has its own exchange; leave exchange unset")
     if c.bits is not None and not 1 <= c.bits <= 30:
         fail(f"bits must be in [1, 30] (s = 2**bits levels), got {c.bits}")
     if c.levels is not None and c.bits is not None:
@@ -662,6 +705,35 @@ def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int,
             **dense_size,
             **exchange,
         )
+    elif c.compressor == "signum":
+        # Signum's momentum is its own (the sign of the momentum is sent): plain SGD after.
+        compressor = jaxcomp.signum(
+            c.momentum, bucket_size=c.bucket_size, axis_name=AXIS, **dense_size, **exchange
+        )
+        return optax.chain(compressor, optax.sgd(lr)), compressor
+    elif c.compressor == "cast":
+        compressor = jaxcomp.cast(axis_name=AXIS, **dense_size, **exchange)
+    elif c.compressor in LOW_RANK:
+        # Flax kernels are (..., fan_in, out): matrices of their last dimension.
+        compressor = jaxcomp.powersgd(
+            c.rank, axis_name=AXIS, reshape="last", seed=c.seed, **dense_size
+        )
+    elif c.compressor in COMPRESSED_OPTIMIZERS:
+        freeze = max(1, total_steps // 5) if c.freeze_step is None else c.freeze_step
+        if c.compressor == "onebit_adam":
+            tx = jaxcomp.onebit_adam(
+                lr, b1=c.momentum, freeze_step=freeze, axis_name=AXIS, **dense_size
+            )
+        else:
+            tx = jaxcomp.zero_one_adam(
+                lr,
+                b1=c.momentum,
+                var_freeze_step=freeze,
+                local_step_clipper=1,
+                axis_name=AXIS,
+                **dense_size,
+            )
+        return tx, tx
     else:
         compressor = getattr(jaxcomp, c.compressor)(
             bucket_size=c.bucket_size, axis_name=AXIS, **dense_size, **exchange

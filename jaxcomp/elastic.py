@@ -109,7 +109,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
 from jaxcomp import aggregation, cssgd, distributed
-from jaxcomp.transforms.quantize import QuantizeState
+from jaxcomp.transforms.adam import OnebitAdamState
+from jaxcomp.transforms.powersgd import PowerSGDState
+from jaxcomp.transforms.quantize import MomentumQuantizeState, QuantizeState
 from jaxcomp.transforms.sparsify import SparsifyState
 
 __all__ = [
@@ -153,6 +155,40 @@ FIELD_RULES: Mapping[type, Mapping[str, str]] = types.MappingProxyType(
                 "wire_bytes": "copy",
                 "nonfinite_steps": "sum",
                 "message": "copy",
+            }
+        ),
+        MomentumQuantizeState: types.MappingProxyType(
+            {
+                "step": "replicated",
+                "residual": "fold",
+                "velocity": "fold",
+                "key": "replicated",
+                "message_bytes": "copy",
+                "wire_bytes": "copy",
+                "nonfinite_steps": "sum",
+                "message": "copy",
+            }
+        ),
+        PowerSGDState: types.MappingProxyType(
+            {
+                "step": "replicated",
+                "residual": "fold",
+                "q": "replicated",  # warm start: the same Q on every device
+                "key": "replicated",
+                "message_bytes": "copy",
+                "wire_bytes": "copy",
+                "nonfinite_steps": "sum",
+            }
+        ),
+        OnebitAdamState: types.MappingProxyType(
+            {
+                "count": "replicated",
+                "mu": "replicated",  # the averaged momentum
+                "nu": "replicated",  # from the averaged gradient, then frozen
+                "residual": "fold",
+                "message_bytes": "copy",
+                "wire_bytes": "copy",
+                "nonfinite_steps": "sum",
             }
         ),
         distributed.DenseExchangeState: types.MappingProxyType({"wire_bytes": "copy"}),

@@ -426,10 +426,15 @@ def test_every_compressor_builds_with_default_flags(name):
     if name in train.SPARSIFIERS:
         assert resolved.momentum_correction and resolved.ratio == 1e-3
         assert resolved.granularity == "layer" and sgd_trace is None
+    elif name == "signum" or name in train.COMPRESSED_OPTIMIZERS:
+        # Their momentum is their own: signum sends the sign of it, the Adams are whole
+        # optimizers (nothing chained after them).
+        assert resolved.momentum_correction is False and sgd_trace is None
     else:
         assert resolved.momentum_correction is False and resolved.ratio is None
         assert sgd_trace is not None
     assert (resolved.levels == 16) == (name == "qsgd")
+    assert (resolved.rank == 4) == (name == "powersgd")
 
 
 def _unused_cases():
@@ -437,13 +442,21 @@ def _unused_cases():
     sparse_only = {"ratio": 0.01, "granularity": "global"}
     quant_only = {"bucket_size": 8}
     qsgd_only = {"levels": 4}
-    unused = {"dense": {**sparse_only, **quant_only, **qsgd_only, "min_dense_size": 5}}
-    unused.update({n: {**quant_only, **qsgd_only} for n in train.SPARSIFIERS})
-    unused.update({n: {**sparse_only, **qsgd_only} for n in train.QUANTIZERS})
-    unused["qsgd"] = dict(sparse_only)
+    rank_only = {"rank": 2}
+    freeze_only = {"freeze_step": 3}
+    others = {**rank_only, **freeze_only}
+    unused = {"dense": {**sparse_only, **quant_only, **qsgd_only, **others, "min_dense_size": 5}}
+    unused.update({n: {**quant_only, **qsgd_only, **others} for n in train.SPARSIFIERS})
+    unused.update({n: {**sparse_only, **qsgd_only, **others} for n in train.QUANTIZERS})
+    unused["qsgd"] = {**sparse_only, **others}
+    unused["cast"] = {**sparse_only, **qsgd_only, **quant_only, **others}
+    unused["powersgd"] = {**sparse_only, **quant_only, **qsgd_only, **freeze_only}
+    for n in train.COMPRESSED_OPTIMIZERS:
+        unused[n] = {**sparse_only, **quant_only, **qsgd_only, **rank_only}
     cases = [(n, f, v) for n in train.COMPRESSORS for f, v in unused[n].items()]
-    cases += [(q, "momentum_correction", True) for q in train.QUANTIZERS]
-    cases += [(n, "warmup_epochs", 1) for n in ("dense", *train.QUANTIZERS)]
+    not_sparse = [n for n in train.COMPRESSORS if n not in train.SPARSIFIERS]
+    cases += [(q, "momentum_correction", True) for q in not_sparse if q != "dense"]
+    cases += [(n, "warmup_epochs", 1) for n in not_sparse]
     return cases
 
 

@@ -1,7 +1,25 @@
 """Optax gradient transformations: the compressors users call."""
 
-from jaxcomp.transforms.quantize import Quantizer, QuantizeState, quantize
-from jaxcomp.transforms.quantizers import bounded_sign, ef_sign_sgd, onebit, qsgd, sign_sgd
+from jaxcomp.transforms.adam import (
+    OnebitAdamState,
+    ZeroOneAdamState,
+    onebit_adam,
+    zero_one_adam,
+)
+from jaxcomp.transforms.powersgd import PowerSGDState, powersgd
+from jaxcomp.transforms.qsvrg import qsvrg
+from jaxcomp.transforms.quantize import MomentumQuantizeState, Quantizer, QuantizeState, quantize
+from jaxcomp.transforms.quantizers import (
+    bounded_sign,
+    cast,
+    ef_sign_sgd,
+    natural_compression,
+    onebit,
+    qsgd,
+    sign_sgd,
+    signum,
+    terngrad,
+)
 from jaxcomp.transforms.sparsifiers import (
     binary_search,
     dgc,
@@ -16,22 +34,34 @@ from jaxcomp.transforms.sparsify import DGC_WARMUP, SparsifyState, sparsify
 
 __all__ = [
     "DGC_WARMUP",
+    "MomentumQuantizeState",
+    "OnebitAdamState",
+    "PowerSGDState",
     "QuantizeState",
     "Quantizer",
     "SparsifyState",
+    "ZeroOneAdamState",
     "binary_search",
     "bounded_sign",
+    "cast",
     "dgc",
     "ef_sign_sgd",
     "gaussian_k",
     "ldte_bs",
+    "natural_compression",
     "onebit",
+    "onebit_adam",
+    "powersgd",
     "qsgd",
+    "qsvrg",
     "quantize",
     "random_k",
     "sign_sgd",
+    "signum",
     "sparsify",
+    "terngrad",
     "threshold",
     "top_k",
     "trimmed_top_k",
+    "zero_one_adam",
 ]
