@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["explicit_specs", "replicate_explicit", "reshard_like"]
+__all__ = ["explicit_specs", "replicate_explicit", "reshard_like", "whole_leaves"]
 
 
 def _spec(x):
@@ -61,3 +61,29 @@ def reshard_like(tree, specs):
         for x, s in zip(leaves, leaf_specs, strict=True)
     ]
     return jax.tree.unflatten(treedef, out)
+
+
+def whole_leaves(update_fn, fields=("residual", "velocity")):
+    """``update_fn(updates, state, ...)`` compressing explicitly split leaves whole.
+
+    Without explicitly split leaves this is ``update_fn``. Otherwise the
+    leaves and the state go in replicated, and the updates and the state's
+    per-element ``fields`` (pytrees like the updates) come back with the
+    leaves' shardings.
+    """
+
+    def wrapped(updates, state, *args, **kwargs):
+        specs = explicit_specs(updates)
+        if specs is None:
+            return update_fn(updates, state, *args, **kwargs)
+        new_updates, new_state = update_fn(
+            replicate_explicit(updates), replicate_explicit(state), *args, **kwargs
+        )
+        per_element = {
+            f: reshard_like(getattr(new_state, f), specs)
+            for f in fields
+            if getattr(new_state, f, None) is not None
+        }
+        return reshard_like(new_updates, specs), new_state._replace(**per_element)
+
+    return wrapped

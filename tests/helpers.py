@@ -137,6 +137,9 @@ FACTORIES = {
     "signum": lambda ratio, **kw: jaxcomp.signum(0.9, bucket_size=64, **kw),
     "cast_bf16_ef": lambda ratio, **kw: jaxcomp.cast(jnp.bfloat16, error_feedback=True, **kw),
     "cast_fp16": lambda ratio, **kw: jaxcomp.cast(jnp.float16, **kw),
+    # Low-rank (ratio ignored): rank 1, so the suites' (20, 25), (17, 9), (30, 4) and
+    # (4, 25) leaves are compressed ((n + m) * 1 * 2 < n m); 0-D and 1-D leaves go dense.
+    "powersgd": lambda ratio, **kw: jaxcomp.powersgd(1, **kw),
 }
 
 # Quantizers: name -> (bits per coordinate, bucket size or None, float32 scales per bucket).
@@ -161,7 +164,22 @@ NO_ERROR_FEEDBACK = ("qsgd", "sign_sgd", "terngrad", "natural", "signum", "cast_
 RANDOMIZED = ("qsgd", "qsgd_ef", "terngrad", "terngrad_clip_ef", "natural", "natural_dithering_ef")
 # Quantizers whose exchange is a majority vote, not a mean (exchange="majority").
 MAJORITY = ("signum",)
-SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS)
+# Low-rank compressors: name -> rank.
+LOW_RANK = {"powersgd": 1}
+SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS and name not in LOW_RANK)
+
+
+def low_rank_bytes(name: str, shape, itemsize: int, min_dense: int = 0) -> int:
+    """Independent message size of low-rank compressor ``name``: the hook's rule
+    (``view(shape[0], -1)``, compressed iff ``(n + m) r * 2 < n m``), ``P`` and ``Q`` in
+    float32; the dense leaf otherwise."""
+    size = math.prod(shape)
+    if len(shape) >= 2 and size > max(min_dense, 0):
+        n, m = shape[0], size // shape[0]
+        r = min(n, m, LOW_RANK[name])
+        if (n + m) * r * 2 < n * m:
+            return (n + m) * r * 4
+    return size * itemsize
 
 
 def quantized_bytes(name: str, n: int) -> int:

@@ -18,6 +18,7 @@ from helpers import (
     AT_LEAST_K,
     EXACTLY_K,
     FACTORIES,
+    LOW_RANK,
     MAJORITY,
     NO_ERROR_FEEDBACK,
     QUANTIZERS,
@@ -31,6 +32,7 @@ from helpers import (
     f32,
     k_of,
     laplace_tree,
+    low_rank_bytes,
     majority_vote,
     quantized_bytes,
 )
@@ -79,7 +81,7 @@ def _check_lost_nothing(g, old_res, upd, new_res, rdtype=np.float32, name=None):
         res = np.asarray(new_res[leaf])
         if name in NO_ERROR_FEEDBACK:
             assert not np.any(res) and not np.any(np.asarray(old_res[leaf])), leaf
-        elif name in QUANTIZERS:
+        elif name in QUANTIZERS or name in LOW_RANK:
             assert np.array_equal(res, acc - sent), leaf
             gap = np.abs((sent + res).astype(np.float64) - acc.astype(np.float64))
             ulp = np.spacing(np.abs(acc - sent)).astype(np.float64)
@@ -103,6 +105,12 @@ def _check_message(name, g, upd, state, min_dense):
     """Capacity, sent_count == nnz, message_bytes and the selector's window, per leaf."""
     if name in QUANTIZERS:
         _check_quantized_message(name, g, upd, state, min_dense)
+        return
+    if name in LOW_RANK:
+        for leaf, gl in g.items():
+            expected = low_rank_bytes(name, gl.shape, np.dtype(gl.dtype).itemsize, min_dense)
+            assert int(state.message_bytes[leaf]) == expected, (leaf, gl.shape)
+            assert np.all(np.isfinite(f32(upd[leaf]))), leaf
         return
     for leaf, gl in g.items():
         n = gl.size
@@ -142,7 +150,7 @@ def test_lost_nothing_capacity_and_counts(name):
             assert upd[leaf].dtype == gl.dtype and upd[leaf].shape == gl.shape
             assert _res(new, g)[leaf].dtype == jnp.float32
         fields = ("sent_count", "threshold", "search_iterations", "message_bytes")
-        if name in QUANTIZERS:
+        if name not in SPARSIFIERS:
             fields = ("message_bytes",)
         for field in fields:
             tree = getattr(new, field)
@@ -310,6 +318,10 @@ def test_state_readable_inside_chain(name):
         assert int(mb["b"]["c"]) == 8  # dense leaf
         assert int(mb["a"]) == quantized_bytes(name, 120)
         return
+    if name in LOW_RANK:
+        assert int(mb["b"]["c"]) == 8  # dense leaf
+        assert int(mb["a"]) == low_rank_bytes(name, (30, 4), 4)
+        return
     sent = optax.tree.get(state, "sent_count")
     assert int(sent["b"]["c"]) == 2 and int(mb["b"]["c"]) == 8
     assert int(mb["a"]) == int(sent["a"]) * 8
@@ -327,7 +339,7 @@ def test_state_readable_inside_chain(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_nonfinite_skip_keeps_state(name, bad):
-    momentum = {} if name in QUANTIZERS else dict(momentum=0.9, momentum_masking=True)
+    momentum = {} if name not in SPARSIFIERS else dict(momentum=0.9, momentum_masking=True)
     cx = compressor(name, RATIO, min_dense_size=4, **momentum)
     rng = np.random.default_rng(5)
     state = cx.tx.init(laplace_tree(MOM_TREE, rng))
@@ -580,7 +592,8 @@ def _device(tree, d):
     return jax.tree.map(lambda x: x[d], tree)
 
 
-@pytest.mark.parametrize("name", NAMES)
+# Low-rank: not a mean of per-device compressions (P and Q are summed); tests/test_powersgd.py.
+@pytest.mark.parametrize("name", [name for name in NAMES if name not in LOW_RANK])
 def test_shard_map_matches_mean_of_single_device_updates(name):
     assert len(jax.devices()) >= N_DEV
     mesh = jax.make_mesh((N_DEV,), ("data",))
@@ -826,11 +839,11 @@ def test_x64_every_compressor_nothing_lost(name, dtype):
                 assert res.dtype == dt, leaf  # residual_dtype=None: float32 or wider
                 acc = res_old + np.asarray(gl)
                 sent = np.asarray(upd[leaf])
-                if name in QUANTIZERS:  # the correctly rounded acc - sent
+                if name not in SPARSIFIERS:  # the correctly rounded acc - sent
                     assert np.array_equal(res, acc - sent), leaf
                 else:
                     assert np.array_equal(sent + res, acc), leaf
-            if name not in QUANTIZERS:
+            if name in SPARSIFIERS:
                 n = 1200
                 nnz = int(np.count_nonzero(np.asarray(upd["v"])))
                 assert int(new.sent_count["v"]) == nnz

@@ -59,8 +59,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp import _sharding, _vma
 from jaxcomp import _validation as V
-from jaxcomp import _vma
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
 from jaxcomp.transforms.sparsify import _NONFINITE, apply_nonfinite_policy, resolve_residual_dtype
@@ -463,6 +463,11 @@ def powersgd(
                 f"{_WHO} does not take include= (backup workers): P and Q are summed over "
                 "every device; use a sparsifier or quantizer for partial aggregation"
             )
+        # Leaves split over explicit mesh axes (jit outside shard_map): each
+        # leaf compressed whole, as on one device (see jaxcomp._sharding).
+        return _sharding.whole_leaves(update_leaves, fields=("residual",))(updates, state)
+
+    def update_leaves(updates, state):
         V.check_gradient_leaves(updates, _WHO)
         if error_feedback:
             V.check_tree_like(updates, state.residual, _WHO)

@@ -1177,19 +1177,9 @@ def quantize(
     def update(updates, state, params=None, *, include=None, **extra_args):
         """``include``: optional bool scalar, this device's backup-worker flag."""
         del params, extra_args
-        specs = _sharding.explicit_specs(updates)
-        if specs is None:
-            return update_leaves(updates, state, include)
         # Leaves split over explicit mesh axes (jit outside shard_map): each
         # leaf quantized whole, as on one device (see jaxcomp._sharding).
-        new_updates, new_state = update_leaves(
-            _sharding.replicate_explicit(updates), _sharding.replicate_explicit(state), include
-        )
-        per_element = {}
-        for name in ("residual", "velocity"):
-            if getattr(new_state, name, None) is not None:
-                per_element[name] = _sharding.reshard_like(getattr(new_state, name), specs)
-        return _sharding.reshard_like(new_updates, specs), new_state._replace(**per_element)
+        return _sharding.whole_leaves(update_leaves)(updates, state, include)
 
     def update_leaves(updates, state, include):
         V.check_gradient_leaves(updates, "jaxcomp.quantize")

@@ -523,18 +523,9 @@ def sparsify(
             return jaxcomp_overlap.visit(cfg, updates, state, include)
         if cfg.exchange == "scatter":
             return _update(cfg, updates, state, include, scatter=_scatter_leaves(updates, scatter))
-        specs = _sharding.explicit_specs(updates)
-        if specs is None:
-            return _update(cfg, updates, state, include)
         # Leaves split over explicit mesh axes (jit outside shard_map): each
         # leaf compressed whole, as on one device (see jaxcomp._sharding).
-        new_updates, new_state = _update(
-            cfg, _sharding.replicate_explicit(updates), _sharding.replicate_explicit(state), include
-        )
-        return _sharding.reshard_like(new_updates, specs), new_state._replace(
-            residual=_sharding.reshard_like(new_state.residual, specs),
-            velocity=_sharding.reshard_like(new_state.velocity, specs),
-        )
+        return _sharding.whole_leaves(functools.partial(_update, cfg))(updates, state, include)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
