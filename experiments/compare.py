@@ -15,6 +15,10 @@ correction, same seed and data, on 8 simulated CPU devices by default::
 and dense, on 8 simulated devices (~4 min): the accuracy effect of applying
 a global top-k of the sum instead of the union.
 
+``--table=peers`` trains the peers' compressors (TernGrad, natural
+compression, Signum, bf16 cast, PowerSGD, 1-bit and 0/1 Adam) beside dense,
+LDTE-BS and QSGD 4-bit.
+
 ``--table=dlgs`` runs the DLGS paper's comparison instead: dense, global
 top-k, layer-wise top-k (LAGS), layer-wise with threshold reuse, and DLGS
 (reuse plus the optimal merge plan of this model's layers), in the paper's
@@ -55,6 +59,7 @@ __all__ = [
     "DLGS_TABLE",
     "EXCHANGE_TABLE",
     "PAPER_TABLE2",
+    "PEERS_TABLE",
     "TABLES",
     "for_compressor",
     "format_table",
@@ -96,6 +101,21 @@ EXCHANGE_TABLE = {
         for e in ("gtopk", "oktopk", "scalecom", "sparcml")
     },
 }
+# The peers' compressors (issue: everything GRACE, DDP hooks, BytePS and
+# DeepSpeed ship) beside dense, LDTE-BS and QSGD. Sign methods and the Adams
+# take their papers' small learning rates.
+PEERS_TABLE = {
+    "dense": {"compressor": "dense"},
+    "ldte_bs": {"compressor": "ldte_bs"},
+    "qsgd_4bit": {"compressor": "qsgd", "bits": 4, "bucket_size": 512},
+    "terngrad": {"compressor": "terngrad"},
+    "natural": {"compressor": "natural_compression"},
+    "signum": {"compressor": "signum", "lr": 1e-3},
+    "cast_bf16": {"compressor": "cast", "exchange": "allreduce"},
+    "powersgd_r4": {"compressor": "powersgd", "rank": 4},
+    "onebit_adam": {"compressor": "onebit_adam", "lr": 1e-3},
+    "zero_one_adam": {"compressor": "zero_one_adam", "lr": 1e-3},
+}
 # table -> (rows, defaults of the paper's setting for flags left unset).
 TABLES = {
     "ldte_bs": (
@@ -106,6 +126,10 @@ TABLES = {
     # per node, compression ratios 0.1 and 0.01, no warm-up.
     "exchanges": (
         EXCHANGE_TABLE,
+        dict(ratio=1e-3, warmup_epochs=4, momentum_correction=True, schedule="cosine", epochs=30),
+    ),
+    "peers": (
+        PEERS_TABLE,
         dict(ratio=1e-3, warmup_epochs=4, momentum_correction=True, schedule="cosine", epochs=30),
     ),
     "dlgs": (
