@@ -16,8 +16,10 @@ exchange step inside ``jax.shard_map`` over 8 simulated CPU devices:
 Quantizers (``--quantizers``, per size, no ratio): the full update step of
 each named configuration in ``QUANTIZERS`` below (TernGrad, natural
 compression, Signum with majority vote, 16-bit casts with the all-gather and
-with the compressed all-reduce, QSGD 4-bit for reference), its bytes per
-device and its message, against the same run's dense all-reduce.
+with the compressed all-reduce, QSGD 4-bit for reference, PowerSGD rank 4 on
+the gradient as a ``(size / 1024, 1024)`` matrix, 1-bit Adam with the
+single-stage and the two-stage exchange), its bytes per device and its
+message, against the same run's dense all-reduce.
 
 Times are medians after warm-up with every step blocked on (several collective
 steps in flight deadlock simulated devices); the optimizer state is donated
@@ -72,20 +74,35 @@ QUANTIZERS = {
     "cast_bf16_allgather": lambda a: jaxcomp.cast(jnp.bfloat16, axis_name=a),
     "cast_bf16_allreduce": lambda a: jaxcomp.cast(jnp.bfloat16, axis_name=a, exchange="allreduce"),
     "cast_fp16_allreduce": lambda a: jaxcomp.cast(jnp.float16, axis_name=a, exchange="allreduce"),
+    # Low rank: the gradient as a (size / 1024, 1024) matrix (LEAF_SHAPES), two all-reduces.
+    "powersgd_rank4": lambda a: jaxcomp.powersgd(4, axis_name=a),
+    # Compressed optimizers: the row times the whole Adam step (its 1-bit exchange of
+    # the momentum included) against dense's pmean alone. freeze_step=0: every step
+    # compresses (v stays 0, so the applied update is 0; the work and bytes are real).
+    "onebit_adam": lambda a: jaxcomp.onebit_adam(1e-3, freeze_step=0, axis_name=a),
+    "onebit_adam_two_stage": lambda a: jaxcomp.onebit_adam(
+        1e-3, freeze_step=0, axis_name=a, codec="sign_l2", exchange="two_stage"
+    ),
 }
+# The leaf shape a row compresses (default: the flat gradient).
+LEAF_SHAPES = {"powersgd_rank4": lambda size: (size // 1024, 1024)}
 
 
-def _stacked_state(tx, size, mesh):
-    return dist.init_opt_state(tx, {"g": jnp.zeros((size,), jnp.float32)}, mesh)
+def _leaf_shape(name, size):
+    return LEAF_SHAPES.get(name, lambda n: (n,))(size)
 
 
-def _update_step(tx, mesh):
+def _stacked_state(tx, size, mesh, shape=None):
+    return dist.init_opt_state(tx, {"g": jnp.zeros(shape or (size,), jnp.float32)}, mesh)
+
+
+def _update_step(tx, mesh, shape=None):
     """jit(shard_map(tx.update)) over stacked state (donated) and per-device gradients."""
 
     def body(state, g):
         state = jax.tree.map(lambda x: x[0], state)
-        upd, state = tx.update({"g": g[0]}, state)
-        return jax.tree.map(lambda x: x[None], state), upd["g"][None]
+        upd, state = tx.update({"g": g[0].reshape(shape or g[0].shape)}, state)
+        return jax.tree.map(lambda x: x[None], state), upd["g"].reshape(-1)[None]
 
     return jax.jit(
         jax.shard_map(
@@ -173,23 +190,23 @@ def bench_quantizers(size: int, mesh, repeats: int, names) -> list[dict]:
         jax.random.laplace(jax.random.key(size + 1), (N_DEVICES, size), jnp.float32), sh
     )
 
-    def run(tx):
-        step = _update_step(tx, mesh)
+    def run(tx, shape=None):
+        step = _update_step(tx, mesh, shape)
         ms = median_ms_threaded(
             step,
-            _stacked_state(tx, size, mesh),
+            _stacked_state(tx, size, mesh, shape),
             grads,
             next_state=lambda out: out[0],
             repeats=repeats,
         )
-        new_state, _ = jax.block_until_ready(step(_stacked_state(tx, size, mesh), grads))
+        new_state, _ = jax.block_until_ready(step(_stacked_state(tx, size, mesh, shape), grads))
         return ms, new_state
 
     dense_ms, dstate = run(dist.dense_exchange(AXIS))
     dense_bytes = _wire_bytes(dstate)
     rows = []
     for name in names:
-        ms, state = run(QUANTIZERS[name](AXIS))
+        ms, state = run(QUANTIZERS[name](AXIS), _leaf_shape(name, size))
         message = float(np.asarray(optax.tree.get(state, "message_bytes")["g"])[0])
         rows.append(
             {

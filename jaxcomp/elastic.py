@@ -39,6 +39,9 @@ rule              fields, and what device ``j`` of ``M`` gets
                   when ``M != N``, which makes the next step select afresh
                   (the residuals it was chosen for changed); kept when
                   ``M == N``.
+``"empty"``       a field that must hold no values (1-bit Adam's
+                  ``server_residual`` with the single-stage exchange);
+                  ``ValueError`` when it holds some.
 ================  ==========================================================
 
 **The invariant.** For every fold leaf, ``(1/M) sum_j new_j == (1/N) sum_i
@@ -125,7 +128,7 @@ __all__ = [
     "saved_devices",
 ]
 
-RULES = ("fold", "replicated", "copy", "sum", "reselect")
+RULES = ("fold", "replicated", "copy", "sum", "reselect", "empty")
 
 # The rule of every field of every jaxcomp state type (module docstring). A field
 # added to one of these types later must be given a rule here, else
@@ -186,6 +189,8 @@ FIELD_RULES: Mapping[type, Mapping[str, str]] = types.MappingProxyType(
                 "mu": "replicated",  # the averaged momentum
                 "nu": "replicated",  # from the averaged gradient, then frozen
                 "residual": "fold",
+                # Two-stage server chunks move with the device count: not resized.
+                "server_residual": "empty",
                 "message_bytes": "copy",
                 "wire_bytes": "copy",
                 "nonfinite_steps": "sum",
@@ -362,6 +367,14 @@ def _resize_leaf(a: np.ndarray, m: int, rule: str | None, where: str, rtol: floa
         return np.concatenate([a, np.zeros((m - n, *a.shape[1:]), a.dtype)])
     if rule == "reselect":
         return np.full((m, *a.shape[1:]), np.inf, a.dtype)
+    if rule == "empty":
+        if a[0].size:
+            raise ValueError(
+                f"resize_opt_state: leaf {where} is a two-stage exchange's server error, "
+                "held in chunks that move with the device count; it cannot be resized. "
+                "Train 1-bit Adam with exchange='allgather' to restart elastically."
+            )
+        return np.zeros((m, *a.shape[1:]), a.dtype)
     raise AssertionError(rule)
 
 
@@ -628,7 +641,20 @@ def _read_meta(ocp, manager, step, directory) -> dict:
 
 
 def saved_devices(directory, step: int | None = None) -> int:
-    """The number of devices the checkpoint's optimizer state was saved from (None: latest)."""
+    """The number of devices the checkpoint's optimizer state was saved from (None: latest).
+
+    Example:
+      >>> import tempfile, shutil, jax, jax.numpy as jnp, optax, jaxcomp
+      >>> from jaxcomp import distributed as dist, elastic
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(0.1))
+      >>> params = dist.replicate({"w": jnp.zeros(4)}, mesh)
+      >>> d = tempfile.mkdtemp()
+      >>> elastic.save(d, 3, params, dist.init_opt_state(tx, params, mesh))
+      >>> elastic.saved_devices(d)  # the latest step, saved from a 1-device mesh
+      1
+      >>> shutil.rmtree(d)
+    """
     ocp, manager = _manager(directory)
     try:
         return int(_read_meta(ocp, manager, step, directory)["devices"])

@@ -166,6 +166,28 @@ RANDOMIZED = ("qsgd", "qsgd_ef", "terngrad", "terngrad_clip_ef", "natural", "nat
 MAJORITY = ("signum",)
 # Low-rank compressors: name -> rank.
 LOW_RANK = {"powersgd": 1}
+
+# Compressed *optimizers*: the update is Adam's step, not a compressed gradient, so
+# "nothing lost" holds for the momentum they exchange (test_conformance's optimizer
+# section); they take a learning rate and no ratio. Small schedules so the 8-step
+# conformance runs cross every stage (0/1 Adam: variance steps, 1-bit steps, stage 2).
+OPTIMIZERS = {
+    "onebit_adam": lambda **kw: jaxcomp.onebit_adam(0.01, freeze_step=2, **kw),
+    "onebit_adam_two_stage": lambda **kw: jaxcomp.onebit_adam(
+        0.01, freeze_step=2, codec="sign_l2", exchange="two_stage", **kw
+    ),
+    "zero_one_adam": lambda **kw: jaxcomp.zero_one_adam(
+        0.01, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1, **kw
+    ),
+    "zero_one_adam_two_stage": lambda **kw: jaxcomp.zero_one_adam(
+        0.01,
+        var_freeze_step=3,
+        var_update_scaler=1,
+        local_step_clipper=1,
+        exchange="two_stage",
+        **kw,
+    ),  # fmt: skip
+}
 SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS and name not in LOW_RANK)
 
 

@@ -21,6 +21,7 @@ from helpers import (
     LOW_RANK,
     MAJORITY,
     NO_ERROR_FEEDBACK,
+    OPTIMIZERS,
     QUANTIZERS,
     RANDOMIZED,
     SPARSIFIERS,
@@ -884,3 +885,220 @@ def test_selector_errors_name_the_real_cause():
         jaxcomp.sparsify(selector, 0.1, selector_options={"scale": 2.0})
     with pytest.raises(ValueError, match="selector_options.*bogus"):
         jaxcomp.sparsify(selector, 0.1, selector_options={"bogus": 2.0})
+
+
+# ---------------------------------------------------------------------------
+# Compressed optimizers (OPTIMIZERS: 1-bit Adam and 0/1 Adam, both exchanges).
+# Their update is an Adam step, so the premises differ from a compressor's:
+# nothing is lost in the *momentum* they exchange (not in the update), the
+# state counts ``count`` (not ``step``), and there is no ratio. Each check
+# below is the compressor check of the same name, restated for them.
+# ---------------------------------------------------------------------------
+
+OPT_NAMES = list(OPTIMIZERS)
+OPT_TREE = {
+    "scalar": ((), jnp.float32),
+    "empty": ((0,), jnp.float32),
+    "b16": ((30,), jnp.bfloat16),
+    "h16": ((9,), jnp.float16),
+    "w": ((6, 7), jnp.float32),
+}
+
+
+def _opt_tree(rng, spec=OPT_TREE):
+    return {k: jnp.asarray(rng.normal(size=s)).astype(dt) for k, (s, dt) in spec.items()}
+
+
+_OPT_CACHE: dict = {}
+
+
+def _opt(name, **kw) -> Counted:
+    """One compiled update per (optimizer, options), shared by the tests below."""
+    key = (name, tuple(sorted(kw.items())))
+    if key not in _OPT_CACHE:
+        _OPT_CACHE[key] = Counted(OPTIMIZERS[name](**kw))
+    return _OPT_CACHE[key]
+
+
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_optimizer_one_compilation_dtypes_tiny_and_empty_leaves(name):
+    counted = _opt(name)
+    rng = np.random.default_rng(6)
+    state = counted.tx.init(_opt_tree(rng))
+    for _ in range(8):  # across the warm-up / stage boundaries and local/sync steps
+        g = _opt_tree(rng)
+        upd, state = counted(g, state)
+        for leaf, gl in g.items():
+            assert upd[leaf].dtype == gl.dtype and upd[leaf].shape == gl.shape, leaf
+            assert np.all(np.isfinite(np.asarray(upd[leaf], np.float32))), leaf
+            assert state.mu[leaf].dtype == jnp.float32 and state.residual[leaf].dtype == jnp.float32
+    assert counted.traces == 1
+    assert int(state.count) == 8
+    assert int(state.message_bytes["empty"]) == 0
+
+
+@pytest.mark.parametrize("name", OPT_NAMES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_optimizer_nonfinite_skip_keeps_state(name, bad):
+    counted = _opt(name)
+    rng = np.random.default_rng(7)
+    state = counted.tx.init(_opt_tree(rng))
+    for _ in range(4):
+        _, state = counted(_opt_tree(rng), state)
+    g = _opt_tree(rng)
+    g["b16"] = g["b16"].at[3].set(bad)
+    upd, new = counted(g, state)
+    for leaf in g:
+        assert not np.any(np.asarray(upd[leaf], np.float32)), leaf
+        for field in ("mu", "nu", "residual"):
+            a, b = getattr(new, field)[leaf], getattr(state, field)[leaf]
+            assert np.array_equal(np.asarray(a), np.asarray(b)), (field, leaf)
+    assert np.array_equal(np.asarray(new.server_residual), np.asarray(state.server_residual))
+    assert int(new.count) == int(state.count)
+    assert int(new.nonfinite_steps) == int(state.nonfinite_steps) + 1
+    upd2, new2 = counted(_opt_tree(rng), new)
+    assert any(np.any(np.asarray(u, np.float32)) for u in upd2.values())
+    assert int(new2.count) == int(state.count) + 1
+
+
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_optimizer_nonfinite_zero_uses_the_finite_part(name):
+    counted = _opt(name, nonfinite="zero")
+    rng = np.random.default_rng(8)
+    spec = {"w": ((5, 7), jnp.float32)}
+    state = counted.tx.init(_opt_tree(rng, spec))
+    for _ in range(5):
+        g = _opt_tree(rng, spec)
+        g["w"] = g["w"].at[1, 2].set(np.nan)
+        upd, state = counted(g, state)
+        for leaf in g:
+            assert np.all(np.isfinite(np.asarray(upd[leaf], np.float32))), leaf
+            for field in (state.mu, state.residual):
+                assert np.all(np.isfinite(np.asarray(field[leaf]))), leaf
+        assert np.all(np.isfinite(np.asarray(state.server_residual)))
+    assert int(state.nonfinite_steps) == 5 and int(state.count) == 5
+
+
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_optimizer_apply_if_finite_and_state_readable_inside_chain(name):
+    """Wrapped in optax.apply_if_finite inside a chain: a NaN step is not applied, the
+    residual stays finite, and optax.tree.get finds the optimizer's fields."""
+    tx = optax.chain(optax.clip_by_global_norm(10.0), optax.apply_if_finite(OPTIMIZERS[name](), 3))
+    f = jax.jit(tx.update)
+    rng = np.random.default_rng(10)
+    spec = {"w": ((20,), jnp.float32)}
+    state = tx.init(_opt_tree(rng, spec))
+    for _ in range(3):
+        _, state = f(_opt_tree(rng, spec), state)
+    g = _opt_tree(rng, spec)
+    g["w"] = g["w"].at[0].set(np.nan)
+    upd, state2 = f(g, state)
+    assert int(optax.tree.get(state2, "notfinite_count")) == 1
+    assert not np.any(np.asarray(upd["w"]))
+    assert int(optax.tree.get(state2, "count")) == 3
+    assert np.all(np.isfinite(np.asarray(optax.tree.get(state2, "residual")["w"])))
+    assert np.array_equal(
+        np.asarray(optax.tree.get(state2, "mu")["w"]), np.asarray(optax.tree.get(state, "mu")["w"])
+    )
+
+
+OPT_BAD = [
+    (dict(learning_rate=0.0), "learning_rate"),
+    (dict(b1=1.0), "b1"),
+    (dict(b2=-0.1), "b2"),
+    (dict(eps=0.0), "eps"),
+    (dict(codec="nope"), "codec"),
+    (dict(bucket_size=0), "bucket_size"),
+    (dict(exchange="nope"), "exchange"),
+    (dict(nonfinite="nope"), "nonfinite"),
+    (dict(min_dense_size=-1), "min_dense_size"),
+    (dict(residual_dtype=jnp.int32), "residual_dtype"),
+    (dict(bias_correction=1), "bias_correction"),
+]
+
+
+@pytest.mark.parametrize("kwargs,arg", OPT_BAD)
+@pytest.mark.parametrize("make", [jaxcomp.onebit_adam, jaxcomp.zero_one_adam])
+def test_optimizer_bad_arguments(make, kwargs, arg):
+    kw = dict(kwargs)
+    lr = kw.pop("learning_rate", 0.01)
+    schedule = {"freeze_step": 2} if make is jaxcomp.onebit_adam else {"var_freeze_step": 2}
+    with pytest.raises(ValueError, match=arg):
+        make(lr, **schedule, **kw)
+
+
+def _opt_mesh_update(tx, mesh):
+    def run(grads, state):
+        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+        upd, new = tx.update(first(grads), first(state))
+        return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
+
+    spec = P("data")
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_optimizer_shard_map_exchange_loses_nothing(name):
+    """8 devices under shard_map: on every 1-bit exchange, the mean of what the devices
+    had to send (their message plus residual) equals the exchanged mean plus the mean
+    of the new residuals plus the change of the servers' errors; the momentum and
+    update are identical on every device."""
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sh = NamedSharding(mesh, P("data"))
+    tx = OPTIMIZERS[name](axis_name="data")
+    b1 = 0.9
+    spec = {"w": ((6, 7), jnp.float32), "v": ((40,), jnp.float32)}
+    rng = np.random.default_rng(11)
+    one = tx.init(_opt_tree(rng, spec))
+    put = lambda t: jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), sh), t)  # noqa: E731
+    state = put(jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), one))
+    update = _opt_mesh_update(tx, mesh)
+    onebit_steps = 0
+    for _ in range(3):  # onebit_adam: warm, warm, 1-bit; zero_one_adam: var, var, 1-bit
+        g = {k: rng.normal(size=(n, *s)).astype(np.float32) for k, (s, _) in spec.items()}
+        old = jax.tree.map(np.asarray, state)
+        upd, state = update(put(g), state)
+        new = jax.tree.map(np.asarray, state)
+        upd = jax.tree.map(np.asarray, upd)
+        for leaf in spec:
+            assert np.all(upd[leaf] == upd[leaf][:1]), leaf
+            assert np.all(new.mu[leaf] == new.mu[leaf][:1]), leaf
+        if not np.any(new.message_bytes["w"] < g["w"][0].nbytes):
+            continue  # a dense step
+        onebit_steps += 1
+        srv_old, srv_new = old.server_residual.sum(0), new.server_residual.sum(0)
+        before, after = [], []
+        for leaf in ("w", "v"):
+            x = g[leaf].astype(np.float64)
+            if name.startswith("onebit_adam"):  # the local momentum is exchanged
+                x = b1 * old.mu[leaf].astype(np.float64) + (1 - b1) * x
+                mean = new.mu[leaf][0].astype(np.float64)
+            else:  # stage 1 of 0/1 Adam: the gradient is exchanged, m = b1 m + (1 - b1) mean
+                mean = (new.mu[leaf][0] - b1 * old.mu[leaf][0]) / (1 - b1)
+            before.append((x + old.residual[leaf]).mean(0).reshape(-1))
+            after.append((mean + new.residual[leaf].mean(0)).reshape(-1))
+        # The two-stage server error runs over the compressed leaves in leaf order (v, w).
+        before = np.concatenate(before[::-1]) + (srv_old if srv_old.size else 0)
+        after = np.concatenate(after[::-1]) + (srv_new if srv_new.size else 0)
+        np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
+    assert onebit_steps == 1
+
+
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_x64_optimizers_keep_float64(name):
+    """Under x64, float64 gradients: float64 moments, residuals and server error, finite."""
+    with jax.enable_x64(True):
+        spec = {"v": ((40, 3), np.float64), "s": ((), np.float64)}
+        rng = np.random.default_rng(12)
+        counted = Counted(OPTIMIZERS[name]())  # not memoized: the x64 trace
+        state = counted.tx.init(_opt_tree(rng, spec))
+        for _ in range(6):
+            g = _opt_tree(rng, spec)
+            upd, state = counted(g, state)
+            assert upd["v"].dtype == np.float64 and np.all(np.isfinite(np.asarray(upd["v"])))
+            assert state.mu["v"].dtype == np.float64 and state.residual["v"].dtype == np.float64
+            assert state.server_residual.dtype in (np.float64, np.float32)
+            if state.server_residual.size:
+                assert state.server_residual.dtype == np.float64
+        assert counted.traces == 1

@@ -378,110 +378,9 @@ def test_zero_one_adam_without_local_steps_under_make_train_step(mesh):
 
 
 # ---------------------------------------------------------------------------
-# Conformance-style checks (both optimizers).
+# Non-finite gradients on one device (the conformance checks of both optimizers
+# are in test_conformance.py, family OPTIMIZERS).
 # ---------------------------------------------------------------------------
-
-FACTORIES = {
-    "onebit_adam": lambda **kw: onebit_adam(0.01, freeze_step=2, **kw),
-    "zero_one_adam": lambda **kw: zero_one_adam(
-        0.01, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1, **kw
-    ),
-}
-TREE = {
-    "scalar": ((), jnp.float32),
-    "empty": ((0,), jnp.float32),
-    "b16": ((30,), jnp.bfloat16),
-    "h16": ((9,), jnp.float16),
-}
-
-
-def _tree(rng, spec=TREE):
-    return {k: jnp.asarray(rng.normal(size=s)).astype(dt) for k, (s, dt) in spec.items()}
-
-
-class _Counted:
-    """``jax.jit(tx.update)`` counting its traces."""
-
-    def __init__(self, tx):
-        self.tx = tx
-        self.traces = 0
-
-        def update(g, s):
-            self.traces += 1
-            return tx.update(g, s)
-
-        self.fn = jax.jit(update)
-
-
-_CACHE: dict = {}
-
-
-def _counted(name, **kw) -> _Counted:
-    """One compiled update per (optimizer, options), shared by the tests below."""
-    key = (name, tuple(sorted(kw.items())))
-    if key not in _CACHE:
-        _CACHE[key] = _Counted(FACTORIES[name](**kw))
-    return _CACHE[key]
-
-
-@pytest.mark.parametrize("name", list(FACTORIES))
-def test_one_compilation_dtypes_tiny_and_empty_leaves(name):
-    counted = _counted(name)
-    tx = counted.tx
-    rng = np.random.default_rng(6)
-    state = tx.init(_tree(rng))
-    for _ in range(8):  # across the warm-up / stage boundaries and local/sync steps
-        g = _tree(rng)
-        upd, state = counted.fn(g, state)
-        for leaf, gl in g.items():
-            assert upd[leaf].dtype == gl.dtype and upd[leaf].shape == gl.shape, leaf
-            assert np.all(np.isfinite(np.asarray(upd[leaf], np.float32))), leaf
-            assert state.mu[leaf].dtype == jnp.float32 and state.residual[leaf].dtype == jnp.float32
-    assert counted.traces == 1
-    assert int(state.count) == 8
-    assert int(state.message_bytes["empty"]) == 0
-
-
-@pytest.mark.parametrize("name", list(FACTORIES))
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_nonfinite_skip_keeps_state(name, bad):
-    counted = _counted(name)
-    tx, f = counted.tx, counted.fn
-    rng = np.random.default_rng(7)
-    state = tx.init(_tree(rng))
-    for _ in range(4):
-        _, state = f(_tree(rng), state)
-    g = _tree(rng)
-    g["b16"] = g["b16"].at[3].set(bad)
-    upd, new = f(g, state)
-    for leaf in g:
-        assert not np.any(np.asarray(upd[leaf], np.float32)), leaf
-        for field in ("mu", "nu", "residual"):
-            a, b = getattr(new, field)[leaf], getattr(state, field)[leaf]
-            assert np.array_equal(np.asarray(a), np.asarray(b)), (field, leaf)
-    assert int(new.count) == int(state.count)
-    assert int(new.nonfinite_steps) == int(state.nonfinite_steps) + 1
-    upd2, new2 = f(_tree(rng), new)
-    assert any(np.any(np.asarray(u, np.float32)) for u in upd2.values())
-    assert int(new2.count) == int(state.count) + 1
-
-
-@pytest.mark.parametrize("name", list(FACTORIES))
-def test_nonfinite_zero_uses_the_finite_part(name):
-    tx = FACTORIES[name](nonfinite="zero")
-    f = jax.jit(tx.update)
-    rng = np.random.default_rng(8)
-    spec = {"w": ((5, 7), jnp.float32)}
-    state = tx.init(_tree(rng, spec))
-    for _ in range(5):
-        g = _tree(rng, spec)
-        g["w"] = g["w"].at[1, 2].set(np.nan)
-        upd, state = f(g, state)
-        for leaf in g:
-            assert np.all(np.isfinite(np.asarray(upd[leaf], np.float32))), leaf
-            assert np.all(np.isfinite(np.asarray(state.mu[leaf]))), leaf
-            assert np.all(np.isfinite(np.asarray(state.residual[leaf]))), leaf
-    assert int(state.nonfinite_steps) == 5 and int(state.count) == 5
 
 
 def test_one_device_with_nan_is_left_out_of_the_mean(mesh):
@@ -504,46 +403,6 @@ def test_one_device_with_nan_is_left_out_of_the_mean(mesh):
     np.testing.assert_allclose(new.mu["w"][0], m, rtol=1e-5, atol=1e-8)
     assert np.array_equal(new.residual["w"][3], old.residual["w"][3])
     assert int(new.nonfinite_steps[3]) == 1 and int(new.nonfinite_steps[0]) == 0
-
-
-def test_apply_if_finite_composes():
-    tx = optax.apply_if_finite(FACTORIES["onebit_adam"](), 3)
-    f = jax.jit(tx.update)
-    rng = np.random.default_rng(10)
-    spec = {"w": ((20,), jnp.float32)}
-    state = tx.init(_tree(rng, spec))
-    _, state = f(_tree(rng, spec), state)
-    g = _tree(rng, spec)
-    g["w"] = g["w"].at[0].set(np.nan)
-    _, state2 = f(g, state)
-    assert int(state2.notfinite_count) == 1
-    assert np.all(np.isfinite(np.asarray(optax.tree.get(state2, "residual")["w"])))
-
-
-BAD = [
-    (dict(learning_rate=0.0), "learning_rate"),
-    (dict(learning_rate=-1.0), "learning_rate"),
-    (dict(b1=1.0), "b1"),
-    (dict(b2=-0.1), "b2"),
-    (dict(eps=0.0), "eps"),
-    (dict(codec="nope"), "codec"),
-    (dict(bucket_size=0), "bucket_size"),
-    (dict(nonfinite="nope"), "nonfinite"),
-    (dict(min_dense_size=-1), "min_dense_size"),
-    (dict(residual_dtype=jnp.int32), "residual_dtype"),
-    (dict(bias_correction=1), "bias_correction"),
-]
-
-
-@pytest.mark.parametrize("kwargs,arg", BAD)
-@pytest.mark.parametrize("name", list(FACTORIES))
-def test_bad_arguments(name, kwargs, arg):
-    kw = dict(kwargs)
-    lr = kw.pop("learning_rate", 0.01)
-    make = onebit_adam if name == "onebit_adam" else zero_one_adam
-    extra = {"freeze_step": 2} if name == "onebit_adam" else {"var_freeze_step": 2}
-    with pytest.raises(ValueError, match=arg):
-        make(lr, **extra, **kw)
 
 
 @pytest.mark.parametrize(
@@ -573,3 +432,202 @@ def test_schedule_learning_rate_and_tree_mismatch():
         np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(ur["w"]), rtol=1e-6)
     with pytest.raises(ValueError, match="update got a gradient tree unlike"):
         tx.update({"v": jnp.zeros(3)}, s)
+
+
+# ---------------------------------------------------------------------------
+# The two-stage exchange (DeepSpeed's compressed_allreduce).
+# ---------------------------------------------------------------------------
+
+
+def _np_scale(v, kind):
+    v = np.asarray(v, np.float64)
+    if v.size == 0:
+        return 0.0
+    return np.abs(v).sum() / v.size if kind == "l1" else np.sqrt((v * v).sum() / v.size)
+
+
+def _np_signed(v, scale):
+    return np.where(np.asarray(v) >= 0, scale, -scale)
+
+
+def np_compressed_allreduce(x, worker_err, server_err, ok, kind):
+    """DeepSpeed's compressed_allreduce in numpy, float64.
+
+    x, worker_err: (N, d); server_err: (d,), the servers' chunks concatenated;
+    ok: (N,) bool, devices that send. Chunks of ceil(d / 8N) * 8 values, server j
+    owns chunk j. Returns (result, new worker errors, new server errors).
+    """
+    n, d = x.shape
+    buf = np.where(ok[:, None], x + worker_err, 0.0)
+    sent = np.stack([_np_signed(b, _np_scale(b, kind)) for b in buf]) * ok[:, None]
+    new_worker = np.where(ok[:, None], buf - sent, worker_err)
+    avg = sent.sum(axis=0) / max(ok.sum(), 1)
+    chunk = -(-d // (8 * n)) * 8
+    out, new_server = np.zeros(d), np.zeros(d)
+    for j in range(n):
+        sl = slice(j * chunk, min(d, (j + 1) * chunk))
+        sb = avg[sl] + server_err[sl]
+        out[sl] = _np_signed(sb, _np_scale(sb, kind))
+        new_server[sl] = sb - out[sl]
+    return out, new_worker, new_server
+
+
+TWO_STAGE_TREE = {"w": (12,), "m": (5, 7), "b": ()}  # d = 47 compressed, "b" dense
+
+
+def _flat(tree):
+    """(N, 47): the compressed leaves of a per-device stacked tree, in leaf order."""
+    return np.concatenate([np.asarray(tree[k], np.float64).reshape(N, -1) for k in ("m", "w")], 1)
+
+
+@pytest.mark.parametrize("codec,kind", [("sign_l2", "l2"), ("sign", "l1")])
+def test_two_stage_exchange_matches_numpy_and_loses_nothing(mesh, codec, kind):
+    """1-bit Adam's momentum after each compressed step == numpy compressed_allreduce,
+    worker and server errors included; every step keeps
+    ``mean_i (x_i + e_i) + s == result + mean_i e_i' + s'``; bytes by the formula."""
+    rng = np.random.default_rng(3)
+    params = {k: jnp.zeros(s) for k, s in TWO_STAGE_TREE.items()}
+    tx = onebit_adam(
+        0.01, freeze_step=1, axis_name="data", codec=codec, exchange="two_stage", min_dense_size=1
+    )
+    state = _stack_init(tx, params, mesh)
+    assert state.server_residual.shape == (N, 47)
+    update = _mesh_update(tx, mesh)
+    ok = np.ones(N, bool)
+    for step in range(4):
+        grads = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in TWO_STAGE_TREE.items()}
+        old = jax.tree.map(np.asarray, state)
+        _, state = update(_stacked(grads, mesh), state)
+        new = jax.tree.map(np.asarray, state)
+        if step == 0:  # warm-up: dense, no errors yet
+            assert not np.any(new.server_residual)
+            continue
+        m_local = B1 * _flat(old.mu) + (1 - B1) * _flat(grads)
+        ref, ref_worker, ref_server = np_compressed_allreduce(
+            m_local, _flat(old.residual), old.server_residual.sum(0).astype(np.float64), ok, kind
+        )
+        for i in range(N):  # identical on every device
+            np.testing.assert_allclose(_flat(new.mu)[i], ref, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(_flat(new.residual), ref_worker, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(new.server_residual.sum(0), ref_server, rtol=1e-5, atol=1e-6)
+        # Device j's server error is zero outside its chunk (8 values; devices 6, 7 own none).
+        for j in range(N):
+            outside = np.ones(47, bool)
+            outside[8 * j : 8 * j + 8] = False
+            assert not np.any(new.server_residual[j][outside])
+        # Nothing lost, from jaxcomp's own state alone.
+        before = (m_local + _flat(old.residual)).mean(0) + old.server_residual.sum(0)
+        after = _flat(new.mu)[0] + _flat(new.residual).mean(0) + new.server_residual.sum(0)
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+        # Dense leaf "b": the plain mean.
+        np.testing.assert_allclose(
+            new.mu["b"][0], B1 * old.mu["b"][0] + (1 - B1) * grads["b"].mean(), rtol=1e-5
+        )
+        # Wire: all_to_all of 7 one-byte chunks + the worker's scale to 7 peers, all-gather of
+        # the server's 1-byte chunk + scale, the dense scalar's ring all-reduce, the ok-count.
+        expected = 7 * (1 + 4) + 7 * (1 + 4) + 2 * 7 / 8 * 4 + 2 * 7 / 8 * 4
+        assert float(new.wire_bytes[0]) == pytest.approx(expected)
+        assert new.message_bytes["w"][0] == 2 and new.message_bytes["m"][0] == 5
+
+
+def test_two_stage_leaves_a_nonfinite_device_out(mesh):
+    """A device with NaN gradients sends scale 0, is not counted, and keeps its error."""
+    rng = np.random.default_rng(4)
+    params = {"w": jnp.zeros(40)}
+    tx = onebit_adam(0.01, freeze_step=1, axis_name="data", exchange="two_stage")
+    state = _stack_init(tx, params, mesh)
+    update = _mesh_update(tx, mesh)
+    for step in range(3):
+        g = rng.normal(size=(N, 40)).astype(np.float32)
+        if step == 2:
+            g[3, 5] = np.nan
+        old = jax.tree.map(np.asarray, state)
+        _, state = update(_stacked({"w": g}, mesh), state)
+    new = jax.tree.map(np.asarray, state)
+    ok = np.arange(N) != 3
+    m_local = B1 * old.mu["w"].astype(np.float64) + (1 - B1) * np.where(ok[:, None], g, 0)
+    ref, ref_worker, ref_server = np_compressed_allreduce(
+        m_local, old.residual["w"].astype(np.float64), old.server_residual.sum(0), ok, "l1"
+    )
+    np.testing.assert_allclose(new.mu["w"][0], ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(new.residual["w"], ref_worker, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(new.residual["w"][3], old.residual["w"][3])
+    np.testing.assert_allclose(new.server_residual.sum(0), ref_server, rtol=1e-5, atol=1e-6)
+    assert new.nonfinite_steps.tolist() == [int(i == 3) for i in range(N)]
+
+
+def test_two_stage_single_device_and_zero_one_adam(mesh):
+    """No axis: worker then server compression of the one device's momentum (numpy, N=1);
+    0/1 Adam's stage-2 sync runs through the same exchange (8 devices, numpy)."""
+    rng = np.random.default_rng(5)
+    g = rng.normal(size=(2, 20)).astype(np.float32)
+    tx = onebit_adam(0.01, freeze_step=1, exchange="two_stage", codec="sign_l2")
+    state = tx.init({"w": jnp.zeros(20)})
+    _, state = tx.update({"w": jnp.asarray(g[0])}, state)
+    mu0 = np.asarray(state.mu["w"], np.float64)
+    _, state = tx.update({"w": jnp.asarray(g[1])}, state)
+    x = (B1 * mu0 + (1 - B1) * g[1])[None]
+    ref, ref_worker, ref_server = np_compressed_allreduce(
+        x, np.zeros((1, 20)), np.zeros(20), np.ones(1, bool), "l2"
+    )
+    np.testing.assert_allclose(state.mu["w"], ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(state.residual["w"], ref_worker[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.server_residual, ref_server, rtol=1e-5, atol=1e-6)
+
+    # 0/1 Adam, no local steps: steps 1-2 dense (variance), step 3 is stage 2's sync.
+    tx = zero_one_adam(
+        0.01, var_freeze_step=2, var_update_scaler=8, local_step_clipper=1,
+        axis_name="data", exchange="two_stage",
+    )  # fmt: skip
+    state = _stack_init(tx, {"w": jnp.zeros(30)}, mesh)
+    update = _mesh_update(tx, mesh)
+    for _ in range(3):
+        grads = rng.normal(size=(N, 30)).astype(np.float32)
+        old = jax.tree.map(np.asarray, state)
+        _, state = update(_stacked({"w": grads}, mesh), state)
+    new = jax.tree.map(np.asarray, state)
+    nu_hat = old.nu["w"][0].astype(np.float64) / (1 - B2**2)
+    d = np.sqrt(nu_hat) + EPS
+    m_local = B1 * old.mu["w"].astype(np.float64) + (1 - B1) * grads
+    c_local = -0.01 * m_local / (1 - B1**3)  # accumulated -lr * m_hat over one step, times d / d
+    ref, _, ref_server = np_compressed_allreduce(
+        c_local, np.zeros((N, 30)), np.zeros(30), np.ones(N, bool), "l1"
+    )
+    np.testing.assert_allclose(new.server_residual.sum(0), ref_server, rtol=1e-4, atol=1e-9)
+    # m = -c / lr_sum * (1 - b1^t): the decoded result, back in momentum units.
+    np.testing.assert_allclose(new.mu["w"][0], -ref / 0.01 * (1 - B1**3), rtol=1e-4, atol=1e-7)
+    assert np.all(d > 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        ({"exchange": "ring"}, "exchange"),
+        ({"exchange": "two_stage", "codec": "onebit"}, "codec"),
+        ({"exchange": "two_stage", "bucket_size": 4}, "bucket_size"),
+        ({"codec": "l2"}, "codec"),
+    ],
+)
+def test_two_stage_bad_arguments(kwargs, arg):
+    for make in (
+        lambda **kw: onebit_adam(0.1, freeze_step=1, **kw),
+        lambda **kw: zero_one_adam(0.1, var_freeze_step=1, **kw),
+    ):
+        with pytest.raises(ValueError, match=arg):
+            make(**kwargs)
+
+
+def test_two_stage_state_is_not_resized_elastically(mesh):
+    """The server chunks move with N: elastic.resize_opt_state raises, naming the field."""
+    from jaxcomp import elastic
+
+    tx = onebit_adam(0.01, freeze_step=0, axis_name="data", exchange="two_stage")
+    state = jax.tree.map(np.asarray, _stack_init(tx, {"w": jnp.zeros(16)}, mesh))
+    state = state._replace(server_residual=np.ones_like(state.server_residual))
+    with pytest.raises(ValueError, match="server_residual"):
+        elastic.resize_opt_state(state, N, 4)
+    plain = onebit_adam(0.01, freeze_step=0, axis_name="data")
+    small = elastic.resize_opt_state(
+        jax.tree.map(np.asarray, _stack_init(plain, {"w": jnp.zeros(16)}, mesh)), N, 4
+    )
+    assert small.server_residual.shape == (4, 0)

@@ -16,18 +16,30 @@ that is compressed with error feedback. 0/1 Adam (Lu et al., 2022) updates
 adds local steps that skip the synchronisation.
 
 Both reuse jaxcomp's 1-bit codecs (:func:`jaxcomp.transforms.quantize.sign_quantizer`,
-``||x||_1 / d * sign(x)`` per bucket, by default; or
-:func:`jaxcomp.transforms.quantize.onebit_quantizer`) through
-:func:`jaxcomp.transforms.quantize.quantize` for the compressed exchange,
-*single-stage*: every device all-gathers the ``N`` 1-bit messages, decodes
-and averages them in device order (so all devices hold bit-identical
-momentum). DeepSpeed's ``compressed_allreduce`` is two-stage instead: an
-all-to-all of 1-bit chunks to ``N`` "servers", each of which averages its
-chunk, adds a server error, compresses again and all-gathers (per device
-about ``2 d`` bits on the wire instead of the all-gather's ``(N - 1) d``;
-the result carries a second compression error). jaxcomp implements the
-single-stage form; the averaged momentum is exactly the mean of the
-decoded worker messages, with no server error.
+``||x||_1 / d * sign(x)`` per bucket, by default; ``||x||_2 / sqrt(d) *
+sign(x)``, DeepSpeed's, with ``codec="sign_l2"``; or
+:func:`jaxcomp.transforms.quantize.onebit_quantizer`) and offer two exchanges:
+
+- ``exchange="allgather"`` (default), *single-stage*: every device
+  all-gathers the ``N`` 1-bit messages (through
+  :func:`jaxcomp.transforms.quantize.quantize`), decodes and averages them
+  in device order. The averaged momentum is exactly the mean of the decoded
+  worker messages; a device sends ``(N - 1) d`` bits.
+- ``exchange="two_stage"``, DeepSpeed's ``compressed_allreduce``: the
+  compressed leaves are flattened into one vector of ``d`` values, split
+  into ``N`` chunks; an ``all_to_all`` sends chunk ``j`` of every worker's
+  1-bit message to device ``j`` (the chunk's "server"), which averages the
+  decoded chunks, adds its *server error*, compresses again (one scale per
+  chunk) and keeps the new server error; an all-gather of the servers'
+  1-bit chunks gives every device the same result. A device sends about
+  ``2 d (N - 1) / N`` bits whatever ``N`` is; the result carries a second
+  compression error, which the server error feeds back (nothing is lost:
+  ``mean_i (x_i + e_i) + s = result + mean_i e_i' + s'``, with ``s`` the
+  servers' errors concatenated). Scale per device (worker) and per chunk
+  (server), as DeepSpeed; codecs ``"sign"`` and ``"sign_l2"``, no buckets.
+  Each device stores the server error as a ``d``-vector that is zero outside
+  its own chunk (``N``-independent state, ``d`` rather than ``d / N``
+  floats).
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ from jaxcomp.transforms.sparsify import (
 
 __all__ = [
     "ADAM_CODECS",
+    "ADAM_EXCHANGES",
     "OnebitAdamState",
     "ZeroOneAdamState",
     "onebit_adam",
@@ -65,7 +78,9 @@ __all__ = [
 ]
 
 # Values of the ``codec`` argument: jaxcomp's 1-bit codecs.
-ADAM_CODECS = ("sign", "onebit")
+ADAM_CODECS = ("sign", "onebit", "sign_l2")
+# Values of the ``exchange`` argument (module docstring).
+ADAM_EXCHANGES = ("allgather", "two_stage")
 
 
 # ---------------------------------------------------------------------------
@@ -87,10 +102,19 @@ def _check_betas_eps(b1, b2, eps):
     return b1, b2, eps
 
 
-def _codec(codec: str, bucket_size):
+def _codec(codec: str, bucket_size, exchange: str):
     codec = V.check_choice("codec", codec, ADAM_CODECS)
     bucket_size = V.check_int("bucket_size", bucket_size, 1, allow_none=True)
-    return sign_quantizer(bucket_size) if codec == "sign" else onebit_quantizer(bucket_size)
+    exchange = V.check_choice("exchange", exchange, ADAM_EXCHANGES)
+    if exchange == "two_stage" and (codec == "onebit" or bucket_size is not None):
+        raise ValueError(
+            f"exchange='two_stage' sends one scale per device and per server chunk "
+            f"(DeepSpeed's compressed_allreduce): codec must be 'sign' or 'sign_l2' and "
+            f"bucket_size None, got codec={codec!r}, bucket_size={bucket_size!r}"
+        )
+    if codec == "onebit":
+        return onebit_quantizer(bucket_size)
+    return sign_quantizer(bucket_size, scale="l2" if codec == "sign_l2" else "l1")
 
 
 def _step_size(learning_rate, count):
@@ -128,8 +152,13 @@ def _leaf_bytes(tree) -> Any:
 class _Exchange:
     """The two exchanges both optimizers use: dense mean and 1-bit mean with error feedback."""
 
-    def __init__(self, quantizer, axis_name, nonfinite, min_dense_size, residual_dtype):
+    def __init__(
+        self, quantizer, axis_name, nonfinite, min_dense_size, residual_dtype, exchange, codec
+    ):
         self.axis_name = axis_name
+        self.two_stage = exchange == "two_stage"
+        self.scale = "l2" if codec == "sign_l2" else "l1"
+        self.min_dense_size = min_dense_size
         self.skip = nonfinite == "skip"
         # Nonfinite steps are filtered before the codec (see update); the inner
         # policy only matters for a device's own message.
@@ -170,8 +199,22 @@ class _Exchange:
             wire = wire + jnp.float32(collectives.allreduce_bytes(g.size * g.dtype.itemsize, n_dev))
         return treedef.unflatten(out), wire
 
-    def compressed_mean(self, x, residual, message_bytes, ok, step):
-        """Mean over devices of the 1-bit messages of ``x + residual``; new residual."""
+    def server_init(self, zeros):
+        """The two-stage exchange's server error (module docstring): flat, ``d`` values."""
+        big = [z for z in jax.tree.leaves(zeros) if z.size > self.min_dense_size]
+        d = sum(z.size for z in big) if self.two_stage else 0
+        dtype = big[0].dtype if big else jnp.float32
+        return jnp.zeros([d], dtype)
+
+    def compressed_mean(self, x, residual, server, message_bytes, ok, n_ok, step):
+        """Mean over devices of the 1-bit messages of ``x + residual``.
+
+        Returns (mean, new residual, new server error, message bytes, wire bytes).
+        """
+        if self.two_stage:
+            return _two_stage_mean(
+                x, residual, server, ok, n_ok, self.axis_name, self.scale, self.min_dense_size
+            )
         qs = QuantizeState(
             step=step,
             residual=residual,
@@ -186,7 +229,109 @@ class _Exchange:
         # would file the unsent x under it, to be sent later a second time).
         new_res = _where(ok, qs.residual, residual)
         mean = jax.tree.map(lambda m, r: m.astype(r.dtype), mean, x)
-        return mean, new_res, qs.message_bytes, qs.wire_bytes
+        return mean, new_res, server, qs.message_bytes, qs.wire_bytes
+
+
+def _sign_scale(x, count, scale):
+    """``||x||_1 / count`` or ``||x||_2 / sqrt(count)`` (0 when ``count`` is 0)."""
+    count = jnp.maximum(jnp.asarray(count, x.dtype), 1)
+    if scale == "l1":
+        return jnp.sum(jnp.abs(x)) / count
+    return jnp.sqrt(jnp.sum(x * x) / count)
+
+
+def _signed(bits, scale):
+    """Decodes sign bits (True: ``+``) to ``+-scale``."""
+    return jnp.where(bits, scale, -scale)
+
+
+def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_size):
+    """DeepSpeed's ``compressed_allreduce`` over ``axis_name`` (module docstring).
+
+    Leaves with at most ``min_dense_size`` elements are averaged dense (their
+    residual stays 0); the others are flattened into one vector of ``d``
+    values, zero-padded to ``N`` chunks of ``c`` values (``c`` a multiple of 8,
+    so a chunk's signs pack into whole bytes).
+    """
+    x_leaves, treedef = jax.tree.flatten(x)
+    r_leaves = treedef.flatten_up_to(residual)
+    big = [v.size > min_dense_size for v in x_leaves]
+    n = 1 if axis_name is None else collectives.axis_size(axis_name)
+    me = 0 if axis_name is None else lax.axis_index(axis_name)
+    denom = jnp.maximum(n_ok, 1.0)
+    wire = jnp.float32(0)
+    out = [None] * len(x_leaves)
+    new_res = list(r_leaves)
+    message_bytes = []
+    for i, (v, r, b) in enumerate(zip(x_leaves, r_leaves, big, strict=True)):
+        if b:
+            message_bytes.append(jnp.asarray(-(-v.size // 8), jnp.int32))
+            continue
+        # Small leaf: dense, no error feedback (its residual is 0 and stays 0).
+        total = jnp.where(ok, v + r, jnp.zeros_like(v))
+        if axis_name is not None:
+            total = lax.psum(total, axis_name)
+            wire = wire + jnp.float32(collectives.allreduce_bytes(v.size * v.dtype.itemsize, n))
+        out[i] = (total / denom.astype(total.dtype)).astype(v.dtype)
+        message_bytes.append(jnp.asarray(v.size * v.dtype.itemsize, jnp.int32))
+    d = server.shape[0]
+    if d:
+        dtype = server.dtype
+        chunk = -(-d // (8 * n)) * 8
+        padded = n * chunk
+        flat = jnp.concatenate(
+            [
+                (v + r).astype(dtype).reshape(-1)
+                for v, r, b in zip(x_leaves, r_leaves, big, strict=True)
+                if b
+            ]
+        )
+        # A device that sends nothing (non-finite gradient) contributes scale 0.
+        flat = jnp.where(ok, flat, jnp.zeros_like(flat))
+        worker_scale = jnp.where(ok, _sign_scale(flat, d, scale), 0).astype(dtype)
+        worker_bits = flat >= 0  # 0 goes as +, as DeepSpeed's sign().add_(1).bool()
+        worker_err = flat - _signed(worker_bits, worker_scale)
+        bits = jnp.pad(worker_bits, (0, padded - d)).reshape(n, chunk)
+        packed = jnp.packbits(bits, axis=1, bitorder="little")  # (n, c / 8) uint8
+        if axis_name is not None:
+            # Row j of what a device receives: worker j's signs of this device's chunk.
+            packed = lax.all_to_all(packed, axis_name, 0, 0)
+            scales = lax.all_gather(worker_scale, axis_name)
+        else:
+            packed, scales = packed[me : me + 1], worker_scale[None]
+        recv = jnp.unpackbits(packed, axis=1, count=chunk, bitorder="little").astype(bool)
+        # Server: the mean of the decoded chunks, in device order, plus its error.
+        avg = jnp.sum(_signed(recv, scales[:, None]), axis=0) / denom.astype(dtype)
+        valid = me * chunk + jnp.arange(chunk) < d
+        server_pad = jnp.pad(server, (0, padded - d))
+        server_old = lax.dynamic_slice(server_pad, (me * chunk,), (chunk,))
+        server_buf = jnp.where(valid, avg + server_old, 0)
+        server_scale = _sign_scale(server_buf, jnp.clip(d - me * chunk, 0, chunk), scale)
+        server_bits = server_buf >= 0
+        server_new = jnp.where(valid, server_buf - _signed(server_bits, server_scale), 0)
+        server = lax.dynamic_update_slice(server_pad, server_new, (me * chunk,))[:d]
+        out_packed = jnp.packbits(server_bits, bitorder="little")
+        if axis_name is not None:
+            out_packed = lax.all_gather(out_packed, axis_name)
+            out_scales = lax.all_gather(server_scale, axis_name)
+            c8, f = chunk // 8, dtype.itemsize
+            # all_to_all (n - 1 chunks), worker scale, servers' chunks and scales.
+            wire = wire + jnp.float32((n - 1) * (c8 + f) + collectives.allgather_bytes(c8 + f, n))
+        else:
+            out_packed, out_scales = out_packed[None], server_scale[None]
+        out_bits = jnp.unpackbits(out_packed, axis=1, count=chunk, bitorder="little")
+        mean_flat = _signed(out_bits.astype(bool), out_scales[:, None]).reshape(-1)[:d]
+        offset = 0
+        for i, (v, r, b) in enumerate(zip(x_leaves, r_leaves, big, strict=True)):
+            if not b:
+                continue
+            size = v.size
+            out[i] = mean_flat[offset : offset + size].reshape(v.shape).astype(v.dtype)
+            err = worker_err[offset : offset + size].reshape(r.shape).astype(r.dtype)
+            new_res[i] = jnp.where(ok, err, r)
+            offset += size
+    mean = treedef.unflatten(out)
+    return mean, treedef.unflatten(new_res), server, treedef.unflatten(message_bytes), wire
 
 
 def _moment_dtypes(params, residual_dtype):
@@ -241,8 +386,12 @@ class OnebitAdamState(NamedTuple):
         the freeze the averaged compressed momentum, identical on every device.
       nu: second moment ``v``; frozen from step ``freeze_step`` on.
       residual: error-feedback memory of the compressed momentum (per device).
+      server_residual: ``exchange="two_stage"``'s server error, a flat vector
+        of the compressed leaves' size, zero outside this device's chunk
+        (per device); empty with ``exchange="allgather"``.
       message_bytes: int32 per leaf, bytes of this device's last message (the
-        dense gradient in the warm-up, packed 1-bit codes + scales after).
+        dense gradient in the warm-up, packed 1-bit codes + scales after;
+        two-stage: the leaf's packed signs, the scales are in ``wire_bytes``).
       wire_bytes: float32, bytes this device put on the wire in the last step.
       nonfinite_steps: int32, steps whose gradients (on this device) held
         NaN or Inf.
@@ -252,6 +401,7 @@ class OnebitAdamState(NamedTuple):
     mu: Any
     nu: Any
     residual: Any
+    server_residual: jax.Array
     message_bytes: Any
     wire_bytes: jax.Array
     nonfinite_steps: jax.Array
@@ -267,6 +417,7 @@ def onebit_adam(
     axis_name: Any = None,
     codec: str = "sign",
     bucket_size: int | None = None,
+    exchange: str = "allgather",
     bias_correction: bool = True,
     min_dense_size: int = 0,
     residual_dtype: Any = None,
@@ -297,10 +448,10 @@ def onebit_adam(
     ``bias_correction=True``; float32 parameters). The paper and DeepSpeed's
     ``OnebitAdam`` apply no bias correction (``bias_correction=False``
     reproduces them; the two differ by under 1% once ``t > 5 / (1 - b2)``).
-    DeepSpeed's codec scales by ``||x||_2 / sqrt(d)`` per tensor and its
-    exchange is two-stage (see the module docstring); here the scale is the
-    squared-error-optimal ``||x||_1 / d`` (``codec="sign"``) or the means of
-    the two sign classes (``codec="onebit"``), per bucket, single-stage.
+    DeepSpeed's codec scales by ``||x||_2 / sqrt(d)`` and its exchange is
+    two-stage: ``codec="sign_l2", exchange="two_stage"`` reproduce them. The
+    defaults are the squared-error-optimal scale ``||x||_1 / d`` per leaf and
+    the single-stage exchange (module docstring).
     Coordinates whose frozen ``v`` is exactly 0 get no momentum after the
     freeze (what DeepSpeed's ``exp_avg_mask`` is for; a 1-bit code cannot
     send 0). The paper recommends a warm-up of 15-25% of training.
@@ -317,8 +468,12 @@ def onebit_adam(
         is frozen (required: there is no good default; DeepSpeed's is 100000).
       axis_name: mesh axis to average over inside ``shard_map``; ``None``:
         one device (the 1-bit round trip is still applied after the freeze).
-      codec: ``"sign"`` (``||x||_1 / d * sign(x)``) or ``"onebit"``.
+      codec: ``"sign"`` (``||x||_1 / d * sign(x)``), ``"sign_l2"``
+        (``||x||_2 / sqrt(d) * sign(x)``, DeepSpeed's) or ``"onebit"``.
       bucket_size: values sharing one scale (None: one per leaf).
+      exchange: ``"allgather"`` (single-stage) or ``"two_stage"``
+        (DeepSpeed's compressed all-reduce with server error; see the module
+        docstring).
       bias_correction: Adam's bias correction (see above).
       min_dense_size: leaves with at most this many elements are sent dense
         after the freeze too.
@@ -355,13 +510,13 @@ def onebit_adam(
     learning_rate = _check_learning_rate(learning_rate)
     b1, b2, eps = _check_betas_eps(b1, b2, eps)
     freeze_step = V.check_int("freeze_step", freeze_step, 0, 2**31 - 1)
-    quantizer = _codec(codec, bucket_size)
+    quantizer = _codec(codec, bucket_size, exchange)
     bias_correction = V.check_bool("bias_correction", bias_correction)
     min_dense_size = V.check_int("min_dense_size", min_dense_size, 0)
     nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
     if residual_dtype is not None:
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
-    ex = _Exchange(quantizer, axis_name, nonfinite, min_dense_size, residual_dtype)
+    ex = _Exchange(quantizer, axis_name, nonfinite, min_dense_size, residual_dtype, exchange, codec)
 
     def init(params):
         V.check_gradient_leaves(params, f"{who}.init", "parameter")
@@ -371,6 +526,7 @@ def onebit_adam(
             mu=zeros,
             nu=_zeros_like_tree(zeros),
             residual=_zeros_like_tree(zeros),
+            server_residual=ex.server_init(zeros),
             message_bytes=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params),
             wire_bytes=jnp.zeros([], jnp.float32),
             nonfinite_steps=jnp.zeros([], jnp.int32),
@@ -385,22 +541,22 @@ def onebit_adam(
         count_inc = optax.safe_increment(state.count)
 
         def warm(operands):
-            mu, nu, residual, _ = operands
+            mu, nu, residual, server, _ = operands
             mean, wire = ex.dense_mean(grads, ok, n_ok, mu)
             mu = optax.tree.update_moment(mean, mu, b1, 1)
             nu = optax.tree.update_moment_per_elem_norm(mean, nu, b2, 2)
-            return mu, nu, residual, _leaf_bytes(grads), wire
+            return mu, nu, residual, server, _leaf_bytes(grads), wire
 
         def compressed(operands):
-            mu, nu, residual, message_bytes = operands
+            mu, nu, residual, server, message_bytes = operands
             m_local = optax.tree.update_moment(g, mu, b1, 1)
-            mean, residual, message_bytes, wire = ex.compressed_mean(
-                m_local, residual, message_bytes, ok, state.count
+            mean, residual, server, message_bytes, wire = ex.compressed_mean(
+                m_local, residual, server, message_bytes, ok, n_ok, state.count
             )
-            return _mask_dead(mean, nu), nu, residual, message_bytes, wire
+            return _mask_dead(mean, nu), nu, residual, server, message_bytes, wire
 
-        operands = (state.mu, state.nu, state.residual, state.message_bytes)
-        mu, nu, residual, message_bytes, wire = vma.cond(
+        operands = (state.mu, state.nu, state.residual, state.server_residual, state.message_bytes)
+        mu, nu, residual, server, message_bytes, wire = vma.cond(
             state.count < freeze_step, warm, compressed, operands
         )
         nu_count = jnp.minimum(count_inc, max(freeze_step, 1))
@@ -413,6 +569,7 @@ def onebit_adam(
             mu=_where(live, mu, state.mu),
             nu=_where(live, nu, state.nu),
             residual=_where(live, residual, state.residual),
+            server_residual=jnp.where(live, server, state.server_residual),
             message_bytes=message_bytes,
             wire_bytes=wire + ok_wire,
             nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
@@ -438,6 +595,9 @@ class ZeroOneAdamState(NamedTuple):
       nu_count: int32, variance updates so far (``v``'s bias correction).
       residual: error-feedback memory of the 1-bit exchanges (``worker_error``),
         per device; reset to 0 when the local-step stage begins.
+      server_residual: ``exchange="two_stage"``'s server error
+        (``server_error``), as in :class:`OnebitAdamState`; reset with
+        ``residual``.
       accumulator: the local steps' parameter change since the last
         synchronisation, ``-sum lr_k m_hat_k / (sqrt(v_hat) + eps)``
         (``momentum_accumulator``), per device.
@@ -457,6 +617,7 @@ class ZeroOneAdamState(NamedTuple):
     nu: Any
     nu_count: jax.Array
     residual: Any
+    server_residual: jax.Array
     accumulator: Any
     lr_sum: jax.Array
     var_interval: jax.Array
@@ -481,6 +642,7 @@ def zero_one_adam(
     axis_name: Any = None,
     codec: str = "sign",
     bucket_size: int | None = None,
+    exchange: str = "allgather",
     bias_correction: bool = True,
     min_dense_size: int = 0,
     residual_dtype: Any = None,
@@ -520,8 +682,9 @@ def zero_one_adam(
 
     What is simplified or changed from DeepSpeed (and why):
 
-    - The exchange is single-stage (module docstring), the codec's scale
-      ``||x||_1 / d`` instead of ``||x||_2 / sqrt(d)``.
+    - By default the exchange is single-stage and the codec's scale
+      ``||x||_1 / d``; ``codec="sign_l2", exchange="two_stage"`` is
+      DeepSpeed's (module docstring).
     - DeepSpeed's first call is a dummy initialisation step, and its freeze
       flag takes effect one step after ``step > var_freeze_step``; here stage 2
       starts exactly at ``t = var_freeze_step + 1``.
@@ -552,8 +715,8 @@ def zero_one_adam(
       local_step_scaler: ``>= 1``, stage-2 steps per local-interval doubling
         (DeepSpeed's default 32678).
       local_step_clipper: ``>= 1``, the largest local interval.
-      axis_name, codec, bucket_size, bias_correction, min_dense_size,
-        residual_dtype: as in :func:`onebit_adam`.
+      axis_name, codec, bucket_size, exchange, bias_correction,
+        min_dense_size, residual_dtype: as in :func:`onebit_adam`.
       nonfinite: as in :func:`onebit_adam`, for the steps that communicate; on
         a local step a device with non-finite gradients takes no step (its
         ``m`` and accumulator are kept, its update is 0) while the schedule
@@ -585,13 +748,13 @@ def zero_one_adam(
     var_update_scaler = V.check_int("var_update_scaler", var_update_scaler, 1, 2**31 - 1)
     local_step_scaler = V.check_int("local_step_scaler", local_step_scaler, 1, 2**31 - 1)
     local_step_clipper = V.check_int("local_step_clipper", local_step_clipper, 1, 2**30)
-    quantizer = _codec(codec, bucket_size)
+    quantizer = _codec(codec, bucket_size, exchange)
     bias_correction = V.check_bool("bias_correction", bias_correction)
     min_dense_size = V.check_int("min_dense_size", min_dense_size, 0)
     nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
     if residual_dtype is not None:
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
-    ex = _Exchange(quantizer, axis_name, nonfinite, min_dense_size, residual_dtype)
+    ex = _Exchange(quantizer, axis_name, nonfinite, min_dense_size, residual_dtype, exchange, codec)
     local_steps = local_step_clipper > 1
 
     def init(params):
@@ -604,6 +767,7 @@ def zero_one_adam(
             nu=_zeros_like_tree(zeros),
             nu_count=i32(0),
             residual=_zeros_like_tree(zeros),
+            server_residual=ex.server_init(zeros),
             accumulator=_zeros_like_tree(zeros),
             lr_sum=jnp.zeros([], jnp.float32),
             var_interval=i32(1),
@@ -641,16 +805,26 @@ def zero_one_adam(
                 mean, wire = ex.dense_mean(grads, ok, n_ok, s.mu)
                 mu = optax.tree.update_moment(mean, s.mu, b1, 1)
                 nu = optax.tree.update_moment_per_elem_norm(mean, s.nu, b2, 2)
-                return mu, nu, s.nu_count + 1, s.residual, _leaf_bytes(grads), wire
+                return (
+                    mu,
+                    nu,
+                    s.nu_count + 1,
+                    s.residual,
+                    s.server_residual,
+                    _leaf_bytes(grads),
+                    wire,
+                )
 
             def onebit(s):
-                mean, residual, message_bytes, wire = ex.compressed_mean(
-                    g, s.residual, s.message_bytes, ok, state.count
+                mean, residual, server, message_bytes, wire = ex.compressed_mean(
+                    g, s.residual, s.server_residual, s.message_bytes, ok, n_ok, state.count
                 )
                 mu = optax.tree.update_moment(_mask_dead(mean, s.nu), s.mu, b1, 1)
-                return mu, s.nu, s.nu_count, residual, message_bytes, wire
+                return mu, s.nu, s.nu_count, residual, server, message_bytes, wire
 
-            mu, nu, nu_count, residual, message_bytes, wire = vma.cond(is_var, dense, onebit, s)
+            mu, nu, nu_count, residual, server, message_bytes, wire = vma.cond(
+                is_var, dense, onebit, s
+            )
             direction = _precondition(mu, nu, b1, b2, eps, t, nu_count, bias_correction)
             upd = jax.tree.map(lambda x: -lr * x, direction)
             counter = s.var_counter + is_var.astype(jnp.int32)
@@ -660,6 +834,7 @@ def zero_one_adam(
                 nu=nu,
                 nu_count=nu_count,
                 residual=residual,
+                server_residual=server,
                 var_counter=jnp.where(wrap, 0, counter),
                 var_interval=jnp.where(wrap, s.var_interval * 2, s.var_interval),
                 message_bytes=message_bytes,
@@ -670,8 +845,10 @@ def zero_one_adam(
         def stage_two(s):
             # DeepSpeed resets the error buffers when stage 2 begins: they held
             # gradient errors, from now on they hold accumulated-momentum errors.
+            first = t == var_freeze_step + 1
             s = s._replace(
-                residual=_where(t == var_freeze_step + 1, _zeros_like_tree(s.residual), s.residual)
+                residual=_where(first, _zeros_like_tree(s.residual), s.residual),
+                server_residual=jnp.where(first, 0, s.server_residual),
             )
             d = _denominator(s.nu, b2, eps, s.nu_count, bias_correction)
             m_local = _where(ok, optax.tree.update_moment(g, s.mu, b1, 1), s.mu)
@@ -695,8 +872,8 @@ def zero_one_adam(
             def sync(s):
                 n_ok, ok_wire = ex.count_ok(ok)
                 c_local = jax.tree.map(lambda a, st, dd: (a - st) * dd, s.accumulator, step, d)
-                c, residual, message_bytes, wire = ex.compressed_mean(
-                    c_local, s.residual, s.message_bytes, ok, state.count
+                c, residual, server, message_bytes, wire = ex.compressed_mean(
+                    c_local, s.residual, s.server_residual, s.message_bytes, ok, n_ok, state.count
                 )
                 c = _mask_dead(c, s.nu)
                 # Parameters stand at (last sync + accumulator): move them to
@@ -709,6 +886,7 @@ def zero_one_adam(
                 new = s._replace(
                     mu=mu,
                     residual=residual,
+                    server_residual=server,
                     accumulator=_zeros_like_tree(s.accumulator),
                     lr_sum=jnp.zeros([], jnp.float32),
                     message_bytes=message_bytes,

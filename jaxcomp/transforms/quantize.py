@@ -81,7 +81,7 @@ __all__ = [
 
 QSGD_NORMS = ("l2", "max")
 # sign_quantizer's scales: ||x||_1 / d (scaled sign), or 1 (signSGD / Signum).
-SIGN_SCALES = ("l1", "unit")
+SIGN_SCALES = ("l1", "unit", "l2")
 # cast_quantizer's wire dtypes.
 CAST_DTYPES = ("float16", "bfloat16")
 
@@ -145,7 +145,14 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
 
 
 def unpack_codes(packed: jax.Array, bits: int, n: int) -> jax.Array:
-    """Inverse of :func:`pack_codes`: the first ``n`` codes, as uint32 (numpy in, numpy out)."""
+    """Inverse of :func:`pack_codes`: the first ``n`` codes, as uint32 (numpy in, numpy out).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> packed = pack_codes(jnp.array([1, 0, 3, 2, 1], jnp.uint8), 2)
+      >>> unpack_codes(packed, 2, 5).tolist()
+      [1, 0, 3, 2, 1]
+    """
     bits = _check_code_bits(bits)
     xp = np if isinstance(packed, np.ndarray) else jnp
     per, words = _pack_layout(bits)
@@ -191,6 +198,21 @@ class Quantizer(NamedTuple):
         ``+-`` its bucket's value (or 0 for a bucket sent as zeros), so the
         sign of the decoded value is the coordinate's vote and
         ``quantize(exchange="majority")`` may take it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> def encode(x, key):  # int8 codes, one float32 scale per leaf
+      ...     scale = jnp.maximum(jnp.max(jnp.abs(x)), 1e-30) / 127
+      ...     return jnp.round(x / scale).astype(jnp.int8), scale[None]
+      >>> decode = lambda codes, scales, n: codes.astype(jnp.float32) * scales[0]
+      >>> q = Quantizer(encode=encode, decode=decode, randomized=False, name="int8")
+      >>> tx = quantize(q)  # error feedback: the rounding stays in the residual
+      >>> g = {"w": jnp.array([127.0, -63.6, 0.0])}
+      >>> u, state = tx.update(g, tx.init(g))
+      >>> u["w"].tolist(), [round(r, 4) for r in state.residual["w"].tolist()]
+      ([127.0, -64.0, 0.0], [0.0, 0.4, 0.0])
+      >>> message_nbytes(q, 3)  # 3 int8 codes + 1 float32 scale
+      7
     """
 
     encode: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -252,6 +274,10 @@ def qsgd_bits(levels: int) -> int:
     Levels run over ``0..s``, so ``s = 2**b`` (the paper's "b-bit") takes
     ``b + 2`` bits: ``qsgd_bits(16) == 6``. Packed densely (:func:`pack_codes`),
     never rounded up to a power of two.
+
+    Example:
+      >>> qsgd_bits(16), qsgd_bits(4), qsgd_bits(1)  # 1 sign bit + ceil(log2(s + 1))
+      (6, 4, 2)
     """
     return int(levels).bit_length() + 1
 
@@ -302,6 +328,14 @@ def qsgd_quantizer(levels: int, bucket_size: int | None = None, norm: str = "l2"
     :func:`jaxcomp.coding.encode_qsgd`) in the top bit, packed densely with
     :func:`pack_codes` (``s = 16``: 6 bits); plus one float32 scale per
     bucket. Levels above ``2**23`` add nothing in float32.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = qsgd_quantizer(2, norm="max")  # levels {0, 1/2, 1} of max |x|
+      >>> x = jnp.array([2.0, -4.0, 0.0])  # on the levels: no random rounding
+      >>> codes, scales = q.encode(x, jax.random.key(0))
+      >>> q.decode(codes, scales, 3).tolist(), q.randomized
+      ([2.0, -4.0, 0.0], True)
     """
     levels = V.check_int("levels", levels, 1, 2**31 - 1)
     bucket_size = _check_bucket_size(bucket_size)
@@ -354,6 +388,8 @@ def _sign_decode(bucket_size, pos_col, neg_col, negate_neg):
 def sign_quantizer(bucket_size: int | None = None, *, scale: str = "l1") -> Quantizer:
     """Sign per bucket: scaled, ``C[x] = (||x||_1 / d) * sign(x)``, or unit, ``C[x] = sign(x)``.
 
+    ``scale="l2"``: ``(||x||_2 / sqrt(d)) * sign(x)``, DeepSpeed's 1-bit
+    Adam codec (the compressed vector has the norm of ``x``).
     ``scale="l1"`` (signSGD / EF-signSGD): ``||x||_1 / d`` (``d`` the
     bucket's true length) is the scale that minimises ``||C[x] - x||_2`` over
     all ``alpha * sign(x)``. ``scale="unit"`` (signSGD and Signum as in
@@ -362,6 +398,16 @@ def sign_quantizer(bucket_size: int | None = None, *, scale: str = "l1") -> Quan
     unused layer does not drift by the learning rate every step). Zeros in a
     bucket that has nonzeros are sent as ``+`` (one bit has no zero). Wire: 1
     bit per coordinate, one float32 per bucket.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.array([1.0, -3.0, 2.0, 0.0])
+      >>> q = sign_quantizer()  # scale ||x||_1 / d = 1.5
+      >>> q.decode(*q.encode(x, jax.random.key(0)), 4).tolist()
+      [1.5, -1.5, 1.5, 1.5]
+      >>> q = sign_quantizer(scale="unit")
+      >>> q.decode(*q.encode(x, jax.random.key(0)), 4).tolist()
+      [1.0, -1.0, 1.0, 1.0]
     """
     bucket_size = _check_bucket_size(bucket_size)
     scale = V.check_choice("scale", scale, SIGN_SCALES)
@@ -373,11 +419,13 @@ def sign_quantizer(bucket_size: int | None = None, *, scale: str = "l1") -> Quan
         xb = _to_buckets(x.astype(jnp.float32), d, nb)
         if scale == "l1":
             alpha = jnp.sum(jnp.abs(xb), axis=1) / _true_counts(n, d, nb)
+        elif scale == "l2":
+            alpha = jnp.sqrt(jnp.sum(xb * xb, axis=1) / _true_counts(n, d, nb))
         else:
             alpha = jnp.any(xb != 0, axis=1).astype(jnp.float32)
         return _sign_codes(xb, n), alpha[:, None]
 
-    name = "sign" if scale == "l1" else "sign(scale='unit')"
+    name = "sign" if scale == "l1" else f"sign(scale={scale!r})"
     return Quantizer(encode, _sign_decode(bucket_size, 0, 0, True), False, name, signs=True)
 
 
@@ -390,6 +438,13 @@ def onebit_quantizer(bucket_size: int | None = None) -> Quantizer:
     paper's per-column reconstruction; take ``bucket_size`` = a row length of
     a transposed weight for its exact per-column layout). Wire: 1 bit per
     coordinate, two float32 per bucket.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = onebit_quantizer()
+      >>> codes, scales = q.encode(jnp.array([1.0, 3.0, -2.0, -4.0]), jax.random.key(0))
+      >>> q.decode(codes, scales, 4).tolist()  # the means of the >= 0 and < 0 values
+      [2.0, 2.0, -3.0, -3.0]
     """
     bucket_size = _check_bucket_size(bucket_size)
 
@@ -431,6 +486,14 @@ def bounded_sign_quantizer(
     Default ``lam = 0.8`` ~ ``sqrt(2 / pi)``, the error-minimising factor for
     Gaussian gradients (``E|x| / sqrt(E x^2)``). Wire: 1 bit per coordinate,
     one float32 per bucket.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = bounded_sign_quantizer(lam=0.5)
+      >>> x = jnp.array([3.0, -4.0])
+      >>> codes, scales = q.encode(x, jax.random.key(0))
+      >>> [round(v, 4) for v in q.decode(codes, scales, 2).tolist()]  # 0.5 * 5 / sqrt(2)
+      [1.7678, -1.7678]
     """
     # lam and error_bound may be traced (optax.inject_hyperparams).
     lam = V.check_real("lam", lam, 0.0, 1.0, low_open=True, high_open=True, allow_traced=True)
@@ -485,6 +548,14 @@ def terngrad_quantizer(bucket_size: int | None = None, clip: float | None = None
 
     Wire: 2 bits per coordinate (level bit and sign bit, QSGD's code layout
     for ``s = 1``), packed; one float32 scale per bucket.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = terngrad_quantizer()
+      >>> x = jnp.array([2.0, -2.0, 0.0])  # |x_i| / max |x| is 0 or 1: no random rounding
+      >>> codes, scales = q.encode(x, jax.random.key(0))
+      >>> q.decode(codes, scales, 3).tolist()
+      [2.0, -2.0, 0.0]
     """
     bucket_size = _check_bucket_size(bucket_size)
     clip = V.check_real("clip", clip, 0.0, None, low_open=True, allow_none=True)
@@ -540,6 +611,14 @@ def natural_quantizer() -> Quantizer:
     bit and the 8-bit exponent: 9 bits per coordinate (the sign is sent as 0
     for zeros), packed with :func:`pack_codes`; plus one float32 per leaf,
     1 (0 from a device that sends nothing, see :func:`quantize`).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = natural_quantizer()
+      >>> x = jnp.array([0.5, -4.0, 0.0])  # powers of two are kept exactly
+      >>> codes, scales = q.encode(x, jax.random.key(0))
+      >>> q.decode(codes, scales, 3).tolist(), message_nbytes(q, 3)  # 3 x 9 bits + 4
+      ([0.5, -4.0, 0.0], 8)
     """
 
     def encode(x, key):
@@ -578,6 +657,14 @@ def natural_dithering_quantizer(
     Wire: QSGD's code layout with the level index ``0..s`` in the low bits
     and the sign on top, ``1 + ceil(log2(s + 1))`` bits per coordinate
     (``s = 8``: 5 bits), packed; one float32 scale per bucket.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = natural_dithering_quantizer(4, norm="max")  # levels {0, 1/8, 1/4, 1/2, 1}
+      >>> x = jnp.array([2.0, -4.0, 1.0, 0.0])  # |x| / 4 are levels: no rounding
+      >>> codes, scales = q.encode(x, jax.random.key(0))
+      >>> q.decode(codes, scales, 4).tolist()
+      [2.0, -4.0, 1.0, 0.0]
     """
     s = V.check_int("levels", levels, 1, 126)
     bucket_size = _check_bucket_size(bucket_size)
@@ -632,6 +719,15 @@ def cast_quantizer(dtype: Any = jnp.bfloat16) -> Quantizer:
     leaf.
 
     Wire: 16 bits per coordinate plus one float32 per leaf.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> q = cast_quantizer(jnp.float16)
+      >>> codes, scales = q.encode(jnp.array([1.0, 1 / 3]), jax.random.key(0))
+      >>> q.decode(codes, scales, 2).tolist() == [1.0, float(np.float16(1 / 3))]
+      True
+      >>> message_nbytes(q, 2)  # 2 x 16 bits + one float32 scale
+      8
     """
     try:
         dt = jnp.dtype(dtype)
@@ -1241,7 +1337,14 @@ def quantize(
 
 
 def message_nbytes(quantizer: Quantizer, n: int) -> int:
-    """Bytes of one quantized message of an ``n``-element leaf (static shapes)."""
+    """Bytes of one quantized message of an ``n``-element leaf (static shapes).
+
+    Example:
+      >>> message_nbytes(qsgd_quantizer(16), 1000)  # 6 bits * 1000 + one float32 scale
+      754
+      >>> message_nbytes(onebit_quantizer(), 64)  # 64 bits + two float32 per bucket
+      16
+    """
     out = jax.eval_shape(
         quantizer.encode, jax.ShapeDtypeStruct((n,), jnp.float32), jax.random.key(0)
     )
