@@ -69,3 +69,26 @@ def test_readme_usage_sent_count_in_window(block):
     counts = optax.tree.get(namespace["opt_state"], "sent_count")
     k = math.ceil(0.01 * 512 * 256)
     assert int(counts["b"]) == 256 and k <= int(counts["w"]) <= int(1.5 * k)
+
+
+def _github_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def test_readme_internal_links_resolve():
+    """Every ``](#anchor)`` link points at a heading, and linked files exist."""
+    text = README.read_text()
+    in_code, slugs = False, set()
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            slugs.add(_github_slug(line.lstrip("#")))
+    anchors = set(re.findall(r"\]\(#([^)]+)\)", text))
+    assert anchors, "the README links its own sections"
+    assert sorted(anchors - slugs) == []
+    for target in re.findall(r"\]\(([\w./-]+\.(?:md|ipynb|py))\)", text):
+        assert (README.parent / target).exists(), target

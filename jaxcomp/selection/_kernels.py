@@ -5,6 +5,28 @@ calls, and are exact (integer counts, bit-exact extracted values) for any input,
 including ties, zeros, NaN (never selected: ``NaN > t`` is False), ``count > capacity``
 and lengths that are not a multiple of the block size.
 
+Backends. The formulations below are tuned for XLA:CPU. Where the CPU form is a
+workaround for XLA:CPU's emitters (the two-output variadic reduce with an
+``optimization_barrier`` copy of the threshold, the 1024-row split), the kernel picks a
+plain formulation on every other platform with ``lax.platform_dependent`` (see
+``_by_backend``), resolved when the program is lowered for its platform, so a CPU run
+compiles exactly the program it compiled before and a CUDA export holds only the GPU
+form (``tests/test_export.py`` checks both)::
+
+    kernel              XLA:CPU (cpu=)                     other backends (default=)
+    count_above         2-output variadic row reduce       jnp.sum(a > t, dtype=int32)
+    count_above_many    row-split variadic, barriers       one flat m-output variadic reduce
+    extract (counts)    2-output variadic row reduce       jnp.sum(rows > t, axis=1)
+
+The two forms return identical integers (exact counts). Not switched: the structure of
+:func:`extract` (per-block counts, a scan over n / B blocks, a gather of
+``capacity x B`` elements, an in-row rank by a 0/1 matmul) is the classic two-level GPU
+stream compaction; ``jnp.nonzero(mask, size=c)`` would be two n-long cumulative sums and
+an n-element scatter-add instead. :func:`moments` (three plain reductions) and
+:func:`dense_split` (two ``where``) are backend-neutral. The GPU forms are what XLA:GPU
+is known to emit well (compare + convert fused into one reduction kernel; a variadic
+reduce as one multi-output reduction); their speed has not been measured here (no GPU).
+
 How XLA:CPU (jax 0.10.2) compiles these patterns -- the facts behind every choice below
 (found with ``jax.jit(f).lower(...).compile().as_text()``):
 
@@ -103,6 +125,17 @@ _COUNT_ROW = 1024
 _EXTRACT_BLOCK = 64
 
 
+def _by_backend(*args, cpu, default):
+    """``cpu(*args)`` when the program is lowered for XLA:CPU, else ``default(*args)``.
+
+    ``lax.platform_dependent``: the choice is made at lowering time per platform (no
+    runtime conditional; a ``jax.export`` for ``("cuda",)`` contains only the default
+    branch, one for ``("cpu", "cuda")`` both). Both branches return identical results.
+    One indirection so that tests can run the non-CPU branch on CPU.
+    """
+    return lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
 def _f32(x: jax.Array) -> jax.Array:
     return x if x.dtype == jnp.float32 else x.astype(jnp.float32)
 
@@ -181,6 +214,10 @@ def count_above(a: jax.Array, t: jax.Array | float) -> jax.Array:
     ``sum(min(ceil(a - t), 1))`` (which also needs care with NaN and denormals).
     Integer accumulation: exact up to 2^31 - 1 elements.
 
+    Backend switch: on any platform but CPU the count is the plain
+    ``jnp.sum(a > t, dtype=int32)`` (XLA:GPU fuses the compare into its reduction
+    kernel; the second output would only double the compares). Same result.
+
     Args:
         a: 1-D float array (usually |x|), any float dtype; upcast to float32 in-register.
         t: scalar threshold.
@@ -190,9 +227,23 @@ def count_above(a: jax.Array, t: jax.Array | float) -> jax.Array:
     """
     a = _f32(jnp.ravel(a))
     t = jnp.asarray(t, jnp.float32)
+    return _by_backend(a, t, cpu=_count_above_cpu, default=_count_above_gpu)
+
+
+def _count_above_cpu(a: jax.Array, t: jax.Array) -> jax.Array:
+    """:func:`count_above` on XLA:CPU: the two-output variadic row reduce."""
     t2 = lax.optimization_barrier(t)
     c0, c1 = _counts_multi(a, [t, t2], _COUNT_ROW)
     return jnp.minimum(c0, c1)
+
+
+def _count_above_gpu(a: jax.Array, t: jax.Array) -> jax.Array:
+    """:func:`count_above` on every other backend: one plain fused reduction.
+
+    XLA:GPU fuses compare + convert into its reduction kernel, so the canonical
+    form reads ``a`` once; the CPU trick would only double the compares.
+    """
+    return jnp.sum(a > t, dtype=jnp.int32)
 
 
 @jax.jit
@@ -203,6 +254,10 @@ def count_above_many(a: jax.Array, ts: jax.Array) -> jax.Array:
     (ratio to floor at 2^22 / 2^24): m=4 1.3/1.2, m=8 1.7/1.6, m=16 3.6/3.8, i.e. 8
     candidates cost ~2 single counts and far less than 8; the cost grows roughly
     linearly beyond m ~ 8 (compute-bound, one compare+add per element and candidate).
+
+    Backend switch: on any platform but CPU, one flat m-output variadic reduce over
+    ``a`` (one multi-output reduction kernel on XLA:GPU, reading ``a`` once), without
+    the CPU row split, tail pass and barriers. Same result.
 
     Args:
         a: 1-D float array (usually |x|), any float dtype; compared in float32.
@@ -217,10 +272,37 @@ def count_above_many(a: jax.Array, ts: jax.Array) -> jax.Array:
     tl = [ts[j] for j in range(m)]
     if m == 1:
         return count_above(a, tl[0])[None]
+    return _by_backend(a, tl, cpu=_count_above_many_cpu, default=_count_above_many_gpu)
+
+
+def _count_above_many_cpu(a: jax.Array, tl: list[jax.Array]) -> jax.Array:
+    """:func:`count_above_many` on XLA:CPU: row-split variadic reduce, barriered candidates."""
     # Barrier so that equal candidates stay distinct HLO values (no CSE into one
     # output, which could fall back to the slow single-output path).
     tl = list(lax.optimization_barrier(tuple(tl)))
     return jnp.stack(_counts_multi(a, tl, _COUNT_ROW))
+
+
+def _count_above_many_gpu(a: jax.Array, tl: list[jax.Array]) -> jax.Array:
+    """:func:`count_above_many` elsewhere: ONE flat m-output variadic reduce.
+
+    XLA:GPU emits a variadic reduce as one multi-output reduction kernel that reads
+    ``a`` once; the CPU row split, tail pass and barriers are not needed there.
+    """
+    ops = [(a > t).astype(jnp.int32) for t in tl]
+    return jnp.stack(lax.reduce(ops, [jnp.int32(0)] * len(tl), _add_all, (0,)))
+
+
+def _row_counts_cpu(rows: jax.Array, t: jax.Array) -> jax.Array:
+    """Per-row int32 counts of ``rows > t`` on XLA:CPU: two-output variadic row reduce."""
+    t2 = lax.optimization_barrier(t)
+    c0, c1 = _rowwise_counts(rows, [t, t2], rows.shape[1])
+    return jnp.minimum(c0, c1)
+
+
+def _row_counts_gpu(rows: jax.Array, t: jax.Array) -> jax.Array:
+    """Per-row int32 counts of ``rows > t`` elsewhere: a plain row reduction (one kernel)."""
+    return jnp.sum(rows > t, axis=1, dtype=jnp.int32)
 
 
 def _block_counts(x: jax.Array, t: jax.Array, block: int) -> jax.Array:
@@ -231,9 +313,7 @@ def _block_counts(x: jax.Array, t: jax.Array, block: int) -> jax.Array:
     if nf:
         head = x[: nf * block] if nf * block != n else x
         head = jnp.abs(_f32(head.reshape(nf, block)))
-        t2 = lax.optimization_barrier(t)
-        c0, c1 = _rowwise_counts(head, [t, t2], block)
-        parts.append(jnp.minimum(c0, c1))
+        parts.append(_by_backend(head, t, cpu=_row_counts_cpu, default=_row_counts_gpu))
     if nf * block != n:
         tail = jnp.abs(_f32(x[nf * block :]))
         parts.append(jnp.sum(tail > t, dtype=jnp.int32)[None])
@@ -279,6 +359,11 @@ def extract(
        each row with a float32 matmul by a 64 x 64 upper-triangular ones matrix
        (exact: sums <= 64; 15-25% faster than ``jnp.cumsum(axis=1)``), and take
        ``j = #{columns with rank <= r}`` as the in-block position.
+
+    Backend switch: on any platform but CPU the per-block counts of step 1 are a plain
+    row reduction ``jnp.sum(|rows| > t, axis=1)``; steps 2-4 are the same everywhere
+    (the structure is the usual GPU two-level compaction, see the module docstring).
+    Same result.
 
     Slots ``p >= count`` are padding: index ``n`` (out of range, so
     ``.at[idx].set(v, mode="drop")`` ignores it) and value 0.
