@@ -36,8 +36,8 @@ Example (two devices' worth of weighting on one device: the weight cancels):
   >>> from jaxcomp import aggregation
   >>> tx = aggregation.weighted_exchange("data")
   >>> mesh = jax.make_mesh((1,), ("data",))
-  >>> f = jax.shard_map(lambda g, w: tx.update(g, tx.init(g), weight=w[0])[0],
-  ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
+  >>> f = jax.jit(jax.shard_map(lambda g, w: tx.update(g, tx.init(g), weight=w[0])[0],
+  ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
   >>> s = jax.NamedSharding(mesh, P("data"))
   >>> f(jax.device_put(jnp.ones(2), s), jax.device_put(jnp.array([3.0]), s)).tolist()
   [1.0, 1.0]
@@ -225,8 +225,8 @@ def weighted_exchange(
       >>> from jaxcomp.aggregation import weighted_exchange
       >>> tx = weighted_exchange("data", weights=[2.0])
       >>> mesh = jax.make_mesh((1,), ("data",))
-      >>> f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
       >>> f(jax.device_put(jnp.array([1.0, 3.0]), jax.NamedSharding(mesh, P("data")))).tolist()
       [1.0, 3.0]
     """
@@ -293,8 +293,8 @@ def scale_by_weight(
       >>> tx = optax.chain(scale_by_weight("data", weights=[5.0]),
       ...                  jaxcomp.top_k(1.0, axis_name="data"))
       >>> mesh = jax.make_mesh((1,), ("data",))
-      >>> f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
       >>> f(jax.device_put(jnp.array([1.0, 3.0]), jax.NamedSharding(mesh, P("data")))).tolist()
       [1.0, 3.0]
     """
@@ -866,6 +866,14 @@ class EnsembleReport(NamedTuple):
       member_accuracy: one accuracy per member, in member order.
       average_accuracy: the ensemble by averaged softmax probabilities.
       vote_accuracy: the ensemble by majority vote.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> apply = lambda w, x: x @ w  # a linear "model"
+      >>> members = [jnp.eye(2), jnp.eye(2)[::-1], jnp.eye(2)]
+      >>> report = evaluate_ensemble(apply, members, np.eye(2, dtype=np.float32), np.array([0, 1]))
+      >>> report.member_accuracy, report.average_accuracy, report.vote_accuracy
+      ((1.0, 0.0, 1.0), 1.0, 1.0)
     """
 
     member_accuracy: tuple[float, ...]
@@ -883,6 +891,13 @@ def member_logits(apply_fn: Callable, members, x, *, batch_size: int | None = No
         Python ``list`` of ``K`` parameter pytrees.
       x: the inputs.
       batch_size: evaluate in chunks of this many inputs (None: all at once).
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> apply = lambda p, x: x @ p["w"]
+      >>> members = {"w": jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])}  # K = 2 members
+      >>> member_logits(apply, members, np.array([[1.0, 2.0]], np.float32)).tolist()
+      [[[1.0, 2.0]], [[2.0, 4.0]]]
     """
     if isinstance(members, list):
         if not members:

@@ -102,8 +102,11 @@ __all__ = [
     "uncoded_load",
 ]
 
+# CodedConfig.bits: integer widths on the wire.
 BITS = (8, 16, 32)
+# CodedConfig.exchange: coded multicast packets, or whole missing blocks.
 EXCHANGES = ("coded", "uncoded")
+# CodedConfig.rounding: to nearest (the paper) or stochastic (unbiased).
 ROUNDINGS = ("nearest", "stochastic")
 _INT = {8: jnp.int8, 16: jnp.int16, 32: jnp.int32}
 
@@ -129,6 +132,11 @@ class Assignment(NamedTuple):
         (``itertools.combinations(range(n), r)`` order); ``C(n, r)`` blocks.
       worker_blocks: ``worker_blocks[k]``, the blocks worker ``k`` holds, in
         increasing order (``C(n-1, r-1)`` each).
+
+    Example:
+      >>> a = assign_blocks(3, 2)
+      >>> a.subsets, a.worker_blocks  # C(3, 2) = 3 blocks, each held by 2 workers
+      (((0, 1), (0, 2), (1, 2)), ((0, 1), (0, 2), (1, 2)))
     """
 
     n: int
@@ -216,6 +224,13 @@ def shard_block_batch(batch, mesh: Mesh, r: int, axis_name="data"):
     """:func:`block_batch` placed on ``mesh``, worker ``k``'s blocks on device ``k``.
 
     One process only (every process would need the whole global batch).
+
+    Example:
+      >>> import jax, numpy as np
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> blocks = shard_block_batch({"x": np.eye(2, dtype=np.float32)}, mesh, 1)
+      >>> blocks["x"].shape  # (devices, blocks per worker, examples per block, features)
+      (1, 1, 2, 2)
     """
     n = mesh.shape[axis_name]
     sharding = NamedSharding(mesh, P(axis_name))
@@ -272,7 +287,13 @@ def quantize(x, value_range: float = 10.0, bits: int = 32, key=None):
 
 
 def dequantize(q, value_range: float = 10.0, bits: int = 32):
-    """The float32 values of :func:`quantize`'s integers."""
+    """The float32 values of :func:`quantize`'s integers.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> dequantize(jnp.array([127, -127, 0]), value_range=2.0, bits=8).tolist()
+      [2.0, -2.0, 0.0]
+    """
     return q.astype(jnp.float32) / jnp.float32(_scale(value_range, bits))
 
 
@@ -346,13 +367,23 @@ def _plan(n: int, r: int) -> _Plan:
 
 
 def coded_load(n: int, r: int) -> Fraction:
-    """The paper's coded load ``(1/r)(1 - r/n)``: bytes sent by all workers over ``n C(n,r) G``."""
+    """The paper's coded load ``(1/r)(1 - r/n)``: bytes sent by all workers over ``n C(n,r) G``.
+
+    Example:
+      >>> coded_load(4, 2)  # (1/2)(1 - 2/4)
+      Fraction(1, 4)
+    """
     n, r = _check_nr(n, r)
     return Fraction(1, r) * (1 - Fraction(r, n))
 
 
 def uncoded_load(n: int, r: int) -> Fraction:
-    """The uncoded load ``1 - r/n`` of the same assignment (whole blocks, unicast)."""
+    """The uncoded load ``1 - r/n`` of the same assignment (whole blocks, unicast).
+
+    Example:
+      >>> uncoded_load(4, 2)  # 1 - 2/4
+      Fraction(1, 2)
+    """
     n, r = _check_nr(n, r)
     return 1 - Fraction(r, n)
 
@@ -401,6 +432,10 @@ def step_time(t_calc: float, t_comm: float, r: int) -> float:
 
     ``T_calc``: one worker's compute on its ``1/n`` share (``r = 1``);
     ``T_comm``: the exchange time at ``r = 1``.
+
+    Example:
+      >>> step_time(t_calc=1.0, t_comm=8.0, r=2)  # 2 * 1 + 8 / 2
+      6.0
     """
     t_calc = V.check_real("t_calc", t_calc, 0)
     t_comm = V.check_real("t_comm", t_comm, 0)
@@ -436,6 +471,11 @@ class CodedConfig:
       rounding: ``"nearest"`` (the paper) or ``"stochastic"`` (unbiased).
       exchange: ``"coded"`` (multicast packets) or ``"uncoded"`` (whole
         missing blocks, the paper's comparison).
+
+    Example:
+      >>> cfg = CodedConfig(redundancy=2, bits=16)
+      >>> cfg.redundancy, cfg.value_range, cfg.rounding, cfg.exchange
+      (2, 10.0, 'nearest', 'coded')
     """
 
     redundancy: int
@@ -453,7 +493,19 @@ class CodedConfig:
 
 
 class CodedStats(NamedTuple):
-    """What one coded exchange did on this device (int32 counts, float32 bytes)."""
+    """What one coded exchange did on this device (int32 counts, float32 bytes).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> cfg = CodedConfig(redundancy=1, value_range=1.0)
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda g: coded_mean(g, cfg, "data")[1], mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> stats = f(jnp.array([[0.5, -3.0]]))  # -3 is outside [-1, 1]
+      >>> int(stats.clipped), int(stats.nonfinite)
+      (1, 0)
+    """
 
     clipped: jax.Array
     nonfinite: jax.Array
@@ -551,6 +603,16 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
     Raises:
       ValueError: redundancy above the axis size, or leaves whose leading
         axis is not ``C(n-1, r-1)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> cfg = CodedConfig(redundancy=1)
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda g: coded_mean(g, cfg, "data")[0], mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> f(jnp.array([[0.5, -1.0]])).tolist()  # one worker, one block: its gradient
+      [0.5, -1.0]
     """
     n = collectives.axis_size(axis_name)
     if cfg.redundancy > n:
@@ -631,6 +693,15 @@ def init_opt_state(tx: optax.GradientTransformation, params, mesh: Mesh, axis_na
     ``tx`` is the optimizer applied to the exchanged mean gradient (e.g.
     ``optax.sgd(0.1, momentum=0.9)``); it must not communicate (see
     :func:`make_train_step`).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from jaxcomp import distributed as dist
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> params = dist.replicate(jnp.zeros(2), mesh)
+      >>> coded, tx_state = init_opt_state(optax.sgd(0.1), params, mesh)
+      >>> coded.clipped.shape, coded.key.shape  # a leading axis of one entry per device
+      ((1,), (1, 2))
     """
     from jaxcomp import distributed  # noqa: PLC0415 (distributed imports comm)
 

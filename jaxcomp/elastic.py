@@ -128,6 +128,7 @@ __all__ = [
     "saved_devices",
 ]
 
+# How resize_opt_state treats a state field (the table in the module docstring).
 RULES = ("fold", "replicated", "copy", "sum", "reselect", "empty")
 
 # The rule of every field of every jaxcomp state type (module docstring). A field

@@ -230,6 +230,15 @@ def init_stale_state(
 
     Returns:
       The state, placed on ``mesh``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomp
+      >>> from jaxcomp import staleness
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> tx = optax.chain(jaxcomp.dense_exchange("data"), optax.sgd(1.0))
+      >>> state = staleness.init_stale_state(tx, jnp.zeros(2), mesh, max_delay=3)
+      >>> state.history.shape, int(state.step)  # 3 past versions, all the initial params
+      ((3, 2), 0)
     """
     max_delay = V.check_int("max_delay", max_delay, 0)
     params = replicate(params, mesh)
@@ -483,6 +492,15 @@ def init_async_state(
       mesh: the device mesh.
       axis_name: the axis the workers are laid out on.
       seed: an int or a PRNG key, for ``order="random"``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomp
+      >>> from jaxcomp import staleness
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> tx = optax.chain(jaxcomp.top_k(0.5), optax.sgd(1.0))
+      >>> state = staleness.init_async_state(tx, jnp.zeros(2), mesh)
+      >>> state.worker_params.shape, state.pulled_version.tolist(), int(state.step)
+      ((1, 2), [0], 0)
     """
     n_dev = _mesh_size(mesh, axis_name)
     params = replicate(params, mesh)

@@ -38,6 +38,7 @@ from jax.scipy.special import ndtr, ndtri
 
 __all__ = ["FAMILIES", "fit_distances", "tree_fit_distances"]
 
+# The distribution families fit_distances measures each gradient against.
 FAMILIES = ("laplace", "gaussian")
 
 # A Gaussian piece of width w around u = m is "narrow" when its width in

@@ -48,6 +48,7 @@ __all__ = [
     "pack_items",
 ]
 
+# The Elias codes implemented (the ``code`` argument).
 CODES = ("gamma", "delta", "omega")
 _U64 = np.uint64
 _WINDOW = 20  # bits per lookup-table window when decoding
@@ -147,8 +148,9 @@ def codewords(values: np.ndarray, code: str):
 def codeword_lengths(values, code: str = "omega") -> np.ndarray:
     """Length in bits of the codeword of each value (values >= 1).
 
-    >>> codeword_lengths([1, 2, 5, 16], "omega").tolist()
-    [1, 3, 6, 11]
+    Example:
+      >>> codeword_lengths([1, 2, 5, 16], "omega").tolist()
+      [1, 3, 6, 11]
     """
     _check_code(code)
     v = _as_positive_uint64(values, "values")
@@ -156,7 +158,14 @@ def codeword_lengths(values, code: str = "omega") -> np.ndarray:
 
 
 def elias_bits(values, code: str = "omega") -> int:
-    """Exact number of bits (without padding) of ``elias_encode(values, code)``."""
+    """Exact number of bits (without padding) of ``elias_encode(values, code)``.
+
+    Example:
+      >>> elias_bits([1, 5], "gamma")  # gamma: 1 and 00101
+      6
+      >>> -(-elias_bits([1, 5, 9], "delta") // 8) == len(elias_encode([1, 5, 9], "delta"))
+      True
+    """
     return int(codeword_lengths(values, code).sum())
 
 
@@ -170,6 +179,12 @@ def pack_items(values: np.ndarray, lengths: np.ndarray) -> tuple[bytes, int]:
 
     Returns:
       (bytes, number of bits before padding).
+
+    Example:
+      >>> import numpy as np
+      >>> data, nbits = pack_items(np.array([0b101, 0b1], np.uint64), np.array([3, 2]))
+      >>> f"{data[0]:08b}", nbits  # 101 then 01, zero padded
+      ('10101000', 5)
     """
     lengths = np.asarray(lengths, np.int64)
     keep = lengths > 0
@@ -216,10 +231,11 @@ def elias_encode(values, code: str = "omega") -> bytes:
       bits (gamma, delta) or one bits (omega): bits that cannot complete a
       codeword, so the padding never decodes as values.
 
-    >>> elias_encode([5], "gamma").hex()  # 00101 + 000 padding
-    '28'
-    >>> elias_encode([5], "omega").hex()  # 101010 + 11 padding
-    'ab'
+    Example:
+      >>> elias_encode([5], "gamma").hex()  # 00101 + 000 padding
+      '28'
+      >>> elias_encode([5], "omega").hex()  # 101010 + 11 padding
+      'ab'
     """
     _check_code(code)
     v = _as_positive_uint64(values, "values")
@@ -232,7 +248,14 @@ def elias_encode(values, code: str = "omega") -> bytes:
 
 
 class BitReader:
-    """Random access to the bits of a message (MSB first within bytes)."""
+    """Random access to the bits of a message (MSB first within bytes).
+
+    Example:
+      >>> import numpy as np
+      >>> reader = BitReader(bytes([0b10110000]))
+      >>> reader.read(np.array([0, 1]), 3).tolist()  # bits 101 and 011
+      [5, 3]
+    """
 
     def __init__(self, data: bytes):
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -381,6 +404,13 @@ def follow_chain(nxt: np.ndarray, size: int, min_step: int):
 
     Returns:
       (positions ascending, exit position: ``size`` or ``size + 1``).
+
+    Example:
+      >>> import numpy as np
+      >>> nxt = np.array([2, 3, 4, 5, 5, 5, 6])  # size 5: 0 -> 2 -> 4 -> 5 (exact end)
+      >>> positions, end = follow_chain(nxt, 5, min_step=1)
+      >>> positions.tolist(), int(end)
+      ([0, 2, 4], 5)
     """
     if size == 0:
         return np.zeros(0, np.int64), int(nxt[0])
@@ -469,6 +499,10 @@ def elias_decode(data: bytes, count: int, code: str = "omega", *, max_value: int
       ValueError: truncated or corrupt message (fewer than ``count`` values),
         wrong padding (not all zeros for gamma/delta, not all ones for omega)
         or trailing bytes.
+
+    Example:
+      >>> elias_decode(elias_encode([1, 5, 9], "delta"), 3, "delta").tolist()
+      [1, 5, 9]
     """
     _check_code(code)
     count = int(count)

@@ -18,7 +18,7 @@ Example:
 >>> from jaxcomp import coding
 >>> tx = jaxcomp.qsgd(bits=2, bucket_size=128, min_dense_size=0, keep_message=True)
 >>> g = {"w": jax.random.normal(jax.random.key(0), (1000,))}
->>> _, state = tx.update(g, tx.init(g))
+>>> _, state = jax.jit(tx.update)(g, tx.init(g))
 >>> coded = coding.coded_message_bytes(state, g, s=4, bucket_size=128)
 >>> 0 < coded["w"] < int(state.message_bytes["w"])
 True
@@ -59,6 +59,16 @@ def qsgd_message_fields(codes, scales, n: int, *, s: int, bucket_size: int | Non
     Raises:
       ValueError: ``codes``/``scales`` do not have the sizes ``s`` and
         ``bucket_size`` give for ``n`` elements, or a level exceeds ``s``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxcomp
+      >>> tx = jaxcomp.qsgd(bits=2, bucket_size=4, min_dense_size=0, keep_message=True)
+      >>> g = {"w": jnp.array([1.0, -1.0, 1.0, 1.0, 2.0, 0.0, 0.0, 0.0])}
+      >>> _, state = jax.jit(tx.update)(g, tx.init(g))
+      >>> codes, scales = state.message["w"]
+      >>> levels, signs, scales = qsgd_message_fields(codes, scales, 8, s=4, bucket_size=4)
+      >>> levels.tolist(), signs.tolist()[:4], scales.tolist()  # |x| / ||bucket|| * s
+      ([2, 2, 2, 2, 4, 0, 0, 0], [False, True, False, False], [2.0, 2.0])
     """
     from jaxcomp.transforms.quantize import qsgd_bits, unpack_codes  # noqa: PLC0415
 
@@ -95,6 +105,18 @@ def qsgd_message_bits(
     Equals ``coding.qsgd_bits(levels, ...)`` of the unpacked levels, and
     ``ceil(bits / 8) == len(coding.encode_qsgd(*qsgd_message_fields(...), ...))``.
     Arguments as in :func:`qsgd_message_fields`; ``code`` as in ``encode_qsgd``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxcomp
+      >>> from jaxcomp import coding
+      >>> tx = jaxcomp.qsgd(bits=2, bucket_size=4, min_dense_size=0, keep_message=True)
+      >>> g = {"w": jnp.array([1.0, -1.0, 1.0, 1.0, 2.0, 0.0, 0.0, 0.0])}
+      >>> _, state = jax.jit(tx.update)(g, tx.init(g))
+      >>> codes, scales = state.message["w"]
+      >>> bits = qsgd_message_bits(codes, scales, 8, s=4, bucket_size=4)
+      >>> fields = qsgd_message_fields(codes, scales, 8, s=4, bucket_size=4)
+      >>> bits == coding.qsgd_bits(fields[0], s=4, bucket_size=4)
+      True
     """
     levels, _, _ = qsgd_message_fields(codes, scales, n, s=s, bucket_size=bucket_size)
     return wire.qsgd_bits(levels, s=s, bucket_size=bucket_size, code=code)
@@ -123,6 +145,17 @@ def coded_message_bytes(state, params, *, s: int, bucket_size: int | None, code:
     Raises:
       ValueError: the state keeps no message (``keep_message=False``), or the
         message does not match ``s``/``bucket_size``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxcomp
+      >>> tx = jaxcomp.qsgd(bits=2, bucket_size=4, min_dense_size=0, keep_message=True)
+      >>> g = {"w": jnp.array([1.0, -1.0, 1.0, 1.0, 2.0, 0.0, 0.0, 0.0])}
+      >>> _, state = jax.jit(tx.update)(g, tx.init(g))
+      >>> coded = coded_message_bytes(state, g, s=4, bucket_size=4)
+      >>> codes, scales = state.message["w"]
+      >>> bits = qsgd_message_bits(codes, scales, 8, s=4, bucket_size=4)
+      >>> coded["w"] == -(-bits // 8)
+      True
     """
     import optax  # noqa: PLC0415
 

@@ -65,6 +65,7 @@ __all__ = [
     "sparse_bits",
 ]
 
+# encode_sparse formats: 16-bit zero runs with float32 values, or Elias-coded gaps.
 SPARSE_FORMATS = ("rle", "elias")
 _RUN_MAX = 0xFFFF  # a full 16-bit token: 65535 zeros, no value
 _U64 = np.uint64
@@ -122,6 +123,15 @@ def qsgd_bits(levels, *, s: int, bucket_size: int | None, code: str = "omega") -
 
     ``len(encode_qsgd(...)) == ceil(qsgd_bits(...) / 8)``. For a pytree use
     ``jax.tree.map(lambda l: qsgd_bits(np.asarray(l), s=s, bucket_size=d), tree)``.
+
+    Example:
+      >>> import numpy as np
+      >>> levels = np.array([0, 2, 0, 0, 1, 0, 0, 0])
+      >>> signs = np.zeros(8, bool)
+      >>> bits = qsgd_bits(levels, s=2, bucket_size=None)
+      >>> data = encode_qsgd(levels, signs, np.float32([1.5]), s=2, bucket_size=None)
+      >>> len(data) == -(-bits // 8)
+      True
     """
     elias._check_code(code)
     _, gaps, _, lv, counts, nb = _qsgd_fields(levels, None, s=s, bucket_size=bucket_size)
@@ -151,6 +161,13 @@ def encode_qsgd(
 
     Returns:
       The message; ``8 * len`` is ``qsgd_bits`` rounded up to a byte.
+
+    Example:
+      >>> import numpy as np
+      >>> levels, signs = np.array([0, 2, 0, 1]), np.array([False, True, False, False])
+      >>> data = encode_qsgd(levels, signs, np.float32([1.0]), s=2, bucket_size=None)
+      >>> len(data) == -(-qsgd_bits(levels, s=2, bucket_size=None) // 8)
+      True
     """
     elias._check_code(code)
     _, gaps, sg, lv, counts, nb = _qsgd_fields(levels, signs, s=s, bucket_size=bucket_size)
@@ -197,6 +214,14 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
 
     Raises:
       ValueError: truncated, corrupt or oversized message.
+
+    Example:
+      >>> import numpy as np
+      >>> levels, signs = np.array([0, 2, 1]), np.array([False, True, False])
+      >>> data = encode_qsgd(levels, signs, np.float32([0.5]), s=2, bucket_size=None)
+      >>> out = decode_qsgd(data, n=3, s=2, bucket_size=None)
+      >>> out[0].tolist(), out[1].tolist(), out[2].tolist()
+      ([0, 2, 1], [False, True, False], [0.5])
     """
     elias._check_code(code)
     s = _check_s(s)
@@ -271,6 +296,11 @@ def qsgd_bits_bound(n: int, s: int, bucket_size: int | None = None) -> float:
     Per bucket of length d: ``(3 + 1.5 log2(2(s^2+d)/(s(s+sqrt d)))) s(s+sqrt d) + 32``.
     The o(1) term of ``(3/2 + o(1))`` vanishes as n grows; it is taken as 0
     here (the bound reported is the leading-order bound).
+
+    Example:
+      >>> # d = 1024, s = 32: (3 + 1.5 * log2(4096 / 2048)) * 32 * 64 + 32
+      >>> qsgd_bits_bound(1024, 32)
+      9248.0
     """
     s = _check_s(s)
     nb, d = _num_buckets(int(n), bucket_size)
@@ -286,7 +316,12 @@ def qsgd_bits_bound(n: int, s: int, bucket_size: int | None = None) -> float:
 
 
 def qsgd_dense_bound(n: int) -> float:
-    """The paper's ``2.8 n + 32`` bits at ``s = sqrt(n)`` (Corollary of Theorem 3.2)."""
+    """The paper's ``2.8 n + 32`` bits at ``s = sqrt(n)`` (Corollary of Theorem 3.2).
+
+    Example:
+      >>> round(qsgd_dense_bound(1000), 6)  # 2.8 * 1000 + 32
+      2832.0
+    """
     return 2.8 * n + 32
 
 
@@ -314,7 +349,15 @@ def _check_format(format):
 
 
 def sparse_bits(indices, n: int, *, format: str = "rle", code: str = "omega") -> int:
-    """Exact bits (before padding) of ``encode_sparse`` for these indices."""
+    """Exact bits (before padding) of ``encode_sparse`` for these indices.
+
+    Example:
+      >>> import numpy as np
+      >>> sparse_bits([3, 70000], 80000)  # 32 + (16 + 32) + (16 + 16 + 32)
+      144
+      >>> len(encode_sparse([3, 70000], np.float32([1.0, 2.0]), 80000)) * 8
+      144
+    """
     _check_format(format)
     indices, _, n = _sparse_inputs(indices, None, n)
     gaps = np.diff(indices, prepend=-1)
@@ -338,10 +381,11 @@ def encode_sparse(indices, values, n: int, *, format: str = "rle", code: str = "
       format: ``"rle"`` (16-bit zero runs, 32-bit values) or ``"elias"``.
       code: Elias code for ``format="elias"``.
 
-    >>> import numpy as np
-    >>> data = encode_sparse([3, 70000], np.float32([1.0, -2.0]), 80000)
-    >>> len(data)  # 32 + (16 + 32) + (16 + 16 + 32) bits
-    18
+    Example:
+      >>> import numpy as np
+      >>> data = encode_sparse([3, 70000], np.float32([1.0, -2.0]), 80000)
+      >>> len(data)  # 32 + (16 + 32) + (16 + 16 + 32) bits
+      18
     """
     _check_format(format)
     indices, bits, n = _sparse_inputs(indices, values, n)
@@ -373,6 +417,13 @@ def decode_sparse(data: bytes, n: int, *, format: str = "rle", code: str = "omeg
 
     Raises:
       ValueError: truncated, corrupt or oversized message, indices out of [0, n).
+
+    Example:
+      >>> import numpy as np
+      >>> data = encode_sparse([1, 3], np.float32([0.5, -1.0]), 8)
+      >>> indices, values = decode_sparse(data, 8)
+      >>> indices.tolist(), values.tolist()
+      ([1, 3], [0.5, -1.0])
     """
     _check_format(format)
     n = int(n)

@@ -69,7 +69,17 @@ _INDEX_ITEMSIZE = 4  # messages carry int32 indices
 
 
 def axis_size(axis_name) -> int:
-    """Number of devices along ``axis_name`` (a static int inside shard_map)."""
+    """Number of devices along ``axis_name`` (a static int inside shard_map).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: x * axis_size("data"), mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> f(jnp.ones(2)).tolist()
+      [1.0, 1.0]
+    """
     return lax.axis_size(axis_name)
 
 
@@ -82,6 +92,16 @@ def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
     Typed invariant, an exchanged update can be told apart from a local one
     at trace time (``jaxcomp.distributed.make_train_step`` relies on it) and
     returned as replicated under ``check_vma=True``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: all_gather_invariant(x, "data"),
+      ...     mesh=mesh, in_specs=P(), out_specs=P()))  # replicated: no check_vma error
+      >>> f(jnp.arange(3.0)).tolist()
+      [[0.0, 1.0, 2.0]]
     """
     return lax.all_gather(x, axis_name, to="invarying")
 
@@ -91,12 +111,24 @@ def _nbytes(x: jax.Array) -> int:
 
 
 def allreduce_bytes(nbytes: float, n_devices: int) -> float:
-    """Bytes one device sends in a ring all-reduce of an ``nbytes`` buffer."""
+    """Bytes one device sends in a ring all-reduce of an ``nbytes`` buffer.
+
+    Example:
+      >>> allreduce_bytes(1000, n_devices=4)  # 2 (N - 1) / N * nbytes
+      1500.0
+      >>> allreduce_bytes(1000, n_devices=1)
+      0.0
+    """
     return 2.0 * (n_devices - 1) / n_devices * nbytes if n_devices > 1 else 0.0
 
 
 def allgather_bytes(nbytes: float, n_devices: int) -> float:
-    """Bytes one device sends in an all-gather of its ``nbytes`` message."""
+    """Bytes one device sends in an all-gather of its ``nbytes`` message.
+
+    Example:
+      >>> allgather_bytes(100, n_devices=8)  # (N - 1) * nbytes
+      700.0
+    """
     return float((n_devices - 1) * nbytes)
 
 
@@ -408,6 +440,16 @@ def include_fastest(delays, num_backup: int, axis_name) -> jax.Array:
     Inside shard_map: ``fastest_mask(delays, num_backup)[axis_index]``, the
     ``include`` argument of :func:`dense_mean`, :func:`sparse_mean` and
     :func:`exchange_mean`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda d: include_fastest(d, 0, "data")[None],
+      ...     mesh=mesh, in_specs=P(), out_specs=P("data")))
+      >>> f(jnp.array([2.5])).tolist()  # no backup workers: every device is included
+      [True]
     """
     return fastest_mask(delays, num_backup)[lax.axis_index(axis_name)]
 
@@ -428,6 +470,10 @@ def server_link_bytes(push_nbytes: float, pull_nbytes: float, n_devices: int) ->
       dict with ``worker`` (push + pull on one worker's link) and
       ``server_in`` / ``server_out`` (what the server's link carries: the
       ``N - 1`` remote pushes in, ``N - 1`` pulls out).
+
+    Example:
+      >>> server_link_bytes(push_nbytes=10, pull_nbytes=40, n_devices=4)
+      {'worker': 50.0, 'server_in': 30.0, 'server_out': 120.0}
     """
     remote = max(n_devices - 1, 0)
     return {
@@ -460,6 +506,15 @@ def push_to_root(x: jax.Array, axis_name, *, root: int = 0) -> list:
 
     The list's entries are meaningful on ``root`` only (zeros elsewhere for
     remote entries); the parameter server's push.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: push_to_root(x, "data")[0], mesh=mesh, in_specs=P(), out_specs=P("data")))
+      >>> f(jnp.arange(3.0)).tolist()  # entry 0: device 0's x, as received on the root
+      [0.0, 1.0, 2.0]
     """
     n_dev = axis_size(axis_name)
     _check_root(root, n_dev)
@@ -467,7 +522,17 @@ def push_to_root(x: jax.Array, axis_name, *, root: int = 0) -> list:
 
 
 def pull_from_root(x: jax.Array, axis_name, *, root: int = 0) -> jax.Array:
-    """``root``'s ``x`` on every device (the parameter server's pull)."""
+    """``root``'s ``x`` on every device (the parameter server's pull).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: pull_from_root(x, "data"), mesh=mesh, in_specs=P(), out_specs=P("data")))
+      >>> f(jnp.arange(3.0)).tolist()
+      [0.0, 1.0, 2.0]
+    """
     n_dev = axis_size(axis_name)
     _check_root(root, n_dev)
     return _pull(x, axis_name, root, n_dev)
@@ -528,6 +593,16 @@ def server_sparse_mean(
     Returns:
       ``(mean, bytes)``: a worker's push ``capacity * (4 + itemsize)`` plus its
       pull ``size * itemsize``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda i, v: server_sparse_mean(i, v, 5, "data")[0],
+      ...     mesh=mesh, in_specs=P(), out_specs=P("data")))
+      >>> f(jnp.array([1, 3]), jnp.array([2.0, -4.0])).tolist()
+      [0.0, 2.0, 0.0, -4.0, 0.0]
     """
     n_dev = axis_size(axis_name)
     _check_root(root, n_dev)
@@ -567,6 +642,14 @@ def check_gossip_weights(weights: Sequence[float]) -> tuple[float, float, float]
 
     Raises:
       ValueError: anything else, naming ``weights``.
+
+    Example:
+      >>> check_gossip_weights([0.5, 0.25, 0.25])
+      (0.5, 0.25, 0.25)
+      >>> check_gossip_weights([0.5, 0.5, 0.5])
+      Traceback (most recent call last):
+          ...
+      ValueError: weights must be 3 non-negative numbers summing to 1, got [0.5, 0.5, 0.5]
     """
     bad = ValueError(f"weights must be 3 non-negative numbers summing to 1, got {weights!r}")
     try:
@@ -588,6 +671,15 @@ def ring_neighbours(x, axis_name):
     Raises:
       DecentralizedExchangeError: when traced by ``make_train_step``'s probe
         (replicated parameters): every gossip exchange goes through here.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: ring_neighbours(x, "data"), mesh=mesh, in_specs=P(), out_specs=P("data")))
+      >>> [v.tolist() for v in f(jnp.arange(3.0))]  # one device: both neighbours are itself
+      [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
     """
     if _vma._PROBING.get():  # noqa: SLF001 (the flag make_train_step sets while probing)
         raise DecentralizedExchangeError(

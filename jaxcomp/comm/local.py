@@ -140,6 +140,17 @@ def communicates(jaxpr) -> bool:
     True when it holds a collective over a mesh axis (``psum``, ``all_gather``,
     ``ppermute``, ...), also inside nested ``jit``, ``cond``, ``while_loop``,
     ``scan`` and custom-derivative calls; ``axis_index`` does not count.
+
+    Example:
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> communicates(jax.make_jaxpr(lambda x: x * 2)(1.0))
+      False
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> communicates(jax.make_jaxpr(f)(1.0))
+      True
     """
     return _communicates(getattr(jaxpr, "jaxpr", jaxpr), {})
 

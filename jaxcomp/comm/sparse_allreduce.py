@@ -91,6 +91,17 @@ class Exchanged(NamedTuple):
       returned_indices: int32 pairs to add back into this device's residual
         (``size`` = padding), or None when nothing is dropped.
       returned_values: their values (the message dtype), or None.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda i, v: exchange("sparse", i, v, 4, "data"),
+      ...     mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> out = f(jnp.array([0, 2], jnp.int32), jnp.array([1.0, 3.0]))
+      >>> out.update.tolist(), out.returned_indices is None
+      ([1.0, 0.0, 3.0, 0.0], True)
     """
 
     update: jax.Array
@@ -100,6 +111,12 @@ class Exchanged(NamedTuple):
 
 
 def is_power_of_two(n: int) -> bool:
+    """Whether ``n`` is a positive power of two (the recursive-doubling exchanges need it).
+
+    Example:
+      >>> is_power_of_two(8), is_power_of_two(6)
+      (True, False)
+    """
     return n >= 1 and n & (n - 1) == 0
 
 
@@ -113,7 +130,12 @@ def _check_power_of_two(name: str, n_dev: int) -> None:
 
 
 def gtopk_rounds(n_dev: int) -> int:
-    """Rounds of recursive doubling: ``log2 N``."""
+    """Rounds of recursive doubling: ``log2 N``.
+
+    Example:
+      >>> gtopk_rounds(8)
+      3
+    """
     return int(math.log2(n_dev)) if n_dev > 1 else 0
 
 
@@ -167,6 +189,16 @@ def gtopk_mean(indices, values, size: int, axis_name) -> Exchanged:
 
     Raises:
       ValueError: ``N`` not a power of two.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda i, v: gtopk_mean(i, v, 5, "data").update,
+      ...     mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> f(jnp.array([1, 3], jnp.int32), jnp.array([2.0, -4.0])).tolist()
+      [0.0, 2.0, 0.0, -4.0, 0.0]
     """
     n_dev = axis_size(axis_name)
     _check_power_of_two("gtopk", n_dev)
@@ -193,7 +225,12 @@ def gtopk_mean(indices, values, size: int, axis_name) -> Exchanged:
 
 
 def oktopk_capacities(cap: int, n_dev: int, slack: float = OKTOPK_SLACK) -> tuple[int, int]:
-    """``(per_peer, per_region)``: pairs sent to each region owner, pairs each owner keeps."""
+    """``(per_peer, per_region)``: pairs sent to each region owner, pairs each owner keeps.
+
+    Example:
+      >>> oktopk_capacities(100, 4)  # ceil(1.5 * 100 / 4), ceil(100 / 4)
+      (38, 25)
+    """
     per_peer = max(1, math.ceil(slack * cap / n_dev))
     per_region = max(1, math.ceil(cap / n_dev))
     return per_peer, per_region
@@ -234,6 +271,16 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
       :class:`Exchanged`: ``wire_bytes`` = all_to_all ``(N - 1) * per_peer``
       pairs + all-gather ``(N - 1) * per_region`` pairs + the histogram's
       all-reduce; about ``(slack + 1) (N - 1) / N`` messages.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda i, v: oktopk_mean(i, v, 5, "data").update,
+      ...     mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> f(jnp.array([1, 3], jnp.int32), jnp.array([2.0, -4.0])).tolist()
+      [0.0, 2.0, 0.0, -4.0, 0.0]
     """
     n_dev = axis_size(axis_name)
     slack = V.check_real("slack", slack, 0, low_open=True)
@@ -278,7 +325,12 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
 
 
 def scatter_capacity(cap: int, n_dev: int, slack: float = OKTOPK_SLACK) -> int:
-    """Pairs each device sends to each region owner in :func:`scatter_mean`."""
+    """Pairs each device sends to each region owner in :func:`scatter_mean`.
+
+    Example:
+      >>> scatter_capacity(100, 4)  # ceil(1.5 * 100 / 4)
+      38
+    """
     return max(1, math.ceil(slack * cap / n_dev))
 
 
@@ -369,6 +421,19 @@ def cyclic_mean(indices, values_at, size: int, axis_name, step) -> tuple[Exchang
     Returns:
       ``(Exchanged, leader_indices)``: what every device sent is its values
       at ``leader_indices``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> acc = jnp.array([0.0, 2.0, 0.5, -4.0, 0.0, 0.0])  # last entry: index 5 = padding
+      >>> def step(i):
+      ...     out, leader = cyclic_mean(i, lambda j: acc[j], 5, "data", jnp.int32(0))
+      ...     return out.update
+      >>> f = jax.jit(jax.shard_map(
+      ...     step, mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> f(jnp.array([1, 3], jnp.int32)).tolist()  # the leader's support only
+      [0.0, 2.0, 0.0, -4.0, 0.0]
     """
     n_dev = axis_size(axis_name)
     me = lax.axis_index(axis_name)
@@ -389,6 +454,11 @@ def sparcml_union_capacity(cap: int, size: int, n_dev: int, itemsize: int) -> in
     bytes ``sum_i min(2^i cap, U) (4 + itemsize)`` stay below a dense ring
     all-reduce's ``2 (N - 1) / N * size * itemsize``; at most ``N cap`` (every
     message full).
+
+    Example:
+      >>> # Largest U with 2 rounds of min(2^i 100, U) pairs of 8 bytes < 1.5 * 200 * 4 bytes.
+      >>> sparcml_union_capacity(100, 200, 4, 4)
+      74
     """
     dense = allreduce_bytes(size * itemsize, n_dev)
 
@@ -422,6 +492,16 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
 
     Raises:
       ValueError: ``N`` not a power of two.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda i, v: sparcml_mean(i, v, 5, "data").update,
+      ...     mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> f(jnp.array([1, 3], jnp.int32), jnp.array([2.0, -4.0])).tolist()
+      [0.0, 2.0, 0.0, -4.0, 0.0]
     """
     n_dev = axis_size(axis_name)
     _check_power_of_two("sparcml", n_dev)
@@ -555,6 +635,16 @@ def exchange(
 
     Returns:
       :class:`Exchanged`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda i, v: exchange("sparcml", i, v, 5, "data").update,
+      ...     mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> f(jnp.array([1, 3], jnp.int32), jnp.array([2.0, -4.0])).tolist()
+      [0.0, 2.0, 0.0, -4.0, 0.0]
     """
     from jaxcomp.comm import collectives  # noqa: PLC0415
 

@@ -83,6 +83,11 @@ class LinearCost:
       bytes_per_element: bytes one gradient element of the group costs on the
         wire (e.g. ``8 * ratio`` for (int32 index, float32 value) pairs at
         compression ratio ``ratio``); 1 for a cost per element.
+
+    Example:
+      >>> cost = LinearCost(alpha=1.0, beta=0.5, bytes_per_element=2.0)
+      >>> cost(10)  # 1 + 0.5 * (2 * 10)
+      11.0
     """
 
     alpha: float
@@ -101,10 +106,11 @@ def linear_cost(alpha: float, beta: float, bytes_per_element: float = 1.0) -> Li
     top-k message of (int32 index, float32 value) pairs at ratio 1e-3 (8 bytes
     per sent element, ``8e-3`` per gradient element):
 
-    >>> from jaxcomp import planning
-    >>> t_c = planning.linear_cost(50e-6, 1 / 1.25e9, 8 * 1e-3)
-    >>> round(t_c(1_000_000) * 1e6, 1)  # microseconds for a 1M-element group
-    56.4
+    Example:
+      >>> from jaxcomp import planning
+      >>> t_c = planning.linear_cost(50e-6, 1 / 1.25e9, 8 * 1e-3)
+      >>> round(t_c(1_000_000) * 1e6, 1)  # microseconds for a 1M-element group
+      56.4
 
     Args:
       alpha: cost per call, finite and >= 0.
@@ -228,7 +234,16 @@ def _check_groups(groups, num_layers: int) -> tuple[tuple[int, ...], ...]:
 
 
 class GroupSchedule(NamedTuple):
-    """When one group's backward, sparsification and send run (see :func:`timeline`)."""
+    """When one group's backward, sparsification and send run (see :func:`timeline`).
+
+    Example:
+      >>> from jaxcomp import planning
+      >>> t_s, t_c = planning.linear_cost(0.0, 0.0), planning.linear_cost(2.0, 0.0)
+      >>> tl = planning.timeline([(0,), (1,)], [1, 1], [1, 1], 0, t_s, t_c)
+      >>> g = tl.schedule[1]  # backward 1..2, then waits for the link (busy until 3)
+      >>> g.layers, g.backward_end, g.comm_start, g.comm_end
+      ((1,), 2.0, 3.0, 5.0)
+    """
 
     layers: tuple[int, ...]
     size: int
@@ -246,6 +261,13 @@ class Timeline(NamedTuple):
     Attributes:
       time: the iteration time ``t_iter`` (the last send's end).
       schedule: one :class:`GroupSchedule` per group, in backward order.
+
+    Example:
+      >>> from jaxcomp import planning
+      >>> t_s, t_c = planning.linear_cost(0.0, 0.0), planning.linear_cost(2.0, 0.0)
+      >>> tl = planning.timeline([(0,), (1,)], [1, 1], [1, 1], 0, t_s, t_c)
+      >>> tl.time, len(tl.schedule)  # sends 1..3 and 3..5
+      (5.0, 2)
     """
 
     time: float
@@ -267,19 +289,20 @@ def timeline(groups, sizes, t_b, t_f, t_s: CostFn, t_c: CostFn) -> Timeline:
     the previous send have ended. With one group per layer this is exactly the
     paper's per-layer recursion.
 
-    >>> from jaxcomp import planning
-    >>> t_s = planning.linear_cost(1.0, 0.0)   # 1 per sparsification call
-    >>> t_c = planning.linear_cost(4.0, 1.0)   # 4 per send + 1 per element
-    >>> tl = planning.timeline([(0,), (1, 2)], [2, 1, 1], [3, 3, 3], 5, t_s, t_c)
-    >>> tl.time
-    22.0
-    >>> [(g.backward_start, g.sparsify_end, g.comm_start, g.comm_end) for g in tl.schedule]
-    [(5.0, 9.0, 9.0, 15.0), (9.0, 16.0, 16.0, 22.0)]
+    Example:
+      >>> from jaxcomp import planning
+      >>> t_s = planning.linear_cost(1.0, 0.0)   # 1 per sparsification call
+      >>> t_c = planning.linear_cost(4.0, 1.0)   # 4 per send + 1 per element
+      >>> tl = planning.timeline([(0,), (1, 2)], [2, 1, 1], [3, 3, 3], 5, t_s, t_c)
+      >>> tl.time
+      22.0
+      >>> [(g.backward_start, g.sparsify_end, g.comm_start, g.comm_end) for g in tl.schedule]
+      [(5.0, 9.0, 9.0, 15.0), (9.0, 16.0, 16.0, 22.0)]
 
-    The first group runs its backward from 5 to 8, is sparsified until 9 and
-    sent until 15 (4 + 2 elements); the second runs two backwards (9..15),
-    is sparsified until 16 and sent from 16 (the link is free since 15)
-    until 22.
+      The first group runs its backward from 5 to 8, is sparsified until 9 and
+      sent until 15 (4 + 2 elements); the second runs two backwards (9..15),
+      is sparsified until 16 and sent from 16 (the link is free since 15)
+      until 22.
 
     Args:
       groups: tuple of tuples of layer positions, contiguous, covering
@@ -336,6 +359,13 @@ class MergePlan:
         several layers is sparsified and sent as one tensor.
       time: predicted iteration time of this grouping (:func:`timeline`).
       method: the planner that made it (one of :data:`METHODS`).
+
+    Example:
+      >>> from jaxcomp import planning
+      >>> t_s, t_c = planning.linear_cost(0.0, 0.0), planning.linear_cost(2.0, 0.0)
+      >>> plan = planning.merge_all([1, 1], [1, 1], 0, t_s, t_c)
+      >>> plan.groups, plan.time, plan.method
+      (((0, 1),), 4.0, 'all')
     """
 
     groups: tuple[tuple[int, ...], ...]
@@ -357,6 +387,14 @@ def no_merge(sizes, t_b, t_f, t_s: CostFn, t_c: CostFn) -> MergePlan:
     """Every layer its own group (layer-wise sparsification without merging).
 
     Arguments and errors as :func:`timeline`'s.
+
+    Example:
+      >>> from jaxcomp import planning
+      >>> t_s = planning.linear_cost(0.0, 0.0)   # free sparsification
+      >>> t_c = planning.linear_cost(2.0, 0.0)   # a send costs 2 whatever its size
+      >>> plan = planning.no_merge([1, 1], [1, 1], 0, t_s, t_c)
+      >>> plan.groups, plan.time  # sends 1..3 and 3..5
+      (((0,), (1,)), 5.0)
     """
     prob = _problem(sizes, t_b, t_f, t_s, t_c)
     return _plan(prob, [(p,) for p in range(len(prob.sizes))], "none")
@@ -366,6 +404,13 @@ def merge_all(sizes, t_b, t_f, t_s: CostFn, t_c: CostFn) -> MergePlan:
     """All layers in one group (one sparsification and one send after the whole backward).
 
     Arguments and errors as :func:`timeline`'s.
+
+    Example:
+      >>> from jaxcomp import planning
+      >>> t_s = planning.linear_cost(0.0, 0.0)   # free sparsification
+      >>> t_c = planning.linear_cost(2.0, 0.0)   # a send costs 2 whatever its size
+      >>> planning.merge_all([1, 1], [1, 1], 0, t_s, t_c).time  # backward 0..2, one send 2..4
+      4.0
     """
     prob = _problem(sizes, t_b, t_f, t_s, t_c)
     return _plan(prob, [tuple(range(len(prob.sizes)))], "all")
@@ -384,12 +429,13 @@ def greedy_merge(sizes, t_b, t_f, t_s: CostFn, t_c: CostFn) -> MergePlan:
     (:func:`optimal_merge`): one merge that alone does not pay can enable
     later ones that do.
 
-    >>> from jaxcomp import planning
-    >>> t_s = planning.linear_cost(0.0, 0.0)     # free sparsification
-    >>> t_c = planning.linear_cost(10.0, 0.0)    # a send costs 10 whatever its size
-    >>> plan = planning.greedy_merge([5, 5, 5, 5], [1, 1, 1, 1], 0, t_s, t_c)
-    >>> plan.groups, plan.time
-    (((0, 1, 2, 3),), 14.0)
+    Example:
+      >>> from jaxcomp import planning
+      >>> t_s = planning.linear_cost(0.0, 0.0)     # free sparsification
+      >>> t_c = planning.linear_cost(10.0, 0.0)    # a send costs 10 whatever its size
+      >>> plan = planning.greedy_merge([5, 5, 5, 5], [1, 1, 1, 1], 0, t_s, t_c)
+      >>> plan.groups, plan.time
+      (((0, 1, 2, 3),), 14.0)
 
     Args:
       sizes, t_b, t_f, t_s, t_c: as for :func:`timeline`.
@@ -475,15 +521,16 @@ def optimal_merge(sizes, t_b, t_f, t_s: CostFn, t_c: CostFn) -> MergePlan:
     pairs). Typical run time: tens of milliseconds for ResNet-20 (65 leaves),
     well under a second for L = 200.
 
-    >>> from jaxcomp import planning
-    >>> t_s = planning.linear_cost(1.0, 0.0)    # 1 per sparsification call
-    >>> t_c = planning.linear_cost(3.0, 0.5)    # 3 per send + 0.5 per element
-    >>> args = ([4, 4, 4, 4], [2, 2, 2, 2], 0, t_s, t_c)
-    >>> best = planning.optimal_merge(*args)
-    >>> best.groups, best.time
-    (((0,), (1, 2, 3)), 19.0)
-    >>> planning.no_merge(*args).time, planning.merge_all(*args).time
-    (23.0, 20.0)
+    Example:
+      >>> from jaxcomp import planning
+      >>> t_s = planning.linear_cost(1.0, 0.0)    # 1 per sparsification call
+      >>> t_c = planning.linear_cost(3.0, 0.5)    # 3 per send + 0.5 per element
+      >>> args = ([4, 4, 4, 4], [2, 2, 2, 2], 0, t_s, t_c)
+      >>> best = planning.optimal_merge(*args)
+      >>> best.groups, best.time
+      (((0,), (1, 2, 3)), 19.0)
+      >>> planning.no_merge(*args).time, planning.merge_all(*args).time
+      (23.0, 20.0)
 
     Args:
       sizes, t_b, t_f, t_s, t_c: as for :func:`timeline`.
@@ -544,10 +591,11 @@ def optimal_merge(sizes, t_b, t_f, t_s: CostFn, t_c: CostFn) -> MergePlan:
 def plan_merge(sizes, t_b, t_f, t_s: CostFn, t_c: CostFn, method: str = "optimal") -> MergePlan:
     """A merge plan by name: ``"optimal"``, ``"greedy"``, ``"none"`` or ``"all"``.
 
-    >>> from jaxcomp import planning
-    >>> cost = planning.linear_cost(1.0, 0.0)
-    >>> planning.plan_merge([1, 1], [1, 1], 0, cost, cost, method="all").groups
-    ((0, 1),)
+    Example:
+      >>> from jaxcomp import planning
+      >>> cost = planning.linear_cost(1.0, 0.0)
+      >>> planning.plan_merge([1, 1], [1, 1], 0, cost, cost, method="all").groups
+      ((0, 1),)
 
     Args:
       sizes, t_b, t_f, t_s, t_c: as for :func:`timeline`.

@@ -66,6 +66,14 @@ class Layer:
       paths: ``jax.tree_util.keystr`` paths of the layer's leaves, in the
         order the module created them.
       size: total element count of the leaves.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import planning
+      >>> params = {"d1": {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}}
+      >>> layer = planning.model_layers(params)[0]
+      >>> layer.name, layer.size  # 12 + 3 elements
+      ("['d1']", 15)
     """
 
     name: str
@@ -112,12 +120,13 @@ def model_layers(params) -> tuple[Layer, ...]:
     module holding both parameters and submodules) is placed at its first
     leaf.
 
-    >>> import jax.numpy as jnp
-    >>> from jaxcomp import planning
-    >>> params = {"z": {"kernel": jnp.ones((2, 3)), "bias": jnp.ones(3)},
-    ...           "a": {"kernel": jnp.ones((3, 1)), "bias": jnp.ones(1)}}
-    >>> [(l.name, l.size) for l in planning.model_layers(params)]
-    [("['z']", 9), ("['a']", 4)]
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import planning
+      >>> params = {"z": {"kernel": jnp.ones((2, 3)), "bias": jnp.ones(3)},
+      ...           "a": {"kernel": jnp.ones((3, 1)), "bias": jnp.ones(1)}}
+      >>> [(l.name, l.size) for l in planning.model_layers(params)]
+      [("['z']", 9), ("['a']", 4)]
 
     Args:
       params: a pytree of arrays (e.g. ``model.init(...)["params"]``).
@@ -170,6 +179,15 @@ class BackwardProfile:
       flops_b: with ``method="flops"``, the flops each layer adds (backward
         order); None with ``method="time"``.
       flops_f: with ``method="flops"``, the forward's flops; else None.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import planning
+      >>> params = {"d1": {"w": jnp.ones((4, 3))}, "d2": {"w": jnp.ones((3, 2))}}
+      >>> loss = lambda p, x: jnp.sum((x @ p["d1"]["w"]) @ p["d2"]["w"])
+      >>> prof = planning.profile_backward(loss, params, jnp.ones((2, 4)), method="flops")
+      >>> prof.sizes, prof.method, len(prof.t_b)  # backward order: d2 first
+      ((6, 12), 'flops', 2)
     """
 
     layers: tuple[Layer, ...]
@@ -251,15 +269,16 @@ def profile_backward(
     Flops ignore memory traffic, so layers that are cheap in flops but move
     much data (normalisations, element-wise ops) get less than their share.
 
-    >>> import jax.numpy as jnp
-    >>> from jaxcomp import planning
-    >>> params = {"dense1": {"w": jnp.ones((32, 64))}, "dense2": {"w": jnp.ones((64, 8))}}
-    >>> loss = lambda p, x: jnp.sum((x @ p["dense1"]["w"]) @ p["dense2"]["w"])
-    >>> prof = planning.profile_backward(loss, params, jnp.ones((16, 32)), method="flops")
-    >>> [layer.name for layer in prof.layers], prof.sizes
-    (["['dense2']", "['dense1']"], (512, 2048))
-    >>> len(prof.t_b), all(t >= 0 for t in prof.t_b)
-    (2, True)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import planning
+      >>> params = {"dense1": {"w": jnp.ones((32, 64))}, "dense2": {"w": jnp.ones((64, 8))}}
+      >>> loss = lambda p, x: jnp.sum((x @ p["dense1"]["w"]) @ p["dense2"]["w"])
+      >>> prof = planning.profile_backward(loss, params, jnp.ones((16, 32)), method="flops")
+      >>> [layer.name for layer in prof.layers], prof.sizes
+      (["['dense2']", "['dense1']"], (512, 2048))
+      >>> len(prof.t_b), all(t >= 0 for t in prof.t_b)
+      (2, True)
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``, jit-able.
@@ -392,10 +411,11 @@ def _real_vector(name: str, values) -> np.ndarray:
 def fit_sparsify_cost(sizes, seconds) -> merge_lib.LinearCost:
     """Least-squares fit of ``seconds ~ a + b * n`` with ``a, b >= 0``.
 
-    >>> from jaxcomp import planning
-    >>> cost = planning.fit_sparsify_cost([1000, 2000, 4000], [3e-5, 5e-5, 9e-5])
-    >>> round(cost.alpha * 1e6, 6), round(cost.beta * 1e9, 6)  # 10 us + 20 ns per element
-    (10.0, 20.0)
+    Example:
+      >>> from jaxcomp import planning
+      >>> cost = planning.fit_sparsify_cost([1000, 2000, 4000], [3e-5, 5e-5, 9e-5])
+      >>> round(cost.alpha * 1e6, 6), round(cost.beta * 1e9, 6)  # 10 us + 20 ns per element
+      (10.0, 20.0)
 
     Args:
       sizes: element counts (at least two distinct), >= 0.
@@ -453,10 +473,11 @@ def measure_sparsify_cost(
       repeats: timed runs per size, >= 1.
       seed: the data's seed.
 
-    >>> from jaxcomp import planning
-    >>> cost = planning.measure_sparsify_cost("top_k", ratio=0.01, sizes=(1024, 4096), repeats=1)
-    >>> cost.alpha >= 0 and cost.beta >= 0
-    True
+    Example:
+      >>> from jaxcomp import planning
+      >>> cost = planning.measure_sparsify_cost("top_k", ratio=0.01, sizes=(1024, 4096), repeats=1)
+      >>> cost.alpha >= 0 and cost.beta >= 0
+      True
 
     Returns:
       :func:`fit_sparsify_cost` of the medians (seconds).
@@ -519,17 +540,18 @@ def load_sparsify_cost(
     times it) and ``step_ms`` (the whole compress step of one tensor:
     accumulate, select, extract the message, update the residual).
 
-    >>> import json, os, tempfile
-    >>> from jaxcomp import planning
-    >>> ms = {n: 0.01 + 1e-6 * n for n in (1024, 4096, 16384)}  # a cut-down bench_selection.json
-    >>> rows = [{"data": "laplace", "n": n, "methods": {"ldte_bs": {"threshold_ms": t}}}
-    ...         for n, t in ms.items()]
-    >>> path = os.path.join(tempfile.mkdtemp(), "bench_selection.json")
-    >>> with open(path, "w") as f:
-    ...     json.dump({"meta": {}, "results": rows}, f)
-    >>> cost = planning.load_sparsify_cost(path, "ldte_bs")
-    >>> round(cost.alpha * 1e6, 6), round(cost.beta * 1e9, 6)  # 10 us + 1 ns per element
-    (10.0, 1.0)
+    Example:
+      >>> import json, os, tempfile
+      >>> from jaxcomp import planning
+      >>> ms = {n: 0.01 + 1e-6 * n for n in (1024, 4096, 16384)}  # a cut-down bench_selection.json
+      >>> rows = [{"data": "laplace", "n": n, "methods": {"ldte_bs": {"threshold_ms": t}}}
+      ...         for n, t in ms.items()]
+      >>> path = os.path.join(tempfile.mkdtemp(), "bench_selection.json")
+      >>> with open(path, "w") as f:
+      ...     json.dump({"meta": {}, "results": rows}, f)
+      >>> cost = planning.load_sparsify_cost(path, "ldte_bs")
+      >>> round(cost.alpha * 1e6, 6), round(cost.beta * 1e9, 6)  # 10 us + 1 ns per element
+      (10.0, 1.0)
 
     Args:
       path: the JSON file.
@@ -583,6 +605,21 @@ class ModelPlan:
         pass to ``jaxcomp.ldte_bs(..., groups=model_plan.groups)``.
       t_s: the sparsification cost used.
       t_c: the communication cost used.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp import planning
+      >>> params = {"d1": {"w": jnp.ones((4, 3))}, "d2": {"w": jnp.ones((3, 2))}}
+      >>> loss = lambda p, x: jnp.sum((x @ p["d1"]["w"]) @ p["d2"]["w"])
+      >>> x = jnp.ones((2, 4))
+      >>> mp = planning.plan_for_model(
+      ...     loss, params, x, ratio=0.1,
+      ...     t_s=planning.linear_cost(0.0, 0.0), t_c=planning.linear_cost(1.0, 0.0),
+      ...     profile=planning.profile_backward(loss, params, x, method="flops"))
+      >>> mp.groups  # a send costs 1 s: one group, last layer first
+      (("['d2']['w']", "['d1']['w']"),)
+      >>> mp.plan.groups
+      ((0, 1),)
     """
 
     plan: merge_lib.MergePlan
@@ -630,30 +667,33 @@ def plan_for_model(
 ) -> ModelPlan:
     """Profiles a model, plans its layer merging, and returns the sparsifier's groups.
 
-    >>> import jax, jax.numpy as jnp, optax
-    >>> import flax.linen as nn
-    >>> import jaxcomp
-    >>> from jaxcomp import planning
-    >>> class MLP(nn.Module):
-    ...     @nn.compact
-    ...     def __call__(self, x):
-    ...         h = nn.relu(nn.Dense(16)(x))
-    ...         return nn.Dense(3)(h)
-    >>> model = MLP()
-    >>> x, y = jnp.ones((8, 4)), jnp.zeros(8, jnp.int32)
-    >>> params = model.init(jax.random.key(0), x)["params"]
-    >>> def loss_fn(p, batch):
-    ...     logits = model.apply({"params": p}, batch[0])
-    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
-    >>> plan = planning.plan_for_model(
-    ...     loss_fn, params, (x, y), ratio=0.1,
-    ...     t_s=planning.linear_cost(1e-5, 1e-9), t_c=planning.linear_cost(1.0, 0.0),
-    ...     profile=planning.profile_backward(loss_fn, params, (x, y), method="flops"))
-    >>> len(plan.groups)  # a send costs 1 s: everything in one group
-    1
-    >>> plan.groups[0]  # the last layer's leaves first
-    ("['Dense_1']['kernel']", "['Dense_1']['bias']", "['Dense_0']['kernel']", "['Dense_0']['bias']")
-    >>> tx = jaxcomp.top_k(ratio=0.1, groups=plan.groups)
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import flax.linen as nn
+      >>> import jaxcomp
+      >>> from jaxcomp import planning
+      >>> class MLP(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         h = nn.relu(nn.Dense(16)(x))
+      ...         return nn.Dense(3)(h)
+      >>> model = MLP()
+      >>> x, y = jnp.ones((8, 4)), jnp.zeros(8, jnp.int32)
+      >>> params = model.init(jax.random.key(0), x)["params"]
+      >>> def loss_fn(p, batch):
+      ...     logits = model.apply({"params": p}, batch[0])
+      ...     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+      >>> plan = planning.plan_for_model(
+      ...     loss_fn, params, (x, y), ratio=0.1,
+      ...     t_s=planning.linear_cost(1e-5, 1e-9), t_c=planning.linear_cost(1.0, 0.0),
+      ...     profile=planning.profile_backward(loss_fn, params, (x, y), method="flops"))
+      >>> len(plan.groups)  # a send costs 1 s: everything in one group
+      1
+      >>> plan.groups[0]  # the last layer's leaves first
+      ... # doctest: +NORMALIZE_WHITESPACE
+      ("['Dense_1']['kernel']", "['Dense_1']['bias']",
+       "['Dense_0']['kernel']", "['Dense_0']['bias']")
+      >>> tx = jaxcomp.top_k(ratio=0.1, groups=plan.groups)
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (see :func:`profile_backward`).

@@ -116,8 +116,9 @@ _INDEX_ITEMSIZE = 4
 def gbps(gigabits_per_second: float) -> float:
     """Bytes per second of a link of ``gigabits_per_second`` (1 Gbps = 1.25e8 B/s).
 
-    >>> gbps(1), gbps(10)
-    (125000000.0, 1250000000.0)
+    Example:
+      >>> gbps(1), gbps(10)
+      (125000000.0, 1250000000.0)
     """
     return V.check_real("gigabits_per_second", gigabits_per_second, 0, low_open=True) * 1e9 / 8
 
@@ -154,12 +155,13 @@ class Cluster:
         also crosses it once, not overlapped (an upper bound). None: no
         staging.
 
-    >>> Cluster(nodes=4, gpus_per_node=4).workers
-    16
-    >>> Cluster(nodes=0)
-    Traceback (most recent call last):
-    ...
-    ValueError: nodes must be an integer >= 1, got 0
+    Example:
+      >>> Cluster(nodes=4, gpus_per_node=4).workers
+      16
+      >>> Cluster(nodes=0)
+      Traceback (most recent call last):
+      ...
+      ValueError: nodes must be an integer >= 1, got 0
     """
 
     nodes: int = 1
@@ -224,8 +226,9 @@ class Workload:
       batch_size: samples per GPU per iteration (``B``).
       itemsize: bytes per gradient value (4 for float32).
 
-    >>> Workload(batch_time=0.5, gradient_elements=[3, 4]).elements
-    7
+    Example:
+      >>> Workload(batch_time=0.5, gradient_elements=[3, 4]).elements
+      7
     """
 
     batch_time: float
@@ -280,6 +283,13 @@ class Method:
       message: ``"rle"`` (the paper's run-length format,
         :func:`rle_message_bytes`) or ``"pairs"`` (int32 index + value, what
         jaxcomp's all-gather moves).
+
+    Example:
+      >>> m = Method("my_topk", ratio=0.01, message="pairs")
+      >>> m.sparse, m.exchange
+      (True, 'allgather')
+      >>> sparse_message_bytes(m, Workload(1.0, 10**4))  # 100 (int32, float32) pairs
+      800.0
     """
 
     name: str
@@ -314,7 +324,12 @@ class Method:
 
 
 def dense_sgd(exchange: str = "allreduce", name: str | None = None) -> Method:
-    """Uncompressed data-parallel SGD (ring all-reduce, or ``exchange="server"``)."""
+    """Uncompressed data-parallel SGD (ring all-reduce, or ``exchange="server"``).
+
+    Example:
+      >>> dense_sgd().ratio, dense_sgd().exchange, dense_sgd("server").name
+      (None, 'allreduce', 'dense_server')
+    """
     return Method(
         name or ("dense_sgd" if exchange == "allreduce" else "dense_server"),
         None,
@@ -324,7 +339,15 @@ def dense_sgd(exchange: str = "allreduce", name: str | None = None) -> Method:
 
 
 def top_k(ratio: float = 1e-3, compression_time: CompressionTime = 0.0, **kw) -> Method:
-    """RGC with exact top-k selection (``lax.top_k``; radixSelect on the paper's GPUs)."""
+    """RGC with exact top-k selection (``lax.top_k``; radixSelect on the paper's GPUs).
+
+    Example:
+      >>> cluster = Cluster(nodes=1, gpus_per_node=2, intra_bandwidth=1e9)
+      >>> work = Workload(batch_time=0.1, gradient_elements=10**6)
+      >>> t = iteration_time(top_k(1e-3, compression_time=0.01, message="pairs"), cluster, work)
+      >>> t.compression, t.communication  # 1000 pairs of 8 bytes to 1 peer at 1 GB/s
+      (0.01, 8e-06)
+    """
     return Method(kw.pop("name", "top_k"), ratio, compression_time, **kw)
 
 
@@ -335,17 +358,34 @@ def naive_rgc(ratio: float = 1e-3, compression_time: CompressionTime = 0.0, **kw
     selection and LDTE-BS, then compares LDTE-BS with "naive RGC and DGC":
     naive RGC is exact top-k selection, the same model as :func:`top_k` under
     the paper's name.
+
+    Example:
+      >>> m = naive_rgc(1e-3)
+      >>> m.name, m.ratio
+      ('naive_rgc', 0.001)
     """
     return Method(kw.pop("name", "naive_rgc"), ratio, compression_time, **kw)
 
 
 def dgc(ratio: float = 1e-3, compression_time: CompressionTime = 0.0, **kw) -> Method:
-    """RGC with DGC's hierarchical (sampled) selection."""
+    """RGC with DGC's hierarchical (sampled) selection.
+
+    Example:
+      >>> m = dgc(0.01)
+      >>> m.name, m.ratio, m.exchange
+      ('dgc', 0.01, 'allgather')
+    """
     return Method(kw.pop("name", "dgc"), ratio, compression_time, **kw)
 
 
 def ldte_bs(ratio: float = 1e-3, compression_time: CompressionTime = 0.0, **kw) -> Method:
-    """RGC with LDTE-BS selection (``nnz`` in ``[k, 1.5 k]``; ``fill`` says where)."""
+    """RGC with LDTE-BS selection (``nnz`` in ``[k, 1.5 k]``; ``fill`` says where).
+
+    Example:
+      >>> m = ldte_bs(1e-3, fill=1.5)  # LDTE-BS's worst case: 1.5 k sent per bucket
+      >>> m.name, m.fill
+      ('ldte_bs', 1.5)
+    """
     return Method(kw.pop("name", "ldte_bs"), ratio, compression_time, **kw)
 
 
@@ -366,12 +406,14 @@ def rle_message_bytes(k: int, n: int) -> int:
     ``2 (n - k) / 65535`` bytes over otherwise (0.003% of the dense size).
     ``k = 0`` is the 4-byte count alone.
 
-    >>> import numpy as np
-    >>> from jaxcomp import coding
-    >>> rle_message_bytes(1000, 10**6)  # 4 + 6000 + 2 * 15
-    6034
-    >>> len(coding.encode_sparse(np.arange(10**6 - 1000, 10**6), np.ones(1000, np.float32), 10**6))
-    6034
+    Example:
+      >>> import numpy as np
+      >>> from jaxcomp import coding
+      >>> rle_message_bytes(1000, 10**6)  # 4 + 6000 + 2 * 15
+      6034
+      >>> idx, val = np.arange(10**6 - 1000, 10**6), np.ones(1000, np.float32)
+      >>> len(coding.encode_sparse(idx, val, 10**6))
+      6034
     """
     n = V.check_int("n", n, 0)
     k = V.check_int("k", k, 0, n)
@@ -381,10 +423,11 @@ def rle_message_bytes(k: int, n: int) -> int:
 def sparse_message_bytes(method: Method, workload: Workload) -> float:
     """Bytes of one GPU's sparse message for ``workload`` (summed over buckets).
 
-    >>> sparse_message_bytes(ldte_bs(1e-3), Workload(1.0, 10**6))
-    6034.0
-    >>> sparse_message_bytes(ldte_bs(1e-3, message="pairs"), Workload(1.0, 10**6))
-    8000.0
+    Example:
+      >>> sparse_message_bytes(ldte_bs(1e-3), Workload(1.0, 10**6))
+      6034.0
+      >>> sparse_message_bytes(ldte_bs(1e-3, message="pairs"), Workload(1.0, 10**6))
+      8000.0
     """
     if not method.sparse:
         raise ValueError(f"method {method.name!r} is dense: it sends no sparse message")
@@ -421,10 +464,11 @@ def allreduce_time(
     ``R`` is the rounds of each half: ``p - 1`` for the ring,
     ``ceil(log2 p)`` for recursive halving then doubling (Rabenseifner's).
 
-    >>> allreduce_time(2, 1e6, 1e9, 1e-5)  # 1 MB over 1 GB/s: 1 ms, plus 2 latencies
-    0.00102
-    >>> round(allreduce_time(64, 0, 1e9, 1e-5, algorithm="doubling"), 6)  # 2 x 6 rounds
-    0.00012
+    Example:
+      >>> allreduce_time(2, 1e6, 1e9, 1e-5)  # 1 MB over 1 GB/s: 1 ms, plus 2 latencies
+      0.00102
+      >>> round(allreduce_time(64, 0, 1e9, 1e-5, algorithm="doubling"), 6)  # 2 x 6 rounds
+      0.00012
     """
     p = _peers("peers", peers)
     nbytes, bandwidth = _nonneg("nbytes", nbytes), _positive("bandwidth", bandwidth)
@@ -439,8 +483,9 @@ def allgather_time(
 
     ``R``: ``p - 1`` rounds for the ring, ``ceil(log2 p)`` for recursive doubling.
 
-    >>> allgather_time(3, 1e6, 1e9)
-    0.002
+    Example:
+      >>> allgather_time(3, 1e6, 1e9)
+      0.002
     """
     p = _peers("peers", peers)
     nbytes, bandwidth = _nonneg("nbytes", nbytes), _positive("bandwidth", bandwidth)
@@ -457,8 +502,9 @@ def server_time(
     ``(p-1)`` pushes in and ``(p-1)`` pulls out; links are full duplex, so
     ``max(in, out) / bandwidth + 2 * latency`` (push, then pull).
 
-    >>> server_time(3, 1e6, 1e6, 1e9)  # 2 MB in, 2 MB out, concurrently
-    0.002
+    Example:
+      >>> server_time(3, 1e6, 1e6, 1e9)  # 2 MB in, 2 MB out, concurrently
+      0.002
     """
     p = _peers("peers", peers)
     _positive("bandwidth", bandwidth)
@@ -486,6 +532,13 @@ class IterationTime(NamedTuple):
       communication: exchanging the gradient (intra + inter node).
       total: ``compute + compression + communication``, or with overlap
         ``max(compute + compression, communication)``.
+
+    Example:
+      >>> cluster = Cluster(nodes=1, gpus_per_node=2, intra_bandwidth=1e9)
+      >>> work = Workload(batch_time=0.1, gradient_elements=10**6)
+      >>> t = iteration_time(dense_sgd(), cluster, work)
+      >>> t.compute, t.compression, t.communication  # 2 * 1/2 * 4 MB / 1 GB/s
+      (0.1, 0.0, 0.004)
     """
 
     compute: float
@@ -553,13 +606,14 @@ def iteration_time(
     Returns:
       :class:`IterationTime`. With one GPU in total nothing is communicated.
 
-    >>> c = Cluster(nodes=2, gpus_per_node=1, inter_bandwidth=1e9)
-    >>> w = Workload(batch_time=0.1, gradient_elements=10**6)
-    >>> t = iteration_time(dense_sgd(), c, w)  # 2 * 1/2 * 4 MB / 1 GB/s
-    >>> t.communication, round(t.total, 9)
-    (0.004, 0.104)
-    >>> round(iteration_time(ldte_bs(1e-3, 0.001), c, w).communication * 1e6, 6)  # 6034 bytes
-    6.034
+    Example:
+      >>> c = Cluster(nodes=2, gpus_per_node=1, inter_bandwidth=1e9)
+      >>> w = Workload(batch_time=0.1, gradient_elements=10**6)
+      >>> t = iteration_time(dense_sgd(), c, w)  # 2 * 1/2 * 4 MB / 1 GB/s
+      >>> t.communication, round(t.total, 9)
+      (0.004, 0.104)
+      >>> round(iteration_time(ldte_bs(1e-3, 0.001), c, w).communication * 1e6, 6)  # 6034 bytes
+      6.034
     """
     _check_types(method, cluster, workload)
     overlap = V.check_bool("overlap", overlap)
@@ -575,9 +629,10 @@ def throughput(
 ) -> float:
     """Samples per second: ``i * j * batch_size / T_iter``.
 
-    >>> throughput(dense_sgd(), Cluster(), Workload(batch_time=0.5, gradient_elements=10,
-    ...                                             batch_size=64))
-    128.0
+    Example:
+      >>> throughput(dense_sgd(), Cluster(), Workload(batch_time=0.5, gradient_elements=10,
+      ...                                             batch_size=64))
+      128.0
     """
     t = iteration_time(method, cluster, workload, overlap=overlap).total
     if t == 0:
@@ -593,10 +648,11 @@ def speedup(
     The paper's ``R_s`` is a speedup over conventional SGD; the ratio of two
     methods' speedups on one cluster does not depend on the baseline.
 
-    >>> c = Cluster(nodes=4, gpus_per_node=1, inter_bandwidth=1e9)
-    >>> w = Workload(batch_time=0.1, gradient_elements=10**6)
-    >>> round(speedup(dense_sgd(), c, w), 3)  # 4 * 0.1 / (0.1 + 2 * 3/4 * 4e-3)
-    3.774
+    Example:
+      >>> c = Cluster(nodes=4, gpus_per_node=1, inter_bandwidth=1e9)
+      >>> w = Workload(batch_time=0.1, gradient_elements=10**6)
+      >>> round(speedup(dense_sgd(), c, w), 3)  # 4 * 0.1 / (0.1 + 2 * 3/4 * 4e-3)
+      3.774
     """
     one = Cluster(
         nodes=1,
@@ -628,6 +684,12 @@ class ExchangeDecision:
       compressed_time: predicted seconds of the best compressed exchange
         (compression included); ``inf`` when none was allowed.
       times: predicted seconds of every candidate, by exchange name.
+
+    Example:
+      >>> d = compression_pays(10**6, 8, bandwidth=1e9, ratio=1e-3)
+      >>> # dense: 2 * 7/8 * 4 MB / 1 GB/s; sparse: 7 * 1000 pairs * 8 B / 1 GB/s
+      >>> d.compress, d.exchange, d.dense_time, d.compressed_time
+      (True, 'sparse', 0.007, 5.6e-05)
     """
 
     compress: bool
@@ -708,12 +770,13 @@ def compression_pays(
       ValueError: an argument out of range (named), neither or both of
         ``capacity`` and ``ratio``, or an unknown exchange.
 
-    >>> slow = compression_pays(2**22, 8, bandwidth=gbps(1), ratio=1e-3, compression_time=2e-3)
-    >>> slow.compress, slow.exchange, round(slow.dense_time, 4), round(slow.compressed_time, 4)
-    (True, 'sparse', 0.2349, 0.0039)
-    >>> fast = compression_pays(2**22, 8, bandwidth=gbps(400), ratio=1e-3, compression_time=2e-3)
-    >>> fast.compress, fast.exchange, round(fast.dense_time * 1e3, 3)
-    (False, 'dense', 0.587)
+    Example:
+      >>> slow = compression_pays(2**22, 8, bandwidth=gbps(1), ratio=1e-3, compression_time=2e-3)
+      >>> slow.compress, slow.exchange, round(slow.dense_time, 4), round(slow.compressed_time, 4)
+      (True, 'sparse', 0.2349, 0.0039)
+      >>> fast = compression_pays(2**22, 8, bandwidth=gbps(400), ratio=1e-3, compression_time=2e-3)
+      >>> fast.compress, fast.exchange, round(fast.dense_time * 1e3, 3)
+      (False, 'dense', 0.587)
     """
     size = V.check_int("size", size, 1)
     n = V.check_int("n_devices", n_devices, 1)

@@ -58,6 +58,15 @@ class Selection(NamedTuple):
         for DGC, trimmed top-k and Gaussian-k; 0 for exact top-k).
       indices: for index-based selectors (``random_k``) the chosen indices,
         else ``None``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> sel = exact_top_k(x, 3)
+      >>> int(sel.count), int(sel.iterations), sel.indices is None
+      (3, 0, True)
+      >>> x[jnp.abs(x) > sel.threshold].tolist()  # the communication set
+      [-4.0, 3.0, 6.0]
     """
 
     threshold: jax.Array
@@ -67,7 +76,12 @@ class Selection(NamedTuple):
 
 
 def target_count(ratio: float, n: int) -> int:
-    """``k = max(1, ceil(ratio * n))`` clipped to ``n`` (0 for an empty tensor)."""
+    """``k = max(1, ceil(ratio * n))`` clipped to ``n`` (0 for an empty tensor).
+
+    Example:
+      >>> target_count(0.001, 10_000), target_count(0.001, 10), target_count(0.5, 0)
+      (10, 1, 0)
+    """
     if n == 0:
         return 0
     # The epsilon keeps 1e-3 * 1000 from rounding up to 2.
@@ -130,6 +144,15 @@ def exact_top_k(x: jax.Array, k: int) -> Selection:
 
     Returns:
       A :class:`Selection` with ``iterations == 0``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> sel = exact_top_k(x, 3)
+      >>> int(sel.count), x[jnp.abs(x) > sel.threshold].tolist()
+      (3, [-4.0, 3.0, 6.0])
+      >>> int(exact_top_k(jnp.array([2.0, 1.0, 1.0, 1.0]), 2).count)  # ties at the k-th all pass
+      4
     """
     a = _abs32(x)
     t = _just_below(_kth_largest(a, k))
@@ -137,14 +160,30 @@ def exact_top_k(x: jax.Array, k: int) -> Selection:
 
 
 def sort_top_k(x: jax.Array, k: int) -> Selection:
-    """Exact top-k through a full sort: the O(n log n) reference."""
+    """Exact top-k through a full sort: the O(n log n) reference.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> sel = sort_top_k(x, 3)
+      >>> int(sel.count), x[jnp.abs(x) > sel.threshold].tolist()
+      (3, [-4.0, 3.0, 6.0])
+    """
     a = _abs32(x)
     t = _just_below(jnp.sort(a)[a.shape[0] - k])
     return _selection(t, kernels.count_above(a, t))
 
 
 def fixed_threshold(x: jax.Array, k: int, *, threshold: float) -> Selection:
-    """ "fixed-v": a user-given threshold; ``k`` only sizes the caller's capacity."""
+    """ "fixed-v": a user-given threshold; ``k`` only sizes the caller's capacity.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> sel = fixed_threshold(x, 3, threshold=2.5)
+      >>> float(sel.threshold), int(sel.count)  # |x| > 2.5: -4, 3 and 6
+      (2.5, 3)
+    """
     del k
     # May be an injected (traced) hyperparameter.
     t = jnp.float32(V.check_real("threshold", threshold, 0.0, allow_traced=True))
@@ -340,6 +379,13 @@ def laplace_threshold(
 
     Returns:
       The float32 estimate, ``>= 0``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, math
+      >>> x = jax.random.laplace(jax.random.key(0), (100_000,))  # Laplace(0, 1)
+      >>> t = laplace_threshold(x, 100)  # P(|x| > t) = exp(-t) = 1e-3 at t = ln 1000
+      >>> round(float(t), 1), round(math.log(1000), 1)
+      (6.9, 6.9)
     """
     n = x.shape[0]
     xs = x if moment_sample is None else _strided_sample(x, moment_sample)
@@ -556,6 +602,14 @@ def binary_search(
       A :class:`Selection`; ``iterations`` counts probes. When no threshold
       lands in ``[k, upper * k]`` (ties) the result passes at least
       ``min(k, nnz)`` elements, as for :func:`ldte_bs`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> sel = binary_search(x, 3)  # accepts 3 <= count <= 4.5
+      >>> # Bisects [0, 6]: t = 3 passes 2 (too few), t = 1.5 passes 4.
+      >>> float(sel.threshold), int(sel.count), int(sel.iterations)
+      (1.5, 4, 2)
     """
     _check_search_options("bisect", upper, max_iters, delta)
     V.check_choice("start", start, ("zero", "mean"))
@@ -659,6 +713,13 @@ def dgc_sample(
     Returns:
       A :class:`Selection`; ``iterations`` counts the decay rounds plus one if
       the survivors' top-k ran.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> sel = dgc_sample(x, 3)
+      >>> int(sel.count), x[jnp.abs(x) > sel.threshold].tolist()
+      (3, [-4.0, 3.0, 6.0])
     """
     sample_ratio = V.check_ratio("sample_ratio", sample_ratio)
     V.check_real("decay", decay, 0.0, 1.0, low_open=True, high_open=True, allow_traced=True)
@@ -697,6 +758,14 @@ def trimmed_top_k(x: jax.Array, k: int, *, start: float = 0.8, step: float = 0.2
     Threshold ``mean + r * (max - mean)`` of ``|x|``, starting at ``r = start``
     and lowering ``r`` by ``step`` until at least ``k`` elements survive (down
     to ``r = 0``, then all nonzeros), then exact top-k among the survivors.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> # mean |x| = 2.25, max 6: r = 0.8, ..., 0.2 pass at most 2; r = 0 passes 3.
+      >>> sel = trimmed_top_k(x, 3)
+      >>> int(sel.count), int(sel.iterations), x[jnp.abs(x) > sel.threshold].tolist()
+      (3, 4, [-4.0, 3.0, 6.0])
     """
     start = V.check_real("start", start, 0.0, 1.0)
     step = V.check_real("step", step, 0.0, low_open=True)
@@ -758,6 +827,13 @@ def gaussian_k(
     Returns:
       A :class:`Selection`; ``iterations`` counts corrections plus search
       probes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> sel = gaussian_k(x, 3)
+      >>> int(sel.count), x[jnp.abs(x) > sel.threshold].tolist()
+      (3, [-4.0, 3.0, 6.0])
     """
     corrections = V.check_int("corrections", corrections, 0)
     n = x.shape[0]
@@ -824,6 +900,13 @@ def random_k(x: jax.Array, k: int, *, key: jax.Array) -> Selection:
     Draws are the top-k of i.i.d. uniform keys (every k-subset equally
     likely), so the cost is one ``lax.top_k`` over random numbers, independent
     of ``x``'s values. ``threshold`` is meaningless (0) and ``count == k``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.arange(10.0)
+      >>> sel = random_k(x, 3, key=jax.random.key(0))
+      >>> int(sel.count), len(set(sel.indices.tolist())), bool((sel.indices < 10).all())
+      (3, 3, True)
     """
     n = x.shape[0]
     u = jax.random.uniform(key, (n,))
@@ -832,6 +915,7 @@ def random_k(x: jax.Array, k: int, *, key: jax.Array) -> Selection:
     return sel._replace(indices=jnp.sort(idx).astype(jnp.int32))
 
 
+# The selector functions by name, as sparsify(selector=...) and get_selector take them.
 SELECTORS = {
     "top_k": exact_top_k,
     "sort_top_k": sort_top_k,
@@ -846,7 +930,16 @@ SELECTORS = {
 
 
 def get_selector(name: str):
-    """Returns the selector function registered under ``name``."""
+    """Returns the selector function registered under ``name``.
+
+    Example:
+      >>> get_selector("top_k") is exact_top_k
+      True
+      >>> get_selector("nope")
+      Traceback (most recent call last):
+          ...
+      ValueError: selector must be one of [...], got 'nope'
+    """
     try:
         return SELECTORS[name]
     except KeyError:

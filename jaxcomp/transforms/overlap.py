@@ -353,6 +353,24 @@ def value_and_compressed_grad(
       updates, opt_state)``: the loss value (as ``value_and_grad`` returns
       it), and ``tx.update``'s result with the sparsifier's work done in the
       backward pass.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(1.0))
+      >>> loss = lambda w, x: jnp.sum(w * x)
+      >>> f = value_and_compressed_grad(lambda fun: jax.value_and_grad(fun, argnums=(0, 1)),
+      ...                               tx, "data")
+      >>> def step(w, x):
+      ...     value, updates, _ = f(loss, w, tx.init(w), {}, x)
+      ...     return value, updates
+      >>> # check_vma=False, as in make_train_step: per-device gradients w.r.t. replicated w.
+      >>> g = jax.jit(jax.shard_map(
+      ...     step, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+      >>> value, updates = g(jnp.ones(2), jnp.array([1.0, -3.0]))
+      >>> float(value), updates.tolist()  # gradient x; top-1 kept, times -1 by sgd(1.0)
+      (-2.0, [-0.0, 3.0])
     """
 
     def run(loss_fn, params, opt_state, extra, *args, has_aux=False, **kwargs):

@@ -97,12 +97,13 @@ def matrix_plan(
     rank)``. Compressed when the leaf has at least two dimensions, more than
     ``min_dense_size`` elements and ``(n + m) r * min_compression_rate < n m``.
 
-    >>> matrix_plan((512, 256), 4), matrix_plan((256,), 4), matrix_plan((4, 4), 4)
-    ((512, 256, 4), None, None)
-    >>> matrix_plan((3, 3, 64, 128), 2), matrix_plan((3, 3, 64, 128), 2, reshape="last")
-    (None, (576, 128, 2))
+    Example:
+      >>> matrix_plan((512, 256), 4), matrix_plan((256,), 4), matrix_plan((4, 4), 4)
+      ((512, 256, 4), None, None)
+      >>> matrix_plan((3, 3, 64, 128), 2), matrix_plan((3, 3, 64, 128), 2, reshape="last")
+      (None, (576, 128, 2))
 
-    (A Flax kernel viewed as ``3 x 73728`` does not pay at rank 2: sent dense.)
+      (A Flax kernel viewed as ``3 x 73728`` does not pay at rank 2: sent dense.)
     """
     size = math.prod(shape)
     if len(shape) < 2 or size == 0 or size <= min_dense_size:
@@ -132,9 +133,10 @@ def orthogonalize(x: jax.Array, epsilon: float = 0.0) -> jax.Array:
     removed from the columns after it. A column whose norm (plus ``epsilon``)
     is zero stays zero (the hook would divide by zero).
 
-    >>> import jax.numpy as jnp
-    >>> (5 * orthogonalize(jnp.array([[3.0, 1.0], [4.0, 0.0]]))).round().tolist()
-    [[3.0, 4.0], [4.0, -3.0]]
+    Example:
+      >>> import jax.numpy as jnp
+      >>> (5 * orthogonalize(jnp.array([[3.0, 1.0], [4.0, 0.0]]))).round().tolist()
+      [[3.0, 4.0], [4.0, -3.0]]
     """
     k, r = x.shape
     if k == 0 or r == 0:

@@ -79,6 +79,7 @@ __all__ = [
     "unpack_codes",
 ]
 
+# qsgd_quantizer / natural_dithering_quantizer bucket scales: L2 norm or max |x|.
 QSGD_NORMS = ("l2", "max")
 # sign_quantizer's scales: ||x||_1 / d (scaled sign), or 1 (signSGD / Signum).
 SIGN_SCALES = ("l1", "unit", "l2")
@@ -287,8 +288,9 @@ def qsgd_levels(levels: int | None = None, bits: int | None = None) -> int:
 
     The QSGD paper's "b-bit" is ``s = 2**b`` levels with the sign apart.
 
-    >>> qsgd_levels(bits=4), qsgd_levels(levels=7)
-    (16, 7)
+    Example:
+      >>> qsgd_levels(bits=4), qsgd_levels(levels=7)
+      (16, 7)
     """
     if (levels is None) == (bits is None):
         got = "both" if levels is not None else "neither"
@@ -332,10 +334,9 @@ def qsgd_quantizer(levels: int, bucket_size: int | None = None, norm: str = "l2"
     Example:
       >>> import jax, jax.numpy as jnp
       >>> q = qsgd_quantizer(2, norm="max")  # levels {0, 1/2, 1} of max |x|
-      >>> x = jnp.array([2.0, -4.0, 0.0])  # on the levels: no random rounding
-      >>> codes, scales = q.encode(x, jax.random.key(0))
-      >>> q.decode(codes, scales, 3).tolist(), q.randomized
-      ([2.0, -4.0, 0.0], True)
+      >>> roundtrip = jax.jit(lambda x: q.decode(*q.encode(x, jax.random.key(0)), x.size))
+      >>> roundtrip(jnp.array([2.0, -4.0, 0.0])).tolist()  # on the levels: no random rounding
+      [2.0, -4.0, 0.0]
     """
     levels = V.check_int("levels", levels, 1, 2**31 - 1)
     bucket_size = _check_bucket_size(bucket_size)
@@ -402,11 +403,11 @@ def sign_quantizer(bucket_size: int | None = None, *, scale: str = "l1") -> Quan
     Example:
       >>> import jax, jax.numpy as jnp
       >>> x = jnp.array([1.0, -3.0, 2.0, 0.0])
-      >>> q = sign_quantizer()  # scale ||x||_1 / d = 1.5
-      >>> q.decode(*q.encode(x, jax.random.key(0)), 4).tolist()
+      >>> def roundtrip(q, x):
+      ...     return q.decode(*q.encode(x, jax.random.key(0)), x.size)
+      >>> jax.jit(lambda x: roundtrip(sign_quantizer(), x))(x).tolist()  # ||x||_1 / d = 1.5
       [1.5, -1.5, 1.5, 1.5]
-      >>> q = sign_quantizer(scale="unit")
-      >>> q.decode(*q.encode(x, jax.random.key(0)), 4).tolist()
+      >>> jax.jit(lambda x: roundtrip(sign_quantizer(scale="unit"), x))(x).tolist()
       [1.0, -1.0, 1.0, 1.0]
     """
     bucket_size = _check_bucket_size(bucket_size)
@@ -442,8 +443,8 @@ def onebit_quantizer(bucket_size: int | None = None) -> Quantizer:
     Example:
       >>> import jax, jax.numpy as jnp
       >>> q = onebit_quantizer()
-      >>> codes, scales = q.encode(jnp.array([1.0, 3.0, -2.0, -4.0]), jax.random.key(0))
-      >>> q.decode(codes, scales, 4).tolist()  # the means of the >= 0 and < 0 values
+      >>> roundtrip = jax.jit(lambda x: q.decode(*q.encode(x, jax.random.key(0)), x.size))
+      >>> roundtrip(jnp.array([1.0, 3.0, -2.0, -4.0])).tolist()  # means of the >= 0 and < 0 values
       [2.0, 2.0, -3.0, -3.0]
     """
     bucket_size = _check_bucket_size(bucket_size)
@@ -490,9 +491,8 @@ def bounded_sign_quantizer(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> q = bounded_sign_quantizer(lam=0.5)
-      >>> x = jnp.array([3.0, -4.0])
-      >>> codes, scales = q.encode(x, jax.random.key(0))
-      >>> [round(v, 4) for v in q.decode(codes, scales, 2).tolist()]  # 0.5 * 5 / sqrt(2)
+      >>> roundtrip = jax.jit(lambda x: q.decode(*q.encode(x, jax.random.key(0)), x.size))
+      >>> [round(v, 4) for v in roundtrip(jnp.array([3.0, -4.0])).tolist()]  # 0.5 * 5 / sqrt(2)
       [1.7678, -1.7678]
     """
     # lam and error_bound may be traced (optax.inject_hyperparams).
@@ -552,9 +552,8 @@ def terngrad_quantizer(bucket_size: int | None = None, clip: float | None = None
     Example:
       >>> import jax, jax.numpy as jnp
       >>> q = terngrad_quantizer()
-      >>> x = jnp.array([2.0, -2.0, 0.0])  # |x_i| / max |x| is 0 or 1: no random rounding
-      >>> codes, scales = q.encode(x, jax.random.key(0))
-      >>> q.decode(codes, scales, 3).tolist()
+      >>> roundtrip = jax.jit(lambda x: q.decode(*q.encode(x, jax.random.key(0)), x.size))
+      >>> roundtrip(jnp.array([2.0, -2.0, 0.0])).tolist()  # |x_i| / max |x| is 0 or 1: no rounding
       [2.0, -2.0, 0.0]
     """
     bucket_size = _check_bucket_size(bucket_size)
@@ -615,10 +614,11 @@ def natural_quantizer() -> Quantizer:
     Example:
       >>> import jax, jax.numpy as jnp
       >>> q = natural_quantizer()
-      >>> x = jnp.array([0.5, -4.0, 0.0])  # powers of two are kept exactly
-      >>> codes, scales = q.encode(x, jax.random.key(0))
-      >>> q.decode(codes, scales, 3).tolist(), message_nbytes(q, 3)  # 3 x 9 bits + 4
-      ([0.5, -4.0, 0.0], 8)
+      >>> roundtrip = jax.jit(lambda x: q.decode(*q.encode(x, jax.random.key(0)), x.size))
+      >>> roundtrip(jnp.array([0.5, -4.0, 0.0])).tolist()  # powers of two are kept exactly
+      [0.5, -4.0, 0.0]
+      >>> message_nbytes(q, 3)  # 3 x 9 bits in 4 bytes + one float32
+      8
     """
 
     def encode(x, key):
@@ -661,9 +661,8 @@ def natural_dithering_quantizer(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> q = natural_dithering_quantizer(4, norm="max")  # levels {0, 1/8, 1/4, 1/2, 1}
-      >>> x = jnp.array([2.0, -4.0, 1.0, 0.0])  # |x| / 4 are levels: no rounding
-      >>> codes, scales = q.encode(x, jax.random.key(0))
-      >>> q.decode(codes, scales, 4).tolist()
+      >>> roundtrip = jax.jit(lambda x: q.decode(*q.encode(x, jax.random.key(0)), x.size))
+      >>> roundtrip(jnp.array([2.0, -4.0, 1.0, 0.0])).tolist()  # |x| / 4 are levels: no rounding
       [2.0, -4.0, 1.0, 0.0]
     """
     s = V.check_int("levels", levels, 1, 126)
@@ -723,8 +722,8 @@ def cast_quantizer(dtype: Any = jnp.bfloat16) -> Quantizer:
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
       >>> q = cast_quantizer(jnp.float16)
-      >>> codes, scales = q.encode(jnp.array([1.0, 1 / 3]), jax.random.key(0))
-      >>> q.decode(codes, scales, 2).tolist() == [1.0, float(np.float16(1 / 3))]
+      >>> roundtrip = jax.jit(lambda x: q.decode(*q.encode(x, jax.random.key(0)), x.size))
+      >>> roundtrip(jnp.array([1.0, 1 / 3])).tolist() == [1.0, float(np.float16(1 / 3))]
       True
       >>> message_nbytes(q, 2)  # 2 x 16 bits + one float32 scale
       8

@@ -114,7 +114,7 @@ def qsgd(
       >>> import jax, jax.numpy as jnp, optax, jaxcomp
       >>> tx = optax.chain(jaxcomp.qsgd(bits=4, bucket_size=512), optax.sgd(0.1))
       >>> g = {"w": jax.random.normal(jax.random.key(0), (100_000,))}
-      >>> u, state = tx.update(g, tx.init(g))
+      >>> u, state = jax.jit(tx.update)(g, tx.init(g))
       >>> int(optax.tree.get(state, "message_bytes")["w"])  # s = 16: 6 bits/coord + 196 scales
       75784
     """
@@ -272,10 +272,10 @@ def bounded_sign(
         :func:`jaxcomp.transforms.quantize.quantize`.
 
     Example:
-      >>> import jax.numpy as jnp, jaxcomp
+      >>> import jax, jax.numpy as jnp, jaxcomp
       >>> tx = jaxcomp.bounded_sign(lam=0.5)
       >>> g = {"w": jnp.array([3.0, -4.0, 0.0, 0.0])}   # ||x||_2 = 5, d = 4
-      >>> u, _ = tx.update(g, tx.init(g))
+      >>> u, _ = jax.jit(tx.update)(g, tx.init(g))
       >>> u["w"].tolist()
       [1.25, -1.25, 1.25, 1.25]
     """
@@ -322,10 +322,10 @@ def terngrad(
         keep_message: as in :func:`jaxcomp.transforms.quantize.quantize`.
 
     Example:
-      >>> import jax.numpy as jnp, jaxcomp
+      >>> import jax, jax.numpy as jnp, jaxcomp
       >>> tx = jaxcomp.terngrad()
       >>> g = {"w": jnp.array([0.5, -2.0, 0.0, 2.0])}
-      >>> u, state = tx.update(g, tx.init(g))
+      >>> u, state = jax.jit(tx.update)(g, tx.init(g))
       >>> sorted(set(abs(v) for v in u["w"].tolist()) - {0.0}), int(state.message_bytes["w"])
       ([2.0], 5)
     """
@@ -380,10 +380,10 @@ def natural_compression(
         keep_message: as in :func:`jaxcomp.transforms.quantize.quantize`.
 
     Example:
-      >>> import jax.numpy as jnp, jaxcomp
+      >>> import jax, jax.numpy as jnp, jaxcomp
       >>> tx = jaxcomp.natural_compression()
       >>> g = {"w": jnp.array([1.0, -0.25, 0.0, 4.0, -8.0, 0.5, 2.0, 16.0])}
-      >>> u, state = tx.update(g, tx.init(g))
+      >>> u, state = jax.jit(tx.update)(g, tx.init(g))
       >>> u["w"].tolist(), int(state.message_bytes["w"])  # powers of two stay: 9 + 4 bytes
       ([1.0, -0.25, 0.0, 4.0, -8.0, 0.5, 2.0, 16.0], 13)
     """
@@ -457,12 +457,12 @@ def signum(
       (``velocity``).
 
     Example:
-      >>> import jax.numpy as jnp, jaxcomp
+      >>> import jax, jax.numpy as jnp, jaxcomp
       >>> tx = jaxcomp.signum(0.5)
       >>> g = {"w": jnp.array([1.0, -3.0, 2.0])}
-      >>> state = tx.init(g)
-      >>> u, state = tx.update(g, state)
-      >>> u, state = tx.update({"w": jnp.array([-2.0, 1.0, 0.0])}, state)
+      >>> update = jax.jit(tx.update)
+      >>> u, state = update(g, tx.init(g))
+      >>> u, state = update({"w": jnp.array([-2.0, 1.0, 0.0])}, state)
       >>> u["w"].tolist(), state.velocity["w"].tolist()  # v = 0.5 v + 0.5 g
       ([-1.0, -1.0, 1.0], [-0.75, -0.25, 0.5])
     """
