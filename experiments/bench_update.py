@@ -48,7 +48,7 @@ same run. Writes ``<out>/bench_update.json`` and ``<out>/bench_update.png``.
 
 Run: ``python -m experiments.bench_update [--sizes 22,24]
 [--methods ldte_bs,top_k] [--repeats 15] [--warm_steps 20] [--no_stages]
-[--no_profile] [--out results]``.
+[--no_profile] [--malloc default|hugetlb] [--out results]``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
 
 import jax
@@ -78,6 +79,7 @@ METHODS = {
 }
 STAGES = ("check", "accumulate", "select")
 MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_")
+HUGETLB = "glibc.malloc.hugetlb=1"
 TARGET_FLOORS = 8.0
 TARGET_SPEEDUP = 4.0
 
@@ -559,7 +561,20 @@ def main(argv=None):
     parser.add_argument("--no_stages", action="store_true", help="skip the stage breakdown")
     parser.add_argument("--no_profile", action="store_true", help="skip the kernel profile")
     parser.add_argument("--out", default="results")
+    parser.add_argument(
+        "--malloc",
+        choices=("default", "hugetlb"),
+        default="default",
+        help="hugetlb: rerun this program with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 "
+        "(transparent huge pages for large blocks; see the module docstring)",
+    )
     args = parser.parse_args(argv)
+    if args.malloc == "hugetlb" and HUGETLB not in os.environ.get("GLIBC_TUNABLES", ""):
+        # glibc reads its tunables once, at process start: start again with them.
+        tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), HUGETLB) if t)
+        env = {**os.environ, "GLIBC_TUNABLES": tunables}
+        argv = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, "-m", "experiments.bench_update", *argv], env)
     if args.repeats < 5:
         parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
     run(
