@@ -4,7 +4,9 @@ Every loader returns a :class:`Dataset` of NHWC float32 images scaled to about
 [0, 1] (CIFAR: per-channel standardised) and int32 labels. Batches come from
 :func:`epoch_batches`, whose order depends only on ``(seed, epoch)`` (and the
 sampling mode and device count, :mod:`jaxcomp.sampling`) so that a resumed run
-sees exactly the batches an uninterrupted one would.
+sees exactly the batches an uninterrupted one would. :func:`augment` is the
+standard CIFAR augmentation (random crop of the image padded by 4 pixels,
+random horizontal flip), a function of its seed only, so it resumes the same.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from jaxcomp import sampling as jaxcomp_sampling
 __all__ = [
     "CIFAR_URLS",
     "Dataset",
+    "augment",
+    "augment_seed",
     "dataset_path",
     "epoch_batches",
     "load_cifar",
@@ -52,6 +56,9 @@ class Dataset:
       test_x: float32 ``(M, H, W, C)``.
       test_y: int32 ``(M,)``.
       num_classes: number of labels.
+      pad_value: what a black (raw 0) pixel is after the loader's scaling,
+        per channel or a scalar: the fill of :func:`augment`'s padding (CIFAR:
+        ``-mean / std``, as PyTorch pads the raw image before normalising).
     """
 
     train_x: np.ndarray
@@ -59,6 +66,7 @@ class Dataset:
     test_x: np.ndarray
     test_y: np.ndarray
     num_classes: int
+    pad_value: np.ndarray | float = 0.0
 
 
 def load_digits(test_fraction: float = 0.2) -> Dataset:
@@ -171,7 +179,8 @@ def load_cifar(name: str, path: str, download: bool = False) -> Dataset:
         return ((x.astype(np.float32) / 255.0) - _CIFAR_MEAN) / _CIFAR_STD
 
     (trx, try_), (tex, tey) = stack(train_files), stack(test_files)
-    return Dataset(norm(trx), try_, norm(tex), tey, num_classes)
+    black = (0.0 - _CIFAR_MEAN) / _CIFAR_STD  # a raw 0 pixel, standardised
+    return Dataset(norm(trx), try_, norm(tex), tey, num_classes, pad_value=black)
 
 
 def missing_data_message(name: str, path: str, cli: bool = False) -> str:
@@ -259,3 +268,72 @@ def epoch_batches(
     )
     for idx in plan.reshape(len(plan), -1):
         yield x[idx], y[idx]
+
+
+def augment_seed(seed: int, epoch: int, step: int) -> np.random.SeedSequence:
+    """The seed of :func:`augment` for one training step (a function of the three only)."""
+    for name, v in (("seed", seed), ("epoch", epoch), ("step", step)):
+        if int(v) != v or v < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    # A fixed tag keeps these streams apart from other uses of (seed, epoch).
+    return np.random.SeedSequence([int(seed), int(epoch), int(step), 0xA06])
+
+
+def augment(
+    x: np.ndarray,
+    seed,
+    *,
+    padding: int = 4,
+    flip: bool = True,
+    fill: np.ndarray | float = 0.0,
+) -> np.ndarray:
+    """Standard CIFAR augmentation of a batch: random crop after padding, random flip.
+
+    Each image is padded by ``padding`` pixels of ``fill`` on every side,
+    cropped back to its size at an offset drawn uniformly from
+    ``[0, 2 * padding]`` in each direction, and mirrored left-right with
+    probability 1/2 (torchvision's ``RandomCrop(32, padding=4)`` then
+    ``RandomHorizontalFlip()``). Draws: the ``(row, column)`` offsets of all
+    images, then their flips, from ``numpy.random.default_rng(seed)``.
+
+    Args:
+      x: ``(B, H, W, C)`` images.
+      seed: anything ``numpy.random.default_rng`` takes (an int, a
+        ``SeedSequence`` such as :func:`augment_seed`'s).
+      padding: pixels of padding, ``>= 0`` (0: no crop).
+      flip: whether to flip.
+      fill: the padding's value, a scalar or one per channel (CIFAR: the
+        dataset's ``pad_value``, black).
+
+    Returns:
+      A new float array of ``x``'s shape and dtype.
+
+    Raises:
+      ValueError: ``x`` not 4-D, or ``padding`` negative.
+
+    Example:
+      >>> import numpy as np
+      >>> from experiments.data import augment
+      >>> x = np.arange(2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4, 1)
+      >>> out = augment(x, 0, padding=1)
+      >>> out.shape
+      (2, 4, 4, 1)
+      >>> bool(np.array_equal(augment(x, 0, padding=1), out))  # same seed, same batch
+      True
+    """
+    x = np.asarray(x)
+    if x.ndim != 4:
+        raise ValueError(f"augment needs (batch, height, width, channels) images, got {x.shape}")
+    if isinstance(padding, bool) or int(padding) != padding or padding < 0:
+        raise ValueError(f"padding must be an integer >= 0, got {padding!r}")
+    b, h, w, c = x.shape
+    rng = np.random.default_rng(seed)
+    offsets = rng.integers(0, 2 * padding + 1, size=(b, 2))
+    flips = rng.random(b) < 0.5 if flip else np.zeros(b, bool)
+    padded = np.empty((b, h + 2 * padding, w + 2 * padding, c), x.dtype)
+    padded[...] = np.asarray(fill, x.dtype)
+    padded[:, padding : padding + h, padding : padding + w] = x
+    rows = offsets[:, :1] + np.arange(h)  # (B, H)
+    cols = np.arange(w)
+    cols = offsets[:, 1:] + np.where(flips[:, None], cols[::-1], cols)  # (B, W)
+    return padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]

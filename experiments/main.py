@@ -22,8 +22,16 @@ multicast; the batch size must be a multiple of ``C(num_devices, redundancy)``::
         --num_devices=8 --dataset=digits --model=mlp --epochs=20 --batch_size=280 \
         --workdir=/tmp/cssgd
 
+The papers' CIFAR setups (:mod:`experiments.setups`: model, batch size,
+epochs, step schedule, weight decay, synchronised BatchNorm, augmentation,
+the paper's compressor settings) by name; flags given explicitly override
+the setup (here: the compressor, whose unused settings the setup then drops)::
+
+    python -m experiments.main --setup=resnet20_cifar10 --compressor=qsgd \
+        --data_dir=/path/cifar-10-python.tar.gz --workdir=/tmp/r20_qsgd
+
 absl flags live only here; one flag per :class:`experiments.train.TrainConfig`
-field. The configuration is validated before JAX starts any work, and
+field, and ``--setup``. The configuration is validated before JAX starts any work, and
 ``--num_devices`` is applied to the CPU backend (``jax_num_cpu_devices``)
 before any device is queried. The workdir's ``config.json`` must match the
 flags to resume (``--overwrite`` starts afresh instead); logging is quiet
@@ -45,10 +53,24 @@ __all__ = ["config_from_flags", "main"]
 def _define_flags() -> None:
     # Importing experiments.train imports jax, but does not initialise a
     # backend: device queries happen only inside train_and_evaluate.
-    from experiments.train import COMPRESSORS, EXCHANGES, SAMPLINGS, TrainConfig  # noqa: PLC0415
+    from experiments.setups import SETUPS  # noqa: PLC0415
+    from experiments.train import (  # noqa: PLC0415
+        COMPRESSORS,
+        EXCHANGES,
+        NORMS,
+        SAMPLINGS,
+        TrainConfig,
+    )
     from jaxcomp.cssgd import BITS  # noqa: PLC0415
 
     d = TrainConfig()
+    flags.DEFINE_enum(
+        "setup",
+        None,
+        list(SETUPS),
+        "A paper's CIFAR setup (experiments/setups.py) to start from; flags given explicitly "
+        "override it.",
+    )
     flags.DEFINE_enum("compressor", d.compressor, list(COMPRESSORS), "Compressor or 'dense'.")
     # Flags defaulting to None are per compressor: unset means the
     # compressor's default, set for a compressor that does not use it is an error.
@@ -106,7 +128,25 @@ def _define_flags() -> None:
     flags.DEFINE_string("data_dir", d.data_dir, "CIFAR directory or .tar.gz archive.")
     flags.DEFINE_bool("download", d.download, "Download CIFAR if data_dir does not exist.")
     flags.DEFINE_string(
-        "model", d.model, "mlp | cnn | resnet20 | vgg16 | resnet50 (benchmark size)."
+        "model",
+        d.model,
+        "mlp | cnn | resnet20 | vgg16 | resnet50 | resnet101 | densenet121 | densenet169.",
+    )
+    flags.DEFINE_enum(
+        "norm",
+        d.norm,
+        list(NORMS),
+        "Normalisation of the CIFAR models: group (GroupNorm) or batch (BatchNorm with the "
+        "statistics averaged over the devices; running averages evaluate).",
+    )
+    flags.DEFINE_bool(
+        "augment",
+        d.augment,
+        "Standard CIFAR augmentation: random crop of the image padded by 4 pixels, random "
+        "horizontal flip.",
+    )
+    flags.DEFINE_float(
+        "weight_decay", d.weight_decay, "L2 weight decay added to the gradient (>= 0)."
     )
     flags.DEFINE_integer("epochs", d.epochs, "Total epochs.")
     flags.DEFINE_integer("batch_size", d.batch_size, "Global batch size.")
@@ -115,8 +155,21 @@ def _define_flags() -> None:
         "schedule",
         d.schedule,
         ["constant", "cosine", "step"],
-        "Learning-rate schedule (step: x0.1 at 4/7 and 6/7 of the epochs, as DLGS).",
+        "Learning-rate schedule (step: x--lr_decay at each of --lr_milestones, by default "
+        "x0.1 at 4/7 and 6/7 of the epochs, as DLGS).",
     )
+    flags.DEFINE_list(
+        "lr_milestones",
+        list(map(str, d.lr_milestones)),
+        "Comma list of epochs from which the step schedule multiplies the rate by --lr_decay "
+        "(--schedule=step; empty: 4/7 and 6/7 of the epochs).",
+    )
+    flags.register_validator(
+        "lr_milestones",
+        lambda v: all(e.strip().isdigit() for e in v),
+        message="--lr_milestones must be a comma list of epoch numbers",
+    )
+    flags.DEFINE_float("lr_decay", d.lr_decay, "Factor of the step schedule, in (0, 1].")
     flags.DEFINE_integer("seed", d.seed, "Seed of initialisation and data order.")
     flags.DEFINE_bool("progress", d.progress, "Show a progress bar.")
     flags.DEFINE_bool("checkpoint", d.checkpoint, "Checkpoint every epoch and resume.")
@@ -127,6 +180,11 @@ def _define_flags() -> None:
         "communication (metrics.jsonl time_*, time_split.png).",
     )
     flags.DEFINE_integer("max_steps_per_epoch", d.max_steps_per_epoch, "Truncate epochs.")
+    flags.DEFINE_integer(
+        "eval_examples",
+        d.eval_examples,
+        "Evaluate on the first N test examples only (quick CPU runs; default: all).",
+    )
     flags.DEFINE_integer(
         "coded_bytes_every",
         d.coded_bytes_every,
@@ -200,15 +258,25 @@ FLAGS = flags.FLAGS
 
 
 def config_from_flags():
-    """A :class:`experiments.train.TrainConfig` from the parsed flags."""
+    """A :class:`experiments.train.TrainConfig` from the parsed flags.
+
+    With ``--setup``, the setup's configuration with the flags given
+    explicitly on the command line applied over it
+    (:func:`experiments.setups.setup_config`); the other flags' defaults are
+    not used.
+    """
+    from experiments import setups  # noqa: PLC0415
     from experiments.train import TrainConfig  # noqa: PLC0415
 
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     values = {n: getattr(FLAGS, n) for n in names}
     values["fit_check_epochs"] = tuple(int(e) for e in values["fit_check_epochs"])
+    values["lr_milestones"] = tuple(int(e) for e in values["lr_milestones"])
     if values["coded_bits"] is not None:  # an enum flag holds strings
         values["coded_bits"] = int(values["coded_bits"])
-    return TrainConfig(**values)
+    if FLAGS.setup is None:
+        return TrainConfig(**values)
+    return setups.setup_config(FLAGS.setup, **{n: values[n] for n in names if FLAGS[n].present})
 
 
 def _set_logging(verbose: bool) -> None:

@@ -1,18 +1,72 @@
-"""Flax (linen) models for the training runs: MLP, small CNN, ResNet-20, VGG-16, ResNet-50.
+"""Flax (linen) models for the training runs: MLP, CNN, ResNet-20/50/101, VGG-16, DenseNet.
 
-ResNet-20 uses GroupNorm instead of BatchNorm: it has no batch statistics,
-so the data-parallel step stays a pure function of (params, batch) and every
-device normalises its own shard the same way whatever the device count (with
-BatchNorm the statistics would be per device shard and need their own
-synchronisation and checkpointing).
+The CIFAR models (``NORMALIZED``) take ``norm=``:
+
+- ``"group"`` (the default, what every run before ``norm`` existed used):
+  GroupNorm, no batch statistics, so the data-parallel step stays a pure
+  function of (params, batch) and every device normalises its own shard the
+  same way whatever the device count.
+- ``"batch"``: BatchNorm as the papers' PyTorch models (PyTorch's defaults:
+  running averages updated with momentum 0.1, i.e. flax ``momentum=0.9``,
+  ``epsilon=1e-5``; flax updates the running variance with the biased batch
+  variance where PyTorch uses the unbiased one, a factor ``m / (m - 1)`` for
+  ``m`` values per channel). Called with ``train=True`` inside
+  ``jax.shard_map`` over ``axis_name``, the batch statistics are averaged
+  over that axis (mean and mean of squares, ``lax.pmean``), so N devices
+  normalise with the statistics of the whole global batch, as one device
+  holding it would (synchronised BatchNorm). ``train=False`` (the default)
+  normalises with the running averages (evaluation). Training applies the
+  model with ``mutable=["batch_stats"]``.
+
+Parameter names and counts do not depend on ``norm`` beyond the layer names
+(``GroupNorm_i`` vs ``BatchNorm_i``): both have a scale and a bias per channel.
 """
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax.numpy as jnp
 
-__all__ = ["CNN", "MLP", "MODELS", "ResNet20", "ResNet50", "VGG16", "make_model"]
+__all__ = [
+    "CNN",
+    "MLP",
+    "MODELS",
+    "NORMALIZED",
+    "NORMS",
+    "DenseNet",
+    "DenseNet121",
+    "DenseNet169",
+    "ResNet20",
+    "ResNet50",
+    "ResNet101",
+    "VGG16",
+    "make_model",
+]
+
+NORMS = ("group", "batch")
+
+
+def _norm(norm: str, train: bool, axis_name: str | None, groups: int) -> nn.Module:
+    """The normalisation layer of a CIFAR model (created inside a compact method)."""
+    if norm == "group":
+        return nn.GroupNorm(num_groups=groups)
+    if norm == "batch":
+        # axis_name only matters with batch statistics; with running averages no
+        # collective is issued, so evaluation also works outside shard_map.
+        return nn.BatchNorm(
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            axis_name=axis_name if train else None,
+        )
+    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+
+
+def _check_norm(norm: str) -> None:
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
 
 
 class MLP(nn.Module):
@@ -22,7 +76,8 @@ class MLP(nn.Module):
     hidden: tuple[int, ...] = (256, 128)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = False):
+        del train  # no layer behaves differently in training
         x = x.reshape(x.shape[0], -1)
         for width in self.hidden:
             x = nn.relu(nn.Dense(width)(x))
@@ -36,7 +91,8 @@ class CNN(nn.Module):
     features: tuple[int, ...] = (32, 64)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = False):
+        del train
         for width in self.features:
             x = nn.relu(nn.Conv(width, (3, 3))(x))
         x = jnp.mean(x, axis=(1, 2))
@@ -47,33 +103,48 @@ class CNN(nn.Module):
 class _Block(nn.Module):
     features: int
     strides: int
+    norm: str
+    axis_name: str | None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool):
+        def norm():
+            return _norm(self.norm, train, self.axis_name, min(8, self.features))
+
         y = nn.Conv(self.features, (3, 3), strides=self.strides, use_bias=False)(x)
-        y = nn.relu(nn.GroupNorm(num_groups=min(8, self.features))(y))
+        y = nn.relu(norm()(y))
         y = nn.Conv(self.features, (3, 3), use_bias=False)(y)
-        y = nn.GroupNorm(num_groups=min(8, self.features))(y)
+        y = norm()(y)
         if x.shape != y.shape:
             x = nn.Conv(self.features, (1, 1), strides=self.strides, use_bias=False)(x)
-            x = nn.GroupNorm(num_groups=min(8, self.features))(x)
+            x = norm()(x)
         return nn.relu(x + y)
 
 
 class ResNet20(nn.Module):
-    """CIFAR ResNet-20 (He et al. 2016: 3 stages x 3 basic blocks, 16/32/64 filters)."""
+    """CIFAR ResNet-20 (He et al. 2016: 3 stages x 3 basic blocks, 16/32/64 filters).
+
+    ``widths`` and ``blocks_per_stage`` shrink it for tests and quick CPU runs
+    (the defaults are ResNet-20: 0.27M parameters); the shortcut of a block
+    that changes the shape is a 1x1 convolution with its own norm (He et
+    al.'s option B).
+    """
 
     num_classes: int
     blocks_per_stage: int = 3
+    widths: tuple[int, int, int] = (16, 32, 64)
+    norm: str = "group"
+    axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, x):
-        x = nn.Conv(16, (3, 3), use_bias=False)(x)
-        x = nn.relu(nn.GroupNorm(num_groups=8)(x))
-        for stage, width in enumerate((16, 32, 64)):
+    def __call__(self, x, train: bool = False):
+        _check_norm(self.norm)
+        x = nn.Conv(self.widths[0], (3, 3), use_bias=False)(x)
+        x = nn.relu(_norm(self.norm, train, self.axis_name, min(8, self.widths[0]))(x))
+        for stage, width in enumerate(self.widths):
             for block in range(self.blocks_per_stage):
                 strides = 2 if stage > 0 and block == 0 else 1
-                x = _Block(width, strides)(x)
+                x = _Block(width, strides, self.norm, self.axis_name)(x, train)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes)(x)
 
@@ -81,43 +152,62 @@ class ResNet20(nn.Module):
 class _Bottleneck(nn.Module):
     features: int  # inner width; the block outputs 4 x features
     strides: int
+    norm: str
+    axis_name: str | None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool):
+        def norm():
+            return _norm(self.norm, train, self.axis_name, 32)
+
         out = 4 * self.features
         y = nn.Conv(self.features, (1, 1), use_bias=False)(x)
-        y = nn.relu(nn.GroupNorm(num_groups=32)(y))
+        y = nn.relu(norm()(y))
         y = nn.Conv(self.features, (3, 3), strides=self.strides, use_bias=False)(y)
-        y = nn.relu(nn.GroupNorm(num_groups=32)(y))
+        y = nn.relu(norm()(y))
         y = nn.Conv(out, (1, 1), use_bias=False)(y)
-        y = nn.GroupNorm(num_groups=32)(y)
+        y = norm()(y)
         if x.shape != y.shape:
             x = nn.Conv(out, (1, 1), strides=self.strides, use_bias=False)(x)
-            x = nn.GroupNorm(num_groups=32)(x)
+            x = norm()(x)
         return nn.relu(x + y)
 
 
 class ResNet50(nn.Module):
-    """ResNet-50 size for benchmarks (bottlenecks 3/4/6/3, 64..512 x 4 filters).
+    """ResNet-50 on CIFAR (bottlenecks 3/4/6/3, 64..512 x 4 filters).
 
-    CIFAR stem (one 3x3 conv, no max-pool) and GroupNorm as in :class:`ResNet20`;
-    23.5M parameters with 10 classes, the gradient size the papers' ResNet-50
-    experiments exchange.
+    CIFAR stem (one 3x3 conv, no max-pool), as kuangliu/pytorch-cifar's
+    ``ResNet50`` that the ldte_bs paper trains on CIFAR-100: 23.5M parameters
+    with 10 classes (the paper's 89.72 MB), the gradient size the papers'
+    ResNet-50 experiments exchange.
     """
 
     num_classes: int
+    stage_sizes: tuple[int, ...] = (3, 4, 6, 3)
+    norm: str = "group"
+    axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = False):
+        _check_norm(self.norm)
         x = nn.Conv(64, (3, 3), use_bias=False)(x)
-        x = nn.relu(nn.GroupNorm(num_groups=32)(x))
-        stages = zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True)
+        x = nn.relu(_norm(self.norm, train, self.axis_name, 32)(x))
+        stages = zip((64, 128, 256, 512), self.stage_sizes, strict=True)
         for stage, (width, blocks) in enumerate(stages):
             for block in range(blocks):
                 strides = 2 if stage > 0 and block == 0 else 1
-                x = _Bottleneck(width, strides)(x)
+                x = _Bottleneck(width, strides, self.norm, self.axis_name)(x, train)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes)(x)
+
+
+class ResNet101(ResNet50):
+    """ResNet-101 on CIFAR (bottlenecks 3/4/23/3), kuangliu/pytorch-cifar's ``ResNet101``.
+
+    42.5M parameters with 10 classes (the ldte_bs paper's 162.17 MB, Table 2).
+    """
+
+    stage_sizes: tuple[int, ...] = (3, 4, 23, 3)
 
 
 class VGG16(nn.Module):
@@ -125,29 +215,130 @@ class VGG16(nn.Module):
 
     The CIFAR variant the DLGS and LDTE-BS papers train (Simonyan and
     Zisserman's configuration D with a single dense layer after the last
-    pooling, 14.7M parameters with 10 classes), with GroupNorm after each
-    convolution as in :class:`ResNet20`.
+    pooling, 14.7M parameters with 10 classes), a norm after each
+    convolution (whose shift replaces the convolution's bias).
     """
 
     num_classes: int
     stages: tuple[tuple[int, int], ...] = ((64, 2), (128, 2), (256, 3), (512, 3), (512, 3))
+    norm: str = "group"
+    axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = False):
+        _check_norm(self.norm)
         for width, convs in self.stages:
             for _ in range(convs):
                 x = nn.Conv(width, (3, 3), use_bias=False)(x)
-                x = nn.relu(nn.GroupNorm(num_groups=min(32, width))(x))
+                x = nn.relu(_norm(self.norm, train, self.axis_name, min(32, width))(x))
             x = nn.max_pool(x, (2, 2), strides=(2, 2))
         x = x.reshape(x.shape[0], -1)
         return nn.Dense(self.num_classes)(x)
 
 
-MODELS = {"mlp": MLP, "cnn": CNN, "resnet20": ResNet20, "vgg16": VGG16, "resnet50": ResNet50}
+class DenseNet(nn.Module):
+    """CIFAR DenseNet-BC (kuangliu/pytorch-cifar's ``DenseNet``), pre-activation layers.
+
+    A 3x3 stem of ``2 * growth`` filters; dense blocks of
+    norm-ReLU-1x1 conv (``4 * growth``)-norm-ReLU-3x3 conv (``growth``)
+    layers, each output concatenated to its input; transitions
+    norm-ReLU-1x1 conv (``floor(reduction * channels)``)-2x2 average pool
+    between blocks; a final norm-ReLU, global average pooling and a dense
+    classifier. Convolutions have no bias.
+    """
+
+    num_classes: int
+    block_sizes: tuple[int, ...] = (6, 12, 24, 16)
+    growth: int = 32
+    reduction: float = 0.5
+    norm: str = "group"
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        _check_norm(self.norm)
+
+        def norm_relu(y):
+            groups = math.gcd(32, y.shape[-1])
+            return nn.relu(_norm(self.norm, train, self.axis_name, groups)(y))
+
+        x = nn.Conv(2 * self.growth, (3, 3), use_bias=False)(x)
+        for i, layers in enumerate(self.block_sizes):
+            for _ in range(layers):
+                y = nn.Conv(4 * self.growth, (1, 1), use_bias=False)(norm_relu(x))
+                y = nn.Conv(self.growth, (3, 3), use_bias=False)(norm_relu(y))
+                x = jnp.concatenate([y, x], axis=-1)  # PyTorch's torch.cat([out, x], 1)
+            if i < len(self.block_sizes) - 1:
+                out = int(math.floor(x.shape[-1] * self.reduction))
+                x = nn.Conv(out, (1, 1), use_bias=False)(norm_relu(x))
+                x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        x = jnp.mean(norm_relu(x), axis=(1, 2))
+        return nn.Dense(self.num_classes)(x)
 
 
-def make_model(name: str, num_classes: int) -> nn.Module:
-    """Builds a model by name (``mlp``, ``cnn``, ``resnet20``, ``vgg16``, ``resnet50``)."""
+class DenseNet121(DenseNet):
+    """DenseNet-121 on CIFAR (blocks 6/12/24/16, growth 32): 6.96M parameters, 10 classes."""
+
+    block_sizes: tuple[int, ...] = (6, 12, 24, 16)
+
+
+class DenseNet169(DenseNet):
+    """DenseNet-169 on CIFAR (blocks 6/12/32/32, growth 32): 12.5M parameters, 10 classes."""
+
+    block_sizes: tuple[int, ...] = (6, 12, 32, 32)
+
+
+MODELS = {
+    "mlp": MLP,
+    "cnn": CNN,
+    "resnet20": ResNet20,
+    "vgg16": VGG16,
+    "resnet50": ResNet50,
+    "resnet101": ResNet101,
+    "densenet121": DenseNet121,
+    "densenet169": DenseNet169,
+}
+# The models with normalisation layers (the ones that take norm= and axis_name=).
+NORMALIZED = ("resnet20", "vgg16", "resnet50", "resnet101", "densenet121", "densenet169")
+
+
+def make_model(
+    name: str, num_classes: int, *, norm: str = "group", axis_name: str | None = None
+) -> nn.Module:
+    """Builds a model by name (a key of ``MODELS``).
+
+    Args:
+      name: ``mlp``, ``cnn``, ``resnet20``, ``vgg16``, ``resnet50``,
+        ``resnet101``, ``densenet121`` or ``densenet169``.
+      num_classes: size of the classifier.
+      norm: ``"group"`` or ``"batch"`` (models of ``NORMALIZED`` only; the
+        others have no normalisation and take only ``"group"``, the default).
+      axis_name: the mesh axis BatchNorm averages its batch statistics over
+        when applied with ``train=True`` inside ``shard_map`` (``norm="batch"``).
+
+    Raises:
+      ValueError: unknown ``name`` or ``norm``, or ``norm="batch"`` for a model
+        without normalisation layers.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from experiments.models import make_model
+      >>> model = make_model("resnet20", 10, norm="batch")
+      >>> variables = model.init(jax.random.key(0), np.zeros((1, 32, 32, 3), np.float32))
+      >>> sorted(variables)
+      ['batch_stats', 'params']
+      >>> model.apply(variables, np.zeros((2, 32, 32, 3), np.float32)).shape
+      (2, 10)
+    """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}")
-    return MODELS[name](num_classes=num_classes)
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if name not in NORMALIZED:
+        if norm != "group":
+            raise ValueError(
+                f"norm={norm!r}: model {name!r} has no normalisation layers; norm='batch' "
+                f"needs one of {', '.join(NORMALIZED)}"
+            )
+        return MODELS[name](num_classes=num_classes)
+    return MODELS[name](num_classes=num_classes, norm=norm, axis_name=axis_name)

@@ -19,7 +19,8 @@ Outputs in ``workdir``:
 - ``accuracy.png``: test accuracy vs epoch and vs cumulative bytes on the wire.
 - ``checkpoints/``: orbax checkpoints after every epoch (parameters, the
   per-device optimizer state with residuals, velocities and PRNG key data,
-  and the epoch, which is the whole data-order state); a rerun with the same
+  with ``norm="batch"`` the BatchNorm running averages, and the epoch, which
+  is the whole data-order and augmentation state); a rerun with the same
   workdir resumes from the latest one.
 - ``config.json``: the resolved configuration, written before training. A
   run refuses (``ValueError``) a workdir whose checkpoints or metrics belong
@@ -71,6 +72,7 @@ __all__ = [
     "MERGE_ALPHA",
     "MERGE_BETA",
     "MERGE_PLAN_FILE",
+    "NORMS",
     "RESUMABLE_FIELDS",
     "QUANTIZERS",
     "SAMPLINGS",
@@ -125,6 +127,7 @@ LOW_RANK = ("powersgd",)
 COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
 COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS, *LOW_RANK, *COMPRESSED_OPTIMIZERS)
 SCHEDULES = ("constant", "cosine", "step")
+NORMS = models.NORMS
 MERGES = ("none", "greedy", "optimal")
 DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
 # --exchange: "default" (None) is the compressor's own exchange; the others are CSSGD.
@@ -192,13 +195,37 @@ class TrainConfig:
       dataset: ``digits``, ``synthetic``, ``cifar10``, ``cifar100``.
       data_dir: CIFAR directory or ``.tar.gz`` archive.
       download: download CIFAR when ``data_dir`` does not exist.
-      model: ``mlp``, ``cnn``, ``resnet20``, ``vgg16``, ``resnet50`` (benchmark size).
+      model: ``mlp``, ``cnn``, ``resnet20``, ``vgg16``, ``resnet50``,
+        ``resnet101``, ``densenet121``, ``densenet169`` (:mod:`experiments.models`).
       epochs: total epochs (a resumed run continues up to this number).
       batch_size: global batch size (divisible by ``num_devices``).
       lr: peak learning rate.
       schedule: ``"constant"``, ``"cosine"`` (decay to 0 over all steps) or
-        ``"step"`` (the DLGS paper's: x0.1 after 4/7 and again after 6/7 of
-        the epochs, i.e. epochs 80 and 120 of 140).
+        ``"step"``: the rate times ``lr_decay`` at the start of each epoch of
+        ``lr_milestones``; without milestones the DLGS paper's, x0.1 after
+        4/7 and again after 6/7 of the epochs (epochs 80 and 120 of 140).
+      lr_milestones: 0-based epochs from which the rate is multiplied by
+        ``lr_decay`` once more, strictly increasing in ``[1, epochs)``
+        (``schedule="step"`` only; empty: the 4/7, 6/7 default).
+      lr_decay: the step schedule's factor, in (0, 1] (``schedule="step"``
+        only unless 0.1, the default).
+      weight_decay: L2 coefficient ``wd``: ``wd * params`` is added to each
+        device's gradient before the compressor and the momentum (PyTorch
+        SGD's coupled ``weight_decay``, every parameter), so the compressor
+        sees it as part of the gradient, as in DGC; ``>= 0`` (0: off).
+      norm: ``"group"`` (GroupNorm) or ``"batch"`` (BatchNorm, statistics
+        averaged over the data axis: synchronised, the whole global batch's;
+        the running averages evaluate and are checkpointed) in the models
+        with normalisation layers (``models.NORMALIZED``); others take only
+        ``"group"``. ``"batch"`` is not supported with CSSGD exchanges or
+        ``fit_check_epochs`` (their gradients come from a stateless loss).
+      augment: the standard CIFAR augmentation of every training batch
+        (:func:`experiments.data.augment`: random crop of the image padded by
+        4 black pixels, random horizontal flip), drawn from
+        ``(seed, epoch, step)`` for the whole global batch, so it does not
+        depend on the device or process count and resumes exactly.
+      eval_examples: evaluate on the first this many test examples (quick
+        CPU runs; the metrics then describe that subset); None: all.
       seed: parameter init and data order.
       progress: show a tqdm bar per epoch.
       checkpoint: save an orbax checkpoint after every epoch and resume from
@@ -310,6 +337,12 @@ class TrainConfig:
     sampling: str = "global"
     rank: int | None = None
     freeze_step: int | None = None
+    lr_milestones: tuple[int, ...] = ()
+    lr_decay: float = 0.1
+    weight_decay: float = 0.0
+    norm: str = "group"
+    augment: bool = False
+    eval_examples: int | None = None
 
 
 def is_coded(config: TrainConfig) -> bool:
@@ -476,6 +509,9 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
         fail(f"schedule must be one of {SCHEDULES}, got {c.schedule!r}")
     if c.epochs < 1 or c.batch_size < 1 or not c.lr > 0:
         fail(f"need epochs >= 1, batch_size >= 1, lr > 0; got {c.epochs}, {c.batch_size}, {c.lr}")
+    _validate_recipe(c, fail)
+    if c.eval_examples is not None and c.eval_examples < 1:
+        fail(f"eval_examples must be >= 1 (or unset: every test example), got {c.eval_examples}")
     if c.max_steps_per_epoch is not None and c.max_steps_per_epoch < 1:
         fail(f"max_steps_per_epoch must be >= 1, got {c.max_steps_per_epoch}")
     bad = [e for e in c.fit_check_epochs if not 1 <= e <= c.epochs]
@@ -508,6 +544,48 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
             fail(f"need 0 <= process_id < num_processes, got {c.process_id}, {c.num_processes}")
         if c.batch_size % c.num_processes:
             fail(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
+
+
+def _validate_recipe(c: TrainConfig, fail) -> None:
+    """The checks of the step schedule, weight decay, norm and augmentation."""
+    milestones = tuple(c.lr_milestones)
+    if milestones and c.schedule != "step":
+        fail(f"lr_milestones (--lr_milestones) needs schedule='step', got schedule={c.schedule!r}")
+    if any(isinstance(m, bool) or int(m) != m for m in milestones):
+        fail(f"lr_milestones must be integer epochs, got {milestones}")
+    if milestones and (
+        any(b <= a for a, b in zip(milestones, milestones[1:], strict=False))
+        or not 1 <= milestones[0]
+        or milestones[-1] >= c.epochs
+    ):
+        fail(
+            f"lr_milestones must be strictly increasing epochs in [1, epochs={c.epochs}), got "
+            f"{milestones}"
+        )
+    if not (np.isfinite(c.lr_decay) and 0.0 < c.lr_decay <= 1.0):
+        fail(f"lr_decay must be in (0, 1], got {c.lr_decay}")
+    if c.lr_decay != 0.1 and c.schedule != "step":
+        fail(f"lr_decay (--lr_decay) needs schedule='step', got schedule={c.schedule!r}")
+    if not (np.isfinite(c.weight_decay) and c.weight_decay >= 0.0):
+        fail(f"weight_decay must be >= 0, got {c.weight_decay}")
+    if c.norm not in NORMS:
+        fail(f"norm (--norm) must be one of {', '.join(NORMS)}, got {c.norm!r}")
+    if c.norm == "batch":
+        if c.model not in models.NORMALIZED:
+            fail(
+                f"norm='batch' needs a model with normalisation layers "
+                f"({', '.join(models.NORMALIZED)}), got {c.model!r}"
+            )
+        if is_coded(c):
+            fail(
+                f"norm='batch' is not supported with exchange={c.exchange!r}: CSSGD's step "
+                "differentiates a loss without model state; use --norm=group"
+            )
+        if c.fit_check_epochs:
+            fail(
+                "fit_check_epochs (--fit_check_epochs) is not supported with norm='batch' (it "
+                "recomputes a device's gradient without the batch statistics); leave it empty"
+            )
 
 
 def _validate_sampling(c: TrainConfig, fail) -> None:
@@ -634,16 +712,28 @@ def _validate_coded_devices(c: TrainConfig, n: int | None, fail) -> None:
 
 
 def learning_rate(config: TrainConfig, steps_per_epoch: int, total_steps: int):
-    """The run's learning rate: a float (``constant``) or an optax schedule of the step."""
+    """The run's learning rate: a float (``constant``) or an optax schedule of the step.
+
+    ``"step"``: ``lr * lr_decay**j`` from the first step of the ``j``-th epoch
+    of ``lr_milestones`` (optax counts the steps already taken: step
+    ``m * steps_per_epoch`` is the first with the new rate); without
+    milestones, x``lr_decay`` at ``round(epochs * 4/7)`` and
+    ``round(epochs * 6/7)`` (the DLGS paper's 80 and 120 of 140), merged into
+    one drop when they coincide.
+    """
     c = config
     if c.schedule == "cosine":
         return optax.cosine_decay_schedule(c.lr, max(total_steps, 1))
     if c.schedule == "step":
         epochs = total_steps // max(steps_per_epoch, 1)
+        decay = getattr(c, "lr_decay", 0.1)
+        milestones = tuple(getattr(c, "lr_milestones", ()))
+        if not milestones:
+            milestones = tuple(round(epochs * f) for f in (4 / 7, 6 / 7))
         boundaries = {}
-        for fraction in (4 / 7, 6 / 7):  # two x0.1 drops (one x0.01 if they coincide)
-            at = round(epochs * fraction) * steps_per_epoch
-            boundaries[at] = boundaries.get(at, 1.0) * 0.1
+        for epoch in milestones:
+            at = int(epoch) * steps_per_epoch
+            boundaries[at] = boundaries.get(at, 1.0) * decay
         return optax.piecewise_constant_schedule(c.lr, boundaries)
     return c.lr
 
@@ -659,12 +749,29 @@ def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int,
         paths); None: one group per leaf.
 
     Returns:
-      ``(tx, compressor)``; ``tx``'s state is ``(compressor_state, sgd_state)``.
+      ``(tx, compressor)``; ``tx``'s state is ``(compressor_state, sgd_state)``
+      (with ``weight_decay``, ``tx`` is ``optax.chain(add_decayed_weights, that)``
+      and its state ``(EmptyState, (compressor_state, sgd_state))``).
       For CSSGD runs (``exchange`` coded or uncoded) ``(sgd, None)``: the
       plain local SGD (with momentum) that ``jaxcomp.cssgd.make_train_step``
       applies to the exchanged mean gradient; the coded exchange replaces the
       compressor (a communicating ``tx`` would be rejected there).
     """
+    tx, compressor = _build_optimizer(config, steps_per_epoch, total_steps, groups)
+    return _with_weight_decay(tx, config), compressor
+
+
+def _with_weight_decay(tx, config: TrainConfig):
+    """``tx`` after coupled L2 (``wd * params`` added to the gradient); ``tx`` when 0.
+
+    Without weight decay the chain (and so the optimizer state a checkpoint
+    holds) is exactly what runs before ``weight_decay`` existed had.
+    """
+    wd = getattr(config, "weight_decay", 0.0)
+    return optax.chain(optax.add_decayed_weights(wd), tx) if wd else tx
+
+
+def _build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int, groups=None):
     c = resolve_config(config)
     lr = learning_rate(c, steps_per_epoch, total_steps)
     if is_coded(c):
@@ -776,48 +883,103 @@ def _loss_fn(model):
     return loss_fn
 
 
-def _make_train_step(model, tx, mesh, num_params: int, communicate: bool = True):
+def _stateful_loss_fn(model):
+    """``loss(params, model_state, x, y) -> (loss, new_model_state)`` in training mode.
+
+    BatchNorm (``norm="batch"``, built with ``axis_name=AXIS``) normalises
+    with the batch statistics averaged over the devices and returns the
+    updated running averages, the same on every device.
+    """
+
+    def loss_fn(params, model_state, x, y):
+        logits, new_state = model.apply(
+            {"params": params, **model_state}, x, train=True, mutable=list(model_state)
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, new_state
+
+    return loss_fn
+
+
+def _make_train_step(
+    model, tx, mesh, num_params: int, communicate: bool = True, stateful: bool = False
+):
     """The jitted step (params and optimizer state donated).
 
     ``communicate=False``: the same step with every collective replaced by a
     local stand-in of the same shapes (``jaxcomp.comm.without_communication``),
-    to time it without its communication.
+    to time it without its communication. ``stateful``: the model has
+    mutable collections (BatchNorm's ``batch_stats``): the step is
+    ``step(params, opt_state, model_state, x, y) -> (params, opt_state,
+    model_state, metrics)``, the model state replicated (and donated).
     """
     # Casts params to device-varying so each device compresses its own gradient.
-    value_and_grad = jaxcomp.distributed.per_device_value_and_grad(_loss_fn(model), AXIS)
+    if stateful:
+        value_and_grad = jaxcomp.distributed.per_device_value_and_grad(
+            _stateful_loss_fn(model), AXIS, has_aux=True
+        )
+    else:
+        value_and_grad = jaxcomp.distributed.per_device_value_and_grad(_loss_fn(model), AXIS)
 
-    def step(params, opt_state, x, y):
+    def update(params, opt_state, loss, grads):
         state = jax.tree.map(lambda a: a[0], opt_state)
-        loss, grads = value_and_grad(params, x, y)
         updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
         metrics = {k: lax.pmean(v, AXIS) for k, v in _step_stats(state, num_params).items()}
         metrics["loss"] = lax.pmean(loss, AXIS)
         return params, jax.tree.map(lambda a: a[None], state), metrics
 
+    def step(params, opt_state, x, y):
+        loss, grads = value_and_grad(params, x, y)
+        return update(params, opt_state, loss, grads)
+
+    def stateful_step(params, opt_state, model_state, x, y):
+        (loss, new_state), grads = value_and_grad(params, model_state, x, y)
+        # Already the same on every device (statistics of the whole batch);
+        # the mean keeps them replicated whatever the float rounding.
+        new_state = jax.tree.map(lambda a: lax.pmean(a, AXIS), new_state)
+        params, opt_state, metrics = update(params, opt_state, loss, grads)
+        return params, opt_state, new_state, metrics
+
+    fn = stateful_step if stateful else step
+    state_specs = (P(),) if stateful else ()
     sharded = jax.shard_map(
-        step if communicate else jaxcomp.comm.without_communication(step),
+        fn if communicate else jaxcomp.comm.without_communication(fn),
         mesh=mesh,
-        in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)),
-        out_specs=(P(), P(AXIS), P()),
+        in_specs=(P(), P(AXIS), *state_specs, P(AXIS), P(AXIS)),
+        out_specs=(P(), P(AXIS), *state_specs, P()),
         # A sparse exchange ends in an all-gather, typed varying though
         # identical on every device (see jaxcomp.distributed.make_train_step).
         check_vma=False,
     )
-    return jax.jit(sharded, donate_argnums=(0, 1))
+    return jax.jit(sharded, donate_argnums=(0, 1, 2) if stateful else (0, 1))
 
 
-def _make_forward_backward(model, mesh):
-    """Each device's forward and backward pass, the gradient applied locally."""
-    value_and_grad = jaxcomp.distributed.per_device_value_and_grad(_loss_fn(model), AXIS)
+def _make_forward_backward(model, mesh, stateful: bool = False):
+    """Each device's forward and backward pass, the gradient applied locally.
 
-    def step(params, x, y):
-        _, grads = value_and_grad(params, x, y)
+    ``stateful``: ``f(params, model_state, x, y)`` (BatchNorm in training
+    mode, its statistics averaged over the devices as in the step).
+    """
+    if stateful:
+        value_and_grad = jaxcomp.distributed.per_device_value_and_grad(
+            _stateful_loss_fn(model), AXIS, has_aux=True
+        )
+    else:
+        value_and_grad = jaxcomp.distributed.per_device_value_and_grad(_loss_fn(model), AXIS)
+
+    def step(params, *args):
+        _, grads = value_and_grad(params, *args)
         return optax.apply_updates(params, grads)
 
+    state_specs = (P(),) if stateful else ()
     return jax.jit(
         jax.shard_map(
-            step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P(), check_vma=False
+            step,
+            mesh=mesh,
+            in_specs=(P(), *state_specs, P(AXIS), P(AXIS)),
+            out_specs=P(),
+            check_vma=False,
         ),
         donate_argnums=0,
     )
@@ -916,7 +1078,9 @@ def _feature_slice_optimizer(config: TrainConfig, steps_per_epoch: int, total_st
     """The kernel slices' optimizer: the run's SGD (momentum, schedule), no compressor."""
     c = resolve_config(config)
     lr = learning_rate(c, steps_per_epoch, total_steps)
-    return optax.sgd(lr, momentum=c.momentum) if c.momentum else optax.sgd(lr)
+    return _with_weight_decay(
+        optax.sgd(lr, momentum=c.momentum) if c.momentum else optax.sgd(lr), c
+    )
 
 
 def _init_feature_opt_state(slice_tx, tx, params, mesh):
@@ -1034,15 +1198,21 @@ def _make_coded_forward_backward(model, mesh):
     )
 
 
-def _time_split(programs, params, opt_state, batch, repeats: int = 5):
-    """``jaxcomp.distributed.TimeSplit`` of the step, medians over fresh copies of the state."""
+def _time_split(programs, params, opt_state, batch, repeats: int = 5, model_state=None):
+    """``jaxcomp.distributed.TimeSplit`` of the step, medians over fresh copies of the state.
+
+    ``model_state``: the BatchNorm statistics of a stateful step (None: stateless).
+    """
     step, local_step, forward_backward = programs
+    extra = () if model_state is None else (model_state,)
     return jaxcomp.distributed.split_step_time(
-        forward_backward=timing.median_seconds_fresh(forward_backward, (params, *batch), repeats),
-        without_communication=timing.median_seconds_fresh(
-            local_step, (params, opt_state, *batch), repeats
+        forward_backward=timing.median_seconds_fresh(
+            forward_backward, (params, *extra, *batch), repeats
         ),
-        step=timing.median_seconds_fresh(step, (params, opt_state, *batch), repeats),
+        without_communication=timing.median_seconds_fresh(
+            local_step, (params, opt_state, *extra, *batch), repeats
+        ),
+        step=timing.median_seconds_fresh(step, (params, opt_state, *extra, *batch), repeats),
     )
 
 
@@ -1064,11 +1234,16 @@ def _host_tree(tree):
     return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
 
-def _evaluate(model, params, x, y, batch: int = 512) -> float:
-    apply = jax.jit(lambda p, xb: jnp.argmax(model.apply({"params": p}, xb), -1))
+def _evaluate(model, params, x, y, batch: int = 512, model_state=None) -> float:
+    """Test accuracy; BatchNorm models normalise with the running averages ``model_state``."""
+    extra = model_state or {}
+    apply = jax.jit(
+        lambda p, s, xb: jnp.argmax(model.apply({"params": p, **s}, xb, train=False), -1)
+    )
     correct = 0
     for i in range(0, len(y), batch):
-        correct += int(np.sum(np.asarray(apply(params, x[i : i + batch])) == y[i : i + batch]))
+        pred = np.asarray(apply(params, extra, x[i : i + batch]))
+        correct += int(np.sum(pred == y[i : i + batch]))
     return correct / max(len(y), 1)
 
 
@@ -1197,12 +1372,21 @@ def _config_record(config: TrainConfig, num_devices: int) -> dict:
     """What ``config.json`` holds: the resolved config with the real device count."""
     fields = dataclasses.asdict(resolve_config(config))
     fields["num_devices"] = num_devices
-    return {"format": _CONFIG_FORMAT, "config": fields}
+    # As config.json holds it (tuples become lists), so that a stored
+    # configuration compares equal to the one it was written from.
+    return {"format": _CONFIG_FORMAT, "config": json.loads(json.dumps(fields))}
 
 
 # Fields added after config.json existed whose default is not None: a
 # config.json without them is a run that had this value.
-_ADDED_FIELD_DEFAULTS = {"sampling": "global"}
+_ADDED_FIELD_DEFAULTS = {
+    "sampling": "global",
+    "lr_milestones": [],
+    "lr_decay": 0.1,
+    "weight_decay": 0.0,
+    "norm": "group",
+    "augment": False,
+}
 
 
 def _config_differences(stored: dict, current: dict) -> list:
@@ -1335,16 +1519,31 @@ def _stored_merge_plan(path: str, config_record: dict, layer_names: list) -> dic
     return stored
 
 
-def _make_merge_plan(config: TrainConfig, model, params, dataset, num_devices: int) -> dict:
+def _make_merge_plan(
+    config: TrainConfig, model, params, dataset, num_devices: int, model_state=None
+) -> dict:
     """Profiles one device's shard of the first batch and plans the merge (a JSON record)."""
     xb, yb = next(
         data_lib.epoch_batches(dataset.train_x, dataset.train_y, config.batch_size, config.seed, 0)
     )
     per_device = config.batch_size // num_devices
 
-    def loss_fn(p, batch):
-        logits = model.apply({"params": p}, batch[0])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+    if model_state:
+        # One device's training forward (batch statistics of its shard; the
+        # cross-device mean of the step is communication, not profiled here).
+        local_model = model.clone(axis_name=None)
+
+        def loss_fn(p, batch):
+            logits, _ = local_model.apply(
+                {"params": p, **model_state}, batch[0], train=True, mutable=list(model_state)
+            )
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    else:
+
+        def loss_fn(p, batch):
+            logits = model.apply({"params": p}, batch[0])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
 
     batch = (jnp.asarray(xb[:per_device]), jnp.asarray(yb[:per_device]))
     t0 = time.perf_counter()
@@ -1391,7 +1590,9 @@ def _make_merge_plan(config: TrainConfig, model, params, dataset, num_devices: i
     }
 
 
-def _merge_groups(config: TrainConfig, model, params, dataset, workdir: str, num_devices: int):
+def _merge_groups(
+    config: TrainConfig, model, params, dataset, workdir: str, num_devices: int, model_state=None
+):
     """The sparsifier's ``groups`` of a ``merge`` run, and its ``merge_plan.json`` record.
 
     Process 0 reuses the workdir's plan when it was made for this
@@ -1409,7 +1610,7 @@ def _merge_groups(config: TrainConfig, model, params, dataset, workdir: str, num
         if record is not None:
             logging.info("reusing the merge plan in %s", path)
         else:
-            record = _make_merge_plan(config, model, params, dataset, num_devices)
+            record = _make_merge_plan(config, model, params, dataset, num_devices, model_state)
             # As merge_plan.json holds it (tuples become lists), so that the
             # returned record equals the stored one.
             record["config"] = json.loads(json.dumps(config_record))
@@ -1511,7 +1712,9 @@ def train_and_evaluate(
     Returns:
       ``{"compile_time": seconds to compile the step in this call,
       "records": [...], "final": last record, "num_params": int,
-      "params": host numpy parameters, "merge_plan": the merge_plan.json
+      "params": host numpy parameters, "model_state": host numpy BatchNorm
+      running averages (``{"batch_stats": ...}``; None without ``norm="batch"``),
+      "merge_plan": the merge_plan.json
       record (None without ``merge``, and on processes other than 0)}``.
 
     Raises:
@@ -1565,12 +1768,19 @@ def train_and_evaluate(
     n_proc = c.num_processes or 1
     proc = c.process_id or 0
 
-    model = models.make_model(c.model, dataset.num_classes)
-    init_params = model.init(jax.random.key(c.seed), dataset.train_x[:1])["params"]
+    model = models.make_model(c.model, dataset.num_classes, norm=c.norm, axis_name=AXIS)
+    variables = model.init(jax.random.key(c.seed), dataset.train_x[:1])
+    init_params = variables["params"]
+    # BatchNorm's running averages (empty without norm="batch"): replicated,
+    # updated by every step, used to evaluate, checkpointed.
+    init_model_state = {k: v for k, v in variables.items() if k != "params"}
+    stateful = bool(init_model_state)
     num_params = sum(int(np.size(x)) for x in jax.tree.leaves(init_params))
     groups = merge_plan = None
     if c.compressor in SPARSIFIERS and c.merge != "none":
-        groups, merge_plan = _merge_groups(c, model, init_params, dataset, workdir, n_dev)
+        groups, merge_plan = _merge_groups(
+            c, model, init_params, dataset, workdir, n_dev, init_model_state
+        )
     tx, _ = build_optimizer(c, spe, spe * c.epochs, groups=groups)
     if feature:
         num_layers = _feature_layers(init_params)
@@ -1596,7 +1806,7 @@ def train_and_evaluate(
     elif coded_cfg is None:
         params = jaxcomp.distributed.replicate(init_params, mesh)
         opt_state = jaxcomp.distributed.init_opt_state(tx, params, mesh, AXIS)
-        train_step = _make_train_step(model, tx, mesh, num_params)
+        train_step = _make_train_step(model, tx, mesh, num_params, stateful=stateful)
     else:
         params = jaxcomp.distributed.replicate(init_params, mesh)
         # (CodedState, sgd state) per device: a pytree that orbax saves like any other.
@@ -1610,6 +1820,10 @@ def train_and_evaluate(
         if coded_cfg is None:
             return jaxcomp.distributed.shard_batch((xb, yb), mesh, AXIS)
         return (cssgd.shard_block_batch((xb, yb), mesh, c.redundancy, AXIS),)
+
+    model_state = jaxcomp.distributed.replicate(init_model_state, mesh) if stateful else None
+    # The step's leading state: (params, opt_state[, model_state]).
+    carry = (params, opt_state, model_state) if stateful else (params, opt_state)
 
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     start_epoch = 0
@@ -1625,6 +1839,8 @@ def train_and_evaluate(
             ) from None
         if latest is not None:
             target = {"params": params, "opt_state": opt_state, "epoch": np.zeros([], np.int32)}
+            if stateful:
+                target["model_state"] = model_state
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
             try:
                 restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
@@ -1638,7 +1854,10 @@ def train_and_evaluate(
                     f"({type(e).__name__}: {cause}){_OVERWRITE}"
                 ) from None
             params, opt_state = restored["params"], restored["opt_state"]
+            if stateful:
+                model_state = restored["model_state"]
             start_epoch = int(restored["epoch"])
+            carry = (params, opt_state, model_state) if stateful else (params, opt_state)
             logging.info("resumed from %s at epoch %d", workdir, start_epoch)
     records = _read_records(metrics_path, start_epoch)
     if jax.process_index() == 0:
@@ -1651,7 +1870,7 @@ def train_and_evaluate(
     # Compile ahead of time so step times (and train_time) exclude compilation.
     t0 = time.perf_counter()
     dummy = place(dataset.train_x[:local], dataset.train_y[:local])
-    train_step = train_step.lower(params, opt_state, *dummy).compile()
+    train_step = train_step.lower(*carry, *dummy).compile()
     compile_time = time.perf_counter() - t0
     if c.time_split and feature:
         split_programs = (
@@ -1662,8 +1881,8 @@ def train_and_evaluate(
     elif c.time_split and coded_cfg is None:
         split_programs = (
             train_step,
-            _make_train_step(model, tx, mesh, num_params, communicate=False),
-            _make_forward_backward(model, mesh),
+            _make_train_step(model, tx, mesh, num_params, communicate=False, stateful=stateful),
+            _make_forward_backward(model, mesh, stateful=stateful),
         )
     elif c.time_split:
         split_programs = (
@@ -1699,10 +1918,17 @@ def train_and_evaluate(
         )
         for i, (xb, yb) in zip(range(spe), batches, strict=False):
             t0 = time.perf_counter()
+            if c.augment:
+                # The whole global batch, from (seed, epoch, step): the same
+                # images whatever the device or process count, and on resume.
+                xb = data_lib.augment(
+                    xb, data_lib.augment_seed(c.seed, epoch, i), fill=dataset.pad_value
+                )
             # Each process feeds its own rows of the global batch (device-major).
             xb, yb = xb[proc * local : (proc + 1) * local], yb[proc * local : (proc + 1) * local]
             batch = place(xb, yb)
-            params, opt_state, m = train_step(params, opt_state, *batch)
+            *carry, m = train_step(*carry, *batch)
+            params, opt_state = carry[0], carry[1]
             # Block every step: many collective steps in flight deadlock the
             # simulated CPU devices' rendezvous (NOTES-jax-cpu.md).
             m = jax.device_get(jax.block_until_ready(m))
@@ -1723,10 +1949,19 @@ def train_and_evaluate(
             bar.close()
         split = None
         if c.time_split:
-            split = _time_split(split_programs, params, opt_state, batch)
+            model_state = carry[2] if stateful else None
+            split = _time_split(split_programs, params, opt_state, batch, model_state=model_state)
         t_step = statistics.median(step_times)
         host_params = _feature_host_params(params, num_features) if feature else _host_tree(params)
-        acc = _evaluate(model, host_params, dataset.test_x, dataset.test_y)
+        host_state = _host_tree(carry[2]) if stateful else None
+        n_eval = c.eval_examples or len(dataset.test_y)
+        acc = _evaluate(
+            model,
+            host_params,
+            dataset.test_x[:n_eval],
+            dataset.test_y[:n_eval],
+            model_state=host_state,
+        )
         cum_bytes += sums["wire_bytes"]
         record = {
             "epoch": epoch + 1,
@@ -1778,6 +2013,8 @@ def train_and_evaluate(
         if manager is not None:
             epoch_done = np.asarray(epoch + 1, np.int32)
             state = {"params": params, "opt_state": opt_state, "epoch": epoch_done}
+            if stateful:
+                state["model_state"] = carry[2]
             manager.save(epoch + 1, args=ocp.args.StandardSave(state))
             manager.wait_until_finished()
 
@@ -1797,5 +2034,6 @@ def train_and_evaluate(
         "final": records[-1] if records else None,
         "num_params": num_params,
         "params": _feature_host_params(params, num_features) if feature else _host_tree(params),
+        "model_state": _host_tree(carry[2]) if stateful else None,
         "merge_plan": merge_plan,
     }
