@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check jaxcomp experiments tests
-	$(PY) -m ruff format --check jaxcomp experiments tests
+	$(PY) -m ruff check jaxcomp experiments tests colab
+	$(PY) -m ruff format --check jaxcomp experiments tests colab
 
 # The second run repeats a representative part of the conformance suite with
 # jax_enable_x64 set for the whole process (float64 by default, as in much

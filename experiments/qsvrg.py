@@ -1,7 +1,8 @@
 """QSVRG vs quantized SGD on ridge regression: the QSGD paper's linear convergence (section 3.3).
 
 Ridge regression ``f(w) = 1/(2M) ||A w - y||^2 + lam/2 ||w||^2`` (strongly
-convex) on synthetic data split over 8 simulated CPU devices; the exact
+convex) on synthetic data split over every device (8 simulated CPU devices by
+default; ``--num_devices`` takes fewer); the exact
 optimum comes from numpy (``(A^T A / M + lam I) w = A^T y / M``). Both methods
 use the same QSGD codec, step size, sampler and epoch length
 (:func:`jaxcomp.transforms.qsvrg.make_qsvrg_epoch`): QSVRG with an unquantized
@@ -72,7 +73,7 @@ def run(
     mesh=None,
 ):
     """Both methods; returns per-epoch suboptimality ``f(w_p) - f*`` and bytes."""
-    mesh = mesh or jax.make_mesh((N_DEVICES,), ("data",))
+    mesh = mesh or jax.make_mesh((jax.device_count(),), ("data",))
     n_dev = mesh.shape["data"]
     data, loss_fn, f, _, f_star = ridge_problem(n_dev, examples_per_device, dim, lam, seed)
     batch = dist.shard_batch(data, mesh)
@@ -158,12 +159,20 @@ def _define_flags():
     f.DEFINE_float("lam", 0.01, "Ridge regularisation (strong convexity).")
     f.DEFINE_integer("seed", 0, "Data and sampling seed.")
     f.DEFINE_string("out", "results/qsvrg", "Output directory.")
+    f.DEFINE_integer(
+        "num_devices", None, "Devices of the data axis (default: every device; 8 simulated on CPU)."
+    )
 
 
 def main(argv):
     del argv
     v = flags.FLAGS
+    available = jax.device_count()
+    n = available if v.num_devices is None else v.num_devices
+    if not 1 <= n <= available:
+        raise app.UsageError(f"--num_devices must be in [1, {available}] (devices here), got {n}")
     result = run(
+        mesh=jax.make_mesh((n,), ("data",), devices=jax.devices()[:n]),
         epochs=v.epochs,
         epoch_length=v.epoch_length,
         batch_size=v.batch_size,
