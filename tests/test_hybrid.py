@@ -436,3 +436,82 @@ def test_scatter_needs_the_sharded_optimizer():
     specs = {"w": P(), "v": P(), "b": P()}
     with pytest.raises(ValueError, match="same specs"):
         _train(_mlp_loss, tx, _mesh_1d(), params, batches, specs)
+
+
+# --- FSDP next to the happy path: optax wrappers, x64 --------------------------------
+
+
+def _fsdp_wrapped(kind):
+    """(tx, sharded_tx) pairs: the same optimizer written with an optax wrapper."""
+    compressor = FACTORIES["ldte_bs"](RATIO, axis_name="data", min_dense_size=2)
+    if kind == "masked":  # the bias left out of the compressor (averaged densely before tx)
+        mask = {"w": True, "v": True, "b": False}
+        return optax.chain(optax.masked(compressor, mask), optax.adam(0.01)), None
+    if kind == "multi_steps":  # two micro-batches per applied step
+        return optax.MultiSteps(optax.chain(compressor, optax.sgd(0.1)), 2), None
+    if kind == "inject_hyperparams":  # the optimizer's state on the owned slices
+        adam = optax.inject_hyperparams(optax.adam)(learning_rate=0.01)
+        return (
+            optax.chain(compressor, optax.inject_hyperparams(optax.adam)(learning_rate=0.01)),
+            dist.sharded_optimizer(compressor, adam, FSDP_SPECS),
+        )
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["masked", "multi_steps", "inject_hyperparams"])
+def test_fsdp_with_optax_wrappers_equals_replicated_training(kind):
+    """optax.masked, MultiSteps and inject_hyperparams around FSDP training: the split
+    parameters end bit for bit where the replicated ones do (or a clear error)."""
+    params, batches = _mlp_data(9, steps=4)
+    mesh = _mesh_1d(4)
+    tx, sharded = _fsdp_wrapped(kind)
+    ref, _, _ = _train(_mlp_loss, tx, mesh, params, batches)
+    runs = {"fsdp": (tx, FSDP_SPECS)}
+    if sharded is not None:
+        runs["sharded"] = (sharded, FSDP_SPECS)
+    for label, (t, specs) in runs.items():
+        got, _, _ = _train(_mlp_loss, t, mesh, params, batches, specs)
+        for k in params:
+            np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{label} {k}")
+    if kind == "multi_steps":  # the wrapper really accumulated: 4 micro-batches, 2 updates
+        one_step, _, _ = _train(_mlp_loss, tx, mesh, params, batches[:1])
+        np.testing.assert_array_equal(one_step["w"], params["w"])
+
+
+def test_fsdp_under_x64_keeps_float64_and_equals_replicated():
+    """jax_enable_x64 with float64 parameters: FSDP and sharded_optimizer train as the
+    replicated run does, and every parameter and moment stays float64."""
+    with jax.enable_x64(True):
+        params, batches = _mlp_data(10)
+        params = jax.tree.map(lambda a: a.astype(np.float64), params)
+        batches = [jax.tree.map(lambda a: a.astype(np.float64), b) for b in batches]
+        mesh = _mesh_1d(4)
+        compressor = FACTORIES["top_k"](RATIO, axis_name="data", min_dense_size=2)
+        tx = optax.chain(compressor, optax.adam(0.01))
+        ref, _, _ = _train(_mlp_loss, tx, mesh, params, batches)
+        sharded = dist.sharded_optimizer(compressor, optax.adam(0.01), FSDP_SPECS)
+        for t in (tx, sharded):
+            got, state, _ = _train(_mlp_loss, t, mesh, params, batches, FSDP_SPECS)
+            for k in params:
+                assert got[k].dtype == np.float64, k
+                np.testing.assert_array_equal(got[k], ref[k])
+            for leaf in jax.tree.leaves(optax.tree.get(state, "mu")):
+                assert leaf.dtype == np.float64
+
+
+def test_model_axes_under_x64_keep_float64():
+    """jax_enable_x64, float64 parameters on a data x model mesh: each model shard's result
+    equals the 1-D run on its slice, in float64 (residuals included)."""
+    with jax.enable_x64(True):
+        params, batches = _data(11)
+        params = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+        batches = [jax.tree.map(lambda a: np.asarray(a, np.float64), b) for b in batches]
+        got, state, _ = _train(_linear_loss, _tx("ldte_bs"), _mesh(), params, batches, SPECS)
+        ref, _, _ = _train(
+            _linear_loss, _tx("ldte_bs"), _mesh_1d(), _split(params), map(_split, batches)
+        )
+        for k, slices in SLICES.items():
+            assert got[k].dtype == np.float64
+            for i, sl in enumerate(slices):
+                np.testing.assert_allclose(got[k][sl], ref[f"{k}{i}"], rtol=1e-12, atol=1e-12)
+        assert optax.tree.get(state, "residual")["w"].dtype == np.float64
