@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import distributed as dist
+from jaxcomp.comm import sparse_allreduce
 from jaxcomp.selection import _kernels as kernels
 
 N_DEV = 8
@@ -365,3 +366,31 @@ def test_multi_platform_export_runs_the_cpu_branch_here():
     a = np.abs(x)
     for t in (0.0, 1.5, 3.0):
         assert int(exp.call(a, np.float32(t))) == int(np.sum(a > np.float32(t)))
+
+
+# Every exchange, not only the default one (scatter needs sharded_optimizer's slices:
+# it is exported by the train-step test's FSDP path when that exists, not here).
+SPARSE_EXCHANGES = [e for e in sparse_allreduce.EXCHANGES if e != "scatter"]
+
+
+@pytest.mark.parametrize("exchange", SPARSE_EXCHANGES)
+def test_every_sparse_exchange_exports_for_cuda(exchange, mesh_1d):
+    tx = jaxcomp.ldte_bs(RATIO, axis_name="data", min_dense_size=MIN_DENSE, exchange=exchange)
+    exp, args = _update_export(tx, mesh_1d)
+    _check_cuda(exp, args)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxcomp.qsgd(bits=4, bucket_size=64, exchange="allreduce", axis_name="data"),
+        lambda: jaxcomp.cast(jnp.bfloat16, exchange="allreduce", axis_name="data"),
+        lambda: jaxcomp.qsgd(bits=4, exchange="gossip", axis_name="data"),
+        lambda: jaxcomp.qsgd(bits=4, exchange="server", axis_name="data"),
+    ],
+    ids=["qsgd_allreduce", "cast_allreduce", "qsgd_gossip", "qsgd_server"],
+)
+def test_every_quantizer_exchange_exports_for_cuda(make, mesh_1d):
+    tx = make()
+    exp, args = _update_export(tx, mesh_1d)
+    _check_cuda(exp, args)

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxcomp
 from jaxcomp.comm import sparse_allreduce as sa
 
 SIZE = 512
@@ -392,3 +393,36 @@ def test_quantizer_exchange_checked():
 
     with pytest.raises(ValueError, match="exchange"):
         jaxcomp.qsgd(4, axis_name="data", exchange="gtopk")
+
+
+@pytest.mark.parametrize("exchange", [e for e in sa.EXCHANGES if e != "scatter"])
+def test_every_exchange_runs_under_a_checked_shard_map(exchange):
+    """A hand-written ``shard_map`` keeps ``check_vma=True`` (its default): every exchange
+    traces there (SparCML's two branches once differed in device variance) and gives the
+    updates of the unchecked run, bit for bit, on both of SparCML's branches."""
+    mesh = jax.make_mesh((8,), ("data",))
+    rng = np.random.default_rng(31)
+    g = {"w": rng.laplace(size=(8, 300)).astype(np.float32), "b": rng.normal(size=(8, 4))}
+    g["b"] = g["b"].astype(np.float32)
+    sh = NamedSharding(mesh, P("data"))
+    put = lambda t: jax.tree.map(lambda x: jax.device_put(np.asarray(x), sh), t)  # noqa: E731
+    for ratio in (0.01, 0.5):  # sparse and dense branch of sparcml
+        tx = jaxcomp.ldte_bs(ratio, axis_name="data", exchange=exchange, min_dense_size=4)
+        one = jax.tree.map(lambda x: x[0], g)
+        state = put(jax.tree.map(lambda x: np.stack([np.asarray(x)] * 8), tx.init(one)))
+
+        def body(gs, st, tx=tx):
+            first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+            u, _ = tx.update(first(gs), first(st))
+            return jax.tree.map(lambda a: a[None], u)
+
+        out = {
+            check: jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=check
+                )
+            )(put(g), state)
+            for check in (True, False)
+        }
+        for k in g:
+            np.testing.assert_array_equal(np.asarray(out[True][k]), np.asarray(out[False][k]))

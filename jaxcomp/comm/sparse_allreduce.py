@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import _validation as V
+from jaxcomp import _vma
 from jaxcomp.comm.collectives import (
     _INDEX_ITEMSIZE,
     _nbytes,
@@ -538,7 +539,10 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
     if n_dev == 1:
         update, wire = sparse(None)
     else:
-        update, wire = lax.cond(total <= union, sparse, dense_path, None)
+        # _vma.cond: the sparse branch's mean comes out of ppermutes (varying over
+        # the axis), the dense one out of a pmean (invariant); under a shard_map
+        # with check_vma=True lax.cond rejects the mismatch.
+        update, wire = _vma.cond(total <= union, sparse, dense_path, None)
     return Exchanged(update, wire + jnp.float32(count_bytes))
 
 
