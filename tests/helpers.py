@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp.selection import selectors
@@ -191,6 +192,18 @@ OPTIMIZERS = {
 SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS and name not in LOW_RANK)
 
 
+def mesh_update(tx, mesh, axis_name: str = "data"):
+    """Jitted ``tx.update`` on every device's row of stacked (grads, state): per-device outputs."""
+
+    def run(grads, state):
+        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+        upd, new = tx.update(first(grads), first(state))
+        return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
+
+    spec = P(axis_name)
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
 def low_rank_bytes(name: str, shape, itemsize: int, min_dense: int = 0) -> int:
     """Independent message size of low-rank compressor ``name``: the hook's rule
     (``view(shape[0], -1)``, compressed iff ``(n + m) r * 2 < n m``), ``P`` and ``Q`` in
@@ -313,14 +326,4 @@ def compress_on_mesh(compressor, mesh, grads, state, axis="data"):
 
     Returns per-device ``(updates, state)`` stacked along the leading axis.
     """
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-
-    def run(grads, state):
-        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
-        updates, state = compressor.update(first(grads), first(state))
-        return jax.tree.map(lambda a: a[None], (updates, state))
-
-    spec = P(axis)
-    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(
-        grads, state
-    )
+    return mesh_update(compressor, mesh, axis)(grads, state)

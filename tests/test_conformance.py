@@ -35,6 +35,7 @@ from helpers import (
     laplace_tree,
     low_rank_bytes,
     majority_vote,
+    mesh_update,
     quantized_bytes,
 )
 from hypothesis import HealthCheck, given, settings
@@ -1027,16 +1028,6 @@ def test_optimizer_bad_arguments(make, kwargs, arg):
         make(lr, **schedule, **kw)
 
 
-def _opt_mesh_update(tx, mesh):
-    def run(grads, state):
-        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
-        upd, new = tx.update(first(grads), first(state))
-        return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
-
-    spec = P("data")
-    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-
-
 @pytest.mark.parametrize("name", OPT_NAMES)
 def test_optimizer_shard_map_exchange_loses_nothing(name):
     """8 devices under shard_map: on every 1-bit exchange, the mean of what the devices
@@ -1053,7 +1044,7 @@ def test_optimizer_shard_map_exchange_loses_nothing(name):
     one = tx.init(_opt_tree(rng, spec))
     put = lambda t: jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), sh), t)  # noqa: E731
     state = put(jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), one))
-    update = _opt_mesh_update(tx, mesh)
+    update = mesh_update(tx, mesh)
     onebit_steps = 0
     for _ in range(3):  # onebit_adam: warm, warm, 1-bit; zero_one_adam: var, var, 1-bit
         g = {k: rng.normal(size=(n, *s)).astype(np.float32) for k, (s, _) in spec.items()}

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import mesh_update
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,18 +34,6 @@ def mesh():
 def _stacked(tree, mesh):
     sh = NamedSharding(mesh, P("data"))
     return jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), sh), tree)
-
-
-def _mesh_update(tx, mesh):
-    """Jitted ``tx.update`` on every device's row of (grads, state): per-device outputs."""
-
-    def run(grads, state):
-        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
-        upd, new = tx.update(first(grads), first(state))
-        return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
-
-    spec = P("data")
-    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
 def _stack_init(tx, params, mesh):
@@ -121,7 +110,7 @@ def test_compressed_step_matches_numpy_reference(mesh, bias_correction):
     """After the freeze: local momentum, 1-bit EF exchange, frozen v; per device vs numpy."""
     lr, freeze, d = 0.01, 3, 40
     tx = onebit_adam(lr, freeze_step=freeze, axis_name="data", bias_correction=bias_correction)
-    upd_fn = _mesh_update(tx, mesh)
+    upd_fn = mesh_update(tx, mesh)
     rng = np.random.default_rng(2)
     state = _stack_init(tx, {"w": jnp.zeros(d)}, mesh)
     for _ in range(freeze + 2):  # warm-up, then two compressed steps: residuals differ
@@ -294,7 +283,7 @@ def test_zero_one_adam_local_steps_and_sync_on_replicas(mesh):
     lr, d = 0.02, 24
     kw = dict(var_freeze_step=4, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
     tx = zero_one_adam(lr, axis_name="data", **kw)
-    upd_fn = _mesh_update(tx, mesh)
+    upd_fn = mesh_update(tx, mesh)
     rng = np.random.default_rng(4)
     state = _stack_init(tx, {"w": jnp.zeros(d)}, mesh)
     params = np.zeros((N, d), np.float32)
@@ -387,7 +376,7 @@ def test_one_device_with_nan_is_left_out_of_the_mean(mesh):
     """8 devices, device 3's gradient NaN: the mean is over the other 7, its residual kept."""
     lr, d = 0.01, 16
     tx = onebit_adam(lr, freeze_step=1, axis_name="data")
-    upd_fn = _mesh_update(tx, mesh)
+    upd_fn = mesh_update(tx, mesh)
     rng = np.random.default_rng(9)
     state = _stack_init(tx, {"w": jnp.zeros(d)}, mesh)
     _, state = upd_fn(_stacked({"w": rng.normal(size=(N, d)).astype(np.float32)}, mesh), state)
@@ -492,7 +481,7 @@ def test_two_stage_exchange_matches_numpy_and_loses_nothing(mesh, codec, kind):
     )
     state = _stack_init(tx, params, mesh)
     assert state.server_residual.shape == (N, 47)
-    update = _mesh_update(tx, mesh)
+    update = mesh_update(tx, mesh)
     ok = np.ones(N, bool)
     for step in range(4):
         grads = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in TWO_STAGE_TREE.items()}
@@ -536,7 +525,7 @@ def test_two_stage_leaves_a_nonfinite_device_out(mesh):
     params = {"w": jnp.zeros(40)}
     tx = onebit_adam(0.01, freeze_step=1, axis_name="data", exchange="two_stage")
     state = _stack_init(tx, params, mesh)
-    update = _mesh_update(tx, mesh)
+    update = mesh_update(tx, mesh)
     for step in range(3):
         g = rng.normal(size=(N, 40)).astype(np.float32)
         if step == 2:
@@ -580,7 +569,7 @@ def test_two_stage_single_device_and_zero_one_adam(mesh):
         axis_name="data", exchange="two_stage",
     )  # fmt: skip
     state = _stack_init(tx, {"w": jnp.zeros(30)}, mesh)
-    update = _mesh_update(tx, mesh)
+    update = mesh_update(tx, mesh)
     for _ in range(3):
         grads = rng.normal(size=(N, 30)).astype(np.float32)
         old = jax.tree.map(np.asarray, state)

@@ -184,19 +184,13 @@ class _Exchange:
 
     def dense_mean(self, grads, ok, n_ok, dtypes):
         """Uncompressed mean over the devices that contribute, cast to ``dtypes``."""
-        if self.axis_name is None:
-            return jax.tree.map(lambda g, d: g.astype(d.dtype), grads, dtypes), jnp.float32(0)
-        n_dev = collectives.axis_size(self.axis_name)
         wire = jnp.float32(0)
         out = []
         g_leaves, treedef = jax.tree.flatten(grads)
         for g, d in zip(g_leaves, treedef.flatten_up_to(dtypes), strict=True):
-            # In the gradient's dtype: that is what travels. Divided like pmean,
-            # so the warm-up matches optax.adam after a dense pmean bit for bit.
-            total = lax.psum(jnp.where(ok, g, jnp.zeros_like(g)), self.axis_name)
-            mean = total / jnp.maximum(n_ok, 1.0).astype(total.dtype)
+            mean, leaf_wire = _dense_leaf_mean(g, ok, n_ok, self.axis_name)
             out.append(mean.astype(d.dtype))
-            wire = wire + jnp.float32(collectives.allreduce_bytes(g.size * g.dtype.itemsize, n_dev))
+            wire = wire + leaf_wire
         return treedef.unflatten(out), wire
 
     def server_init(self, zeros):
@@ -230,6 +224,18 @@ class _Exchange:
         new_res = _where(ok, qs.residual, residual)
         mean = jax.tree.map(lambda m, r: m.astype(r.dtype), mean, x)
         return mean, new_res, server, qs.message_bytes, qs.wire_bytes
+
+
+def _dense_leaf_mean(g, ok, n_ok, axis_name):
+    """(mean over the devices that contribute, in ``g``'s dtype; bytes of its all-reduce)."""
+    if axis_name is None:
+        return g, jnp.float32(0)
+    # In the gradient's dtype: that is what travels. Divided like pmean, so the
+    # warm-up matches optax.adam after a dense pmean bit for bit.
+    total = lax.psum(jnp.where(ok, g, jnp.zeros_like(g)), axis_name)
+    mean = total / jnp.maximum(n_ok, 1.0).astype(total.dtype)
+    n_dev = collectives.axis_size(axis_name)
+    return mean, jnp.float32(collectives.allreduce_bytes(g.size * g.dtype.itemsize, n_dev))
 
 
 def _sign_scale(x, count, scale):
@@ -268,11 +274,9 @@ def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_s
             message_bytes.append(jnp.asarray(-(-v.size // 8), jnp.int32))
             continue
         # Small leaf: dense, no error feedback (its residual is 0 and stays 0).
-        total = jnp.where(ok, v + r, jnp.zeros_like(v))
-        if axis_name is not None:
-            total = lax.psum(total, axis_name)
-            wire = wire + jnp.float32(collectives.allreduce_bytes(v.size * v.dtype.itemsize, n))
-        out[i] = (total / denom.astype(total.dtype)).astype(v.dtype)
+        mean, leaf_wire = _dense_leaf_mean(v + r, ok, n_ok, axis_name)
+        out[i] = mean.astype(v.dtype)
+        wire = wire + leaf_wire
         message_bytes.append(jnp.asarray(v.size * v.dtype.itemsize, jnp.int32))
     d = server.shape[0]
     if d:
