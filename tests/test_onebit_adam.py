@@ -620,3 +620,36 @@ def test_two_stage_state_is_not_resized_elastically(mesh):
         jax.tree.map(np.asarray, _stack_init(plain, {"w": jnp.zeros(16)}, mesh)), N, 4
     )
     assert small.server_residual.shape == (4, 0)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two_stage"])
+def test_inject_hyperparams_learning_rate(exchange):
+    """optax.inject_hyperparams over the learning rate (schedules by hand) gives the
+    plain optimizer's updates; a schedule-shaping argument must be static and says so."""
+    g = {"w": jnp.arange(10.0) - 4.5}
+    # The integer and boolean arguments fix the schedule or the state's structure.
+    fixed = ("bucket_size", "bias_correction", "min_dense_size")
+    zero_one_fixed = ("var_update_scaler", "local_step_scaler")
+    for make, schedule, static in (
+        (onebit_adam, {"freeze_step": 1}, fixed),
+        (zero_one_adam, {"var_freeze_step": 1, "local_step_clipper": 1}, fixed + zero_one_fixed),
+    ):
+        ref = make(0.01, exchange=exchange, **schedule)
+        tx = optax.inject_hyperparams(make, static_args=(*schedule, *static))(
+            learning_rate=0.01, exchange=exchange, **schedule
+        )
+        s, r = tx.init(g), ref.init(g)
+        for _ in range(3):
+            u, s = jax.jit(tx.update)(g, s)
+            ur, r = jax.jit(ref.update)(g, r)
+            # Injected b1, b2 are float32 arrays (as with optax.adam): 1 - b2^t rounds
+            # in float32, a relative 1e-5 from the Python-float run.
+            np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(ur["w"]), rtol=1e-4)
+        s = s._replace(hyperparams={**s.hyperparams, "learning_rate": jnp.float32(0.02)})
+        u2, _ = jax.jit(tx.update)(g, s)  # a new rate, no recompilation needed
+        assert np.any(np.asarray(u2["w"]) != 0)
+    loose = optax.inject_hyperparams(onebit_adam, static_args=fixed)(
+        learning_rate=0.01, freeze_step=1
+    )
+    with pytest.raises(ValueError, match="freeze_step.*static_args"):
+        jax.jit(loose.update)(g, loose.init(g))

@@ -89,16 +89,20 @@ ADAM_EXCHANGES = ("allgather", "two_stage")
 
 
 def _check_learning_rate(learning_rate):
-    if callable(learning_rate):
+    # A traced rate (optax.inject_hyperparams) only scales the update: nothing static
+    # depends on it, so it is taken as it is, like a schedule.
+    if callable(learning_rate) or V.is_traced(learning_rate):
         return learning_rate
     return V.check_real("learning_rate", learning_rate, 0.0, low_open=True)
 
 
 def _check_betas_eps(b1, b2, eps):
-    b1 = V.check_real("b1", b1, 0.0, 1.0, high_open=True)
-    b2 = V.check_real("b2", b2, 0.0, 1.0, high_open=True)
+    # Traced values (optax.inject_hyperparams) are taken as they are: they only enter
+    # the arithmetic, never a shape or the schedule.
+    b1 = V.check_real("b1", b1, 0.0, 1.0, high_open=True, allow_traced=True)
+    b2 = V.check_real("b2", b2, 0.0, 1.0, high_open=True, allow_traced=True)
     # eps > 0: a frozen variance can be 0 where a coordinate never had a gradient.
-    eps = V.check_real("eps", eps, 0.0, low_open=True)
+    eps = V.check_real("eps", eps, 0.0, low_open=True, allow_traced=True)
     return b1, b2, eps
 
 
