@@ -26,6 +26,21 @@ shared machine drifts over all of them alike. In the same rounds it times:
   ``update - select``: the mask, the overflow check, the dense update and
   residual outputs and any fresh buffers.
 
+With ``--no_modes`` unset (the default) it also times, in the same rounds,
+the two programs that a training step actually runs:
+
+- ``gradient donated``: ``jax.jit(tx.update, donate_argnums=(0, 1))`` on a
+  gradient buffer written before the clock starts. Inside a training step the
+  gradient is a temporary of the step, so its buffer is free for the update:
+  no n-sized output is fresh. With the gradient kept, one of the two n-sized
+  outputs must be a fresh buffer on every call whatever the compressor does,
+  and above glibc's largest mmap threshold (32 MiB, i.e. 2^23 float32) it is
+  mapped and page-faulted anew each time (``contract`` measures that cost);
+- ``train step``: a whole jitted step with parameters and state donated,
+  ``grad(0.5 |p - target|^2)``, ``optax.chain(tx, optax.sgd(0.1))`` and
+  ``optax.apply_updates``, beside the same step with plain SGD
+  (``dense_step``): what the user pays, compressor and all.
+
 It also counts the memory passes of the compiled update from its HLO
 (``hlo_passes``): every kernel that reads or writes an n-sized buffer, at
 the top level (run on every call) or inside a conditional or loop body (run
@@ -48,7 +63,7 @@ same run. Writes ``<out>/bench_update.json`` and ``<out>/bench_update.png``.
 
 Run: ``python -m experiments.bench_update [--sizes 22,24]
 [--methods ldte_bs,top_k] [--repeats 15] [--warm_steps 20] [--no_stages]
-[--no_profile] [--malloc default|hugetlb] [--out results]``.
+[--no_profile] [--no_modes] [--malloc default|hugetlb] [--out results]``.
 """
 
 from __future__ import annotations
@@ -65,6 +80,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import optax
 
 import jaxcomp
 from experiments.bench_selection import make_data
@@ -78,6 +94,7 @@ METHODS = {
     "gaussian_k": (jaxcomp.gaussian_k, selectors.gaussian_k),
 }
 STAGES = ("check", "accumulate", "select")
+STEP_LR = 0.1  # the SGD learning rate of the timed training steps
 MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_")
 HUGETLB = "glibc.malloc.hugetlb=1"
 TARGET_FLOORS = 8.0
@@ -87,6 +104,36 @@ TARGET_SPEEDUP = 4.0
 def update_fn(tx):
     """The timed program: the whole ``tx.update`` with the state donated."""
     return jax.jit(lambda g, s: tx.update(g, s), donate_argnums=1)
+
+
+def update_fn_grad_donated(tx):
+    """The same update with the gradient donated too (its buffer may take the update).
+
+    In a training step the gradient is a temporary of the compiled step, so XLA
+    may reuse its buffer; this measures the update as it runs there: no fresh
+    n-sized output (with the gradient kept, one output is necessarily fresh,
+    and at 2^24 glibc maps and page-faults it on every call).
+    """
+    return jax.jit(lambda g, s: tx.update(g, s), donate_argnums=(0, 1))
+
+
+def _quadratic_loss(params, target):
+    return 0.5 * jnp.sum(jnp.square(params - target))
+
+
+def train_step_fn(tx):
+    """What the user pays: a whole jitted step, parameters and state donated.
+
+    ``grad(0.5 |p - target|^2) = p - target`` (one elementwise pass, a
+    temporary of the step), then ``tx.update`` and ``optax.apply_updates``.
+    """
+
+    def step(params, state, target):
+        grads = jax.grad(_quadratic_loss)(params, target)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(step, donate_argnums=(0, 1))
 
 
 def _finite_grad(g):
@@ -324,6 +371,9 @@ def profile_kernels(fn, g, state, hlo, steps=5):
 # ---------------------------------------------------------------------------
 
 
+_copy = jax.jit(lambda v: v * 1)
+
+
 def _call(entry):
     """Runs one program once (threading its donated state); returns seconds."""
     fn, kind, args = entry["fn"], entry["kind"], entry["args"]
@@ -331,6 +381,17 @@ def _call(entry):
     if kind == "update":
         u, entry["state"] = jax.block_until_ready(fn(args[0], entry["state"]))
         del u
+    elif kind == "update_grad_donated":
+        # A fresh gradient buffer for every call, written before the clock
+        # starts (as a step's backward pass would have written it).
+        g = jax.block_until_ready(_copy(args[0]))
+        t0 = time.perf_counter()
+        u, entry["state"] = jax.block_until_ready(fn(g, entry["state"]))
+        del u
+    elif kind == "step":
+        entry["params"], entry["state"] = jax.block_until_ready(
+            fn(entry["params"], entry["state"], *args)
+        )
     elif kind == "donated":
         out = jax.block_until_ready(fn(entry["state"], *args))
         # The program's new donated state comes last (`select`: acc;
@@ -342,11 +403,35 @@ def _call(entry):
     return time.perf_counter() - t0
 
 
-def run(sizes_log2, methods, repeats, out_dir, warm_steps=20, stages=True, profile=True):
+def _step_entry(tx, g):
+    """A :func:`train_step_fn` program: parameters 0, target ``g`` (the first gradient is -g)."""
+    params = jnp.zeros_like(g)
+    return {
+        "fn": train_step_fn(tx),
+        "kind": "step",
+        "args": (g,),
+        "params": params,
+        "state": tx.init(params),
+    }
+
+
+def run(
+    sizes_log2,
+    methods,
+    repeats,
+    out_dir,
+    warm_steps=20,
+    stages=True,
+    profile=True,
+    modes=True,
+):
     """Times every method's donated update at every size; returns the result rows.
 
     ``stages``: also time the breakdown programs; ``profile``: also time each
-    kernel of the update from a profiler trace (``profile_kernels``).
+    kernel of the update from a profiler trace (``profile_kernels``);
+    ``modes``: also time the update with the gradient donated
+    (:func:`update_fn_grad_donated`) and the whole training step
+    (:func:`train_step_fn`, beside the dense SGD step).
     """
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -380,6 +465,20 @@ def run(sizes_log2, methods, repeats, out_dir, warm_steps=20, stages=True, profi
                         entry["state"] = jnp.zeros_like(g)
                     progs[f"{m}/{stage}"] = entry
             sel_out[m] = state
+            if modes:
+                gfn = update_fn_grad_donated(tx)
+                gstate = tx.init(g)
+                for _ in range(warm_steps):
+                    _, gstate = gfn(_copy(g), gstate)
+                progs[f"{m}/grad_donated"] = {
+                    "fn": gfn,
+                    "kind": "update_grad_donated",
+                    "args": (g,),
+                    "state": jax.block_until_ready(gstate),
+                }
+                progs[f"{m}/step"] = _step_entry(optax.chain(tx, optax.sgd(STEP_LR)), g)
+        if modes:
+            progs["dense_step"] = _step_entry(optax.sgd(STEP_LR), g)
         t_fixed = jnp.float32(sel_out["top_k"].threshold)
         progs["contract"] = {
             "fn": contract_fn(),
@@ -421,15 +520,29 @@ def run(sizes_log2, methods, repeats, out_dir, warm_steps=20, stages=True, profi
                 entry["kernels_ms"] = kernel_ms[m]
                 top = [kk for kk in kernel_ms[m] if kk["where"] == "every call"]
                 entry["profiled_ms"] = sum(kk["ms"] for kk in top)
+            if modes:
+                entry["grad_donated_ms"] = med[f"{m}/grad_donated"]
+                entry["grad_donated_floors"] = med[f"{m}/grad_donated"] / floor
+                entry["step_ms"] = med[f"{m}/step"]
+                entry["step_floors"] = med[f"{m}/step"] / floor
+                entry["step_over_dense"] = med[f"{m}/step"] / med["dense_step"]
             if stages:
                 st = {s: med[f"{m}/{s}"] for s in STAGES}
                 st["send"] = med[m] - st["select"]
                 entry["stages_ms"] = st
                 entry["stages_floors"] = {s: v / floor for s, v in st.items()}
             row["methods"][m] = entry
-        base = row["methods"]["top_k"]["update_ms"]
+        if modes:
+            row["dense_step_ms"] = med["dense_step"]
+            row["dense_step_floors"] = med["dense_step"] / floor
+        base = row["methods"]["top_k"]
         for entry in row["methods"].values():
-            entry["speedup_vs_top_k"] = base / entry["update_ms"]
+            entry["speedup_vs_top_k"] = base["update_ms"] / entry["update_ms"]
+            if modes:
+                entry["grad_donated_speedup_vs_top_k"] = (
+                    base["grad_donated_ms"] / entry["grad_donated_ms"]
+                )
+                entry["step_speedup_vs_top_k"] = base["step_ms"] / entry["step_ms"]
         results.append(row)
         _print_row(row)
     meta = {
@@ -468,6 +581,12 @@ def _print_row(row):
         f" ({row['contract_floors']:.1f} floors)",
         flush=True,
     )
+    if "dense_step_ms" in row:
+        print(
+            f"  dense SGD step {row['dense_step_ms']:.2f} ms"
+            f" ({row['dense_step_floors']:.1f} floors)",
+            flush=True,
+        )
     for m, e in row["methods"].items():
         s = e["hlo"]["summary"]
         print(
@@ -479,6 +598,16 @@ def _print_row(row):
             f" fresh outputs {s['fresh_outputs_n']:.2f} n",
             flush=True,
         )
+        if "step_ms" in e:
+            print(
+                f"    gradient donated {e['grad_donated_ms']:.2f} ms"
+                f" {e['grad_donated_floors']:.1f} floors"
+                f" {e['grad_donated_speedup_vs_top_k']:.2f}x top_k | train step"
+                f" {e['step_ms']:.2f} ms {e['step_floors']:.1f} floors"
+                f" {e['step_speedup_vs_top_k']:.2f}x top_k,"
+                f" {e['step_over_dense']:.2f}x the dense step",
+                flush=True,
+            )
         if "stages_floors" in e:
             print(
                 "    stage programs (floors): "
@@ -503,20 +632,30 @@ def plot(results, path):
     )
     for axrow, row in zip(axes, results, strict=True):
         ax = axrow[0]
-        floors = [row["methods"][m]["floors"] for m in names]
-        ax.bar(range(len(names)), floors, color=[f"C{i}" for i in range(len(names))])
-        for i, m in enumerate(names):
-            e = row["methods"][m]
-            ax.annotate(
-                f"{e['floors']:.1f} floors\n{e['update_ms']:.1f} ms\n"
-                f"{e['speedup_vs_top_k']:.2f}x top_k",
-                (i, e["floors"]),
-                textcoords="offset points",
-                xytext=(0, 3),
-                ha="center",
-                va="bottom",
-                fontsize=8,
-            )
+        # One bar per method and mode: (label, floors key, speedup key).
+        modes = [("update", "floors", "speedup_vs_top_k")]
+        if "step_floors" in row["methods"][names[0]]:
+            modes += [
+                ("gradient donated", "grad_donated_floors", "grad_donated_speedup_vs_top_k"),
+                ("train step", "step_floors", "step_speedup_vs_top_k"),
+            ]
+        width = 0.8 / len(modes)
+        floors = []
+        for j, (label, fkey, skey) in enumerate(modes):
+            xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(names))]
+            vals = [row["methods"][m][fkey] for m in names]
+            floors += vals
+            ax.bar(xs, vals, width, color=f"C{j}", label=label)
+            for x, m, v in zip(xs, names, vals, strict=True):
+                ax.annotate(
+                    f"{v:.1f}\n{row['methods'][m][skey]:.1f}x",
+                    (x, v),
+                    textcoords="offset points",
+                    xytext=(0, 2),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
         ax.axhline(
             TARGET_FLOORS, color="r", ls="--", lw=1, label=f"target {TARGET_FLOORS:g} floors"
         )
@@ -526,7 +665,10 @@ def plot(results, path):
         ax.set_ylim(0, 1.3 * max(floors + [TARGET_FLOORS, row["contract_floors"]]))
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel("one-pass floors (sum |x|)")
-        ax.set_title(f"donated tx.update, n = 2^{row['log2_n']} (floor {row['floor_ms']:.2f} ms)")
+        ax.set_title(
+            f"n = 2^{row['log2_n']}: floors and speedup vs top_k (floor {row['floor_ms']:.2f} ms)",
+            fontsize=9,
+        )
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
         for ax, m in zip(axrow[1:], names, strict=True):
@@ -560,6 +702,11 @@ def main(argv=None):
     parser.add_argument("--warm_steps", type=int, default=20)
     parser.add_argument("--no_stages", action="store_true", help="skip the stage breakdown")
     parser.add_argument("--no_profile", action="store_true", help="skip the kernel profile")
+    parser.add_argument(
+        "--no_modes",
+        action="store_true",
+        help="skip the gradient-donated update and the whole training step",
+    )
     parser.add_argument("--out", default="results")
     parser.add_argument(
         "--malloc",
@@ -585,6 +732,7 @@ def main(argv=None):
         warm_steps=args.warm_steps,
         stages=not args.no_stages,
         profile=not args.no_profile,
+        modes=not args.no_modes,
     )
 
 

@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxcomp
@@ -47,6 +48,17 @@ def test_bench_update_writes_json_and_png(tmp_path):
             for kk in m["kernels_ms"]:  # empty if the profiler is unavailable
                 assert kk["ms"] >= 0 and kk["name"]
         assert row["methods"]["top_k"]["speedup_vs_top_k"] == 1.0
+        np.testing.assert_allclose(row["dense_step_floors"], row["dense_step_ms"] / floor)
+        for m in row["methods"].values():
+            # The two other modes, each against top_k in the same mode.
+            np.testing.assert_allclose(m["grad_donated_floors"], m["grad_donated_ms"] / floor)
+            np.testing.assert_allclose(m["step_floors"], m["step_ms"] / floor)
+            np.testing.assert_allclose(m["step_over_dense"], m["step_ms"] / row["dense_step_ms"])
+            for mode in ("grad_donated", "step"):
+                np.testing.assert_allclose(
+                    m[f"{mode}_speedup_vs_top_k"],
+                    row["methods"]["top_k"][f"{mode}_ms"] / m[f"{mode}_ms"],
+                )
 
 
 def test_hlo_passes_counts_a_known_program():
@@ -104,3 +116,34 @@ def test_chunked_top_k_is_exact_without_overflow():
     sel = bench_selection.chunked_top_k(jnp.asarray(x), k)
     assert int(sel.count) == k
     assert float(sel.threshold) == float(jaxcomp.selection.exact_top_k(jnp.asarray(x), k).threshold)
+
+
+def test_grad_donated_update_has_no_fresh_output():
+    # With the gradient donated too, both n-sized outputs (update, residual)
+    # reuse donated buffers: what the update costs inside a training step,
+    # where the gradient is a temporary. The result is the plain update's.
+    n = 2**14
+    g = jnp.asarray(bench_selection.make_data("laplace", n))
+    tx = jaxcomp.ldte_bs(1e-3)
+    fn = bench_update.update_fn_grad_donated(tx)
+    s = bench_update.hlo_passes(fn.lower(g, tx.init(g)).compile(), n)["summary"]
+    assert s["fresh_outputs_n"] < 0.01 and s["aliased_n"] == pytest.approx(2.0, abs=0.01)
+    u_ref, s_ref = bench_update.update_fn(tx)(g, tx.init(g))
+    u, st = fn(g * 1, tx.init(g))
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(u_ref))
+    np.testing.assert_array_equal(np.asarray(st.residual), np.asarray(s_ref.residual))
+
+
+def test_train_step_is_sgd_on_the_compressed_gradient():
+    # One step from p = 0 toward target t: the gradient is -t, the compressor
+    # sends the largest |t| (ratio 1 / n: exactly one element), SGD moves it.
+    n = 4096
+    t = np.zeros(n, np.float32)
+    t[[5, 100, 3000]] = [1.0, -4.0, 2.0]
+    tx = optax.chain(jaxcomp.top_k(1 / n), optax.sgd(bench_update.STEP_LR))
+    p, state = bench_update.train_step_fn(tx)(jnp.zeros(n), tx.init(jnp.zeros(n)), jnp.asarray(t))
+    want = np.zeros(n, np.float32)
+    want[100] = -bench_update.STEP_LR * 4.0  # p - lr * g with g[100] = -(-4)
+    np.testing.assert_allclose(np.asarray(p), want, rtol=1e-6)
+    residual = optax.tree.get(state, "residual")
+    np.testing.assert_array_equal(np.asarray(residual), np.where(np.arange(n) == 100, 0, -t))

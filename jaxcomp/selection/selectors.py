@@ -656,6 +656,36 @@ def binary_search(
 # ---------------------------------------------------------------------------
 
 
+def _kth_largest_above(x: jax.Array, t: jax.Array, count: jax.Array, k: int) -> jax.Array:
+    """The k-th largest of ``where(|x| > t, |x|, 0)`` in float32, ``count = #{|x| > t}``.
+
+    That is the k-th largest ``|x|`` when ``count >= k``, else 0.
+
+    A bisection on float32 bit patterns (non-negative floats order as their
+    int32 bits), one count pass per probe, at most 31: it allocates nothing
+    n-sized. ``lax.top_k`` on the masked array needed an n-sized temporary,
+    and XLA:CPU allocates the temporaries of every branch on every call, taken
+    or not: in a training step that temporary pushed the step's temporaries
+    past glibc's mmap threshold, so the gradient was page-faulted in anew on
+    every call (ldte_bs step at 2^22: 19-21 vs 12 ms without it,
+    experiments/bench_update.py). Invariant (when ``count >= k``):
+    ``count(lo) >= k > count(hi)``;
+    the k-th largest value is the smallest ``v`` with ``count(v) < k``.
+    """
+    # (t = -0.0 has negative bits: counted as +0.0, which counts the same.)
+    lo = jnp.maximum(lax.bitcast_convert_type(jnp.asarray(t, jnp.float32), jnp.int32), 0)
+    hi = lax.bitcast_convert_type(jnp.max(_abs32(x)), jnp.int32)
+
+    def body(s):
+        lo, hi = s
+        mid = lo + (hi - lo) // 2
+        many = _count(x, lax.bitcast_convert_type(mid, jnp.float32)) >= k
+        return jnp.where(many, mid, lo), jnp.where(many, hi, mid)
+
+    _, hi = lax.while_loop(lambda s: s[1] - s[0] > 1, body, varying_like((lo, hi), x))
+    return jnp.where(count >= k, lax.bitcast_convert_type(hi, jnp.float32), jnp.float32(0))
+
+
 def _top_k_above(x: jax.Array, t: jax.Array, count: jax.Array, k: int, buffer: int):
     """Exact k-th largest ``|x|`` among ``{|x| > t}``, which holds ``count >= k`` elements.
 
@@ -671,8 +701,7 @@ def _top_k_above(x: jax.Array, t: jax.Array, count: jax.Array, k: int, buffer: i
         return _kth_largest(_abs32(vals), k)
 
     def large(_):
-        a = _abs32(x)
-        return _kth_largest(jnp.where(a > t, a, 0.0), k)
+        return _kth_largest_above(x, t, count, k)
 
     if buffer >= n:
         kth = large(None)
