@@ -504,3 +504,38 @@ def test_kth_largest_above_matches_numpy(kind):
                 want = np.sort(np.where(a > t, a, 0))[::-1][k - 1]
                 got = fn(jnp.asarray(x), jnp.float32(t), jnp.int32(count), k)
                 assert float(got) == float(want), (k, t, count)
+
+
+@pytest.mark.parametrize("name", ["ldte_bs", "dgc", "trimmed_top_k"])
+def test_tied_fallback_under_checked_shard_map(name):
+    # Tied magnitudes force the two-stage refine (its bisection's while_loop):
+    # inside a user's shard_map with check_vma=True it must trace and give the
+    # unchecked run's update and residuals, and send k..capacity elements.
+    import jaxcomp  # noqa: PLC0415
+
+    n_dev, n = 4, 4096
+    mesh = jax.make_mesh((n_dev,), ("d",))
+    g = np.ones((n_dev, n), np.float32)
+    g[:, ::3] = 2.0
+    g[1] *= -1.0
+    g = jax.device_put(jnp.asarray(g), jax.NamedSharding(mesh, jax.P("d")))
+    tx = getattr(jaxcomp, name)(1e-3, axis_name="d")
+
+    def two_steps(gl):
+        gl = gl[0]
+        u, s = tx.update(gl, tx.init(gl))
+        u, s = tx.update(gl, s)
+        return u[None], s.residual[None], s.sent_count[None]
+
+    outs = [
+        jax.jit(
+            jax.shard_map(
+                two_steps, mesh=mesh, in_specs=jax.P("d"), out_specs=jax.P("d"), check_vma=c
+            )
+        )(g)
+        for c in (True, False)
+    ]
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    k = sel.target_count(1e-3, n)
+    assert np.all((k <= np.asarray(outs[0][2])) & (np.asarray(outs[0][2]) <= math.ceil(1.5 * k)))
