@@ -263,3 +263,66 @@ def test_reuse_period_traced_points_at_static_args():
     )
     u, _ = jax.jit(tx.update)(g, tx.init(g))
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(u["w"])), np.arange(45, 50))
+
+
+# ---------------------------------------------------------------------------
+# selector_options hint="previous": the stored threshold as the selector's hint.
+# ---------------------------------------------------------------------------
+
+
+def _hint_plus_one(x, k, hint=None):
+    """A selector whose threshold is the hint + 1 (1 without a finite hint)."""
+    h = jnp.asarray(hint, jnp.float32)
+    t = jnp.where(jnp.isfinite(h), h + 1, jnp.float32(1))
+    return jaxcomp.selection.Selection(t, jnp.sum(jnp.abs(x) > t, dtype=jnp.int32), jnp.int32(0))
+
+
+@pytest.mark.parametrize("granularity", ["layer", "global"])
+def test_hint_previous_passes_each_groups_stored_threshold(granularity):
+    tx = jaxcomp.sparsify(
+        _hint_plus_one,
+        0.5,
+        selector_options={"hint": "previous"},
+        granularity=granularity,
+        capacity_factor=2.0,
+    )
+    g = {"a": jnp.full((4,), 100.0), "b": jnp.full((6,), 100.0)}
+    state = tx.init(g)
+    step = jax.jit(tx.update)
+    seen = []
+    for grads in (g, g, {"a": g["a"] * jnp.nan, "b": g["b"]}, g, g):
+        _, state = step(grads, state)
+        seen.append(np.asarray(jax.tree.leaves(state.threshold), np.float32))
+    # 1 (no hint before the first step), 2; a skipped step stores inf, then 1, 2.
+    expect = [1, 2, np.inf, 1, 2]
+    for got, want in zip(seen, expect, strict=True):
+        np.testing.assert_array_equal(got, np.float32(want))
+
+
+def test_hint_previous_needs_a_selector_that_takes_a_hint():
+    with pytest.raises(ValueError, match=r"selector_options \['hint'\] rejected.*hint"):
+        jaxcomp.sparsify("top_k", 0.1, selector_options={"hint": "previous"})
+
+
+def test_ldte_bs_hint_saves_the_probe_pass_under_error_feedback():
+    """Fresh Laplace gradients each step: the residual is far from Laplacian, so the
+    estimate misses and (without the hint) a probe pass follows on most steps;
+    every step's update is the accumulator above the threshold (numpy)."""
+    n, ratio = 1 << 17, 1e-3
+    k, cap = k_of(ratio, n), cap_of(k_of(ratio, n), n)
+    its = {}
+    for hint in ("auto", None):
+        tx = jaxcomp.ldte_bs(ratio, hint=hint)
+        state, res = tx.init({"w": jnp.zeros(n)}), np.zeros(n, np.float32)
+        step, its[hint] = jax.jit(tx.update), 0
+        rng = np.random.default_rng(0)
+        for _ in range(8):
+            g = rng.laplace(size=n).astype(np.float32)
+            u, state = step({"w": jnp.asarray(g)}, state)
+            acc = res + g
+            t = np.float32(state.threshold["w"])
+            check_step(acc, u["w"], state.residual["w"], t, cap, int(state.sent_count["w"]))
+            assert k <= int(state.sent_count["w"]) <= cap
+            res = np.asarray(state.residual["w"])
+            its[hint] += int(state.search_iterations["w"])
+    assert its["auto"] < its[None], its

@@ -539,3 +539,77 @@ def test_tied_fallback_under_checked_shard_map(name):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     k = sel.target_count(1e-3, n)
     assert np.all((k <= np.asarray(outs[0][2])) & (np.asarray(outs[0][2]) <= math.ceil(1.5 * k)))
+
+
+# ---------------------------------------------------------------------------
+# LDTE-BS with a hint (the previous step's threshold), counted in the first pass.
+# ---------------------------------------------------------------------------
+
+HINT_N = 1 << 17  # above the 65536-element moment sample: the probes join the first pass
+
+
+def _in_window_threshold(a: np.ndarray, count: int) -> np.float32:
+    """A float32 t with exactly ``count`` elements of ``a`` above it (numpy)."""
+    top = np.sort(a)[::-1]
+    return np.float32((np.float64(top[count - 1]) + top[count]) / 2)
+
+
+def test_ldte_bs_hint_in_window_is_used_when_the_estimate_misses():
+    x = mixture(HINT_N, 3)  # the Laplacian estimate misses this mixture
+    k = k_of(1e-3, HINT_N)
+    a = abs32(x)
+    estimate = jax.jit(lambda v: sel.laplace_threshold(v, k, aim=1.25, moment_sample=65536))
+    t0 = float(estimate(jnp.asarray(x)))
+    assert not k <= count_above(x, t0) <= 1.5 * k  # precondition: the estimate misses
+    hint = _in_window_threshold(a, k + 7)
+    s = jit_selector(sel.ldte_bs)(jnp.asarray(x), k, hint=hint)
+    assert float(s.threshold) == hint
+    assert int(s.count) == count_above(x, hint) == k + 7
+    assert int(s.iterations) == 0  # counted beside the estimate: no probe pass
+
+
+def test_ldte_bs_keeps_an_estimate_in_window_over_the_hint():
+    x = laplacian(HINT_N, 4)  # the estimate lands in the window here
+    k = k_of(1e-3, HINT_N)
+    plain = jit_selector(sel.ldte_bs)(jnp.asarray(x), k)
+    assert int(plain.iterations) == 0
+    hint = _in_window_threshold(abs32(x), k)  # also in the window, but not the estimate
+    s = jit_selector(sel.ldte_bs)(jnp.asarray(x), k, hint=hint)
+    assert float(s.threshold) == float(plain.threshold) != hint
+    assert int(s.count) == int(plain.count) == count_above(x, plain.threshold)
+
+
+@pytest.mark.parametrize("hint", [np.inf, np.nan, -1.0, 0.0, 1e30])
+@pytest.mark.parametrize("data", ["mixture", "laplacian"])
+def test_ldte_bs_useless_hints_give_the_plain_threshold(hint, data):
+    """Non-finite or negative hints are ignored; far ones (0, huge) only bracket."""
+    x = DATA[data](HINT_N, 5)
+    k = k_of(1e-3, HINT_N)
+    plain = jit_selector(sel.ldte_bs)(jnp.asarray(x), k)
+    s = jit_selector(sel.ldte_bs)(jnp.asarray(x), k, hint=jnp.float32(hint))
+    assert k <= int(s.count) <= 1.5 * k
+    assert int(s.count) == count_above(x, s.threshold)
+    # The same probes, counted in the first pass instead of a second one.
+    assert float(s.threshold) == float(plain.threshold)
+    assert int(s.iterations) <= int(plain.iterations)
+
+
+@pytest.mark.parametrize("search", ["bisect", "fibonacci", "interpolate"])
+@pytest.mark.parametrize("moment_sample", [None, 65536])
+def test_ldte_bs_hint_with_every_search_stays_in_the_window(search, moment_sample):
+    x = mixture(HINT_N, 6)
+    k = k_of(1e-3, HINT_N)
+    a = abs32(x)
+    for hint in (_in_window_threshold(a, 3 * k), _in_window_threshold(a, k // 2)):
+        s = jit_selector(sel.ldte_bs, search=search, moment_sample=moment_sample)(
+            jnp.asarray(x), k, hint=hint
+        )
+        assert k <= int(s.count) <= 1.5 * k
+        assert int(s.count) == count_above(x, s.threshold)
+
+
+def test_ldte_bs_hint_on_tied_data_sends_at_least_k():
+    x = np.tile(np.float32([1, -1, 0.5, 0]), HINT_N // 4)  # 65536 values tie at the top
+    k = k_of(1e-3, HINT_N)
+    s = jit_selector(sel.ldte_bs)(jnp.asarray(x), k, hint=jnp.float32(0.75))
+    assert int(s.count) == count_above(x, s.threshold) >= k

@@ -81,6 +81,8 @@ BAD = [
     (lambda: jaxcomp.ldte_bs(0.1, moment_sample=1), "moment_sample"),
     (lambda: jaxcomp.ldte_bs(0.1, exact_below=-2), "exact_below"),
     (lambda: jaxcomp.ldte_bs(0.1, variant="fast"), "variant"),
+    (lambda: jaxcomp.ldte_bs(0.1, hint="last"), "hint"),
+    (lambda: jaxcomp.ldte_bs(0.1, hint=1.0), "hint"),
     (lambda: jaxcomp.binary_search(0.1, delta=-1), "delta"),
     (lambda: jaxcomp.dgc(0.1, decay=1.0), "decay"),
     (lambda: jaxcomp.dgc(0.1, max_adaptations=-1), "max_adaptations"),
@@ -155,7 +157,7 @@ def test_structure_mismatch_named(name):
 # Item 13: the paper's LDTE-BS.
 # ---------------------------------------------------------------------------
 
-PAPER = dict(estimator="moments", search="bisect", aim=1.0, moment_sample=None)
+PAPER = dict(estimator="moments", search="bisect", aim=1.0, moment_sample=None, hint=None)
 
 
 def _mixture(n, seed):
@@ -200,6 +202,7 @@ def test_ldte_paper_variant_is_the_paper_algorithm():
         (dict(aim=1.25), "aim"),
         (dict(moment_sample=65536), "moment_sample"),
         (dict(estimator="mle"), "estimator"),
+        (dict(hint="previous"), "hint"),
     ],
 )
 def test_ldte_paper_variant_rejects_contradicting_options(kwargs, arg):

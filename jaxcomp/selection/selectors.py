@@ -105,6 +105,17 @@ def _count(x: jax.Array, t: jax.Array) -> jax.Array:
     return kernels.count_above(jnp.abs(x), t)
 
 
+def _count_many(x: jax.Array, ts: jax.Array) -> jax.Array:
+    """``#{|x| > ts[j]}`` for every candidate in one pass (barriered as :func:`_count`).
+
+    Two candidates cost what one does: ``count_above`` reduces two outputs
+    per element on XLA:CPU anyway (the second a barrier copy of t, kept only
+    for vectorisation).
+    """
+    x, ts = lax.optimization_barrier((x, ts.astype(jnp.float32)))
+    return kernels.count_above_many(jnp.abs(x), ts)
+
+
 def _just_below(v: jax.Array) -> jax.Array:
     """Largest float32 below ``v`` (so that ``a > result`` iff ``a >= v``), never < 0.
 
@@ -426,6 +437,25 @@ def _sample_quantile_thresholds(x, k, sample_size, aim, upper, sample=None):
     return jnp.stack([_just_below(jnp.min(jnp.where(iota < j, vals, jnp.inf))) for j in ks])
 
 
+def _bracket(ts: jax.Array, cs: jax.Array, k: int, ub: int, n: int):
+    """The search bracket from counted candidates ``cs[j] = #{|x| > ts[j]}``.
+
+    Returns ``(lo, c_lo, hi, c_hi, hi_known)``: lo is the largest candidate
+    with too many (count > ub), else 0 with the upper estimate ``n`` (0 is
+    never counted); hi the smallest with too few (count < k), else the first
+    candidate (and ``hi_known`` False: max|x| closes the bracket if needed).
+    """
+    many, few = cs > ub, cs < k
+    any_many = jnp.any(many)
+    lo = jnp.where(any_many, jnp.max(jnp.where(many, ts, -jnp.inf)), jnp.float32(0))
+    # The largest t with too many has the smallest such count.
+    c_lo = jnp.where(any_many, jnp.min(jnp.where(many, cs, n)), n).astype(jnp.int32)
+    hi_known = jnp.any(few)
+    hi = jnp.where(hi_known, jnp.min(jnp.where(few, ts, jnp.inf)), ts[0])
+    c_hi = jnp.where(hi_known, jnp.max(jnp.where(few, cs, -1)), cs[0]).astype(jnp.int32)
+    return lo, c_lo, hi, c_hi, hi_known
+
+
 def ldte_bs(
     x: jax.Array,
     k: int,
@@ -438,6 +468,7 @@ def ldte_bs(
     max_iters: int = 40,
     delta: float = 0.0,
     exact_below: int = 0,
+    hint: jax.Array | float | None = None,
 ) -> Selection:
     """LDTE-BS: Laplacian threshold estimate, corrected by a search on counts.
 
@@ -483,10 +514,21 @@ def ldte_bs(
         paper's crossover: LDTE-BS only pays off above some size; measured
         here between 2^16 and 2^18 elements, see ``bench_selection``).
         Default 0: always LDTE-BS.
+      hint: a second candidate threshold (a scalar, may be traced), counted
+        in the same pass as the estimate; the sparsifiers pass the previous
+        step's threshold. With a hint, the sample-quantile probes
+        (``search="interpolate"`` on a sampled tensor) join that pass too,
+        computed every call instead of only when the estimate misses: under
+        error feedback the residual is far from Laplacian and the estimate
+        misses on most steps, so this saves the second pass those steps took.
+        The estimate is kept whenever it is in the window, then the hint,
+        then the probe nearest the aim. A hint that is not finite or is
+        negative is ignored. ``None`` (default): the estimate alone, probes
+        in a second pass when it misses.
 
     Returns:
-      A :class:`Selection`; ``iterations`` counts search probes (0 when the
-      estimate was already in the window).
+      A :class:`Selection`; ``iterations`` counts the count passes after
+      the first (0 when a candidate of the first pass was in the window).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -504,16 +546,33 @@ def ldte_bs(
     moment_sample = V.check_int("moment_sample", moment_sample, 2, allow_none=True)
     n = x.shape[0]
     ub = math.floor(upper * k)
+    sampled = search == "interpolate" and moment_sample is not None and n > moment_sample
     t0 = laplace_threshold(x, k, estimator=estimator, aim=aim, moment_sample=moment_sample)
-    c0 = _count(x, t0)
     it = jnp.int32(0)
-    # Bracket: lo has too many (c_lo > ub; lo = 0 is never counted, n is an
-    # upper estimate), hi too few (c_hi < k; None until a probe gives one).
-    lo, c_lo, hi, c_hi = jnp.float32(0), jnp.int32(n), t0, c0
-    lo, c_lo = jnp.where(c0 > ub, t0, lo), jnp.where(c0 > ub, c0, c_lo)
-    hi_known = c0 < k
-    t, c = t0, c0
-    if search == "interpolate" and moment_sample is not None and n > moment_sample:
+    if hint is None:
+        ts0, cs0 = t0[None], _count(x, t0)[None]
+    else:
+        # The candidates in one pass: the estimate, the hint and (sampled
+        # interpolation) the sample-quantile probes, which would otherwise
+        # take a second pass whenever the estimate misses, as it does on
+        # most error-feedback steps.
+        h = jnp.asarray(hint, jnp.float32)
+        # inf (the state after a skipped step), NaN or < 0: count t0 twice.
+        h = jnp.where(jnp.isfinite(h) & (h >= 0), h, t0)
+        ts0 = jnp.stack([t0, h])
+        if sampled:
+            qs = _sample_quantile_thresholds(x, k, moment_sample, aim, upper)
+            ts0 = jnp.concatenate([ts0, qs])
+        cs0 = _count_many(x, ts0)
+    # The current probe: the estimate if in the window, else the hint, else
+    # the probe whose count is nearest the aim; if none is, the estimate.
+    in_window = (cs0 >= k) & (cs0 <= ub)
+    miss = jnp.abs(jnp.log(cs0.astype(jnp.float32) + 1.0) - math.log(aim * k))
+    rank = jnp.where(lax.iota(jnp.int32, ts0.shape[0]) < 2, -1.0, miss)  # t0, h first
+    first = jnp.where(jnp.any(in_window), jnp.argmin(jnp.where(in_window, rank, jnp.inf)), 0)
+    t, c = ts0[first], cs0[first]
+    lo, c_lo, hi, c_hi, hi_known = _bracket(ts0, cs0, k, ub, n)
+    if sampled and hint is None:
         # The estimate missed (a non-Laplacian residual, e.g. a mixture):
         # before bisecting, probe thresholds read off the strided sample's
         # own quantiles for counts around the window (and one on each side
@@ -529,11 +588,9 @@ def ldte_bs(
             cs = kernels.count_above_many(jnp.abs(lax.optimization_barrier(x)), ts)
             return ts, cs
 
-        missed = (c0 < k) | (c0 > ub)
+        missed = (c < k) | (c > ub)
         m = len(_PROBE_FACTORS)
-        ts, cs = lax.cond(
-            missed, probe, lambda: (jnp.full((m,), t0), jnp.full((m,), c0, jnp.int32))
-        )
+        ts, cs = lax.cond(missed, probe, lambda: (jnp.full((m,), t), jnp.full((m,), c, jnp.int32)))
         it = missed.astype(jnp.int32)
         many, few = cs > ub, cs < k
         feasible = ~many & ~few
@@ -551,7 +608,7 @@ def ldte_bs(
         miss = jnp.abs(jnp.log(cs.astype(jnp.float32) + 1.0) - math.log(aim * k))
         best = jnp.argmin(jnp.where(feasible, miss, jnp.inf))
         use_probe = missed & jnp.any(feasible)
-        t, c = jnp.where(use_probe, ts[best], t0), jnp.where(use_probe, cs[best], c0)
+        t, c = jnp.where(use_probe, ts[best], t), jnp.where(use_probe, cs[best], c)
     # max|x| (nothing lies above it) closes the bracket only when a search
     # follows and no probe had too few: a pass the common case skips.
     need_max = ~hi_known & ((c < k) | (c > ub))

@@ -60,9 +60,13 @@ _Float = float | jax.Array
 # sample-quantile probes, which only run with search="interpolate").
 LDTE_VARIANTS = {
     "improved": dict(
-        estimator="moments", search="interpolate", aim=1.25, moment_sample=DEFAULT_MOMENT_SAMPLE
+        estimator="moments",
+        search="interpolate",
+        aim=1.25,
+        moment_sample=DEFAULT_MOMENT_SAMPLE,
+        hint="previous",
     ),
-    "paper": dict(estimator="moments", search="bisect", aim=1.0, moment_sample=None),
+    "paper": dict(estimator="moments", search="bisect", aim=1.0, moment_sample=None, hint=None),
 }
 
 
@@ -153,6 +157,7 @@ def ldte_bs(
     search: str | None = None,
     aim: float | None = None,
     moment_sample: int | str | None = "auto",
+    hint: str | None = "auto",
     upper: float | None = None,
     max_iters: int | None = None,
     delta: _Float = 0.0,
@@ -181,13 +186,15 @@ def ldte_bs(
       ratio: density in (0, 1].
       variant: ``"improved"`` (default: the estimate aims at the middle of the
         window, ``aim=1.25``; moments from a 65536-element strided sample;
-        interpolation search on log counts after sample-quantile probes: fewer
-        passes, same guarantee) or ``"paper"`` (the paper's algorithm exactly:
-        ``estimator="moments", search="bisect", aim=1.0, moment_sample=None``,
-        no probes). The variant sets the defaults of ``estimator``,
-        ``search``, ``aim`` and ``moment_sample``; under ``"improved"``
-        explicit values override them, under ``"paper"`` an explicit value
-        that differs from the paper's raises ``ValueError``.
+        the previous step's threshold and sample-quantile probes counted in
+        the estimate's pass, then interpolation search on log counts: fewer
+        passes, same guarantee) or ``"paper"`` (the paper's algorithm
+        exactly: ``estimator="moments", search="bisect", aim=1.0,
+        moment_sample=None, hint=None``, no probes). The variant sets the
+        defaults of ``estimator``, ``search``, ``aim``, ``moment_sample`` and
+        ``hint``; under ``"improved"`` explicit values override them, under
+        ``"paper"`` an explicit value that differs from the paper's raises
+        ``ValueError``.
       estimator: ``"moments"`` or ``"mle"`` (None: the variant's).
       search: ``"bisect"``, ``"fibonacci"`` or ``"interpolate"`` (None: the
         variant's).
@@ -195,6 +202,14 @@ def ldte_bs(
         (None: the variant's).
       moment_sample: elements the moments are estimated from; ``None`` uses
         every element; ``"auto"``: the variant's (65536 / every element).
+      hint: ``"previous"``: count the previous step's threshold, and the
+        sample-quantile probes, in the same pass as the Laplacian estimate
+        (the estimate is kept whenever it is in the window, then the
+        previous threshold). Under error feedback the estimate misses on
+        most steps, which then took a second count pass for the probes.
+        ``None``: the estimate alone, probes in a second pass when it
+        misses; ``"auto"``: the variant's (``"previous"`` / ``None``). See
+        :func:`jaxcomp.selection.ldte_bs` (``hint=``).
       upper: the window's upper factor (None: 1.5, the paper's).
       max_iters: cap on search probes (None: 40).
       delta: stop the search when the bracket is narrower (traceable).
@@ -215,7 +230,9 @@ def ldte_bs(
     given = dict(estimator=estimator, search=search, aim=aim)
     if moment_sample != "auto":
         given["moment_sample"] = moment_sample
-    given = {k: v for k, v in given.items() if v is not None or k == "moment_sample"}
+    if not (isinstance(hint, str) and hint == "auto"):
+        given["hint"] = V.check_choice("hint", hint, ("previous", None, "auto"))
+    given = {k: v for k, v in given.items() if v is not None or k in ("moment_sample", "hint")}
     if variant == "paper":
         for name, value in given.items():
             same = value is None if fixed[name] is None else _equal(value, fixed[name])

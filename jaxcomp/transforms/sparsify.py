@@ -130,6 +130,7 @@ class _Config:
     select_fn: Callable[..., selectors.Selection]
     options: dict  # keyword options of the selector (may hold traced hyperparameters)
     needs_key: bool  # random_k: draws from the PRNG stream
+    hint_previous: bool  # selector_options hint="previous": pass the stored threshold
     phase_ratios: tuple[float, ...]  # warm-up ratios (one per epoch), then the target
     steps_per_epoch: int | None
     capacity_factor: float
@@ -359,6 +360,9 @@ def sparsify(
       ratio: target density ``eta`` in (0, 1]; each leaf (group) of ``n``
         elements keeps ``k = max(1, ceil(eta * n))``.
       selector_options: keyword options passed to the selector.
+        ``hint="previous"`` (for a selector that takes ``hint=``, such as
+        :func:`jaxcomp.selection.ldte_bs`) passes each step the group's
+        threshold of the previous step (``inf`` before the first).
       axis_name: mesh axis to average over inside ``shard_map``/``pmap``; the
         fixed-capacity (index, value) messages are all-gathered and summed.
         ``None``: return the local decompressed update (one device).
@@ -606,7 +610,12 @@ def _make_config(
     options = dict(selector_options or {})
     needs_key = select_fn is selectors.random_k
     extra = {"key": jax.random.key(0)} if needs_key else {}
-    if options:
+    hint_previous = isinstance(options.get("hint"), str) and options["hint"] == "previous"
+    if hint_previous:
+        # Filled in per step with the group's stored threshold (see _run_selector).
+        del options["hint"]
+        extra["hint"] = jnp.float32(0)
+    if options or hint_previous:
         # Surface unknown or invalid selector options at construction. Only a
         # signature mismatch is reported as an options error: any other error
         # raised while tracing the selector propagates as it is, so that a bug
@@ -619,8 +628,9 @@ def _make_config(
             try:
                 signature.bind(None, 1, **options, **extra)
             except TypeError as e:
-                raise ValueError(f"selector_options {sorted(options)} rejected: {e}") from None
-    if options or reuse_period > 1:
+                given = sorted([*options, *(["hint"] if hint_previous else [])])
+                raise ValueError(f"selector_options {given} rejected: {e}") from None
+    if options or hint_previous or reuse_period > 1:
         probe = jax.eval_shape(
             lambda x: select_fn(x, 1, **options, **extra),
             jax.ShapeDtypeStruct((4,), jnp.float32),
@@ -634,6 +644,7 @@ def _make_config(
         select_fn=select_fn,
         options=options,
         needs_key=needs_key,
+        hint_previous=hint_previous,
         phase_ratios=phase_ratios,
         steps_per_epoch=steps_per_epoch,
         capacity_factor=capacity_factor,
@@ -954,10 +965,13 @@ def _refresh_due(cfg: _Config, step, stored):
 # ---------------------------------------------------------------------------
 
 
-def _run_selector(cfg: _Config, acc, k, key) -> selectors.Selection:
+def _run_selector(cfg: _Config, acc, k, key, stored) -> selectors.Selection:
+    extra = {}
     if cfg.needs_key:
-        return cfg.select_fn(acc, k, key=key, **cfg.options)
-    return cfg.select_fn(acc, k, **cfg.options)
+        extra["key"] = key
+    if cfg.hint_previous:
+        extra["hint"] = stored  # the previous step's threshold (inf at first)
+    return cfg.select_fn(acc, k, **cfg.options, **extra)
 
 
 def _select(cfg: _Config, acc, k, key, stored, refresh, *, count_needed) -> selectors.Selection:
@@ -969,10 +983,10 @@ def _select(cfg: _Config, acc, k, key, stored, refresh, *, count_needed) -> sele
     count is needed only by the one-device mask path (the extraction counts).
     """
     if refresh is None:
-        return _run_selector(cfg, acc, k, key)
+        return _run_selector(cfg, acc, k, key, stored)
 
     def fresh(acc, stored):
-        sel = _run_selector(cfg, acc, k, key)
+        sel = _run_selector(cfg, acc, k, key, stored)
         return (
             jnp.asarray(sel.threshold, jnp.float32),
             jnp.asarray(sel.count, jnp.int32),
