@@ -271,9 +271,9 @@ def test_reuse_period_traced_points_at_static_args():
 
 
 def _hint_plus_one(x, k, hint=None):
-    """A selector whose threshold is the hint + 1 (1 without a finite hint)."""
+    """A selector whose threshold is the hint + 1 (0.5 without a finite hint)."""
     h = jnp.asarray(hint, jnp.float32)
-    t = jnp.where(jnp.isfinite(h), h + 1, jnp.float32(1))
+    t = jnp.where(jnp.isfinite(h), h + 1, jnp.float32(0.5))
     return jaxcomp.selection.Selection(t, jnp.sum(jnp.abs(x) > t, dtype=jnp.int32), jnp.int32(0))
 
 
@@ -293,8 +293,8 @@ def test_hint_previous_passes_each_groups_stored_threshold(granularity):
     for grads in (g, g, {"a": g["a"] * jnp.nan, "b": g["b"]}, g, g):
         _, state = step(grads, state)
         seen.append(np.asarray(jax.tree.leaves(state.threshold), np.float32))
-    # 1 (no hint before the first step), 2; a skipped step stores inf, then 1, 2.
-    expect = [1, 2, np.inf, 1, 2]
+    # 0.5 (no hint, inf, before the first step), 1.5; a skipped step stores inf, then 0.5, 1.5.
+    expect = [0.5, 1.5, np.inf, 0.5, 1.5]
     for got, want in zip(seen, expect, strict=True):
         np.testing.assert_array_equal(got, np.float32(want))
 

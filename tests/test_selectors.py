@@ -613,3 +613,17 @@ def test_ldte_bs_hint_on_tied_data_sends_at_least_k():
     k = k_of(1e-3, HINT_N)
     s = jit_selector(sel.ldte_bs)(jnp.asarray(x), k, hint=jnp.float32(0.75))
     assert int(s.count) == count_above(x, s.threshold) >= k
+
+
+@pytest.mark.parametrize("search", ["bisect", "fibonacci", "interpolate"])
+def test_ldte_bs_hint_above_max_is_dropped(search):
+    """A hint with nothing above it would bracket the search far above max|x|: dropped."""
+    rng = np.random.default_rng(7)
+    x = np.where(rng.random(50_000) < 0.05, rng.normal(size=50_000), 0).astype(np.float32)
+    k = 50
+    plain = jit_selector(sel.ldte_bs, search=search)(jnp.asarray(x), k)
+    for hint in (10 * np.abs(x).max(), 1e30):
+        s = jit_selector(sel.ldte_bs, search=search)(jnp.asarray(x), k, hint=jnp.float32(hint))
+        assert float(s.threshold) == float(plain.threshold)
+        assert int(s.iterations) == int(plain.iterations)
+        assert k <= int(s.count) == count_above(x, s.threshold) <= 1.5 * k

@@ -564,6 +564,10 @@ def ldte_bs(
             qs = _sample_quantile_thresholds(x, k, moment_sample, aim, upper)
             ts0 = jnp.concatenate([ts0, qs])
         cs0 = _count_many(x, ts0)
+        # A hint with nothing above it brackets no better than max|x| (and a
+        # huge one far worse): drop it, as if the estimate had been counted twice.
+        drop = (lax.iota(jnp.int32, ts0.shape[0]) == 1) & (cs0 == 0)
+        ts0, cs0 = jnp.where(drop, t0, ts0), jnp.where(drop, cs0[0], cs0)
     # The current probe: the estimate if in the window, else the hint, else
     # the probe whose count is nearest the aim; if none is, the estimate.
     in_window = (cs0 >= k) & (cs0 <= ub)

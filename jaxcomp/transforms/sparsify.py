@@ -1027,6 +1027,10 @@ def _select_and_send(
         # they materialise |x| for lax.top_k / the sort anyway and have no
         # control flow over x, so the copy would be a third n-sized buffer.
         x = acc + lax.optimization_barrier(jnp.array(-0.0, acc.dtype))
+    if cfg.hint_previous:
+        # The state's threshold starts at 0: no previous threshold before step 0.
+        # (On step 0 the selector always runs, so the reuse path never reads it.)
+        stored = jnp.where(ctx.step == 0, jnp.float32(jnp.inf), stored)
     sel = _select(cfg, acc if x is None else x, k, key, stored, refresh, count_needed=masked)
     # A skipped (non-finite) step selects nothing.
     sel = sel._replace(
