@@ -437,6 +437,17 @@ def _sample_quantile_thresholds(x, k, sample_size, aim, upper, sample=None):
     return jnp.stack([_just_below(jnp.min(jnp.where(iota < j, vals, jnp.inf))) for j in ks])
 
 
+def _choose(ts: jax.Array, cs: jax.Array, k: int, ub: int, aim: float, *, preferred: int):
+    """The ``(t, count)`` to go on from: the first of the ``preferred`` leading
+    candidates in ``[k, ub]``, else the one in it whose count is nearest
+    ``aim * k``, else the first candidate."""
+    in_window = (cs >= k) & (cs <= ub)
+    miss = jnp.abs(jnp.log(cs.astype(jnp.float32) + 1.0) - math.log(aim * k))
+    rank = jnp.where(lax.iota(jnp.int32, ts.shape[0]) < preferred, -1.0, miss)
+    first = jnp.where(jnp.any(in_window), jnp.argmin(jnp.where(in_window, rank, jnp.inf)), 0)
+    return ts[first], cs[first]
+
+
 def _bracket(ts: jax.Array, cs: jax.Array, k: int, ub: int, n: int):
     """The search bracket from counted candidates ``cs[j] = #{|x| > ts[j]}``.
 
@@ -570,11 +581,7 @@ def ldte_bs(
         ts0, cs0 = jnp.where(drop, t0, ts0), jnp.where(drop, cs0[0], cs0)
     # The current probe: the estimate if in the window, else the hint, else
     # the probe whose count is nearest the aim; if none is, the estimate.
-    in_window = (cs0 >= k) & (cs0 <= ub)
-    miss = jnp.abs(jnp.log(cs0.astype(jnp.float32) + 1.0) - math.log(aim * k))
-    rank = jnp.where(lax.iota(jnp.int32, ts0.shape[0]) < 2, -1.0, miss)  # t0, h first
-    first = jnp.where(jnp.any(in_window), jnp.argmin(jnp.where(in_window, rank, jnp.inf)), 0)
-    t, c = ts0[first], cs0[first]
+    t, c = _choose(ts0, cs0, k, ub, aim, preferred=2)
     lo, c_lo, hi, c_hi, hi_known = _bracket(ts0, cs0, k, ub, n)
     if sampled and hint is None:
         # The estimate missed (a non-Laplacian residual, e.g. a mixture):
@@ -596,23 +603,11 @@ def ldte_bs(
         m = len(_PROBE_FACTORS)
         ts, cs = lax.cond(missed, probe, lambda: (jnp.full((m,), t), jnp.full((m,), c, jnp.int32)))
         it = missed.astype(jnp.int32)
-        many, few = cs > ub, cs < k
-        feasible = ~many & ~few
-        t_many = jnp.max(jnp.where(many, ts, -jnp.inf))
-        c_many = jnp.min(jnp.where(many, cs, n))  # the largest t has the smallest count
-        new_lo = jnp.any(many) & (t_many > lo)
-        lo, c_lo = jnp.where(new_lo, t_many, lo), jnp.where(new_lo, c_many, c_lo)
-        t_few = jnp.min(jnp.where(few, ts, jnp.inf))
-        c_few = jnp.max(jnp.where(few, cs, -1))
-        new_hi = jnp.any(few) & (~hi_known | (t_few < hi))
-        hi, c_hi = jnp.where(new_hi, t_few, hi), jnp.where(new_hi, c_few, c_hi)
-        hi_known = hi_known | jnp.any(few)
-        # Keep the estimate if it was in the window, else the feasible probe
-        # whose count is nearest the aim.
-        miss = jnp.abs(jnp.log(cs.astype(jnp.float32) + 1.0) - math.log(aim * k))
-        best = jnp.argmin(jnp.where(feasible, miss, jnp.inf))
-        use_probe = missed & jnp.any(feasible)
-        t, c = jnp.where(use_probe, ts[best], t), jnp.where(use_probe, cs[best], c)
+        # The estimate if it was in the window, else the probe nearest the aim;
+        # the bracket from all of them (unchanged when the probes did not run).
+        ts, cs = jnp.concatenate([ts0, ts]), jnp.concatenate([cs0, cs])
+        t, c = _choose(ts, cs, k, ub, aim, preferred=1)
+        lo, c_lo, hi, c_hi, hi_known = _bracket(ts, cs, k, ub, n)
     # max|x| (nothing lies above it) closes the bracket only when a search
     # follows and no probe had too few: a pass the common case skips.
     need_max = ~hi_known & ((c < k) | (c > ub))
