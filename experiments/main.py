@@ -99,6 +99,12 @@ def _define_flags() -> None:
         "DLGS threshold reuse s: select every s steps, reuse the stored threshold "
         "in between (default 1: off; sparsifiers only).",
     )
+    flags.DEFINE_float(
+        "low_pass",
+        d.low_pass,
+        "ScaleCom's low-pass filter beta in (0, 1] on the residual: r <- r + beta (r_new - r), "
+        "lossy below 1 (default 1: plain error feedback; sparsifiers only).",
+    )
     flags.DEFINE_enum(
         "merge",
         d.merge,

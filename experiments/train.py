@@ -176,6 +176,9 @@ class TrainConfig:
       reuse_period: DLGS threshold reuse ``s``: the selector runs every
         ``s`` steps and the stored per-leaf (per-group) threshold is applied
         in between (None: 1, off; sparsifiers only).
+      low_pass: ScaleCom's low-pass filter ``beta`` in (0, 1] on the
+        residual (``jaxcomp.sparsify(low_pass=)``; lossy below 1). None: 1,
+        plain error feedback (sparsifiers only).
       merge: DLGS layer merging: ``"none"`` (one group per leaf), ``"greedy"``
         (the paper's Algorithm 2) or ``"optimal"`` (the exact planner) over the
         model's layers (the leaves of one module form a layer), planned from
@@ -306,6 +309,7 @@ class TrainConfig:
     momentum_correction: bool | None = None
     granularity: str | None = None
     reuse_period: int | None = None
+    low_pass: float | None = None
     merge: str | None = None
     min_dense_size: int | None = None
     levels: int | None = None
@@ -375,7 +379,7 @@ def unused_fields(compressor: str) -> dict:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     out = {}
     if compressor not in SPARSIFIERS:
-        for name in ("ratio", "granularity", "reuse_period", "merge"):
+        for name in ("ratio", "granularity", "reuse_period", "low_pass", "merge"):
             out[name] = "the sparsifiers"
     if compressor not in QUANTIZERS or compressor == "cast":
         out["bucket_size"] = "the quantizers but cast"
@@ -478,6 +482,8 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
         fail(f"granularity must be 'layer' or 'global', got {c.granularity!r}")
     if c.reuse_period is not None and c.reuse_period < 1:
         fail(f"reuse_period must be >= 1 (1: off), got {c.reuse_period}")
+    if c.low_pass is not None and not 0 < c.low_pass <= 1:
+        fail(f"low_pass must be in (0, 1] (1: plain error feedback), got {c.low_pass}")
     if c.merge is not None and c.merge not in MERGES:
         fail(f"merge must be one of {MERGES}, got {c.merge!r}")
     if c.merge not in (None, "none") and c.granularity == "global":
@@ -795,6 +801,7 @@ def _build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int
             steps_per_epoch=steps_per_epoch if warmup else None,
             granularity=c.granularity,
             reuse_period=c.reuse_period,
+            low_pass=c.low_pass,
             groups=groups,
             **dense_size,
             **exchange,

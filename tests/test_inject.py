@@ -25,6 +25,9 @@ RATIO = 0.05
 CASES = {
     "ldte_bs": (jaxcomp.ldte_bs, dict(ratio=RATIO), dict(momentum=0.9, delta=0.0), "delta", 0.05),
     "top_k": (jaxcomp.top_k, dict(ratio=RATIO), dict(momentum=0.9), "momentum", 0.3),
+    "low_pass": (jaxcomp.top_k, dict(ratio=RATIO), dict(low_pass=0.5), "low_pass", 0.25),
+    # Injected at 1, the filter is off bit for bit (r + (r_new - r) can round).
+    "low_pass_one": (jaxcomp.top_k, dict(ratio=RATIO), dict(low_pass=1.0), "low_pass", 0.5),
     "dgc": (jaxcomp.dgc, dict(ratio=RATIO), dict(momentum=0.9, decay=0.8), "decay", 0.5),
     "threshold": (jaxcomp.threshold, dict(ratio=RATIO), dict(threshold=1.0), "threshold", 0.25),
     "binary_search": (

@@ -439,7 +439,7 @@ def test_every_compressor_builds_with_default_flags(name):
 
 def _unused_cases():
     # Which optional flag each family does not read, stated independently.
-    sparse_only = {"ratio": 0.01, "granularity": "global"}
+    sparse_only = {"ratio": 0.01, "granularity": "global", "low_pass": 0.5}
     quant_only = {"bucket_size": 8}
     qsgd_only = {"levels": 4}
     rank_only = {"rank": 2}
@@ -706,6 +706,24 @@ def test_compressor_exchange_reaches_the_compressor(tmp_path, compressor, exchan
     # The exchange is the compressor's: its state counted what it sent.
     _, tx = train.build_optimizer(config, 2, 2)
     assert tx is not None
+
+
+def test_low_pass_reaches_the_sparsifier_and_is_checked(monkeypatch):
+    seen = {}
+    real = jaxcomp.top_k
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jaxcomp, "top_k", spy)
+    config = dataclasses.replace(TINY, compressor="top_k", exchange="scalecom", low_pass=0.25)
+    train.validate_config(config)
+    train.build_optimizer(config, 2, 2)
+    assert (seen["low_pass"], seen["exchange"]) == (0.25, "scalecom")
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="low_pass"):
+            train.validate_config(dataclasses.replace(config, low_pass=bad))
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ so ``optax.inject_hyperparams`` can bind them): ``axis_name``,
 ``min_dense_size``, ``residual_dtype``, ``capacity_factor``, ``momentum``,
 ``momentum_masking``, ``warmup_ratios``, ``steps_per_epoch``,
 ``granularity``, ``groups``, ``reuse_period``, ``nonfinite``, ``exchange``,
-``seed``.
+``low_pass``, ``seed``.
 
 ``reuse_period=s`` is DLGS's threshold reuse (the selector runs every ``s``
 steps, the stored threshold is applied in between) and ``groups=`` DLGS's
@@ -14,7 +14,7 @@ layer merging (groups of leaves compressed and exchanged as one buffer); see
 :func:`jaxcomp.sparsify`. ``random_k`` has no threshold to reuse.
 
 With ``optax.inject_hyperparams`` the traceable hyperparameters (``momentum``,
-``threshold``, ``delta``, ``decay``, ``seed``) live in the optimizer state and
+``low_pass``, ``threshold``, ``delta``, ``decay``, ``seed``) live in the optimizer state and
 can change between steps without recompiling; options that fix shapes, sizes
 or iteration caps default to ``None`` (their documented value) and, when given,
 must be named in ``static_args`` (``ratio`` always):
@@ -84,6 +84,7 @@ def _common(
     reuse_period,
     nonfinite,
     exchange,
+    low_pass,
     seed,
 ) -> dict:
     return dict(
@@ -100,6 +101,7 @@ def _common(
         reuse_period=reuse_period,
         nonfinite=nonfinite,
         exchange=exchange,
+        low_pass=low_pass,
         seed=seed,
     )
 
@@ -121,6 +123,7 @@ def top_k(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    low_pass: _Float | None = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Exact top-k sparsification with error feedback (residual gradient compression).
@@ -144,7 +147,7 @@ def top_k(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        seed,
+        low_pass, seed,
     )  # fmt: skip
     return sparsify("top_k" if method == "top_k" else "sort_top_k", ratio, **common)
 
@@ -175,6 +178,7 @@ def ldte_bs(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    low_pass: _Float | None = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """LDTE-BS: Laplacian threshold estimate with a binary-search correction.
@@ -258,7 +262,7 @@ def ldte_bs(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        seed,
+        low_pass, seed,
     )  # fmt: skip
     return sparsify("ldte_bs", ratio, selector_options=opts, **common)
 
@@ -290,6 +294,7 @@ def binary_search(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    low_pass: _Float | None = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """RedSync's binary search on the threshold, without a distribution estimate.
@@ -325,7 +330,7 @@ def binary_search(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        seed,
+        low_pass, seed,
     )  # fmt: skip
     return sparsify("binary_search", ratio, selector_options=opts, **common)
 
@@ -350,6 +355,7 @@ def dgc(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    low_pass: _Float | None = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """DGC's sampled hierarchical top-k selection (add ``momentum=0.9`` for DGC's recipe).
@@ -383,7 +389,7 @@ def dgc(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        seed,
+        low_pass, seed,
     )  # fmt: skip
     return sparsify("dgc", ratio, selector_options=opts, **common)
 
@@ -406,6 +412,7 @@ def trimmed_top_k(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    low_pass: _Float | None = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """RedSync's trimmed top-k: ``mean + r (max - mean)`` prefilter, then exact top-k.
@@ -432,7 +439,7 @@ def trimmed_top_k(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        seed,
+        low_pass, seed,
     )  # fmt: skip
     return sparsify("trimmed_top_k", ratio, selector_options=opts, **common)
 
@@ -454,6 +461,7 @@ def gaussian_k(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    low_pass: _Float | None = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Gaussian-k (Shi et al.): Gaussian-fit threshold with up to 3 corrections.
@@ -476,7 +484,7 @@ def gaussian_k(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        seed,
+        low_pass, seed,
     )  # fmt: skip
     return sparsify("gaussian_k", ratio, selector_options=dict(corrections=corrections), **common)
 
@@ -497,6 +505,7 @@ def random_k(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    low_pass: _Float | None = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """k coordinates uniformly at random each step (unscaled, with error feedback).
@@ -522,7 +531,7 @@ def random_k(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        seed,
+        low_pass, seed,
     )  # fmt: skip
     return sparsify("random_k", ratio, **common)
 
@@ -544,6 +553,7 @@ def threshold(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    low_pass: _Float | None = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Fixed threshold ("fixed-v"): send ``|R| > threshold``.
@@ -569,6 +579,6 @@ def threshold(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        seed,
+        low_pass, seed,
     )  # fmt: skip
     return sparsify("threshold", ratio, selector_options=dict(threshold=threshold), **common)

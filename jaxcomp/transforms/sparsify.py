@@ -145,6 +145,7 @@ class _Config:
     granularity: str
     groups: Any  # None, or a validated groups spec (see resolve_groups)
     reuse_period: int
+    low_pass: Any  # float in (0, 1], or a JAX array (an injected hyperparameter)
 
 
 class _StepContext(NamedTuple):
@@ -350,6 +351,7 @@ def sparsify(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    low_pass: float | jax.Array | None = None,
     seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """A sparsifying compressor with error feedback around any selector.
@@ -452,6 +454,14 @@ def sparsify(
         :func:`jaxcomp.aggregation.make_gossip_train_step`,
         ``make_train_step`` rejects it). ``include=`` (backup workers) works
         with ``"sparse"``, ``"dense"`` and ``"auto"`` only.
+      low_pass: ScaleCom's low-pass filter on the residual, ``beta`` in
+        (0, 1]: the residual moves only ``beta`` of the way to plain error
+        feedback's, ``r <- r + beta * (r + g - sent - r)``, so ``(1 - beta)``
+        of what this step left unsent is dropped (deliberately lossy: the
+        "nothing lost" contract holds only at 1). It damps residuals that
+        grow where the selection rarely looks, as with ``exchange="scalecom"``
+        (the leader's indices, not this device's). May be traced (under
+        ``optax.inject_hyperparams``). None: 1, plain error feedback.
       seed: seed of the PRNG stream of random selectors (``random_k``), an
         int32; only ``init`` reads it, so it may be traced.
 
@@ -495,6 +505,7 @@ def sparsify(
         reuse_period=reuse_period,
         nonfinite=nonfinite,
         exchange=exchange,
+        low_pass=low_pass,
     )
     seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
 
@@ -552,6 +563,7 @@ def _make_config(
     reuse_period,
     nonfinite,
     exchange,
+    low_pass,
 ) -> _Config:
     """Validates :func:`sparsify`'s arguments (each error names its argument)."""
     # Static options default to None (the documented value) so that
@@ -579,6 +591,10 @@ def _make_config(
         allow_traced=True,
     )
     momentum_masking = V.check_bool("momentum_masking", momentum_masking)
+    low_pass = V.check_real(
+        "low_pass", 1.0 if low_pass is None else low_pass, 0.0, 1.0, low_open=True,
+        allow_traced=True,
+    )  # fmt: skip
     granularity = V.check_choice("granularity", granularity, _GRANULARITY)
     groups = V.check_groups("groups", groups)
     if groups is not None and granularity == "global":
@@ -661,6 +677,7 @@ def _make_config(
         granularity=granularity,
         groups=groups,
         reuse_period=reuse_period,
+        low_pass=low_pass,
     )
 
 
@@ -857,7 +874,9 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
     flat_r = _concat([r.reshape(-1) for r in rs], rdt)
     flat_v = None if vs is None else _concat([v.reshape(-1) for v in vs], rdt)
     segments = tuple(sizes) if per_leaf and len(gs) > 1 else None
-    o = _compress_flat(cfg, flat_g, flat_r, flat_v, stored, key, ctx, segments)
+    o = _low_pass(
+        cfg, flat_r, _compress_flat(cfg, flat_g, flat_r, flat_v, stored, key, ctx, segments)
+    )
 
     def split(flat):
         if len(sizes) == 1:
@@ -934,6 +953,24 @@ def _compress_flat(cfg: _Config, g, residual, velocity, stored, key, ctx, segmen
         return varying_like(local, acc)._replace(update=o.update, wire_bytes=o.wire_bytes)
 
     return lax.switch(idx, [lambda _, b=b: matched(b) for b in branches], None)
+
+
+def _low_pass(cfg: _Config, residual, o: _FlatOut) -> _FlatOut:
+    """ScaleCom's low-pass filter: ``r + beta * (r_new - r)`` (plain error feedback at 1).
+
+    A step from the old residual: a step that changed nothing (a skipped one)
+    leaves the residual as it was. A traced ``beta`` of 1 keeps ``r_new``
+    itself (in floating point ``r + (r_new - r)`` need not equal ``r_new``):
+    injecting the default loses nothing.
+    """
+    beta = cfg.low_pass
+    if not V.is_dynamic(beta):
+        if beta == 1.0:
+            return o
+        return o._replace(residual=residual + beta * (o.residual - residual))
+    beta = jnp.asarray(beta).astype(residual.dtype)
+    filtered = residual + beta * (o.residual - residual)
+    return o._replace(residual=jnp.where(beta == 1, o.residual, filtered))
 
 
 def _accumulate(cfg: _Config, g, residual, velocity, send_ok):
