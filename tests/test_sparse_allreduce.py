@@ -332,15 +332,16 @@ def test_sparsifier_exchanges_lose_nothing(exchange, n_dev):
         np.testing.assert_allclose(lhs, rhs, rtol=1e-6, atol=1e-4)
 
 
-def test_scalecom_low_pass_filters_what_the_exchange_leaves():
+@pytest.mark.parametrize("exchange", ["scalecom", "gtopk", "oktopk"])
+def test_low_pass_filters_what_the_exchange_leaves(exchange):
     """ScaleCom's low-pass filter (beta = 0.5) on 4 devices: each residual is
-    r + beta (r_ef - r), with r_ef the plain error-feedback residual that loses
-    nothing: sum_d r_ef + N * update == sum_d (r + g), exactly (halves and
-    quarters of integers)."""
+    r + beta (r_ef - r), with r_ef the plain error-feedback residual, what the
+    exchange gave back included, that loses nothing: sum_d r_ef + N * update
+    == sum_d (r + g), exactly (halves and quarters of integers)."""
     n_dev, beta = 4, 0.5
     rng = np.random.default_rng(5)
     grads = rng.integers(-64, 64, size=(n_dev, 2048)).astype(np.float32)
-    tx = jaxcomp.top_k(ratio=0.01, axis_name="data", exchange="scalecom", low_pass=beta)
+    tx = jaxcomp.top_k(ratio=0.01, axis_name="data", exchange=exchange, low_pass=beta)
     res_before, res_after, updates = _compress_on_devices(tx, grads, n_dev, steps=2)
     r = res_before[1].astype(np.float64)
     plain = r + (res_after.astype(np.float64) - r) / beta

@@ -456,7 +456,8 @@ def sparsify(
         with ``"sparse"``, ``"dense"`` and ``"auto"`` only.
       low_pass: ScaleCom's low-pass filter on the residual, ``beta`` in
         (0, 1]: the residual moves only ``beta`` of the way to plain error
-        feedback's, ``r <- r + beta * (r + g - sent - r)``, so ``(1 - beta)``
+        feedback's, ``r <- r + beta * (r + g - sent - r)`` (``r + u - sent``
+        with ``momentum``), so ``(1 - beta)``
         of what this step left unsent is dropped (deliberately lossy: the
         "nothing lost" contract holds only at 1). It damps residuals that
         grow where the selection rarely looks, as with ``exchange="scalecom"``
@@ -874,9 +875,7 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
     flat_r = _concat([r.reshape(-1) for r in rs], rdt)
     flat_v = None if vs is None else _concat([v.reshape(-1) for v in vs], rdt)
     segments = tuple(sizes) if per_leaf and len(gs) > 1 else None
-    o = _low_pass(
-        cfg, flat_r, _compress_flat(cfg, flat_g, flat_r, flat_v, stored, key, ctx, segments)
-    )
+    o = _compress_flat(cfg, flat_g, flat_r, flat_v, stored, key, ctx, segments)
 
     def split(flat):
         if len(sizes) == 1:
@@ -901,6 +900,8 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
             r if u.dtype == uw.dtype else r + (uw.astype(rdt) - u.astype(rdt))
             for r, uw, u in zip(residuals, wide, updates, strict=True)
         ]
+    # Filtered last: the leaf-dtype rounding above is part of what went unsent.
+    residuals = [_low_pass(cfg, r, r_new) for r, r_new in zip(rs, residuals, strict=True)]
     velocities = None if o.velocity is None else split(o.velocity)
 
     n = flat_g.shape[0]
@@ -955,7 +956,7 @@ def _compress_flat(cfg: _Config, g, residual, velocity, stored, key, ctx, segmen
     return lax.switch(idx, [lambda _, b=b: matched(b) for b in branches], None)
 
 
-def _low_pass(cfg: _Config, residual, o: _FlatOut) -> _FlatOut:
+def _low_pass(cfg: _Config, residual, new_residual):
     """ScaleCom's low-pass filter: ``r + beta * (r_new - r)`` (plain error feedback at 1).
 
     A step from the old residual: a step that changed nothing (a skipped one)
@@ -966,11 +967,11 @@ def _low_pass(cfg: _Config, residual, o: _FlatOut) -> _FlatOut:
     beta = cfg.low_pass
     if not V.is_dynamic(beta):
         if beta == 1.0:
-            return o
-        return o._replace(residual=residual + beta * (o.residual - residual))
+            return new_residual
+        return residual + beta * (new_residual - residual)
     beta = jnp.asarray(beta).astype(residual.dtype)
-    filtered = residual + beta * (o.residual - residual)
-    return o._replace(residual=jnp.where(beta == 1, o.residual, filtered))
+    filtered = residual + beta * (new_residual - residual)
+    return jnp.where(beta == 1, new_residual, filtered)
 
 
 def _accumulate(cfg: _Config, g, residual, velocity, send_ok):
@@ -1043,7 +1044,8 @@ def _select_and_send(
     cfg: _Config, acc, u, k, cap, out_dtype, key, ctx, stored, refresh, segments
 ) -> _FlatOut:
     # A left-out backup worker selects nothing: its message is absent from
-    # the mean and everything stays in its residual (nothing lost).
+    # the mean and everything stays in its residual (nothing lost; with low_pass < 1
+    # the filter still keeps only beta of it, as on any step).
     send_ok = ctx.sends
     n = acc.shape[0]
     masked = cfg.axis_name is None
