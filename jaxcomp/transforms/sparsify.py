@@ -989,11 +989,11 @@ def _low_pass(cfg: _Config, residual, new_residual):
     injecting the default loses nothing.
     """
     beta = cfg.low_pass
-    if not V.is_dynamic(beta):
-        return residual + beta * (new_residual - residual)
-    beta = jnp.asarray(beta).astype(residual.dtype)
+    dynamic = V.is_dynamic(beta)
+    if dynamic:
+        beta = jnp.asarray(beta).astype(residual.dtype)
     filtered = residual + beta * (new_residual - residual)
-    return jnp.where(beta == 1, new_residual, filtered)
+    return jnp.where(beta == 1, new_residual, filtered) if dynamic else filtered
 
 
 def _accumulate(cfg: _Config, g, residual, velocity, send_ok):
