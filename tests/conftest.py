@@ -1,17 +1,86 @@
-"""Test set-up: 8 simulated CPU devices, set before JAX initialises.
+"""Test set-up: 8 simulated CPU devices and a fast-compiling XLA:CPU, set before JAX initialises.
 
 The tests compile thousands of small programs and run each a few times, so
-compilation dominates their time: LLVM's backend optimisation is turned off
-(``--xla_backend_optimization_level=0``, about a quarter off the suite). It
-changes speed, not IEEE semantics (fast-math stays off). Benchmarks and
-``make demo`` run with XLA's defaults.
+compilation dominates their time. Two flags cut it:
+
+- ``--xla_backend_optimization_level=0`` turns off LLVM's backend
+  optimisation. It changes speed, not IEEE semantics (fast-math stays off).
+- ``--xla_cpu_use_fusion_emitters=false`` makes XLA:CPU emit fusions with
+  its classic elemental emitter, not the MLIR fusion emitters (which do not
+  honour the level above): a single compressor update compiles 2.5-3x faster
+  (``ldte_bs`` 3.1 -> 1.2 s) and ``make test`` takes about half the time.
+  Same HLO and the same IEEE operations, but this emitter may round
+  ``a * b + c`` with one rounding (a fused multiply-add) in one kernel and
+  two in another kernel that recomputes it. The few tests that assert bit
+  equality across two such kernels (or two different programs) are marked
+  ``default_codegen``: with the flag set they are skipped here and run in
+  ``make test``'s last tier, under XLA's default codegen (the codegen users
+  run), with the x64 tier.
+
+The flag is set only when this jaxlib knows it (XLA aborts on an unknown
+flag), not when ``XLA_FLAGS`` already names it, and not with
+``JAXCOMP_TEST_CODEGEN=default`` in the environment (the last tier).
+Benchmarks and ``make demo`` run with XLA's defaults.
 """
 
+from __future__ import annotations
+
+import glob
+import importlib.util
+import mmap
 import os
+
+import pytest
+
+LEGACY_EMITTER_FLAG = "xla_cpu_use_fusion_emitters"
+
+
+def _jaxlib_knows(flag: str) -> bool:
+    """Whether a jaxlib shared library holds the flag's name (no import of JAX)."""
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    needle = flag.encode()
+    for root in spec.submodule_search_locations:
+        for path in glob.glob(os.path.join(root, "**", "*.so*"), recursive=True):
+            if os.path.getsize(path) < len(needle):
+                continue
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(needle) >= 0:
+                    return True
+    return False
+
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+if (
+    os.environ.get("JAXCOMP_TEST_CODEGEN", "fast") != "default"
+    and LEGACY_EMITTER_FLAG not in _flags
+    and _jaxlib_knows(LEGACY_EMITTER_FLAG)
+):
+    _flags += f" --{LEGACY_EMITTER_FLAG}=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
+LEGACY_EMITTERS = f"--{LEGACY_EMITTER_FLAG}=false" in _flags
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "default_codegen: asserts bit equality across separately compiled kernels; "
+        "runs only under XLA:CPU's default fusion emitters (make test's last tier)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not LEGACY_EMITTERS:
+        return
+    skip = pytest.mark.skip(
+        reason="bit-exact across kernels: runs under XLA's default codegen "
+        "(JAXCOMP_TEST_CODEGEN=default, make test's last tier)"
+    )
+    for item in items:
+        if "default_codegen" in item.keywords:
+            item.add_marker(skip)

@@ -206,7 +206,9 @@ MOM_TREE = {"w": ((40, 25), jnp.float32), "h": ((200,), jnp.bfloat16), "d": ((4,
 
 
 @pytest.mark.parametrize("name", SPARSIFIERS)
-@pytest.mark.parametrize("masking", [True, False])
+# Without masking, the stored velocity and the accumulated one are the same
+# rounding only if XLA rounds m*u + g alike in every kernel that computes it.
+@pytest.mark.parametrize("masking", [True, pytest.param(False, marks=pytest.mark.default_codegen)])
 def test_momentum_correction_lost_nothing(name, masking):
     m = 0.9
     cx = compressor(name, RATIO, momentum=m, momentum_masking=masking, min_dense_size=4)

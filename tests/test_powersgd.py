@@ -289,8 +289,10 @@ def test_first_step_same_with_and_without_warm_start():
         f = jax.jit(tx.update)
         for _ in range(2):
             u, state = f(g, state)
-        outs.append(u["w"])
-    assert bits(outs[0]) == bits(outs[1])
+        outs.append(np.asarray(u["w"]))
+    # Two programs: equal up to how XLA fuses each one's float32 matmuls (another
+    # initial Q gives another rank-1 approximation, far outside this tolerance).
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[1]).max())
 
 
 def test_error_feedback_accumulates_to_the_gradient():
