@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +101,16 @@ def jit_selector(fn, **options):
 
 def cast(x: np.ndarray, dtype) -> jax.Array:
     return jnp.asarray(x).astype(dtype)
+
+
+def compile_flags_without_devices() -> str:
+    """``XLA_FLAGS`` as conftest set them, without the simulated device count.
+
+    For a subprocess that must choose its own device count (its command line or
+    ``jax_num_cpu_devices``) but should compile as fast as the tests do.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    return re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).strip()
 
 
 # ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from helpers import compile_flags_without_devices
 
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 TIMEOUT_S = 180
@@ -28,10 +29,11 @@ def free_port() -> int:
 
 def worker_env(xla_device_count=None):
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # conftest's 8 devices must not leak into the workers
+    # conftest's 8 devices must not leak into the workers (its compile flags may).
+    env["XLA_FLAGS"] = compile_flags_without_devices()
     env["JAX_PLATFORMS"] = "cpu"
     if xla_device_count is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={xla_device_count}"
+        env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={xla_device_count}"
     return env
 
 

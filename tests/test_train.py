@@ -13,7 +13,7 @@ import tarfile
 import jax
 import numpy as np
 import pytest
-from helpers import compress_on_mesh
+from helpers import compile_flags_without_devices, compress_on_mesh
 
 import jaxcomp
 from experiments import data as data_lib
@@ -363,8 +363,8 @@ _MAIN_TINY = [
 
 
 def _run_main(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    # No simulated device count in XLA_FLAGS: --num_devices must create the devices.
+    env = {**os.environ, "XLA_FLAGS": compile_flags_without_devices(), "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [sys.executable, "-m", "experiments.main", *args],
         capture_output=True,
