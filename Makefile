@@ -33,13 +33,14 @@ UNIT_FILES := tests/test_conformance.py tests/test_selectors.py tests/test_kerne
 # tests/conftest.py compiles with XLA:CPU's classic fusion emitter (half the
 # suite's time); the last tier runs under XLA's default codegen, as users do:
 # the tests marked default_codegen (bit equality across separately compiled
-# kernels) and the x64 tier.
+# kernels), those marked both_codegens (every compressor's exactness) and the
+# x64 tier.
 DEFAULT_CODEGEN := JAXCOMP_TEST_CODEGEN=default
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --durations=5 $(UNIT_FILES)
 	$(PY) -m pytest -q -n 2 --durations=15 tests $(addprefix --ignore=,$(UNIT_FILES))
-	$(DEFAULT_CODEGEN) $(PY) -m pytest -q -n 2 -m default_codegen tests
+	$(DEFAULT_CODEGEN) $(PY) -m pytest -q -n 2 -m "default_codegen or both_codegens" tests
 	$(DEFAULT_CODEGEN) JAX_ENABLE_X64=1 $(PY) -m pytest -q -n 2 tests/test_conformance.py \
 		-k "$(X64_TESTS)"
 

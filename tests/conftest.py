@@ -15,7 +15,8 @@ compilation dominates their time. Two flags cut it:
   equality across two such kernels (or two different programs) are marked
   ``default_codegen``: with the flag set they are skipped here and run in
   ``make test``'s last tier, under XLA's default codegen (the codegen users
-  run), with the x64 tier.
+  run), with the x64 tier and the tests marked ``both_codegens`` (every
+  compressor's exactness, checked under both).
 
 The flag is set only when this jaxlib knows it (XLA aborts on an unknown
 flag), not when ``XLA_FLAGS`` already names it, and not with
@@ -71,6 +72,11 @@ def pytest_configure(config):
         "markers",
         "default_codegen: asserts bit equality across separately compiled kernels; "
         "runs only under XLA:CPU's default fusion emitters (make test's last tier)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "both_codegens: runs under the fast codegen and again under the default one "
+        "(make test's last tier)",
     )
 
 
