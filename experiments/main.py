@@ -112,6 +112,18 @@ def _define_flags() -> None:
         "DLGS layer merging planned from this model's measured backward times: "
         "none, greedy (the paper's Algorithm 2) or optimal (default none; sparsifiers only).",
     )
+    flags.DEFINE_float(
+        "merge_alpha",
+        d.merge_alpha,
+        "The merge planner's link latency in seconds per message, t_c = alpha + beta * bytes "
+        "(default 50e-6, 10 GbE; only with --merge greedy or optimal).",
+    )
+    flags.DEFINE_float(
+        "merge_beta",
+        d.merge_beta,
+        "The merge planner's link time in seconds per byte (default 8e-10, i.e. 1.25e9 bytes/s, "
+        "10 GbE; only with --merge greedy or optimal).",
+    )
     flags.DEFINE_integer(
         "min_dense_size",
         d.min_dense_size,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import re
 import statistics
@@ -85,6 +86,7 @@ __all__ = [
     "build_optimizer",
     "is_coded",
     "learning_rate",
+    "merge_link_cost",
     "resolve_config",
     "train_and_evaluate",
     "unused_fields",
@@ -184,9 +186,15 @@ class TrainConfig:
         model's layers (the leaves of one module form a layer), planned from
         the backward profile of one device's shard of the first batch
         (``jaxcomp.planning.profile_backward(method="flops")``), the selector's
-        measured cost and a 10 GbE link (``MERGE_ALPHA``, ``MERGE_BETA``);
-        see ``merge_plan.json`` (None: ``"none"``; sparsifiers only, with
+        measured cost and the link ``merge_alpha``, ``merge_beta``; see
+        ``merge_plan.json`` (None: ``"none"``; sparsifiers only, with
         ``granularity="layer"``).
+      merge_alpha: the planner's link latency in seconds per message (the
+        DLGS cost model ``t_c = alpha + beta * bytes``). None: ``MERGE_ALPHA``,
+        50e-6 (10 GbE); only with ``merge`` ``"greedy"`` or ``"optimal"``.
+      merge_beta: the planner's link time in seconds per byte. None:
+        ``MERGE_BETA``, 1 / 1.25e9 (10 GbE); only with ``merge`` ``"greedy"``
+        or ``"optimal"``.
       min_dense_size: leaves this small are sent dense (None: the compressor
         factory's default, 0 for sparsifiers and 10000 for ``qsgd``; not for dense).
       levels: QSGD quantization levels ``s`` (None: 16, the QSGD paper's
@@ -311,6 +319,8 @@ class TrainConfig:
     reuse_period: int | None = None
     low_pass: float | None = None
     merge: str | None = None
+    merge_alpha: float | None = None
+    merge_beta: float | None = None
     min_dense_size: int | None = None
     levels: int | None = None
     bits: int | None = None
@@ -379,7 +389,8 @@ def unused_fields(compressor: str) -> dict:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     out = {}
     if compressor not in SPARSIFIERS:
-        for name in ("ratio", "granularity", "reuse_period", "low_pass", "merge"):
+        sparse_only = ("ratio", "granularity", "reuse_period", "low_pass", "merge")
+        for name in (*sparse_only, "merge_alpha", "merge_beta"):
             out[name] = "the sparsifiers"
     if compressor not in QUANTIZERS or compressor == "cast":
         out["bucket_size"] = "the quantizers but cast"
@@ -488,6 +499,19 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
         fail(f"merge must be one of {MERGES}, got {c.merge!r}")
     if c.merge not in (None, "none") and c.granularity == "global":
         fail(f"merge={c.merge!r} plans groups of layers; granularity='global' is one group already")
+    for name in ("merge_alpha", "merge_beta"):
+        value = getattr(c, name)
+        if value is None:
+            continue
+        if c.merge in (None, "none"):
+            fail(
+                f"{name} (--{name}) sets the merge planner's link; "
+                "it needs merge='greedy' or 'optimal'"
+            )
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            fail(f"{name} (--{name}) must be a real number of seconds, got {value!r}")
+        if not (math.isfinite(value) and value >= 0):
+            fail(f"{name} (--{name}) must be finite and >= 0 seconds, got {value!r}")
     if c.min_dense_size is not None and c.min_dense_size < 0:
         fail(f"min_dense_size must be >= 0, got {c.min_dense_size}")
     if c.levels is not None and c.levels < 1:
@@ -1503,6 +1527,13 @@ MERGE_ALPHA = 50e-6
 MERGE_BETA = 1 / 1.25e9
 
 
+def merge_link_cost(config: TrainConfig) -> planning.LinearCost:
+    """The merge planner's ``t_c``: the config's link (or 10 GbE) for (index, value) messages."""
+    alpha = MERGE_ALPHA if config.merge_alpha is None else config.merge_alpha
+    beta = MERGE_BETA if config.merge_beta is None else config.merge_beta
+    return planning.linear_cost(alpha, beta, 8 * config.ratio)
+
+
 def _layer_groups_to_paths(layers, layer_groups) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(p for q in g for p in layers[q].paths) for g in layer_groups)
 
@@ -1559,7 +1590,7 @@ def _make_merge_plan(
     profile = planning.profile_backward(loss_fn, params, batch, method="flops")
     selector = SPARSIFIER_FACTORIES.get(config.compressor, (config.compressor,))[0]
     t_s = planning.measure_sparsify_cost(selector, ratio=config.ratio)
-    t_c = planning.linear_cost(MERGE_ALPHA, MERGE_BETA, 8 * config.ratio)
+    t_c = merge_link_cost(config)
     model_plan = planning.plan_for_model(
         loss_fn,
         params,

@@ -439,7 +439,8 @@ def test_every_compressor_builds_with_default_flags(name):
 
 def _unused_cases():
     # Which optional flag each family does not read, stated independently.
-    sparse_only = {"ratio": 0.01, "granularity": "global", "low_pass": 0.5}
+    sparse_only = {"ratio": 0.01, "granularity": "global", "low_pass": 0.5, "merge_alpha": 1e-5}
+    sparse_only["merge_beta"] = 1e-9
     quant_only = {"bucket_size": 8}
     qsgd_only = {"levels": 4}
     rank_only = {"rank": 2}
@@ -501,6 +502,37 @@ def test_step_schedule_is_the_dlgs_papers():
             np.testing.assert_allclose(float(lr(step)), want, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"merge_alpha": 1e-5}, "needs merge="),
+        ({"merge": "none", "merge_beta": 1e-9}, "needs merge="),
+        ({"merge": "greedy", "merge_alpha": -1e-6}, ">= 0"),
+        ({"merge": "optimal", "merge_beta": float("nan")}, ">= 0"),
+        ({"merge": "optimal", "merge_alpha": float("inf")}, ">= 0"),
+        ({"merge": "optimal", "merge_beta": "fast"}, "real number"),
+    ],
+)
+def test_merge_link_flags_are_checked(overrides, message):
+    config = train.TrainConfig(compressor="top_k", **overrides)
+    field = next(k for k in overrides if k.startswith("merge_"))
+    with pytest.raises(ValueError, match=f"--{field}.*{re.escape(message)}"):
+        train.validate_config(config)
+
+
+def test_merge_link_defaults_to_10_gbe_and_takes_the_flags():
+    config = train.TrainConfig(compressor="top_k", ratio=0.01, merge="optimal")
+    train.validate_config(config)
+    # 10 GbE: 50 us per message, 1.25e9 bytes/s; 8 bytes per sent (index, value) pair.
+    t_c = train.merge_link_cost(config)
+    assert (t_c.alpha, t_c.beta, t_c.bytes_per_element) == (50e-6, 1 / 1.25e9, 8 * 0.01)
+    config = dataclasses.replace(config, merge_alpha=2e-6, merge_beta=0.0)
+    train.validate_config(config)
+    t_c = train.merge_link_cost(config)
+    assert (t_c.alpha, t_c.beta) == (2e-6, 0.0)
+    assert t_c(10**6) == 2e-6  # a free byte: every message costs its latency alone
+
+
 def test_merge_plan_is_written_and_reused_on_resume(tmp_path, monkeypatch):
     from jaxcomp import planning  # noqa: PLC0415
 
@@ -509,6 +541,8 @@ def test_merge_plan_is_written_and_reused_on_resume(tmp_path, monkeypatch):
         compressor="ldte_bs",
         ratio=0.01,
         merge="optimal",
+        # A link whose every message costs a second: one message (one group) is optimal.
+        merge_alpha=1.0,
         reuse_period=2,
         epochs=2,
         checkpoint=True,
@@ -519,6 +553,8 @@ def test_merge_plan_is_written_and_reused_on_resume(tmp_path, monkeypatch):
     plan = json.loads(path.read_text())
     assert plan == first["merge_plan"]
     assert plan["method"] == "optimal" and plan["profile"]["method"] == "flops"
+    assert plan["t_c"] == {"alpha": 1.0, "beta": train.MERGE_BETA, "bytes_per_element": 0.08}
+    assert len(plan["layer_groups"]) == 1 < len(plan["layers"])
     flat = [
         jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(first["params"])[0]
     ]
