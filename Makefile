@@ -33,8 +33,8 @@ UNIT_FILES := tests/test_conformance.py tests/test_selectors.py tests/test_kerne
 # tests/conftest.py compiles with XLA:CPU's classic fusion emitter (half the
 # suite's time); the last tier runs under XLA's default codegen, as users do:
 # the tests marked default_codegen (bit equality across separately compiled
-# kernels), those marked both_codegens (every compressor's exactness) and the
-# x64 tier.
+# kernels), those marked both_codegens (nothing lost, one compressor per
+# error-feedback family) and the x64 tier.
 DEFAULT_CODEGEN := JAXCOMP_TEST_CODEGEN=default
 
 test: $(STAMP) lint

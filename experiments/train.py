@@ -438,6 +438,9 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
             granularity=c.granularity or "layer",
             reuse_period=c.reuse_period or 1,
             merge=c.merge or "none",
+            # Floats, whatever real type was given (config.json holds them).
+            merge_alpha=None if c.merge_alpha is None else float(c.merge_alpha),
+            merge_beta=None if c.merge_beta is None else float(c.merge_beta),
             momentum_correction=True if c.momentum_correction is None else c.momentum_correction,
         )
     c = dataclasses.replace(c, momentum_correction=False)
@@ -1538,8 +1541,10 @@ def _layer_groups_to_paths(layers, layer_groups) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(p for q in g for p in layers[q].paths) for g in layer_groups)
 
 
-def _stored_merge_plan(path: str, config_record: dict, layer_names: list) -> dict | None:
-    """The plan in ``path`` when it was made for this configuration and model, else None."""
+def _stored_merge_plan(
+    path: str, config_record: dict, layer_names: list, t_c: planning.LinearCost
+) -> dict | None:
+    """The plan in ``path`` when it was made for this configuration, model and link, else None."""
     if not os.path.exists(path):
         return None
     try:
@@ -1548,6 +1553,10 @@ def _stored_merge_plan(path: str, config_record: dict, layer_names: list) -> dic
         if stored["format"] != _MERGE_PLAN_FORMAT or stored["layers"] != layer_names:
             return None
         if _config_differences(stored["config"], config_record):
+            return None
+        # Unset flags stand for MERGE_ALPHA and MERGE_BETA: a plan made for other
+        # constants is another link's plan.
+        if stored["t_c"] != json.loads(json.dumps(dataclasses.asdict(t_c))):
             return None
         flat = [q for g in stored["layer_groups"] for q in g]
         if flat != list(range(len(layer_names))):
@@ -1644,7 +1653,7 @@ def _merge_groups(
     record = None
     if jax.process_index() == 0:
         config_record = _config_record(config, num_devices)["config"]
-        record = _stored_merge_plan(path, config_record, names)
+        record = _stored_merge_plan(path, config_record, names, merge_link_cost(config))
         if record is not None:
             logging.info("reusing the merge plan in %s", path)
         else:

@@ -15,8 +15,9 @@ compilation dominates their time. Two flags cut it:
   equality across two such kernels (or two different programs) are marked
   ``default_codegen``: with the flag set they are skipped here and run in
   ``make test``'s last tier, under XLA's default codegen (the codegen users
-  run), with the x64 tier and the tests marked ``both_codegens`` (every
-  compressor's exactness, checked under both).
+  run), with the x64 tier and the tests marked ``both_codegens`` (the
+  nothing-lost check of one compressor per error-feedback family, run under
+  both).
 
 The flag is set only when this jaxlib knows it (XLA aborts on an unknown
 flag), not when ``XLA_FLAGS`` already names it, and not with
@@ -30,6 +31,7 @@ import glob
 import importlib.util
 import mmap
 import os
+import re
 
 import pytest
 
@@ -44,12 +46,21 @@ def _jaxlib_knows(flag: str) -> bool:
     needle = flag.encode()
     for root in spec.submodule_search_locations:
         for path in glob.glob(os.path.join(root, "**", "*.so*"), recursive=True):
-            if os.path.getsize(path) < len(needle):
+            try:  # a directory, broken link or unreadable file is not the library
+                if not os.path.isfile(path) or os.path.getsize(path) < len(needle):
+                    continue
+                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    if m.find(needle) >= 0:
+                        return True
+            except (OSError, ValueError):
                 continue
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                if m.find(needle) >= 0:
-                    return True
     return False
+
+
+def _legacy_emitter_value(flags: str) -> str | None:
+    """The value ``XLA_FLAGS`` gives the fusion-emitter flag (the last one wins), or None."""
+    values = re.findall(rf"--{LEGACY_EMITTER_FLAG}=(\S*)", flags)
+    return values[-1].lower() if values else None
 
 
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -57,14 +68,17 @@ if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
-if (
-    os.environ.get("JAXCOMP_TEST_CODEGEN", "fast") != "default"
-    and LEGACY_EMITTER_FLAG not in _flags
-    and _jaxlib_knows(LEGACY_EMITTER_FLAG)
-):
-    _flags += f" --{LEGACY_EMITTER_FLAG}=false"
+_default_codegen = os.environ.get("JAXCOMP_TEST_CODEGEN", "fast") == "default"
+if _legacy_emitter_value(_flags) is None:
+    if not _default_codegen and _jaxlib_knows(LEGACY_EMITTER_FLAG):
+        _flags += f" --{LEGACY_EMITTER_FLAG}=false"
+elif _default_codegen and _legacy_emitter_value(_flags) in ("false", "0"):
+    # The last tier must not silently skip what it selected.
+    raise RuntimeError(
+        f"JAXCOMP_TEST_CODEGEN=default, but XLA_FLAGS turns the fusion emitters off: {_flags!r}"
+    )
 os.environ["XLA_FLAGS"] = _flags.strip()
-LEGACY_EMITTERS = f"--{LEGACY_EMITTER_FLAG}=false" in _flags
+LEGACY_EMITTERS = _legacy_emitter_value(_flags) in ("false", "0")
 
 
 def pytest_configure(config):
@@ -88,5 +102,5 @@ def pytest_collection_modifyitems(config, items):
         "(JAXCOMP_TEST_CODEGEN=default, make test's last tier)"
     )
     for item in items:
-        if "default_codegen" in item.keywords:
+        if item.get_closest_marker("default_codegen"):
             item.add_marker(skip)

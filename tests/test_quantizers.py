@@ -544,7 +544,9 @@ def test_one_bit_matches_numpy_reference(name, d):
             expected = ref(acc.reshape(-1).astype(np.float64), d).reshape(acc.shape)
             np.testing.assert_allclose(np.asarray(u[leaf]), expected, rtol=2e-6, atol=1e-7)
             if ef:
-                np.testing.assert_array_equal(np.asarray(new.residual[leaf]), acc - u[leaf])
+                np.testing.assert_array_equal(
+                    np.asarray(new.residual[leaf]), acc - np.asarray(u[leaf])
+                )
             else:
                 assert new.residual is None
             n = g[leaf].size

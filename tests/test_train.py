@@ -382,7 +382,7 @@ def _info_lines(text):
 
 def test_main_refuses_mismatched_workdir_and_is_quiet(tmp_path):
     workdir = f"--workdir={tmp_path}"
-    # Without XLA_FLAGS: --num_devices=2 alone must create the simulated devices
+    # Without a simulated device count in XLA_FLAGS: --num_devices=2 alone must create the devices
     # (a plain CPU has one, and validation would reject num_devices=2).
     first = _run_main(workdir, "--compressor=dense", *_MAIN_TINY)  # checkpoints on
     assert first.returncode == 0, first.stderr[-2000:]
@@ -531,6 +531,18 @@ def test_merge_link_defaults_to_10_gbe_and_takes_the_flags():
     t_c = train.merge_link_cost(config)
     assert (t_c.alpha, t_c.beta) == (2e-6, 0.0)
     assert t_c(10**6) == 2e-6  # a free byte: every message costs its latency alone
+
+
+def test_merge_link_change_is_another_config():
+    config = train.TrainConfig(compressor="top_k", ratio=0.01, merge="optimal")
+    record = train._config_record(config, 2)["config"]
+    # A config.json written before the link flags existed: the same run as unset flags.
+    older = {k: v for k, v in record.items() if k not in ("merge_alpha", "merge_beta")}
+    assert train._config_differences(older, record) == []
+    faster = train._config_record(dataclasses.replace(config, merge_alpha=np.float32(5e-6)), 2)
+    assert type(faster["config"]["merge_alpha"]) is float  # JSON-writable, whatever real was given
+    diffs = train._config_differences(record, faster["config"])
+    assert len(diffs) == 1 and diffs[0].startswith("merge_alpha=None there")
 
 
 def test_merge_plan_is_written_and_reused_on_resume(tmp_path, monkeypatch):
