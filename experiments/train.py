@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 import os
 import re
 import statistics
@@ -389,8 +388,10 @@ def unused_fields(compressor: str) -> dict:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     out = {}
     if compressor not in SPARSIFIERS:
-        sparse_only = ("ratio", "granularity", "reuse_period", "low_pass", "merge")
-        for name in (*sparse_only, "merge_alpha", "merge_beta"):
+        for name in (
+            *("ratio", "granularity", "reuse_period", "low_pass"),
+            *("merge", "merge_alpha", "merge_beta"),
+        ):
             out[name] = "the sparsifiers"
     if compressor not in QUANTIZERS or compressor == "cast":
         out["bucket_size"] = "the quantizers but cast"
@@ -511,10 +512,10 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
                 f"{name} (--{name}) sets the merge planner's link; "
                 "it needs merge='greedy' or 'optimal'"
             )
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            fail(f"{name} (--{name}) must be a real number of seconds, got {value!r}")
-        if not (math.isfinite(value) and value >= 0):
-            fail(f"{name} (--{name}) must be finite and >= 0 seconds, got {value!r}")
+        try:  # the planner's own check of a link time
+            planning.linear_cost(**{"alpha": 0.0, "beta": 0.0, name.removeprefix("merge_"): value})
+        except ValueError as err:
+            fail(f"{name} (--{name}), in seconds: {err}")
     if c.min_dense_size is not None and c.min_dense_size < 0:
         fail(f"min_dense_size must be >= 0, got {c.min_dense_size}")
     if c.levels is not None and c.levels < 1:
@@ -1556,7 +1557,7 @@ def _stored_merge_plan(
             return None
         # Unset flags stand for MERGE_ALPHA and MERGE_BETA: a plan made for other
         # constants is another link's plan.
-        if stored["t_c"] != json.loads(json.dumps(dataclasses.asdict(t_c))):
+        if stored["t_c"] != dataclasses.asdict(t_c):
             return None
         flat = [q for g in stored["layer_groups"] for q in g]
         if flat != list(range(len(layer_names))):

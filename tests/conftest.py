@@ -69,16 +69,17 @@ if "xla_force_host_platform_device_count" not in _flags:
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 _default_codegen = os.environ.get("JAXCOMP_TEST_CODEGEN", "fast") == "default"
-if _legacy_emitter_value(_flags) is None:
-    if not _default_codegen and _jaxlib_knows(LEGACY_EMITTER_FLAG):
-        _flags += f" --{LEGACY_EMITTER_FLAG}=false"
-elif _default_codegen and _legacy_emitter_value(_flags) in ("false", "0"):
+_emitters = _legacy_emitter_value(_flags)
+if _emitters is None and not _default_codegen and _jaxlib_knows(LEGACY_EMITTER_FLAG):
+    _flags += f" --{LEGACY_EMITTER_FLAG}=false"
+    _emitters = "false"
+LEGACY_EMITTERS = _emitters in ("false", "0")
+if _default_codegen and LEGACY_EMITTERS:
     # The last tier must not silently skip what it selected.
     raise RuntimeError(
         f"JAXCOMP_TEST_CODEGEN=default, but XLA_FLAGS turns the fusion emitters off: {_flags!r}"
     )
 os.environ["XLA_FLAGS"] = _flags.strip()
-LEGACY_EMITTERS = _legacy_emitter_value(_flags) in ("false", "0")
 
 
 def pytest_configure(config):

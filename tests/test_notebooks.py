@@ -16,6 +16,7 @@ import sys
 
 import nbformat
 import pytest
+from helpers import compile_flags_without_devices
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -45,8 +46,7 @@ def _kernel_dir(tmp_path):
 
 def _kernel_env():
     env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    flags = compile_flags_without_devices()
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
     env["JAXCOMP_NOTEBOOK_SMALL"] = "1"
     # The kernel picks its inline backend; a backend forced by the caller would not show plots.

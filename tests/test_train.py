@@ -439,8 +439,10 @@ def test_every_compressor_builds_with_default_flags(name):
 
 def _unused_cases():
     # Which optional flag each family does not read, stated independently.
-    sparse_only = {"ratio": 0.01, "granularity": "global", "low_pass": 0.5, "merge_alpha": 1e-5}
-    sparse_only["merge_beta"] = 1e-9
+    sparse_only = {
+        **{"ratio": 0.01, "granularity": "global", "low_pass": 0.5},
+        **{"merge_alpha": 1e-5, "merge_beta": 1e-9},
+    }
     quant_only = {"bucket_size": 8}
     qsgd_only = {"levels": 4}
     rank_only = {"rank": 2}
