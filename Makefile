@@ -37,7 +37,12 @@ UNIT_FILES := tests/test_conformance.py tests/test_selectors.py tests/test_kerne
 # error-feedback family) and the x64 tier.
 DEFAULT_CODEGEN := JAXCOMP_TEST_CODEGEN=default
 
+# tests/conftest.py keeps JAX's persistent compilation cache here; every
+# `make test` starts it empty, so a run's time does not depend on the last one.
+TEST_CACHE := .pytest_cache/jax
+
 test: $(STAMP) lint
+	rm -rf $(TEST_CACHE)
 	$(PY) -m pytest -q -n 2 --durations=5 $(UNIT_FILES)
 	$(PY) -m pytest -q -n 2 --durations=15 tests $(addprefix --ignore=,$(UNIT_FILES))
 	$(DEFAULT_CODEGEN) $(PY) -m pytest -q -n 2 -m "default_codegen or both_codegens" tests
@@ -54,4 +59,4 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench_selection
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(TEST_CACHE)

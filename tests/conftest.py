@@ -32,10 +32,15 @@ import importlib.util
 import mmap
 import os
 import re
+import shutil
 
 import pytest
 
 LEGACY_EMITTER_FLAG = "xla_cpu_use_fusion_emitters"
+COMPILATION_CACHE_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"
+)
+COMPILATION_CACHE_LIMIT = 2 * 2**30  # bytes; a whole make test writes about 150 MB
 
 
 def _jaxlib_knows(flag: str) -> bool:
@@ -80,6 +85,39 @@ if _default_codegen and LEGACY_EMITTERS:
         f"JAXCOMP_TEST_CODEGEN=default, but XLA_FLAGS turns the fusion emitters off: {_flags!r}"
     )
 os.environ["XLA_FLAGS"] = _flags.strip()
+
+# JAX's persistent compilation cache, shared by the xdist workers, the
+# subprocesses the tests start (experiment runs, notebook kernels, the
+# multi-process workers inherit the environment) and make test's tiers: many
+# tests build their own transform and compile a program another test already
+# compiled (the same update on the same shapes under another closure), and the
+# cache serves it by the lowered module's hash (which includes XLA_FLAGS, so
+# each codegen has its own entries). make test empties it first, so every run
+# compiles from scratch once; a pytest run by hand reuses it. Set
+# JAX_COMPILATION_CACHE_DIR to move it, JAX_ENABLE_COMPILATION_CACHE=0 to
+# turn it off. No size limit: JAX's eviction rescans the directory on every
+# write (the per-compressor files took 5:19 instead of 3:50); instead the
+# first process of a session empties the default directory once it passes
+# COMPILATION_CACHE_LIMIT. Entries are written without a lock: a read that
+# meets a half-written entry fails to decompress, and JAX then warns and
+# compiles (jax._src.compiler._cache_read).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE_DIR)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def pytest_sessionstart(session):
+    """The first process empties the default compilation cache once it passes the limit."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller did it
+        return
+    if os.environ["JAX_COMPILATION_CACHE_DIR"] != COMPILATION_CACHE_DIR:
+        return
+    try:
+        with os.scandir(COMPILATION_CACHE_DIR) as entries:
+            size = sum(e.stat().st_size for e in entries if e.is_file())
+    except FileNotFoundError:
+        return
+    if size > COMPILATION_CACHE_LIMIT:
+        shutil.rmtree(COMPILATION_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_configure(config):
