@@ -34,6 +34,10 @@ four CIFAR-10 runs, one command each (GPU runtime, batch 32 per device)::
         --data_dir=/path/cifar-10-python.tar.gz --batch_size=256 --num_devices=0 \
         --ratio=0.1 --outdir=results/dlgs_vgg16_0.1        # and --ratio=0.01
 
+The DLGS row plans its merge for a 10 GbE link unless ``--merge_alpha`` (seconds
+per message) and ``--merge_beta`` (seconds per byte) give another, as in the
+training program.
+
 Writes ``<outdir>/<name>/metrics.jsonl`` per run (a rerun overwrites them),
 ``<outdir>/comparison.png``
 and ``<outdir>/comparison.json``, and prints the table: final accuracy and
@@ -67,6 +71,7 @@ __all__ = [
     "format_table",
     "main",
     "run_configs",
+    "with_merge_link",
 ]
 
 # name -> TrainConfig overrides (the comparison's rows).
@@ -166,6 +171,33 @@ def for_compressor(base, overrides: dict):
     return dataclasses.replace(config, **{n: v for n, v in drop.items() if n not in overrides})
 
 
+def with_merge_link(runs: dict, merge_alpha=None, merge_beta=None) -> dict:
+    """``runs`` with the merge planner's link set on the rows that plan a merge.
+
+    Args:
+      runs: ``{name: overrides}``, as in ``TABLES``.
+      merge_alpha: seconds per message (None: the training program's default,
+        10 GbE), given to every row whose ``merge`` is ``"greedy"`` or
+        ``"optimal"``.
+      merge_beta: seconds per byte (None: the default).
+
+    Raises:
+      ValueError: a link is given but no row plans a merge.
+    """
+    link = {
+        n: v for n, v in (("merge_alpha", merge_alpha), ("merge_beta", merge_beta)) if v is not None
+    }
+    if not link:
+        return runs
+    merging = [n for n, o in runs.items() if o.get("merge", "none") != "none"]
+    if not merging:
+        raise ValueError(
+            f"--{next(iter(link))} sets the merge planner's link, but no row of this table "
+            "plans a merge (--table=dlgs has one)"
+        )
+    return {n: {**o, **link} if n in merging else o for n, o in runs.items()}
+
+
 def run_configs(base, runs: dict, outdir: str) -> dict:
     """Trains every ``{name: overrides}`` run from ``base`` into ``outdir/name``.
 
@@ -174,9 +206,11 @@ def run_configs(base, runs: dict, outdir: str) -> dict:
     """
     from experiments import train  # noqa: PLC0415 (after the device count is set)
 
+    configs = {name: for_compressor(base, overrides) for name, overrides in runs.items()}
+    for config in configs.values():  # every row's bad setting before the first run trains
+        train.validate_config(config)
     results = {}
-    for name, overrides in runs.items():
-        config = for_compressor(base, overrides)
+    for name, config in configs.items():
         # A comparison is a fresh run: its directory never resumes an older one.
         results[name] = train.train_and_evaluate(config, os.path.join(outdir, name), overwrite=True)
     train.write_plots(
@@ -310,11 +344,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--target", type=float, default=0.95, help="accuracy (fraction)")
     parser.add_argument("--outdir", default="results/compare")
     parser.add_argument("--progress", action="store_true")
+    link = "the DLGS merge planner's link (rows that plan a merge); unset: 10 GbE"
+    parser.add_argument("--merge_alpha", type=float, default=None, help=f"s per message, {link}")
+    parser.add_argument("--merge_beta", type=float, default=None, help=f"s per byte, {link}")
     args = parser.parse_args(argv)
+    rows_spec, defaults = TABLES[args.table]
+    try:
+        rows_spec = with_merge_link(rows_spec, args.merge_alpha, args.merge_beta)
+    except ValueError as err:
+        parser.error(str(err))
     set_cpu_devices(args.num_devices)
     from experiments import train  # noqa: PLC0415
 
-    rows_spec, defaults = TABLES[args.table]
     given = {n: getattr(args, n) for n in ("ratio", "warmup_epochs", "schedule", "epochs")}
     setting = {**defaults, **{n: v for n, v in given.items() if v is not None}}
     base = train.TrainConfig(

@@ -6,6 +6,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 from helpers import compress_on_mesh
 
 from experiments import bench_selection, demo
@@ -92,6 +93,36 @@ def test_dlgs_table_rows_are_the_papers_methods():
         "optimal",
         compare.DLGS_REUSE_PERIOD,
     )
+
+
+def test_compare_merge_link_reaches_only_the_merging_row():
+    from experiments import compare, train  # noqa: PLC0415
+
+    rows, setting = compare.TABLES["dlgs"]
+    linked = compare.with_merge_link(rows, merge_alpha=1e-3)
+    base = train.TrainConfig(**setting, momentum=0.9)
+    configs = {n: compare.for_compressor(base, o) for n, o in linked.items()}
+    for name, config in configs.items():
+        train.validate_config(config)
+        merging = rows[name].get("merge", "none") != "none"
+        assert config.merge_alpha == (1e-3 if merging else None), name
+        assert config.merge_beta is None, name
+    assert sum(c.merge_alpha is not None for c in configs.values()) == 1
+    # The planner's cost: the flag's latency, the default bandwidth.
+    cost = train.merge_link_cost(train.resolve_config(configs["dlgs"]))
+    unlinked = compare.for_compressor(base, rows["dlgs"])
+    default = train.merge_link_cost(train.resolve_config(unlinked))
+    assert cost(0) == pytest.approx(1e-3) and default(0) == pytest.approx(train.MERGE_ALPHA)
+    assert cost(10**6) - cost(0) == pytest.approx(default(10**6) - default(0))
+    assert compare.with_merge_link(rows) is rows
+    # A table with no merging row, or a bad value, stops before any training.
+    with pytest.raises(ValueError, match="--merge_beta.*no row"):
+        compare.with_merge_link(compare.TABLES["ldte_bs"][0], merge_beta=1e-9)
+    with pytest.raises(SystemExit):
+        compare.main(["--table=peers", "--merge_alpha=1e-3", "--outdir=/nonexistent/x"])
+    bad = compare.with_merge_link(rows, merge_alpha=-1.0)
+    with pytest.raises(ValueError, match="merge_alpha"):
+        compare.run_configs(base, bad, "/nonexistent/compare")
 
 
 def test_ldte_bs_paper_row_runs_the_paper_variant():
