@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mesh_update
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -349,6 +350,92 @@ def test_low_pass_filters_what_the_exchange_leaves(exchange):
     np.testing.assert_array_equal(lhs, r.sum(0) + grads.astype(np.float64).sum(0))
     # The filter acted: half of the unsent part was dropped.
     assert not np.array_equal(res_after, plain.astype(np.float32))
+
+
+def _steps_on_devices(tx, grads_by_step, n_dev):
+    """``tx`` on each device's row of every step's gradient: per-device updates and states."""
+    mesh = _mesh(n_dev)
+    step = mesh_update(tx, mesh)
+    sharded = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))  # noqa: E731
+    first = jax.tree.map(lambda a: a[0], grads_by_step[0])
+    state = sharded(jax.tree.map(lambda a: np.stack([a] * n_dev), tx.init(first)))
+    out = []
+    for g in grads_by_step:
+        u, state = step(sharded(g), state)
+        out.append(jax.device_get((u, state)))
+    return out
+
+
+@pytest.mark.parametrize("exchange", [None, "sparse", "gtopk"])
+def test_float16_message_saturates_and_the_residual_stays_finite(exchange):
+    # 40000 + 40000 is past float16's largest value (65504): the wire value saturates,
+    # the rest stays in the float32 residual and goes on the next step (it was
+    # inf, and the residual -inf, then NaN for good).
+    n, n_dev = 20, 2
+    g0 = np.zeros(n, np.float16)
+    g0[0], g0[1:4] = 40000, 60000
+    g1 = np.zeros(n, np.float16)
+    g1[0] = 40000
+    g2 = np.zeros(n, np.float16)
+    g2[6] = 1
+    steps = [g0, g1, g2, g2]
+    axis = None if exchange is None else "data"
+    tx = jaxcomp.top_k(0.1, axis_name=axis, **({} if exchange is None else {"exchange": exchange}))
+    if exchange is None:
+        state, outs = tx.init({"w": jnp.asarray(g0)}), []
+        for g in steps:
+            u, state = tx.update({"w": jnp.asarray(g)}, state)
+            outs.append(jax.device_get((u["w"], state.residual["w"])))
+    else:  # the same gradient on both devices: the mean is each device's message
+        outs = [
+            (u["w"][0], st.residual["w"][0])
+            for u, st in _steps_on_devices(tx, [{"w": np.stack([g] * n_dev)} for g in steps], n_dev)
+        ]
+    residual = np.zeros(n, np.float64)
+    for g, (u, r) in zip(steps, outs, strict=True):
+        acc = residual + g.astype(np.float64)
+        assert u.dtype == np.float16 and np.all(np.isfinite(u)) and np.all(np.isfinite(r))
+        # Nothing lost: what went plus what stayed is the accumulator.
+        np.testing.assert_array_equal(u.astype(np.float64) + r, acc)
+        residual = r.astype(np.float64)
+    assert [float(u[0]) for u, _ in outs] == [0.0, 65504.0, 80000.0 - 65504.0, 0.0]
+
+
+@pytest.mark.parametrize("exchange", [e for e in sa.EXCHANGES if e != "scatter"])
+def test_float16_mean_does_not_overflow_where_it_fits(exchange):
+    # Every device sends 16384 at index 3: the mean fits float16, the sum of the
+    # 8 messages (131072) does not. The exchanges that add before dividing (gTop-k,
+    # Ok-Topk, SparCML, ScaleCom, dense) returned inf; float16 is divided first.
+    n_dev, n = 8, 512
+    g = np.random.default_rng(0).uniform(-1, 1, size=(n_dev, n)).astype(np.float16)
+    g[:, 3] = 16384
+    tx = jaxcomp.top_k(0.01, axis_name="data", exchange=exchange, min_dense_size=0)
+    ((u, state),) = _steps_on_devices(tx, [{"w": g}], n_dev)
+    assert u["w"].dtype == np.float16
+    assert np.all(np.isfinite(u["w"])) and np.all(np.isfinite(state.residual["w"]))
+    np.testing.assert_array_equal(u["w"][:, 3], np.full(n_dev, 16384, np.float16))
+
+
+def test_scalecom_device_that_skips_sends_nothing_and_keeps_its_residual():
+    n_dev, n, ratio = 4, 40, 0.1
+    rng = np.random.default_rng(0)
+    g0 = rng.integers(-100, 100, size=(n_dev, n)).astype(np.float32)
+    g1 = rng.integers(-100, 100, size=(n_dev, n)).astype(np.float32)
+    g1[2, 0] = np.nan  # device 2 skips step 1 (device 1 leads it)
+    tx = jaxcomp.top_k(ratio, axis_name="data", exchange="scalecom")
+    (_, s0), (u1, s1) = _steps_on_devices(tx, [{"w": g0}, {"w": g1}], n_dev)
+    r0, r1 = s0.residual["w"].astype(np.float64), s1.residual["w"].astype(np.float64)
+    np.testing.assert_array_equal(r1[2], r0[2])
+    assert s1.sent_count["w"].tolist() == [4, 4, 0, 4]
+    # The others' accumulators at the leader's indices (its top-4), over N.
+    acc = r0 + np.where(np.isnan(g1), 0, g1)
+    lead = np.argsort(-np.abs(acc[1]), kind="stable")[:4]
+    ref = np.zeros(n)
+    ref[lead] = acc[[0, 1, 3]][:, lead].sum(0) / n_dev
+    for d in range(n_dev):
+        np.testing.assert_array_equal(u1["w"][d], ref)
+    for d in (0, 1, 3):  # what they sent left their residuals
+        np.testing.assert_array_equal(r1[d][lead], 0)
 
 
 def test_exact_exchanges_agree_with_the_all_gather():

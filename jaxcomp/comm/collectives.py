@@ -209,10 +209,19 @@ def dense_mean(
       [0.0, 1.0, 2.0]
     """
     n_dev = axis_size(axis_name)
+    # float16's sum overflows (65504) where the mean fits: divide first.
+    divide_first = n_dev > 1 and jnp.dtype(x.dtype) == jnp.float16
     if include is None:
-        mean = lax.pmean(x, axis_name)
+        if divide_first:
+            mean = lax.psum(x / jnp.asarray(n_dev, x.dtype), axis_name)
+        else:
+            mean = lax.pmean(x, axis_name)
         return mean, jnp.float32(allreduce_bytes(_nbytes(x), n_dev))
     include, count = _include_count(include, axis_name)
+    if divide_first:
+        share = (x / jnp.maximum(count, 1.0)).astype(x.dtype)
+        mean = lax.psum(jnp.where(include, share, jnp.zeros_like(x)), axis_name)
+        return mean, jnp.float32(allreduce_bytes(_nbytes(x) + 4, n_dev))
     total = lax.psum(jnp.where(include, x, jnp.zeros_like(x)), axis_name)
     mean = (total / jnp.maximum(count, 1.0)).astype(x.dtype)
     return mean, jnp.float32(allreduce_bytes(_nbytes(x) + 4, n_dev))

@@ -145,6 +145,27 @@ def _scatter_mean(indices, values, size: int, n_dev: int):
     return jnp.zeros((size,), values.dtype).at[indices].add(scaled, mode="drop")
 
 
+def _mean_first(values, n_dev: int):
+    """``(values, divisor)``: what the exchange adds, and what it divides the sum by after.
+
+    The exchanges that add messages before dividing by ``N`` (gTop-k, Ok-Topk,
+    SparCML, ScaleCom, as a dense all-reduce does) would overflow float16
+    (65504) where the mean fits: a float16 message is divided by ``N`` first
+    (exact for ``N`` a power of two, short of underflow) and the sum is the
+    mean. Other dtypes keep the one rounding of the sum's division.
+    """
+    if n_dev > 1 and jnp.dtype(values.dtype) == jnp.float16:
+        return values / jnp.asarray(n_dev, values.dtype), 1
+    return values, n_dev
+
+
+def _returned(values, n_dev: int, divisor: int):
+    """Values an exchange gives back to a residual, in the message's units (float32 if rescaled)."""
+    if divisor == n_dev:
+        return values
+    return values.astype(jnp.float32) * n_dev
+
+
 def _merge_pairs(idx_a, val_a, idx_b, val_b, size: int):
     """Union of two messages with unique indices, equal indices summed.
 
@@ -205,6 +226,8 @@ def gtopk_mean(indices, values, size: int, axis_name) -> Exchanged:
     _check_power_of_two("gtopk", n_dev)
     cap = indices.shape[0]
     me = lax.axis_index(axis_name)
+    wire = gtopk_rounds(n_dev) * (_nbytes(indices) + _nbytes(values))
+    values, divisor = _mean_first(values, n_dev)
     idx, val = indices, jnp.where(indices < size, values, 0)
     back_idx, back_val = [], []
     for i in range(gtopk_rounds(n_dev)):
@@ -216,13 +239,11 @@ def gtopk_mean(indices, values, size: int, axis_name) -> Exchanged:
         leader = (me & ((2 << i) - 1)) == 0
         back_idx.append(jnp.where(leader, d_idx, size))
         back_val.append(jnp.where(leader, d_val, 0))
-    update = _scatter_mean(idx, val, size, n_dev)
-    wire = gtopk_rounds(n_dev) * (_nbytes(indices) + _nbytes(values))
+    update = _scatter_mean(idx, val, size, divisor)
     if not back_idx:
         return Exchanged(update, jnp.float32(wire))
-    return Exchanged(
-        update, jnp.float32(wire), jnp.concatenate(back_idx), jnp.concatenate(back_val)
-    )
+    back = _returned(jnp.concatenate(back_val), n_dev, divisor)
+    return Exchanged(update, jnp.float32(wire), jnp.concatenate(back_idx), back)
 
 
 def oktopk_capacities(cap: int, n_dev: int, slack: float = OKTOPK_SLACK) -> tuple[int, int]:
@@ -291,6 +312,7 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
     if n_dev == 1:
         return Exchanged(_scatter_mean(indices, values, size, 1), jnp.float32(0))
     starts, hist_bytes = _region_bounds(indices, size, n_dev, axis_name)
+    values, divisor = _mean_first(values, n_dev)
     idx, val = lax.sort((indices, values), num_keys=1)  # padding (size) last
     region = jnp.searchsorted(starts, idx, side="right") - 1
     first = jnp.searchsorted(idx, starts, side="left")  # each region's first slot
@@ -313,7 +335,7 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
     keep_idx, keep_val, drop_idx, drop_val = _top_and_rest(u_idx, sums, per_region, size)
     all_idx = all_gather_invariant(keep_idx, axis_name).reshape(-1)
     all_val = all_gather_invariant(keep_val, axis_name).reshape(-1)
-    update = _scatter_mean(all_idx, all_val, size, n_dev)
+    update = _scatter_mean(all_idx, all_val, size, divisor)
     overflow_idx = jnp.where(valid & ~fits, idx, size)
     overflow_val = jnp.where(valid & ~fits, val, 0)
     wire = (n_dev - 1) * (per_peer + per_region) * pair + allreduce_bytes(hist_bytes, n_dev)
@@ -321,7 +343,7 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
         update,
         jnp.float32(wire),
         jnp.concatenate([overflow_idx, drop_idx]),
-        jnp.concatenate([overflow_val, drop_val]),
+        _returned(jnp.concatenate([overflow_val, drop_val]), n_dev, divisor),
     )
 
 
@@ -443,7 +465,8 @@ def cyclic_mean(indices, values_at, size: int, axis_name, step) -> tuple[Exchang
     shared = lax.psum(jnp.where(me == leader, indices, 0), axis_name)
     shared = jnp.where(shared >= size, size, shared)
     vals = values_at(shared)
-    update = _scatter_mean(shared, lax.psum(vals, axis_name), size, n_dev)
+    added, divisor = _mean_first(vals, n_dev)
+    update = _scatter_mean(shared, lax.psum(added, axis_name), size, divisor)
     wire = allreduce_bytes(_nbytes(indices), n_dev) + allreduce_bytes(_nbytes(vals), n_dev)
     return Exchanged(update, jnp.float32(wire)), shared
 
@@ -514,7 +537,7 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
     count_bytes = allreduce_bytes(4, n_dev)
 
     def sparse(_):
-        idx, val = indices, values
+        idx, val = indices, _mean_first(values, n_dev)[0]
         sent = 0
         for i in range(gtopk_rounds(n_dev)):
             perm = [(d, d ^ (1 << i)) for d in range(n_dev)]
@@ -526,7 +549,7 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
             keep = min(m_idx.shape[0], union)
             order = jnp.argsort(m_idx, stable=True)[:keep]
             idx, val = m_idx[order], m_val[order]
-        return _scatter_mean(idx, val, size, n_dev), jnp.float32(sent)
+        return _scatter_mean(idx, val, size, _mean_first(values, n_dev)[1]), jnp.float32(sent)
 
     def dense_path(_):
         d = (
@@ -534,7 +557,9 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
             if dense is not None
             else jnp.zeros((size,), values.dtype).at[indices].add(values, mode="drop")
         )
-        return lax.pmean(d, axis_name), jnp.float32(allreduce_bytes(size * item, n_dev))
+        d, divisor = _mean_first(d, n_dev)
+        mean = lax.psum(d, axis_name) if divisor == 1 else lax.pmean(d, axis_name)
+        return mean, jnp.float32(allreduce_bytes(size * item, n_dev))
 
     if n_dev == 1:
         update, wire = sparse(None)

@@ -433,7 +433,12 @@ def sparsify(
         replaced by 0 and the rest is used. Neither ever writes NaN/Inf into
         the residual. ``optax.apply_if_finite`` around the compressor also
         protects the residual on one device; under ``shard_map`` its
-        ``lax.cond`` decides per device, so prefer ``"skip"`` there.
+        ``lax.cond`` sends a device with a NaN down the branch without the
+        exchange while the others wait in it: the step hangs (XLA aborts
+        after its rendezvous timeout), as it does with ``optax.MultiSteps``'
+        ``should_skip_update_fn``. Use ``"skip"`` there, or
+        :func:`jaxcomp.distributed.apply_if_finite` around the whole chain
+        (:func:`jaxcomp.distributed.skip_not_finite` for ``MultiSteps``).
       exchange: how messages travel with ``axis_name``
         (:mod:`jaxcomp.comm.sparse_allreduce`). The exact mean of the
         messages: ``"sparse"`` (all-gather of the (index, value) pairs),
@@ -1107,7 +1112,7 @@ def _select_and_send(
 def _send_dense(cfg: _Config, acc, u, out_dtype, ctx, segments) -> _FlatOut:
     """A small (or empty) buffer sent whole."""
     n = acc.shape[0]
-    sent_out = jnp.where(ctx.sends, acc, 0).astype(out_dtype)
+    sent_out = _to_wire(jnp.where(ctx.sends, acc, 0), out_dtype)
     new_res = acc - sent_out.astype(acc.dtype)
     new_u = u
     if u is not None and cfg.momentum_masking:
@@ -1169,7 +1174,7 @@ def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) ->
     above = jnp.abs(acc.astype(jnp.float32)) > sel.threshold
     iota = lax.iota(jnp.int32, n)
     mask = above & (iota <= limit)
-    sent_out = jnp.where(mask, acc, 0).astype(out_dtype)
+    sent_out = _to_wire(jnp.where(mask, acc, 0), out_dtype)
     residual = _keep_rest(acc, mask, sent_out)
     if copied and sent_out.dtype == acc.dtype:
         # The same update, read off the residual (here where(mask, +0, acc)):
@@ -1185,7 +1190,7 @@ def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) ->
         # 1.15 ms for this one (experiments/bench_update.py, kernels_ms).
         ibits = jnp.dtype(f"int{8 * acc.dtype.itemsize}")
         kept_zero = lax.bitcast_convert_type(residual, ibits) == 0
-        sent_out = jnp.where(above & kept_zero, acc, 0).astype(out_dtype)
+        sent_out = jnp.where(above & kept_zero, acc, 0)  # the same dtype: no cast
     seg = None
     if segments is not None:
         seg = tuple(jnp.sum(mask[lo:hi], dtype=jnp.int32) for lo, hi in _bounds(segments))
@@ -1214,12 +1219,16 @@ def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) ->
     if cfg.axis_name is not None and cfg.exchange == "scalecom":
         if ctx.include is not None:
             raise ValueError("exchange='scalecom' does not take include= (backup workers)")
-        # Every device sends its own values at this step's leader's indices.
-        ex, idx = sparse_allreduce.cyclic_mean(
-            idx, lambda ids: _values_at(acc, ids).astype(out_dtype), n, cfg.axis_name, ctx.step
-        )
+
+        # Every device sends its own values at this step's leader's indices; a
+        # device that skips the step sends zeros there and keeps its residual.
+        def values(ids):
+            return _to_wire(jnp.where(ctx.sends, _values_at(acc, ids), 0), out_dtype)
+
+        ex, idx = sparse_allreduce.cyclic_mean(idx, values, n, cfg.axis_name, ctx.step)
+        idx = jnp.where(ctx.sends, idx, n)
         vals = _values_at(acc, idx)
-        sent = jnp.where(ctx.sends, jnp.sum(idx < n, dtype=jnp.int32), 0)
+        sent = jnp.sum(idx < n, dtype=jnp.int32)
     sent_out, new_res, new_u = _scatter_message(cfg, acc, u, idx, vals, out_dtype)
     if cfg.axis_name is None:
         update, wire = sent_out, jnp.float32(0)
@@ -1228,7 +1237,7 @@ def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) ->
             ex = sparse_allreduce.exchange(
                 cfg.exchange,
                 idx,
-                vals.astype(out_dtype),
+                _to_wire(vals, out_dtype),
                 n,
                 cfg.axis_name,
                 dense=sent_out,
@@ -1253,11 +1262,27 @@ def _values_at(acc, idx):
     return jnp.where(idx < n, acc[jnp.minimum(idx, n - 1)], 0)
 
 
+def _to_wire(values, out_dtype):
+    """``values`` in the wire dtype, saturated at its largest finite value.
+
+    A value beyond a narrower wire dtype's range (float16: 65504; float32 for a
+    float64 accumulator) would round to inf, and the residual would keep
+    ``acc - inf = -inf``, NaN from the next step on, for good. Saturated, the
+    largest finite value is sent and the rest stays in the residual (sent on
+    later steps). NaN stays NaN.
+    """
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype != values.dtype and jnp.issubdtype(out_dtype, jnp.floating):
+        big = float(jnp.finfo(out_dtype).max)
+        if big < float(jnp.finfo(values.dtype).max):
+            values = jnp.clip(values, -big, big)
+    return values.astype(out_dtype)
+
+
 def _keep_rest(acc, mask, sent_out):
     if sent_out.dtype == acc.dtype:
         return jnp.where(mask, 0, acc)
-    # Keep the rounding of the wire dtype in the residual: exact, since acc
-    # and its rounding are within a factor of 2 (Sterbenz).
+    # Keep the rounding (or the saturation) of the wire dtype in the residual.
     return jnp.where(mask, acc - sent_out.astype(acc.dtype), acc)
 
 
@@ -1268,7 +1293,7 @@ def _mask_velocity(cfg: _Config, u, mask):
 
 
 def _scatter_message(cfg: _Config, acc, u, idx, vals, out_dtype):
-    vals_out = vals.astype(out_dtype)
+    vals_out = _to_wire(vals, out_dtype)
     n = acc.shape[0]
     sent_out = jnp.zeros((n,), out_dtype).at[idx].set(vals_out, mode="drop")
     new_res = acc.at[idx].set(vals - vals_out.astype(acc.dtype), mode="drop")
