@@ -65,6 +65,7 @@ __all__ = [
     "replicate",
     "shard_batch",
     "sharded_optimizer",
+    "skip_not_finite",
     "split_step_time",
     "stack_for_pmap",
     "time_split",
@@ -195,6 +196,50 @@ def dense_exchange(axis_name) -> optax.GradientTransformationExtraArgs:
 
 
 # --- non-finite steps skipped on every device together ----------------------------
+
+
+def skip_not_finite(axis_name):
+    """``optax.skip_not_finite`` decided on all devices together, for ``optax.MultiSteps``.
+
+    ``optax.MultiSteps(opt, k, should_skip_update_fn=optax.skip_not_finite)``
+    skips a mini-step through a ``lax.cond`` on this device's gradients: under
+    ``shard_map``, with an exchanging compressor in ``opt``, a NaN on one
+    device hangs the step as :func:`apply_if_finite` explains. This function
+    sums the non-finite count over ``axis_name`` (one scalar all-reduce) so
+    every device skips the same mini-steps. Outside ``shard_map`` (where
+    ``MultiSteps.init`` calls it) the axis is unbound and the count is this
+    device's.
+
+    Args:
+      axis_name: the mesh axis (or axes) the compressor exchanges over.
+
+    Returns:
+      A ``should_skip_update_fn``: ``(updates, gradient_step, params) ->
+      (should_skip, {"should_skip", "num_not_finite"})``, as optax's.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> skip = jaxcomp.distributed.skip_not_finite("data")
+      >>> tx = optax.MultiSteps(jaxcomp.top_k(0.5, axis_name="data"), 2,
+      ...                       should_skip_update_fn=skip)
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda g: skip(g, 0, None)[1]["num_not_finite"],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> int(f(jax.device_put(jnp.array([1.0, jnp.nan]), jax.NamedSharding(mesh, P("data")))))
+      1
+    """
+
+    def should_skip(updates, gradient_step, params):
+        _, info = optax.skip_not_finite(updates, gradient_step, params)
+        count = info["num_not_finite"]
+        try:
+            count = lax.psum(count, axis_name)
+        except NameError:  # unbound axis: MultiSteps.init, outside shard_map
+            pass
+        return count > 0, {"should_skip": count > 0, "num_not_finite": count}
+
+    return should_skip
 
 
 def apply_if_finite(

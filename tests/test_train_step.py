@@ -265,6 +265,36 @@ def test_apply_if_finite_skips_on_every_device_together(mesh):
     assert_replicated(p2)
 
 
+def test_multisteps_skip_not_finite_skips_on_every_device_together(mesh):
+    # optax.skip_not_finite would send device 3 alone down MultiSteps' skip branch
+    # (the others wait in the exchange): the count is summed over the devices first.
+    inner = optax.chain(jaxcomp.ldte_bs(0.25, axis_name="data"), optax.sgd(LR))
+    skip = dist.skip_not_finite("data")
+    tx = optax.MultiSteps(inner, every_k_schedule=2, should_skip_update_fn=skip)
+    clean, clean2 = make_data(4), make_data(5)
+    poisoned = {k: v.copy() for k, v in clean.items()}
+    poisoned["x"][3 * (BATCH // N), 0] = np.nan  # one row of device 3 only
+    params = dist.replicate(init_params(), mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh, donate=False)
+
+    def run(batches):
+        p, s = params, dist.init_opt_state(tx, params, mesh)
+        for b in batches:
+            p, s, _ = step(p, s, dist.shard_batch(b, mesh))
+        return p, s
+
+    p, s = run([clean, poisoned])
+    count = np.asarray(s.skip_state["num_not_finite"])  # device 3's NaN gradient elements
+    assert count[0] > 0 and np.all(count == count[0])
+    np.testing.assert_array_equal(np.asarray(s.mini_step), np.ones(N))  # skipped everywhere
+    p, s = run([clean, poisoned, clean2])  # the second mini-step of the pair
+    ref, _ = run([clean, clean2])
+    for k in p:
+        np.testing.assert_array_equal(device_copies(p[k])[0], device_copies(ref[k])[0])
+        assert not np.array_equal(device_copies(p[k])[0], init_params()[k])
+    assert_replicated(p)
+
+
 def test_apply_if_finite_gives_up_after_max_errors_like_optax():
     inner = optax.sgd(1.0)
     ours = dist.apply_if_finite(inner, max_consecutive_errors=1)
