@@ -1425,10 +1425,14 @@ _ADDED_FIELD_DEFAULTS = {
 
 
 def _config_differences(stored: dict, current: dict) -> list:
-    constant = stored.get("schedule") == current.get("schedule") == "constant"
+    # A run under a constant schedule may be extended, unless something else
+    # depends on the total: the compressed Adams' default freeze step (a fifth).
+    extensible = stored.get("schedule") == current.get("schedule") == "constant" and not (
+        current.get("compressor") in COMPRESSED_OPTIMIZERS and current.get("freeze_step") is None
+    )
     diffs = []
     for name in sorted(set(stored) | set(current)):
-        if name in RESUMABLE_FIELDS or (name == "epochs" and constant):
+        if name in RESUMABLE_FIELDS or (name == "epochs" and extensible):
             continue
         # A field absent from an older config.json had its default (None unless listed).
         old = stored.get(name, _ADDED_FIELD_DEFAULTS.get(name))
@@ -1529,6 +1533,23 @@ _MERGE_PLAN_FORMAT = 1
 # gradient element.
 MERGE_ALPHA = 50e-6
 MERGE_BETA = 1 / 1.25e9
+
+
+def _storable(tree):
+    """``tree`` with its zero-size leaves as None, for orbax.
+
+    Orbax refuses to save an array of zero size ("Cannot save arrays with zero
+    size"), and such a leaf holds nothing: 1-bit Adam's and 0/1 Adam's server
+    error with the all-gather exchange, an empty parameter.
+    """
+    return jax.tree.map(lambda x: None if np.size(x) == 0 else x, tree)
+
+
+def _with_empty_leaves(restored, target):
+    """``restored`` with ``target``'s zero-size leaves where :func:`_storable` put None."""
+    return jax.tree.map(
+        lambda r, t: t if r is None else r, restored, target, is_leaf=lambda x: x is None
+    )
 
 
 def merge_link_cost(config: TrainConfig) -> planning.LinearCost:
@@ -1889,9 +1910,10 @@ def train_and_evaluate(
             target = {"params": params, "opt_state": opt_state, "epoch": np.zeros([], np.int32)}
             if stateful:
                 target["model_state"] = model_state
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _storable(target))
             try:
                 restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+                restored = _with_empty_leaves(restored, target)
             except Exception as e:  # noqa: BLE001 (any orbax failure means the same here)
                 manager.close()
                 cause = (str(e).strip().splitlines() or [""])[0][:300]
@@ -2063,7 +2085,7 @@ def train_and_evaluate(
             state = {"params": params, "opt_state": opt_state, "epoch": epoch_done}
             if stateful:
                 state["model_state"] = carry[2]
-            manager.save(epoch + 1, args=ocp.args.StandardSave(state))
+            manager.save(epoch + 1, args=ocp.args.StandardSave(_storable(state)))
             manager.wait_until_finished()
 
     if manager is not None:
