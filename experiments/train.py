@@ -1514,6 +1514,13 @@ def _check_workdir(config: TrainConfig, workdir: str, num_devices: int, overwrit
                 f"workdir {workdir} holds a run with another configuration "
                 f"({'; '.join(diffs)}), refusing to resume from it{_OVERWRITE}"
             )
+        if not config.checkpoint:
+            # Without checkpoints the run starts over: it would rewrite the
+            # metrics of the run there, and a later resume would mix the two.
+            raise WorkdirError(
+                f"workdir {workdir} holds a run's checkpoints or metrics, and checkpoint=False "
+                f"(--checkpoint=false) would start over and rewrite them{_OVERWRITE}"
+            )
     if primary:
         os.makedirs(workdir, exist_ok=True)
         with open(path, "w") as f:

@@ -328,6 +328,12 @@ def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
         train.train_and_evaluate(top_k, workdir)
     assert "--overwrite" in str(info.value)
     assert (tmp_path / "w" / "metrics.jsonl").read_text() == metrics  # untouched
+    # checkpoint is resumable, but without checkpoints the run would start over and
+    # rewrite the metrics (a later resume then mixed two runs' records).
+    no_checkpoint = dataclasses.replace(dense, checkpoint=False)
+    with pytest.raises(train.WorkdirError, match="checkpoint=False"):
+        train.train_and_evaluate(no_checkpoint, workdir)
+    assert (tmp_path / "w" / "metrics.jsonl").read_text() == metrics
 
     new = train.train_and_evaluate(top_k, workdir, overwrite=True)
     # Resuming the dense epoch-1 checkpoint would train nothing and report the
