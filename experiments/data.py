@@ -108,7 +108,7 @@ def _read_pickle(data: bytes) -> dict:
     return pickle.loads(data, encoding="bytes")
 
 
-def _decode(batch: dict, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
+def _decode(batch: dict, label_key: bytes, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
     if b"data" not in batch or label_key not in batch:
         raise ValueError(f"not a CIFAR batch: keys {sorted(batch)} lack b'data'/{label_key!r}")
     data = np.asarray(batch[b"data"], np.uint8)
@@ -119,6 +119,11 @@ def _decode(batch: dict, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
     y = np.asarray(batch[label_key], np.int32)
     if len(y) != len(x):
         raise ValueError(f"CIFAR batch has {len(x)} images but {len(y)} labels")
+    bad = (y < 0) | (y >= num_classes)
+    if bad.any():  # a label off the range trains on NaN (too large) or a wrong class
+        raise ValueError(
+            f"CIFAR labels must be in [0, {num_classes}), got {sorted(set(y[bad].tolist()))[:5]}"
+        )
     return x, y
 
 
@@ -172,7 +177,7 @@ def load_cifar(name: str, path: str, download: bool = False) -> Dataset:
         raise ValueError(f"{path} lacks CIFAR batch files {missing}")
 
     def stack(files):
-        parts = [_decode(_read_pickle(blobs[f]), label_key) for f in files]
+        parts = [_decode(_read_pickle(blobs[f]), label_key, num_classes) for f in files]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def norm(x):

@@ -537,12 +537,22 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
         fail(f"bucket_size must be >= 1, got {c.bucket_size}")
     if c.dataset not in DATASETS:
         fail(f"unknown dataset {c.dataset!r}; expected one of {', '.join(DATASETS)}")
+    if not c.dataset.startswith("cifar") and (c.data_dir is not None or c.download):
+        # Forgetting --dataset=cifar10 would train on digits without a word.
+        fail(f"data_dir and download (--data_dir, --download) read CIFAR; dataset={c.dataset!r}")
     if c.model not in models.MODELS:
         fail(f"unknown model {c.model!r}; expected one of {', '.join(models.MODELS)}")
     if c.schedule not in SCHEDULES:
         fail(f"schedule must be one of {SCHEDULES}, got {c.schedule!r}")
-    if c.epochs < 1 or c.batch_size < 1 or not c.lr > 0:
-        fail(f"need epochs >= 1, batch_size >= 1, lr > 0; got {c.epochs}, {c.batch_size}, {c.lr}")
+    if c.epochs < 1 or c.batch_size < 1 or not 0 < c.lr < math.inf:
+        fail(
+            f"need epochs >= 1, batch_size >= 1, a finite lr > 0; "
+            f"got {c.epochs}, {c.batch_size}, {c.lr}"
+        )
+    if isinstance(c.seed, bool) or not isinstance(c.seed, (int, np.integer)):
+        fail(f"seed must be an int in [0, 2**32), got {c.seed!r}")
+    if not 0 <= c.seed < 2**32:  # jax.random.key keeps 32 bits: 2**32 + 1 would be 1
+        fail(f"seed must be an int in [0, 2**32), got {c.seed}")
     _validate_recipe(c, fail)
     if c.eval_examples is not None and c.eval_examples < 1:
         fail(f"eval_examples must be >= 1 (or unset: every test example), got {c.eval_examples}")

@@ -435,6 +435,8 @@ BAD_COMMON = [
     (dict(min_dense_size=-1), "min_dense_size"),
     (dict(warmup_ratios=(0.25, 0.0625)), "steps_per_epoch"),
     (dict(warmup_ratios=(0.25,), steps_per_epoch=0), "steps_per_epoch"),
+    (dict(warmup_ratios=(0.25,), steps_per_epoch=2**31), "steps_per_epoch"),  # int32 step
+    (dict(reuse_period=2**31), "reuse_period"),
     (dict(warmup_ratios=(0.25, 0.0), steps_per_epoch=2), "warmup_ratios"),
     (dict(granularity="nope"), "granularity"),
     (dict(nonfinite="nope"), "nonfinite"),

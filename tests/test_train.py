@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -188,6 +189,16 @@ def test_cifar_reader_on_written_archive(tmp_path):
     np.testing.assert_array_equal(ds.train_x, ds2.train_x)
     with pytest.raises(FileNotFoundError, match="download"):
         data_lib.load_cifar("cifar10", str(tmp_path / "missing.tar.gz"))
+    # A label off [0, 10) would train on NaN losses (10..) or a wrong class (-1).
+    for label in (10, -1):
+        bad = tmp_path / f"bad{label}"
+        shutil.copytree(tmp_path / "x", bad)
+        batch_file = next(bad.rglob("data_batch_3"))
+        labels = [label, *files["data_batch_3"][b"labels"][1:]]
+        content = files["data_batch_3"] | {b"labels": labels}
+        batch_file.write_bytes(_pickled(content))
+        with pytest.raises(ValueError, match=rf"labels must be in \[0, 10\), got \[{label}\]"):
+            data_lib.load_cifar("cifar10", str(bad))
 
 
 def test_epoch_order_is_deterministic():
@@ -218,6 +229,13 @@ def test_epoch_order_is_deterministic():
         ({"dataset": "mnist"}, "unknown dataset"),
         ({"schedule": "linear"}, "schedule"),
         ({"num_processes": 2}, "go together"),
+        ({"lr": float("inf")}, "finite lr"),
+        ({"lr": float("nan")}, "finite lr"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**32 + 1}, "seed"),  # jax.random.key would make it 1
+        ({"seed": 1.5}, "seed"),
+        ({"data_dir": "/tmp/cifar-10-python.tar.gz"}, "data_dir"),  # dataset: synthetic
+        ({"download": True}, "download"),
     ],
 )
 def test_invalid_config_fails_before_training(tmp_path, overrides, message):

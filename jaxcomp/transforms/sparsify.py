@@ -610,7 +610,10 @@ def _make_config(
             "groups must be None with granularity='global' (one group holding every leaf "
             f"already), got {groups!r}"
         )
-    reuse_period = V.check_int("reuse_period", 1 if reuse_period is None else reuse_period, 1)
+    # An int32 in the step counter's arithmetic.
+    reuse_period = V.check_int(
+        "reuse_period", 1 if reuse_period is None else reuse_period, 1, 2**31 - 1
+    )
     exchange = V.check_choice("exchange", exchange, sparse_allreduce.EXCHANGES)
     if exchange == "scatter" and (groups is not None or granularity != "layer"):
         raise ValueError(
@@ -623,7 +626,7 @@ def _make_config(
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
     phase_ratios = (ratio,)
     warmup_ratios = () if warmup_ratios is None else V.check_ratios("warmup_ratios", warmup_ratios)
-    steps_per_epoch = V.check_int("steps_per_epoch", steps_per_epoch, 1, allow_none=True)
+    steps_per_epoch = V.check_int("steps_per_epoch", steps_per_epoch, 1, 2**31 - 1, allow_none=True)
     if warmup_ratios:
         if steps_per_epoch is None:
             raise ValueError("steps_per_epoch must be an int >= 1 with warmup_ratios, got None")
