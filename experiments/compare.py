@@ -348,6 +348,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--merge_alpha", type=float, default=None, help=f"s per message, {link}")
     parser.add_argument("--merge_beta", type=float, default=None, help=f"s per byte, {link}")
     args = parser.parse_args(argv)
+    if not 0 <= args.target <= 1:  # NaN too
+        parser.error(f"--target is an accuracy fraction in [0, 1], got {args.target}")
+    if args.num_devices < 0:
+        parser.error(f"--num_devices must be >= 0 (0: every device), got {args.num_devices}")
     rows_spec, defaults = TABLES[args.table]
     try:
         rows_spec = with_merge_link(rows_spec, args.merge_alpha, args.merge_beta)

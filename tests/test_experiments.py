@@ -118,8 +118,9 @@ def test_compare_merge_link_reaches_only_the_merging_row():
     # A table with no merging row, or a bad value, stops before any training.
     with pytest.raises(ValueError, match="--merge_beta.*no row"):
         compare.with_merge_link(compare.TABLES["ldte_bs"][0], merge_beta=1e-9)
-    with pytest.raises(SystemExit):
-        compare.main(["--table=peers", "--merge_alpha=1e-3", "--outdir=/nonexistent/x"])
+    for bad in (["--table=peers", "--merge_alpha=1e-3"], ["--target=nan"], ["--num_devices=-1"]):
+        with pytest.raises(SystemExit):  # argparse's error, before any device or training
+            compare.main([*bad, "--outdir=/nonexistent/x"])
     bad = compare.with_merge_link(rows, merge_alpha=-1.0)
     with pytest.raises(ValueError, match="merge_alpha"):
         compare.run_configs(base, bad, "/nonexistent/compare")
