@@ -295,6 +295,14 @@ def test_qsgd_rejects_bad_arguments():
         )
     with pytest.raises(ValueError, match="bucket_size"):
         coding.qsgd_bits(np.array([1]), s=1, bucket_size=0)
+    data = coding.encode_qsgd(
+        np.array([1, 0]), np.zeros(2, bool), np.ones(1, np.float32), s=4, bucket_size=None
+    )
+    for n in (3.7, True, -1):  # a length, not anything int() accepts
+        with pytest.raises(ValueError, match="n must be an integer"):
+            coding.decode_qsgd(data, n=n, s=4, bucket_size=None)
+        with pytest.raises(ValueError, match="n must be an integer"):
+            coding.decode_sparse(coding.encode_sparse([1], np.float32([0.5]), 8), n)
 
 
 @pytest.mark.parametrize("dist", ["normal", "laplace", "uniform"])

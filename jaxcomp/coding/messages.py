@@ -31,6 +31,7 @@ import math
 import jax
 import numpy as np
 
+from jaxcomp import _validation as V
 from jaxcomp.coding import wire
 
 __all__ = ["coded_message_bytes", "qsgd_message_bits", "qsgd_message_fields"]
@@ -73,7 +74,7 @@ def qsgd_message_fields(codes, scales, n: int, *, s: int, bucket_size: int | Non
     from jaxcomp.transforms.quantize import qsgd_bits, unpack_codes  # noqa: PLC0415
 
     s = _check_s(s)
-    n = int(n)
+    n = V.check_int("n", n, 0)  # 3.7 is no length
     width = qsgd_bits(s)
     codes = np.asarray(codes)
     scales = np.asarray(scales, np.float32).reshape(-1)

@@ -51,6 +51,7 @@ import struct
 
 import numpy as np
 
+from jaxcomp import _validation as V
 from jaxcomp.coding import elias
 
 __all__ = [
@@ -225,7 +226,7 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
     """
     elias._check_code(code)
     s = _check_s(s)
-    n = int(n)
+    n = V.check_int("n", n, 0)  # 3.7 is no length
     nb, d = _num_buckets(n, bucket_size)
     reader = elias.BitReader(data)
     if reader.nbits < 32 * nb:
@@ -326,7 +327,7 @@ def qsgd_dense_bound(n: int) -> float:
 
 
 def _sparse_inputs(indices, values, n):
-    n = int(n)
+    n = V.check_int("n", n, 0)  # 3.7 is no length
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     indices = np.asarray(indices)
@@ -426,7 +427,7 @@ def decode_sparse(data: bytes, n: int, *, format: str = "rle", code: str = "omeg
       ([1, 3], [0.5, -1.0])
     """
     _check_format(format)
-    n = int(n)
+    n = V.check_int("n", n, 0)  # 3.7 is no length
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
