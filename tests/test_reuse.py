@@ -238,12 +238,13 @@ def test_make_train_step_with_reuse():
     assert not np.array_equal(thresholds[2], thresholds[1])  # refresh step
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", None])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", 2**31, None])
 def test_bad_reuse_period(value):
     if value is None:  # None means 1 (off)
         jaxcomp.ldte_bs(0.1, reuse_period=value)
         return
-    with pytest.raises(ValueError, match=r"reuse_period must be an integer in \[1, inf\]"):
+    # An int32 in the step arithmetic.
+    with pytest.raises(ValueError, match=r"reuse_period must be an integer in \[1, 2147483647\]"):
         jaxcomp.ldte_bs(0.1, reuse_period=value)
 
 

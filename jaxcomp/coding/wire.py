@@ -328,8 +328,6 @@ def qsgd_dense_bound(n: int) -> float:
 
 def _sparse_inputs(indices, values, n):
     n = V.check_int("n", n, 0)  # 3.7 is no length
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
     indices = np.asarray(indices)
     if indices.ndim != 1 or (indices.size and indices.dtype.kind not in "iu"):
         raise ValueError("indices must be a 1-D integer array")
@@ -428,8 +426,6 @@ def decode_sparse(data: bytes, n: int, *, format: str = "rle", code: str = "omeg
     """
     _check_format(format)
     n = V.check_int("n", n, 0)  # 3.7 is no length
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"data must be bytes, got {type(data).__name__}")
     if format == "rle":

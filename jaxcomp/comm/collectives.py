@@ -212,10 +212,8 @@ def dense_mean(
     # float16's sum overflows (65504) where the mean fits: divide first.
     divide_first = n_dev > 1 and jnp.dtype(x.dtype) == jnp.float16
     if include is None:
-        if divide_first:
-            mean = lax.psum(x / jnp.asarray(n_dev, x.dtype), axis_name)
-        else:
-            mean = lax.pmean(x, axis_name)
+        n = jnp.asarray(n_dev, x.dtype)
+        mean = lax.psum(x / n, axis_name) if divide_first else lax.pmean(x, axis_name)
         return mean, jnp.float32(allreduce_bytes(_nbytes(x), n_dev))
     include, count = _include_count(include, axis_name)
     if divide_first:

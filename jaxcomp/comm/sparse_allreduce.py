@@ -535,9 +535,10 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
     count = jnp.sum(indices < size, dtype=jnp.int32)
     total = lax.psum(count, axis_name)
     count_bytes = allreduce_bytes(4, n_dev)
+    added, divisor = _mean_first(values, n_dev)
 
     def sparse(_):
-        idx, val = indices, _mean_first(values, n_dev)[0]
+        idx, val = indices, added
         sent = 0
         for i in range(gtopk_rounds(n_dev)):
             perm = [(d, d ^ (1 << i)) for d in range(n_dev)]
@@ -549,7 +550,7 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
             keep = min(m_idx.shape[0], union)
             order = jnp.argsort(m_idx, stable=True)[:keep]
             idx, val = m_idx[order], m_val[order]
-        return _scatter_mean(idx, val, size, _mean_first(values, n_dev)[1]), jnp.float32(sent)
+        return _scatter_mean(idx, val, size, divisor), jnp.float32(sent)
 
     def dense_path(_):
         d = (
@@ -557,7 +558,7 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
             if dense is not None
             else jnp.zeros((size,), values.dtype).at[indices].add(values, mode="drop")
         )
-        d, divisor = _mean_first(d, n_dev)
+        d = _mean_first(d, n_dev)[0]
         mean = lax.psum(d, axis_name) if divisor == 1 else lax.pmean(d, axis_name)
         return mean, jnp.float32(allreduce_bytes(size * item, n_dev))
 
