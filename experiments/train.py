@@ -549,10 +549,9 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
             f"need epochs >= 1, batch_size >= 1, a finite lr > 0; "
             f"got {c.epochs}, {c.batch_size}, {c.lr}"
         )
-    if isinstance(c.seed, bool) or not isinstance(c.seed, (int, np.integer)):
+    integer = isinstance(c.seed, (int, np.integer)) and not isinstance(c.seed, bool)
+    if not (integer and 0 <= c.seed < 2**32):  # jax.random.key keeps 32 bits: 2**32 + 1 is 1
         fail(f"seed must be an int in [0, 2**32), got {c.seed!r}")
-    if not 0 <= c.seed < 2**32:  # jax.random.key keeps 32 bits: 2**32 + 1 would be 1
-        fail(f"seed must be an int in [0, 2**32), got {c.seed}")
     _validate_recipe(c, fail)
     if c.eval_examples is not None and c.eval_examples < 1:
         fail(f"eval_examples must be >= 1 (or unset: every test example), got {c.eval_examples}")

@@ -181,6 +181,24 @@ def _include_count(include, axis_name):
     return include, count
 
 
+def _divides_first(dtype, n_dev: int) -> bool:
+    """Whether a mean over ``n_dev`` messages of ``dtype`` divides each before adding.
+
+    Adding before dividing by ``N`` (a dense all-reduce; gTop-k, Ok-Topk,
+    SparCML, ScaleCom) overflows float16 (65504) where the mean fits; divided
+    first, the sum is the mean (exact for ``N`` a power of two, short of
+    underflow). Other dtypes keep the one rounding of the sum's division.
+    """
+    return n_dev > 1 and jnp.dtype(dtype) == jnp.float16
+
+
+def _mean_first(values, n_dev: int):
+    """``(values, divisor)``: what the exchange adds, and what it divides the sum by after."""
+    if _divides_first(values.dtype, n_dev):
+        return values / jnp.asarray(n_dev, values.dtype), 1
+    return values, n_dev
+
+
 def dense_mean(
     x: jax.Array, axis_name, *, include: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -209,19 +227,17 @@ def dense_mean(
       [0.0, 1.0, 2.0]
     """
     n_dev = axis_size(axis_name)
-    # float16's sum overflows (65504) where the mean fits: divide first.
-    divide_first = n_dev > 1 and jnp.dtype(x.dtype) == jnp.float16
     if include is None:
-        n = jnp.asarray(n_dev, x.dtype)
-        mean = lax.psum(x / n, axis_name) if divide_first else lax.pmean(x, axis_name)
+        added, divisor = _mean_first(x, n_dev)
+        mean = lax.pmean(added, axis_name) if divisor > 1 else lax.psum(added, axis_name)
         return mean, jnp.float32(allreduce_bytes(_nbytes(x), n_dev))
     include, count = _include_count(include, axis_name)
-    if divide_first:
+    if _divides_first(x.dtype, n_dev):
         share = (x / jnp.maximum(count, 1.0)).astype(x.dtype)
         mean = lax.psum(jnp.where(include, share, jnp.zeros_like(x)), axis_name)
-        return mean, jnp.float32(allreduce_bytes(_nbytes(x) + 4, n_dev))
-    total = lax.psum(jnp.where(include, x, jnp.zeros_like(x)), axis_name)
-    mean = (total / jnp.maximum(count, 1.0)).astype(x.dtype)
+    else:
+        total = lax.psum(jnp.where(include, x, jnp.zeros_like(x)), axis_name)
+        mean = (total / jnp.maximum(count, 1.0)).astype(x.dtype)
     return mean, jnp.float32(allreduce_bytes(_nbytes(x) + 4, n_dev))
 
 

@@ -49,11 +49,13 @@ from jaxcomp import _validation as V
 from jaxcomp import _vma
 from jaxcomp.comm.collectives import (
     _INDEX_ITEMSIZE,
+    _mean_first,
     _nbytes,
     all_gather_invariant,
     allgather_bytes,
     allreduce_bytes,
     axis_size,
+    dense_mean,
 )
 
 __all__ = [
@@ -143,20 +145,6 @@ def gtopk_rounds(n_dev: int) -> int:
 def _scatter_mean(indices, values, size: int, n_dev: int):
     scaled = values / jnp.asarray(n_dev, values.dtype) if n_dev > 1 else values
     return jnp.zeros((size,), values.dtype).at[indices].add(scaled, mode="drop")
-
-
-def _mean_first(values, n_dev: int):
-    """``(values, divisor)``: what the exchange adds, and what it divides the sum by after.
-
-    The exchanges that add messages before dividing by ``N`` (gTop-k, Ok-Topk,
-    SparCML, ScaleCom, as a dense all-reduce does) would overflow float16
-    (65504) where the mean fits: a float16 message is divided by ``N`` first
-    (exact for ``N`` a power of two, short of underflow) and the sum is the
-    mean. Other dtypes keep the one rounding of the sum's division.
-    """
-    if n_dev > 1 and jnp.dtype(values.dtype) == jnp.float16:
-        return values / jnp.asarray(n_dev, values.dtype), 1
-    return values, n_dev
 
 
 def _returned(values, n_dev: int, divisor: int):
@@ -558,9 +546,7 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
             if dense is not None
             else jnp.zeros((size,), values.dtype).at[indices].add(values, mode="drop")
         )
-        d = _mean_first(d, n_dev)[0]
-        mean = lax.psum(d, axis_name) if divisor == 1 else lax.pmean(d, axis_name)
-        return mean, jnp.float32(allreduce_bytes(size * item, n_dev))
+        return dense_mean(d, axis_name)
 
     if n_dev == 1:
         update, wire = sparse(None)

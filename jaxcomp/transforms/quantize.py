@@ -167,7 +167,7 @@ def unpack_codes(packed: jax.Array, bits: int, n: int) -> jax.Array:
     """
     bits = _check_code_bits(bits)
     xp = np if isinstance(packed, np.ndarray) else jnp
-    per, words = _pack_layout(bits)
+    per, words, _, shifts = _code_fields(bits)
     groups = -(-n // per)
     b = packed.astype(xp.uint32)
     b = xp.pad(b, (0, 4 * groups * words - b.shape[0])).reshape(-1, 4)
@@ -175,7 +175,7 @@ def unpack_codes(packed: jax.Array, bits: int, n: int) -> jax.Array:
     w = w.reshape(groups, words)
     mask = xp.uint32((1 << bits) - 1) if bits < 32 else None
     if words == 1:  # bits divides 32: the word broadcast to its codes, one shift
-        v = xp.broadcast_to(w, (groups, per)) >> xp.asarray(_code_fields(bits)[3], xp.uint32)
+        v = xp.broadcast_to(w, (groups, per)) >> xp.asarray(shifts, xp.uint32)
         return (v if mask is None else v & mask).reshape(-1)[:n]
     # Codes that straddle two words: one column at a time (faster to run here
     # than a broadcast of every code's two words).
