@@ -49,7 +49,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -57,6 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.timing import environment  # noqa: E402
 from jaxcomp import coding  # noqa: E402
 from jaxcomp.transforms.quantize import (  # noqa: E402
     cast_quantizer,
@@ -322,10 +322,8 @@ def main(argv=None):
     )
     os.makedirs(args.out, exist_ok=True)
     meta = dict(
-        machine=platform.platform(),
-        python=platform.python_version(),
+        **environment(),
         numpy=np.__version__,
-        cpu_count=os.cpu_count(),
         bit_mapping="s = 2**b",
         repeats=args.repeats,
         statistic="median after 1 warm-up",

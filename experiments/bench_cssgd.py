@@ -50,7 +50,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import statistics
 
 __all__ = ["DEFAULT_MODELS", "DEFAULT_REDUNDANCIES", "format_table", "main", "run", "write_plot"]
@@ -182,6 +181,7 @@ def run(
     import jax  # noqa: PLC0415 (after the device count is set)
 
     from experiments import train  # noqa: PLC0415
+    from experiments.timing import environment  # noqa: PLC0415
 
     redundancies = tuple(redundancies)
     if num_devices < 2:
@@ -226,9 +226,7 @@ def run(
             "max_steps_per_epoch": max_steps_per_epoch,
             "redundancies": list(redundancies),
             "exchange": "coded",
-            "jax": jax.__version__,
-            "platform": platform.platform(),
-            "backend": jax.default_backend(),
+            **environment(),
             "note": NOTE,
         },
         "models": {},

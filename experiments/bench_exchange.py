@@ -43,7 +43,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -54,7 +53,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
-from experiments.timing import median_ms, median_ms_threaded  # noqa: E402
+from experiments.timing import environment, median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import comm  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 from jaxcomp.selection import selectors  # noqa: E402
@@ -316,9 +315,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     meta = {
         "devices": N_DEVICES,
-        "jax": jax.__version__,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
+        **environment(),
         "repeats": args.repeats,
     }
     (out / "bench_exchange.json").write_text(

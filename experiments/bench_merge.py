@@ -40,7 +40,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -54,7 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
 from experiments.models import make_model  # noqa: E402
-from experiments.timing import median_ms, median_ms_threaded  # noqa: E402
+from experiments.timing import environment, median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 from jaxcomp import planning  # noqa: E402
 
@@ -205,10 +204,7 @@ def run(
         "t_s": {"alpha_s": t_s.alpha, "beta_s_per_element": t_s.beta},
         "t_c": {"alpha_s": t_c.alpha, "beta_s_per_byte": t_c.beta},
         "comm_points": {"bytes": comm_points[0], "seconds": comm_points[1]},
-        "jax": jax.__version__,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **environment(),
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

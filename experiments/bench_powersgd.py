@@ -32,7 +32,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import time
 
@@ -147,15 +146,13 @@ def run(shapes, ranks, eta, n_dev, repeats, out_dir):
             row["ranks"][str(r)]["time_over_floor"] = ms[f"powersgd_r{r}"] / ms["floor"]
         rows.append(row)
         _print_row(row, eta)
+    from experiments.timing import environment  # noqa: PLC0415 (imports JAX)
+
     meta = {
-        "backend": jax.default_backend(),
-        "jax": jax.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        **environment(),
         "devices": n_dev,
         "eta": eta,
         "repeats": repeats,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_powersgd.json")

@@ -44,7 +44,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import time
 
@@ -54,7 +53,7 @@ import numpy as np
 
 import jaxcomp
 from experiments.bench_selection import make_data
-from experiments.timing import median_ms
+from experiments.timing import environment, median_ms
 from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import selectors
 
@@ -201,12 +200,7 @@ def run(log2_n, periods, methods, repeats, out_dir, drift_periods=3, warm_steps=
         "num_gradients": NUM_GRADIENTS,
         "floor_ms": floor,
         "capacity_over_k": math.ceil(1.5 * k) / k,
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **environment(),
     }
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_reuse.json")

@@ -35,14 +35,12 @@ import argparse
 import json
 import math
 import os
-import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import median_ms, median_ms_threaded
+from experiments.timing import environment, median_ms, median_ms_threaded
 from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import selectors
 
@@ -241,12 +239,7 @@ def run(sizes_log2, kinds, repeats, out_dir, methods=None):
     meta = {
         "eta": ETA,
         "repeats": repeats,
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **environment(),
     }
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_selection.json")

@@ -40,7 +40,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -52,7 +51,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
-from experiments.timing import median_ms_threaded  # noqa: E402
+from experiments.timing import environment, median_ms_threaded  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 
 __all__ = ["run", "main"]
@@ -175,10 +174,7 @@ def run(width: int, depth: int, ratio: float, repeats: int, out_dir: str) -> dic
         "num_params": int(num_params),
         "ratio": ratio,
         "repeats": repeats,
-        "jax": jax.__version__,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **environment(),
     }
     for name, row in rows.items():
         extra = f" (donation saves {row['donation_saves']:.0%})" if "donation_saves" in row else ""

@@ -72,7 +72,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import sys
@@ -84,6 +83,7 @@ import optax
 
 import jaxcomp
 from experiments.bench_selection import make_data
+from experiments.timing import environment
 from jaxcomp.selection import selectors
 
 ETA = 1e-3
@@ -550,12 +550,7 @@ def run(
         "repeats": repeats,
         "warm_steps": warm_steps,
         "targets": {"max_floors": TARGET_FLOORS, "min_speedup_vs_top_k": TARGET_SPEEDUP},
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **environment(),
         # Allocator settings change the cost of fresh buffers (see the module
         # docstring): recorded so that runs with and without them are told apart.
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},

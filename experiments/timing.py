@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -9,7 +11,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["median_ms", "median_ms_threaded", "median_seconds_fresh"]
+__all__ = ["environment", "median_ms", "median_ms_threaded", "median_seconds_fresh"]
 
 
 def median_ms(fn: Callable, *args, warmup: int = 2, repeats: int = 7) -> float:
@@ -63,3 +65,22 @@ def median_seconds_fresh(fn: Callable, args: tuple, repeats: int = 5) -> float:
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def environment() -> dict:
+    """Where a benchmark ran, for the ``meta`` of its JSON.
+
+    JAX's version and backend, the first device, the machine, its CPU count,
+    ``XLA_FLAGS`` (simulated devices, codegen options) and the local time.
+    """
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
