@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import compress_on_mesh
+from helpers import compile_flags_without_devices, compress_on_mesh
 
 from experiments import bench_selection, demo
 
@@ -334,3 +337,57 @@ def test_bench_cssgd_writes_json_and_png(tmp_path):
     assert fit["measured_best_r"] in (1, 2)
     table = bench_cssgd.format_table(record)
     assert "coded_r2" in table and "memory copy" in table
+
+
+def _run_program(module, *args):
+    """``python -m experiments.<module> *args`` in a fresh process (it picks its device count)."""
+    env = {**os.environ, "XLA_FLAGS": compile_flags_without_devices()}
+    proc = subprocess.run(
+        [sys.executable, "-m", f"experiments.{module}", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_bench_exchange_writes_json_and_png_with_the_ring_and_all_gather_bytes(tmp_path):
+    _run_program(
+        "bench_exchange", "--min_log2=10", "--max_log2=10", "--ratios", "0.01",
+        "--repeats=1", f"--out={tmp_path}",
+    )  # fmt: skip
+    data = json.loads((tmp_path / "bench_exchange.json").read_text())
+    assert (tmp_path / "bench_exchange.png").stat().st_size > 0
+    n_dev = data["meta"]["devices"]
+    assert n_dev == 8 and f"device_count={n_dev}" in data["meta"]["xla_flags"]
+    (row,) = data["rows"]
+    n = row["size"]
+    assert n == 1024 and row["k"] == math.ceil(0.01 * n)
+    # A ring all-reduce sends 2 (N - 1) / N of the float32 tensor; the sparse
+    # all-gather sends the capacity's (int32 index, float32 value) pairs to N - 1 peers.
+    assert row["dense_bytes"] == 2 * (n_dev - 1) / n_dev * 4 * n
+    assert row["capacity"] == math.ceil(1.5 * row["k"])
+    assert row["sparse_bytes"] == (n_dev - 1) * row["capacity"] * 8
+    assert row["message_bytes_mean"] == row["sent_count_mean"] * 8
+    assert row["k"] <= row["sent_count_mean"] <= row["capacity"]
+    assert row["wire_vs_dense"] == row["sparse_bytes"] / row["dense_bytes"]
+
+
+def test_bench_powersgd_writes_json_and_png_with_the_ring_bytes(tmp_path):
+    _run_program(
+        "bench_powersgd", "--shapes=64x32", "--ranks=1", "--devices=2", "--repeats=5",
+        f"--out={tmp_path}",
+    )  # fmt: skip
+    data = json.loads((tmp_path / "bench_powersgd.json").read_text())
+    assert (tmp_path / "bench_powersgd.png").stat().st_size > 0
+    (row,) = data["results"]
+    n, n_dev = 64 * 32, 2
+    assert row["elements"] == n and data["meta"]["devices"] == n_dev
+    assert row["dense_wire_bytes"] == 2 * (n_dev - 1) / n_dev * 4 * n
+    for rank in (1,):
+        r = row["ranks"][str(rank)]
+        # P (64 x r) and Q (32 x r) are all-reduced in float32, not the 64 x 32 gradient.
+        assert 2 * (n_dev - 1) / n_dev * 4 * (64 + 32) * rank <= r["wire_bytes"] < n * 4
+        assert r["dense_over_powersgd"] == row["dense_wire_bytes"] / r["wire_bytes"]
