@@ -391,3 +391,31 @@ def test_bench_powersgd_writes_json_and_png_with_the_ring_bytes(tmp_path):
         # P (64 x r) and Q (32 x r) are all-reduced in float32, not the 64 x 32 gradient.
         assert 2 * (n_dev - 1) / n_dev * 4 * (64 + 32) * rank <= r["wire_bytes"] < n * 4
         assert r["dense_over_powersgd"] == row["dense_wire_bytes"] / r["wire_bytes"]
+
+
+def test_bench_allreduce_bytes_match_each_exchanges_formula(tmp_path):
+    from experiments import bench_allreduce
+
+    exchanges = ("dense", "sparse", "gtopk", "scalecom")
+    result = bench_allreduce.run([2, 4], 10, 1, tmp_path, exchanges=exchanges)
+    assert json.loads((tmp_path / "bench_allreduce.json").read_text()) == result
+    assert (tmp_path / "bench_allreduce.png").stat().st_size > 0
+    rows = {(r["exchange"], r["devices"]): r for r in result["rows"]}
+    assert set(rows) == {(e, n) for e in exchanges for n in (2, 4)}
+    n, cap = 1024, math.ceil(1.5 * math.ceil(1e-3 * 1024))
+    for (exchange, n_dev), r in rows.items():
+        assert r["capacity"] == (0 if exchange == "dense" else cap)
+        # Independent of formula_bytes: ring all-reduce 2 (N - 1) / N of the
+        # float32 buffer; all-gather N - 1 messages of (int32, float32) pairs;
+        # gTop-k log2 N rounds of one message; ScaleCom all-reduces the leader's
+        # indices and then the values (cap 4-byte words each).
+        ring = 2 * (n_dev - 1) / n_dev
+        expected = {
+            "dense": ring * 4 * n,
+            "sparse": (n_dev - 1) * cap * 8,
+            "gtopk": math.log2(n_dev) * cap * 8,
+            "scalecom": 2 * ring * 4 * cap,
+        }[exchange]
+        assert r["wire_bytes"] == r["formula_bytes"] == expected, (exchange, n_dev)
+        dense = rows[("dense", n_dev)]["wire_bytes"]
+        assert r["fewer_than_dense"] == dense / r["wire_bytes"]
