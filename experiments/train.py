@@ -15,7 +15,8 @@ multicast (or, for comparison, uncoded) before a local SGD step.
 
 Outputs in ``workdir``:
 
-- ``metrics.jsonl``: one JSON object per epoch (see :func:`train_and_evaluate`).
+- ``metrics.jsonl``: one strict JSON object per epoch, a non-finite value (a
+  diverged loss) as null (see :func:`train_and_evaluate`).
 - ``accuracy.png``: test accuracy vs epoch and vs cumulative bytes on the wire.
 - ``checkpoints/``: orbax checkpoints after every epoch (parameters, the
   per-device optimizer state with residuals, velocities and PRNG key data,
@@ -1454,14 +1455,33 @@ def _checkpoint_manager(workdir: str):
     )
 
 
+def _metrics_line(record: dict) -> str:
+    """``record`` as a line of strict JSON: a non-finite float (a diverged loss) as null.
+
+    Python's ``json`` would write ``NaN``/``Infinity``, which is not JSON: ``jq``,
+    JavaScript and other strict parsers reject the whole file.
+    """
+    strict = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+    return json.dumps(strict, allow_nan=False) + "\n"
+
+
 def _read_records(path: str, upto: int) -> list:
+    """The records of ``metrics.jsonl`` up to epoch ``upto``; null read back as NaN.
+
+    No field is null otherwise, so a resumed run's records hold the floats an
+    uninterrupted run's would (NaN for any non-finite value); files written
+    with a bare ``NaN`` still read.
+    """
     if not os.path.exists(path):
         return []
     try:
         with open(path) as f:
             records = [json.loads(line) for line in f if line.strip()]
+        records = [{k: math.nan if v is None else v for k, v in r.items()} for r in records]
         return [r for r in records if r["epoch"] <= upto]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise WorkdirError(
             f"{path} is not a metrics file of this program ({e}){_OVERWRITE}"
         ) from None
@@ -1808,7 +1828,10 @@ def train_and_evaluate(
 ) -> dict:
     """Trains ``config.model`` on ``config.dataset`` with ``config.compressor``.
 
-    Each epoch appends to ``workdir/metrics.jsonl``: ``epoch`` (1-based),
+    Each epoch appends to ``workdir/metrics.jsonl`` one line of strict JSON (a
+    non-finite value, such as the loss of a diverged run, is written as
+    ``null``; the records returned, and those read back on resuming, hold
+    NaN there): ``epoch`` (1-based),
     ``train_loss`` (mean over the epoch's steps), ``test_accuracy`` (fraction),
     ``wall_time`` (seconds of training so far, evaluation included),
     ``train_time`` (seconds in training steps so far: no compilation, no
@@ -2032,7 +2055,7 @@ def train_and_evaluate(
     records = _read_records(metrics_path, start_epoch)
     if jax.process_index() == 0:
         with open(metrics_path, "w") as f:  # drop lines of epochs the checkpoint lacks
-            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.writelines(_metrics_line(r) for r in records)
     wall0 = time.perf_counter() - (records[-1]["wall_time"] if records else 0.0)
     cum_bytes = records[-1]["cumulative_bytes_per_device"] if records else 0.0
     train_time = records[-1]["train_time"] if records else 0.0
@@ -2163,7 +2186,7 @@ def train_and_evaluate(
         logging.info("%s epoch %d: %s", label, epoch + 1, record)
         if jax.process_index() == 0:
             with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(_metrics_line(record))
         # Device 0's buffers and the files live on process 0.
         if epoch + 1 in c.fit_check_epochs and jax.process_index() == 0:
             from experiments import fit_check  # noqa: PLC0415 (matplotlib only when asked)

@@ -552,6 +552,28 @@ def test_validate_config_starts_no_jax_backend():
     assert proc.stdout.split()[-1] == "3"
 
 
+def test_nan_loss_is_strict_json_and_reads_back_on_resume(tmp_path):
+    # lr 1e30: the second step's loss is NaN, so every epoch's mean is.
+    config = dataclasses.replace(TINY, lr=1e30, epochs=2, checkpoint=True, time_split=False)
+    first = train.train_and_evaluate(config, str(tmp_path), stop_after_epoch=1)
+    assert np.isnan(first["final"]["train_loss"])
+    resumed = train.train_and_evaluate(config, str(tmp_path))  # reads epoch 1 back
+
+    def strict(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    parsed = [json.loads(line, parse_constant=strict) for line in lines]
+    assert [r["epoch"] for r in parsed] == [1, 2]
+    assert [r["train_loss"] for r in parsed] == [None, None]
+    # Read back as the float it was: the records compare, plot and resume as a fresh run's.
+    assert [r["epoch"] for r in resumed["records"]] == [1, 2]
+    assert all(np.isnan(r["train_loss"]) for r in resumed["records"])
+    assert all(isinstance(v, (int, float, str)) for r in resumed["records"] for v in r.values())
+    assert resumed["records"][0]["test_accuracy"] == first["final"]["test_accuracy"]
+    assert (tmp_path / "accuracy.png").exists()
+
+
 # Issue 8 item 14: every flag applies or is rejected; defaults work everywhere.
 
 
