@@ -12,10 +12,12 @@ random horizontal flip), a function of its seed only, so it resumes the same.
 from __future__ import annotations
 
 import dataclasses
+import lzma
 import os
 import pickle
 import tarfile
 import urllib.request
+import zlib
 
 import numpy as np
 
@@ -23,6 +25,7 @@ from jaxcomp import sampling as jaxcomp_sampling
 
 __all__ = [
     "CIFAR_URLS",
+    "DATASET_SPECS",
     "Dataset",
     "augment",
     "augment_seed",
@@ -39,6 +42,17 @@ __all__ = [
 CIFAR_URLS = {
     "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
     "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+}
+
+# What load_dataset(name) returns, known without reading it: (training examples,
+# image shape, classes). CIFAR's size is the standard archives' (a directory of
+# one's own may hold fewer examples). Validation reads these, so a run is checked
+# before any data is loaded.
+DATASET_SPECS = {
+    "digits": (1438, (8, 8, 1), 10),  # 1797 images, a fifth of them for testing
+    "synthetic": (2048, (8, 8, 1), 10),  # load_synthetic's defaults
+    "cifar10": (50000, (32, 32, 3), 10),
+    "cifar100": (50000, (32, 32, 3), 100),
 }
 
 # Per-channel statistics of the CIFAR-10 training set (the usual constants).
@@ -108,7 +122,14 @@ def _read_pickle(data: bytes) -> dict:
     return pickle.loads(data, encoding="bytes")
 
 
+def _cause(e: Exception) -> str:
+    """``e`` as one line (tarfile's errors list a line per method tried)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
 def _decode(batch: dict, label_key: bytes, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    if not isinstance(batch, dict):
+        raise ValueError(f"not a CIFAR batch: a pickled {type(batch).__name__}, not a dict")
     if b"data" not in batch or label_key not in batch:
         raise ValueError(f"not a CIFAR batch: keys {sorted(batch)} lack b'data'/{label_key!r}")
     data = np.asarray(batch[b"data"], np.uint8)
@@ -143,7 +164,8 @@ def load_cifar(name: str, path: str, download: bool = False) -> Dataset:
 
     Raises:
       FileNotFoundError: ``path`` is missing and ``download`` is false.
-      ValueError: unknown name or malformed batches.
+      ValueError: unknown name, an archive that cannot be read (garbage,
+        truncated), missing or malformed batches; the message is one line.
     """
     if name == "cifar10":
         train_files = [f"data_batch_{i}" for i in range(1, 6)]
@@ -160,24 +182,36 @@ def load_cifar(name: str, path: str, download: bool = False) -> Dataset:
 
     wanted = set(train_files + test_files)
     blobs: dict[str, bytes] = {}
-    if os.path.isdir(path):
-        for root, _, files in os.walk(path):
-            for f in files:
-                if f in wanted and f not in blobs:
-                    with open(os.path.join(root, f), "rb") as fh:
-                        blobs[f] = fh.read()
-    else:
-        with tarfile.open(path, "r:*") as tar:
-            for member in tar.getmembers():
-                base = os.path.basename(member.name)
-                if member.isfile() and base in wanted and base not in blobs:
-                    blobs[base] = tar.extractfile(member).read()
+    try:
+        if os.path.isdir(path):
+            for root, _, files in os.walk(path):
+                for f in files:
+                    if f in wanted and f not in blobs:
+                        with open(os.path.join(root, f), "rb") as fh:
+                            blobs[f] = fh.read()
+        else:
+            with tarfile.open(path, "r:*") as tar:
+                for member in tar.getmembers():
+                    base = os.path.basename(member.name)
+                    if member.isfile() and base in wanted and base not in blobs:
+                        blobs[base] = tar.extractfile(member).read()
+    except (OSError, EOFError, tarfile.TarError, zlib.error, lzma.LZMAError) as e:
+        # A garbage or truncated archive fails in the decompressor or the tar reader.
+        raise ValueError(
+            f"{path} is not a readable {name} archive or directory ({_cause(e)})"
+        ) from None
     missing = sorted(wanted - set(blobs))
     if missing:
         raise ValueError(f"{path} lacks CIFAR batch files {missing}")
 
+    def unpickle(f):
+        try:
+            return _read_pickle(blobs[f])
+        except Exception as e:  # noqa: BLE001 (unpickling garbage can raise almost anything)
+            raise ValueError(f"{path}: {f} is not a pickled CIFAR batch ({_cause(e)})") from None
+
     def stack(files):
-        parts = [_decode(_read_pickle(blobs[f]), label_key, num_classes) for f in files]
+        parts = [_decode(unpickle(f), label_key, num_classes) for f in files]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def norm(x):

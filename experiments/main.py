@@ -31,9 +31,13 @@ the setup (here: the compressor, whose unused settings the setup then drops)::
         --data_dir=/path/cifar-10-python.tar.gz --workdir=/tmp/r20_qsgd
 
 absl flags live only here; one flag per :class:`experiments.train.TrainConfig`
-field, and ``--setup``. The configuration is validated before JAX starts any work, and
+field, and ``--setup``. The configuration is validated before JAX starts any work (every
+field, the batch size against the dataset's size, and the optimizer built abstractly, so
+that an argument a jaxcomp factory rejects is a one-line error), and
 ``--num_devices`` is applied to the CPU backend (``jax_num_cpu_devices``)
-before any device is queried. The workdir's ``config.json`` must match the
+before any device is queried. What needs the data (an unreadable CIFAR archive, a batch
+larger than a smaller CIFAR directory) is checked after reading it, still before anything
+is written to the workdir. The workdir's ``config.json`` must match the
 flags to resume (``--overwrite`` starts afresh instead); logging is quiet
 unless ``--verbose``.
 """
@@ -339,7 +343,7 @@ def main(argv) -> None:
         jax.config.update("jax_num_cpu_devices", config.num_devices)
     try:
         result = train.train_and_evaluate(config, FLAGS.workdir, overwrite=FLAGS.overwrite)
-    except train.WorkdirError as e:
+    except (train.ConfigError, train.WorkdirError) as e:  # raised before any training
         sys.exit(f"error: {e}")
     final = result["final"]
     if final is not None and jax.process_index() == 0:

@@ -15,7 +15,8 @@ multicast (or, for comparison, uncoded) before a local SGD step.
 
 Outputs in ``workdir``:
 
-- ``metrics.jsonl``: one JSON object per epoch (see :func:`train_and_evaluate`).
+- ``metrics.jsonl``: one strict JSON object per epoch, a non-finite value (a
+  diverged loss) as null (see :func:`train_and_evaluate`).
 - ``accuracy.png``: test accuracy vs epoch and vs cumulative bytes on the wire.
 - ``checkpoints/``: orbax checkpoints after every epoch (parameters, the
   per-device optimizer state with residuals, velocities and PRNG key data,
@@ -38,6 +39,7 @@ Outputs in ``workdir``:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -67,6 +69,7 @@ __all__ = [
     "COMPRESSED_OPTIMIZERS",
     "COMPRESSORS",
     "CONFIG_FILE",
+    "ConfigError",
     "EXCHANGES",
     "LOW_RANK",
     "MERGE_ALPHA",
@@ -420,9 +423,10 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     and ``coded_bits=32`` (the paper's int32 over ``[-10, 10]``).
 
     Raises:
-      ValueError: as :func:`validate_config`.
+      ValueError: the checks of :func:`validate_config` on the fields alone
+        (not the data size or the optimizer build, which resolve through here).
     """
-    validate_config(config)
+    _validate_fields(config)
     c = config
     if c.exchange == "default":
         c = dataclasses.replace(c, exchange=None)
@@ -452,17 +456,97 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     return c
 
 
+class ConfigError(ValueError):
+    """The configuration cannot train; raised before anything is written to the workdir."""
+
+
+def _invalid(msg: str):
+    raise ConfigError(f"invalid config: {msg}")
+
+
 def validate_config(config: TrainConfig, device_count: int | None = None) -> None:
-    """Raises ``ValueError`` for anything that cannot train, before any work.
+    """Raises ``ValueError`` (``ConfigError``) for anything that cannot train, before any work.
+
+    Checks every field, the batch size against the dataset's standard size
+    (``experiments.data.DATASET_SPECS``; the loaded data is checked again by
+    :func:`train_and_evaluate` before it writes anything), and builds the
+    optimizer once, abstractly (``jax.eval_shape`` of its ``init`` on the
+    model's parameter shapes), so that every argument a jaxcomp factory
+    rejects (``levels``, ``freeze_step``, ``reuse_period`` of a selector
+    without a threshold, ...) is reported here as an invalid config. It
+    compiles nothing, reads no data and starts no JAX backend, so
+    ``experiments/main.py`` runs it before setting the device count.
 
     Args:
       config: the run's configuration.
       device_count: devices available (checks ``num_devices``; None: skipped).
     """
+    _validate_fields(config, device_count)
+    num_train, shape, num_classes = data_lib.DATASET_SPECS[config.dataset]
+    _validate_data(config, num_train, shape, config.num_devices or device_count, _invalid)
+    _validate_optimizer(config, num_train, shape, num_classes, _invalid)
 
-    def fail(msg):
-        raise ValueError(f"invalid config: {msg}")
 
+def _validate_data(c: TrainConfig, num_train: int, shape, n: int | None, fail) -> None:
+    """The checks of a run against its training set (``num_train`` images of ``shape``)."""
+    if data_lib.steps_per_epoch(num_train, c.batch_size) < 1:
+        fail(
+            f"batch_size={c.batch_size} (--batch_size) exceeds the {num_train} training "
+            f"examples of dataset={c.dataset!r}"
+        )
+    num_features = int(np.prod(shape))
+    if c.sampling == "feature" and n is not None and n > num_features:
+        fail(
+            f"sampling='feature' gives every device at least one of the "
+            f"{num_features} input features; num_devices={n} is too many"
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _param_shapes(model: str, shape: tuple, num_classes: int, norm: str):
+    """The model's parameters as ``jax.ShapeDtypeStruct`` (traced, not computed)."""
+    net = models.make_model(model, num_classes, norm=norm, axis_name=AXIS)
+    # The key is made inside the trace: a concrete one would start a JAX backend.
+    variables = jax.eval_shape(
+        lambda: net.init(jax.random.key(0), jnp.zeros((1, *shape), jnp.float32))
+    )
+    return variables["params"]
+
+
+def _validate_optimizer(config: TrainConfig, num_train: int, shape, num_classes, fail) -> None:
+    """Builds the run's optimizer and its state abstractly; a factory's ValueError fails."""
+    c = config
+    # The errors are raised outside the except blocks: one message, no chained traceback.
+    error = None
+    try:
+        params = _param_shapes(c.model, tuple(shape), num_classes, c.norm)
+    except Exception as e:  # noqa: BLE001 (whatever the model raises on these inputs)
+        error = e
+    if error is not None:
+        fail(
+            f"model={c.model!r} (--model) cannot take dataset={c.dataset!r} images of shape "
+            f"{tuple(shape)} ({type(error).__name__}: {error})"
+        )
+    spe = data_lib.steps_per_epoch(num_train, c.batch_size)
+    spe = min(spe, c.max_steps_per_epoch or spe)
+
+    def init():
+        # Built inside the trace too: factories make small constants (jnp
+        # scalars), which outside a trace would start a JAX backend.
+        tx, _ = build_optimizer(c, spe, spe * c.epochs)
+        return tx.init(params)
+
+    try:
+        jax.eval_shape(init)
+    except ValueError as e:
+        error = e
+    if error is not None:
+        fail(f"{c.compressor}: {error}")
+
+
+def _validate_fields(config: TrainConfig, device_count: int | None = None) -> None:
+    """The checks of :func:`validate_config` that need neither the data nor the optimizer."""
+    fail = _invalid
     c = config
     if c.compressor not in COMPRESSORS:
         fail(f"unknown compressor {c.compressor!r}; expected one of {', '.join(COMPRESSORS)}")
@@ -1371,14 +1455,33 @@ def _checkpoint_manager(workdir: str):
     )
 
 
+def _metrics_line(record: dict) -> str:
+    """``record`` as a line of strict JSON: a non-finite float (a diverged loss) as null.
+
+    Python's ``json`` would write ``NaN``/``Infinity``, which is not JSON: ``jq``,
+    JavaScript and other strict parsers reject the whole file.
+    """
+    strict = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+    return json.dumps(strict, allow_nan=False) + "\n"
+
+
 def _read_records(path: str, upto: int) -> list:
+    """The records of ``metrics.jsonl`` up to epoch ``upto``; null read back as NaN.
+
+    No field is null otherwise, so a resumed run's records hold the floats an
+    uninterrupted run's would (NaN for any non-finite value); files written
+    with a bare ``NaN`` still read.
+    """
     if not os.path.exists(path):
         return []
     try:
         with open(path) as f:
             records = [json.loads(line) for line in f if line.strip()]
+        records = [{k: math.nan if v is None else v for k, v in r.items()} for r in records]
         return [r for r in records if r["epoch"] <= upto]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise WorkdirError(
             f"{path} is not a metrics file of this program ({e}){_OVERWRITE}"
         ) from None
@@ -1725,7 +1828,10 @@ def train_and_evaluate(
 ) -> dict:
     """Trains ``config.model`` on ``config.dataset`` with ``config.compressor``.
 
-    Each epoch appends to ``workdir/metrics.jsonl``: ``epoch`` (1-based),
+    Each epoch appends to ``workdir/metrics.jsonl`` one line of strict JSON (a
+    non-finite value, such as the loss of a diverged run, is written as
+    ``null``; the records returned, and those read back on resuming, hold
+    NaN there): ``epoch`` (1-based),
     ``train_loss`` (mean over the epoch's steps), ``test_accuracy`` (fraction),
     ``wall_time`` (seconds of training so far, evaluation included),
     ``train_time`` (seconds in training steps so far: no compilation, no
@@ -1803,49 +1909,50 @@ def train_and_evaluate(
       record (None without ``merge``, and on processes other than 0)}``.
 
     Raises:
-      ValueError: invalid configuration, a workdir holding another
-        configuration's run (or one without ``config.json``), or checkpoints
-        that cannot be restored (all before any training).
+      ValueError: an invalid configuration (``ConfigError``: a bad field, an
+        argument a jaxcomp factory rejects, a batch larger than the training
+        set, data that cannot be read), raised before anything is written to
+        the workdir; a workdir holding another configuration's run (or one
+        without ``config.json``), or checkpoints that cannot be restored
+        (``WorkdirError``; all before any training).
     """
     validate_config(config, jax.device_count())
     c = resolve_config(config)
     n_dev = c.num_devices or jax.device_count()
     if jax.process_count() > 1 and n_dev != jax.device_count():
         # A mesh over a prefix of jax.devices() would leave some processes out.
-        raise ValueError(
-            f"invalid config: with {jax.process_count()} processes num_devices must be "
+        _invalid(
+            f"with {jax.process_count()} processes num_devices must be "
             f"every device ({jax.device_count()}), got {n_dev}"
         )
     coded_cfg = _coded_config(c) if is_coded(c) else None
     if coded_cfg is not None and jax.process_count() > 1:
-        raise ValueError(
-            f"invalid config: exchange={c.exchange!r} runs in one process only (each device's "
+        _invalid(
+            f"exchange={c.exchange!r} runs in one process only (each device's "
             f"blocks are cut from the whole global batch on the host), got "
             f"{jax.process_count()} processes"
         )
     feature = c.sampling == "feature"
     if feature and jax.process_count() > 1:
-        raise ValueError(
-            f"invalid config: sampling='feature' runs in one process only, got "
-            f"{jax.process_count()} processes"
+        _invalid(
+            f"sampling='feature' runs in one process only, got {jax.process_count()} processes"
         )
     label = c.compressor if coded_cfg is None else f"{c.exchange} r={c.redundancy}"
     if c.sampling != "global":
         label = f"{label} ({c.sampling} sampling)"
+    # The data is read and checked before config.json is written: a run that
+    # cannot start leaves the workdir as it was.
+    dataset = error = None
+    try:
+        dataset = data_lib.load_dataset(c.dataset, c.data_dir, c.download)
+    except ValueError as e:  # unreadable or malformed CIFAR (load_cifar's one-line message)
+        error = e
+    if error is not None:
+        _invalid(f"dataset={c.dataset!r} (--data_dir): {error}")
+    _validate_data(c, len(dataset.train_y), dataset.train_x.shape[1:], n_dev, _invalid)
     _check_workdir(c, workdir, n_dev, overwrite)
-    dataset = data_lib.load_dataset(c.dataset, c.data_dir, c.download)
     spe = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
-    if spe < 1:
-        raise ValueError(
-            f"invalid config: batch_size={c.batch_size} exceeds the "
-            f"{len(dataset.train_y)} training examples"
-        )
     num_features = int(np.prod(dataset.train_x.shape[1:]))
-    if feature and n_dev > num_features:
-        raise ValueError(
-            f"invalid config: sampling='feature' gives every device at least one of the "
-            f"{num_features} input features; num_devices={n_dev} is too many"
-        )
     if c.max_steps_per_epoch is not None:
         spe = min(spe, c.max_steps_per_epoch)
     os.makedirs(workdir, exist_ok=True)
@@ -1948,7 +2055,7 @@ def train_and_evaluate(
     records = _read_records(metrics_path, start_epoch)
     if jax.process_index() == 0:
         with open(metrics_path, "w") as f:  # drop lines of epochs the checkpoint lacks
-            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.writelines(_metrics_line(r) for r in records)
     wall0 = time.perf_counter() - (records[-1]["wall_time"] if records else 0.0)
     cum_bytes = records[-1]["cumulative_bytes_per_device"] if records else 0.0
     train_time = records[-1]["train_time"] if records else 0.0
@@ -2079,7 +2186,7 @@ def train_and_evaluate(
         logging.info("%s epoch %d: %s", label, epoch + 1, record)
         if jax.process_index() == 0:
             with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(_metrics_line(record))
         # Device 0's buffers and the files live on process 0.
         if epoch + 1 in c.fit_check_epochs and jax.process_index() == 0:
             from experiments import fit_check  # noqa: PLC0415 (matplotlib only when asked)

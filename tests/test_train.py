@@ -236,13 +236,24 @@ def test_epoch_order_is_deterministic():
         ({"seed": 1.5}, "seed"),
         ({"data_dir": "/tmp/cifar-10-python.tar.gz"}, "data_dir"),  # dataset: synthetic
         ({"download": True}, "download"),
+        # Rejected by the jaxcomp factories: the optimizer is built (abstractly) in validation.
+        ({"compressor": "qsgd", "levels": 3 * 10**9}, r"qsgd: levels must be .* \[1, 2147483647\]"),
+        ({"compressor": "onebit_adam", "freeze_step": 2**63 - 1}, "onebit_adam: freeze_step"),
+        ({"compressor": "zero_one_adam", "freeze_step": 2**63 - 1}, "zero_one_adam: var_freeze"),
+        ({"compressor": "random_k", "reuse_period": 5}, "random_k: reuse_period must be 1"),
+        # The synthetic set's 2048 examples, known without reading the data.
+        ({"batch_size": 100_000}, "batch_size=100000 .* exceeds the 2048 training examples"),
     ],
 )
 def test_invalid_config_fails_before_training(tmp_path, overrides, message):
     config = dataclasses.replace(TINY, **overrides)
-    with pytest.raises(ValueError, match=message):
-        train.train_and_evaluate(config, str(tmp_path))
-    assert not (tmp_path / "metrics.jsonl").exists()
+    with pytest.raises(train.ConfigError, match=f"^invalid config: .*{message}") as info:
+        train.validate_config(config, jax.device_count())  # what main.py runs first
+    assert "\n" not in str(info.value)
+    workdir = tmp_path / "w"
+    with pytest.raises(train.ConfigError, match=message):
+        train.train_and_evaluate(config, str(workdir))
+    assert not workdir.exists()  # no config.json, nothing a rerun would trust
 
 
 def test_main_rejects_bad_flags_before_training(tmp_path):
@@ -252,6 +263,8 @@ def test_main_rejects_bad_flags_before_training(tmp_path):
         (["--compressor=qsgd", "--levels=0"], "levels"),
         (["--compressor=qsgd", "--ratio=0.01"], "--ratio"),
         (["--batch_size=60", "--num_devices=8"], "divisible"),
+        (["--compressor=qsgd", "--levels=3000000000"], "levels must be an integer"),
+        (["--batch_size=100000"], "exceeds the 1438 training examples"),  # digits
     ]:
         proc = subprocess.run(
             [sys.executable, "-m", "experiments.main", f"--workdir={tmp_path}", *args],
@@ -263,7 +276,8 @@ def test_main_rejects_bad_flags_before_training(tmp_path):
         )
         assert proc.returncode != 0
         assert message in proc.stderr + proc.stdout
-    assert not (tmp_path / "metrics.jsonl").exists()
+        assert "Traceback" not in proc.stderr
+    assert os.listdir(tmp_path) == []  # not even config.json
 
 
 def test_every_config_field_has_a_flag():
@@ -458,6 +472,106 @@ def test_main_missing_cifar_names_the_flags(tmp_path):
     assert "--data_dir" in proc.stderr and "--download" in proc.stderr
     assert "Traceback" not in proc.stderr and "download=True" not in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_unreadable_cifar_is_an_invalid_config_before_the_workdir(tmp_path):
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    _write_tiny_cifar(archive)  # 20 training images
+    blob = archive.read_bytes()
+    garbage, truncated = tmp_path / "garbage.tar.gz", tmp_path / "truncated.tar.gz"
+    garbage.write_bytes(b"not an archive" * 100)
+    truncated.write_bytes(blob[: len(blob) // 2])
+    # An archive whose batch is not a pickle.
+    not_pickled = tmp_path / "not_pickled.tar.gz"
+    with tarfile.open(not_pickled, "w:gz") as tar:
+        for name in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = 8
+            tar.addfile(info, io.BytesIO(b"garbage!"))
+    base = dataclasses.replace(TINY, dataset="cifar10", time_split=False)
+    cases = [
+        (garbage, "not a readable cifar10 archive"),
+        (truncated, "not a readable cifar10 archive"),
+        (not_pickled, "data_batch_1 is not a pickled CIFAR batch"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            data_lib.load_cifar("cifar10", str(path))
+        assert "\n" not in str(info.value)
+        workdir = tmp_path / f"run_{path.stem}"
+        config = dataclasses.replace(base, data_dir=str(path))
+        with pytest.raises(train.ConfigError, match=f"^invalid config: .*{message}"):
+            train.train_and_evaluate(config, str(workdir))
+        assert not workdir.exists()
+    # A batch larger than this smaller CIFAR set: known only once the data is read.
+    config = dataclasses.replace(base, data_dir=str(archive), batch_size=32)
+    train.validate_config(config, jax.device_count())  # the standard set has 50000
+    with pytest.raises(train.ConfigError, match="batch_size=32 .* the 20 training examples"):
+        train.train_and_evaluate(config, str(tmp_path / "run_big_batch"))
+    assert not (tmp_path / "run_big_batch").exists()
+    # Through the command line: one line, no traceback, nothing written.
+    proc = _run_main(
+        f"--workdir={tmp_path / 'run_main'}", "--dataset=cifar10", f"--data_dir={garbage}"
+    )
+    assert proc.returncode != 0
+    assert "invalid config" in proc.stderr and "not a readable cifar10 archive" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run_main").exists()
+
+
+def test_dataset_specs_are_what_the_loaders_return(tmp_path):
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    _write_tiny_cifar(archive)
+    loaded = {
+        "digits": data_lib.load_dataset("digits"),
+        "synthetic": data_lib.load_dataset("synthetic"),
+        "cifar10": data_lib.load_cifar("cifar10", str(archive)),
+    }
+    for name, ds in loaded.items():
+        num_train, shape, num_classes = data_lib.DATASET_SPECS[name]
+        assert (ds.train_x.shape[1:], ds.num_classes) == (shape, num_classes)
+        if name != "cifar10":  # the written archive is smaller than the real one
+            assert len(ds.train_y) == num_train
+
+
+def test_validate_config_starts_no_jax_backend():
+    # main.py validates before it sets the CPU device count, which must come first.
+    code = (
+        "import jax\n"
+        "from experiments import train\n"
+        "for name in train.COMPRESSORS:\n"
+        "    train.validate_config(train.TrainConfig(compressor=name))\n"
+        "jax.config.update('jax_num_cpu_devices', 3)\n"
+        "print(jax.device_count())\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": compile_flags_without_devices(), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "3"
+
+
+def test_nan_loss_is_strict_json_and_reads_back_on_resume(tmp_path):
+    # lr 1e30: the second step's loss is NaN, so every epoch's mean is.
+    config = dataclasses.replace(TINY, lr=1e30, epochs=2, checkpoint=True, time_split=False)
+    first = train.train_and_evaluate(config, str(tmp_path), stop_after_epoch=1)
+    assert np.isnan(first["final"]["train_loss"])
+    resumed = train.train_and_evaluate(config, str(tmp_path))  # reads epoch 1 back
+
+    def strict(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    parsed = [json.loads(line, parse_constant=strict) for line in lines]
+    assert [r["epoch"] for r in parsed] == [1, 2]
+    assert [r["train_loss"] for r in parsed] == [None, None]
+    # Read back as the float it was: the records compare, plot and resume as a fresh run's.
+    assert [r["epoch"] for r in resumed["records"]] == [1, 2]
+    assert all(np.isnan(r["train_loss"]) for r in resumed["records"])
+    assert all(isinstance(v, (int, float, str)) for r in resumed["records"] for v in r.values())
+    assert resumed["records"][0]["test_accuracy"] == first["final"]["test_accuracy"]
+    assert (tmp_path / "accuracy.png").exists()
 
 
 # Issue 8 item 14: every flag applies or is rejected; defaults work everywhere.
