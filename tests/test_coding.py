@@ -602,6 +602,49 @@ def test_longest_messages_within_the_bounds_decode(code):
         np.testing.assert_array_equal(lv, levels)
 
 
+def test_sizes_from_arguments_are_checked_before_allocating():
+    # A corrupt tiny message with a huge n raises ValueError, not MemoryError
+    # (the levels were allocated before the records were checked).
+    data = coding.encode_qsgd(
+        np.array([0, 2, 1]),
+        np.array([False, True, False]),
+        np.float32([0.5]),
+        s=2,
+        bucket_size=None,
+    )
+    with Timeout(60):
+        for cut in range(len(data)):
+            with pytest.raises(ValueError, match="truncated"):
+                coding.decode_qsgd(data[:cut], n=10**10, s=2, bucket_size=None)
+        with pytest.raises(ValueError):
+            coding.decode_qsgd(data + b"\x00", n=10**10, s=2, bucket_size=None)
+        # Too short for the scales and counts of 10**12 elements in buckets of 512.
+        with pytest.raises(ValueError, match="truncated message: data is"):
+            coding.decode_qsgd(data, n=10**12, s=2, bucket_size=512)
+    # The same bytes are a valid message for any n: one bucket's trailing zeros
+    # are implicit, so no message length bounds n from above.
+    lv, sg, _ = coding.decode_qsgd(data, n=10**6, s=2, bucket_size=None)
+    assert np.flatnonzero(lv).tolist() == [1, 2] and np.flatnonzero(sg).tolist() == [1]
+    # Sizes beyond what numpy can index or uint64 can hold: ValueError naming them.
+    with pytest.raises(ValueError, match="n must be an integer"):
+        coding.decode_sparse(coding.encode_sparse([1], np.float32([0.5]), 8), 2**64)
+    with pytest.raises(ValueError, match="n must be an integer"):
+        coding.decode_qsgd(data, n=2**64, s=2, bucket_size=None)
+    with pytest.raises(ValueError, match="max_value must be an integer"):
+        coding.elias_decode(coding.elias_encode([5]), 1, max_value=2**64)
+    with pytest.raises(ValueError, match="count must be an integer"):
+        coding.elias_decode(coding.elias_encode([5]), 1.5)
+    # The packed messages' decoder checks its sizes before unpacking n codes.
+    with pytest.raises(ValueError, match="codes must be"):
+        coding.qsgd_message_fields(
+            np.zeros(4, np.uint8), np.ones(1, np.float32), 10**12, s=4, bucket_size=None
+        )
+    with pytest.raises(ValueError, match="bucket_size"):
+        coding.qsgd_message_fields(
+            np.zeros(3, np.uint8), np.ones(1, np.float32), 5, s=4, bucket_size=0
+        )
+
+
 # ---------------------------------------------------------------------------
 # Elias-coded size of the messages a training run sent (issue 8, item 12).
 

@@ -73,6 +73,7 @@ __all__ = [
 SPARSE_FORMATS = ("rle", "elias")
 _RUN_MAX = 0xFFFF  # a full 16-bit token: 65535 zeros, no value
 _U64 = np.uint64
+_MAX_N = 2**63 - 1  # decoded positions are int64
 
 
 def _num_buckets(n: int, bucket_size: int | None) -> tuple[int, int]:
@@ -220,7 +221,8 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
       ValueError: truncated, corrupt or oversized message: one longer than
         the longest encoding of ``n`` elements (every element a nonzero with
         the longest gap and level codes) is rejected before it is read, and
-        after the bucket counts one longer than their records can take.
+        after the bucket counts one longer than their records can take. The
+        output arrays are allocated only once the message is valid.
 
     Example:
       >>> import numpy as np
@@ -232,7 +234,7 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
     """
     elias._check_code(code)
     s = _check_s(s)
-    n = V.check_int("n", n, 0)  # 3.7 is no length
+    n = V.check_int("n", n, 0, _MAX_N)  # 3.7 is no length
     nb, d = _num_buckets(n, bucket_size)
     s_max = min(s, elias.MAX_VALUE)
     # Each bucket: a 32-bit scale and an Elias(count + 1) of >= 1 bit; then at
@@ -257,14 +259,12 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
     if (counts > bucket_len).any():
         raise ValueError("bucket count larger than the bucket")
     total = int(counts.sum())
-    levels = np.zeros(n, np.int64)
-    signs = np.zeros(n, bool)
     elias.check_size(
         data, rec_start + 3 * total, rec_start + total * rec_max, f"{total} nonzeros {where}"
     )
     if total == 0:
         elias.check_padding(reader, rec_start)
-        return levels, signs, scales
+        return np.zeros(n, np.int64), np.zeros(n, bool), scales
     # Records: gap code, sign bit, level code; chain over every bit position.
     size = reader.nbits - rec_start
     max_len = max(elias._max_length(code, d), 1)
@@ -300,6 +300,10 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
     if (local >= bucket_len[bucket]).any():
         raise ValueError("nonzero position beyond its bucket")
     idx = bucket * d + local
+    # Allocated only now: n comes from the caller, and a corrupt message must
+    # raise ValueError, not MemoryError.
+    levels = np.zeros(n, np.int64)
+    signs = np.zeros(n, bool)
     levels[idx] = lv.astype(np.int64)
     signs[idx] = reader.read(sign_at, 1).astype(bool)
     return levels, signs, scales
@@ -442,7 +446,7 @@ def decode_sparse(data: bytes, n: int, *, format: str = "rle", code: str = "omeg
       ([1, 3], [0.5, -1.0])
     """
     _check_format(format)
-    n = V.check_int("n", n, 0)  # 3.7 is no length
+    n = V.check_int("n", n, 0, _MAX_N)  # 3.7 is no length
     if format == "rle":
         if elias.check_size(data, 32, 32 + 48 * n, f"n={n} values (rle)") % 2:
             raise ValueError("rle message must be a 32-bit count and 16-bit units")
