@@ -573,6 +573,10 @@ def test_longest_messages_within_the_bounds_decode(code):
     # The bounds are the longest valid encodings: messages made of the longest
     # codewords the arguments allow still decode.
     top = 2**64 - 1
+    probe = [1, 2, 3, 4, 7, 8, 15, 16, 17, 255, 256, 2**16, 2**20 + 1, 2**32, 2**63, top]
+    want = [len(REF[code](k)) for k in probe]
+    assert [elias.max_codeword_bits(code, k) for k in probe] == want
+    assert elias.max_codeword_bits(code, 2**70) == want[-1]  # capped at uint64
     values = np.full(3, top, np.uint64)
     np.testing.assert_array_equal(
         coding.elias_decode(coding.elias_encode(values, code), 3, code), values

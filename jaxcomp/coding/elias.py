@@ -310,21 +310,30 @@ def _decode_table(code: str):
     return tab_len, tab_val, int(v.max())
 
 
-def _max_length(code: str, max_value: int) -> int:
-    return int(_codewords_generic(np.array([max_value], _U64), code)[2][0]) if max_value > 1 else 1
-
-
 def max_codeword_bits(code: str, max_value: int) -> int:
     """Bits of the longest codeword of a value in ``[1, max_value]`` (capped at uint64).
 
     Codeword lengths never decrease with the value, so this is the length of
-    ``max_value``'s codeword.
+    ``max_value``'s codeword, computed on Python ints (decoders call it per message).
 
     Example:
       >>> max_codeword_bits("gamma", 5), max_codeword_bits("omega", 2**70)
       (5, 76)
     """
-    return _max_length(code, min(int(max_value), MAX_VALUE))
+    v = min(int(max_value), MAX_VALUE)
+    if v <= 1:
+        return 1
+    bits = v.bit_length()
+    if code == "gamma":
+        return 2 * bits - 1
+    if code == "delta":
+        return 2 * bits.bit_length() - 1 + bits - 1
+    length = 1  # omega: the final 0, then each group of the recursion
+    while v > 1:
+        bits = v.bit_length()
+        length += bits
+        v = bits - 1
+    return length
 
 
 def check_size(data, min_bits: int, max_bits: int, what: str) -> int:
@@ -416,7 +425,7 @@ def lengths_all(reader: BitReader, lo: int, hi: int, code: str, max_value: int):
     lengths = tab_len[w]
     if max_value < tab_max:
         lengths[tab_val[w] > max_value] = 0
-    if _max_length(code, max_value) > _WINDOW:
+    if max_codeword_bits(code, max_value) > _WINDOW:
         far = np.flatnonzero(lengths == 0)
         _, glen = _decode_generic(reader, far + lo, code, max_value)
         lengths = lengths.astype(np.int64)

@@ -248,7 +248,7 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
     bucket_len = np.minimum(d, n - d * np.arange(nb)) if n else np.zeros(1, np.int64)
     # Counts: a homogeneous chain of codewords, each at most max_len bits.
     base = 32 * nb
-    max_count_len = elias._max_length(code, d + 1)
+    max_count_len = elias.max_codeword_bits(code, d + 1)
     size = min(reader.nbits, base + nb * max_count_len) - base
     lengths = elias.lengths_all(reader, base, base + size, code, d + 1)
     pos, exit_ = elias.follow_chain(elias.chain_next(lengths, size), size, 1)
@@ -267,12 +267,12 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
         return np.zeros(n, np.int64), np.zeros(n, bool), scales
     # Records: gap code, sign bit, level code; chain over every bit position.
     size = reader.nbits - rec_start
-    max_len = max(elias._max_length(code, d), 1)
+    max_len = max(elias.max_codeword_bits(code, d), 1)
     lengths = elias.lengths_all(reader, rec_start, reader.nbits, code, max(d, s_max))
     idx_t = np.int32 if size + 2 < 2**31 else np.int64
     level_lengths = np.concatenate([lengths.astype(idx_t), np.zeros(1, idx_t)])
     gap_len = level_lengths[:-1].copy()
-    if max_len < elias._max_length(code, max(d, s_max)):
+    if max_len < elias.max_codeword_bits(code, max(d, s_max)):
         gap_len[gap_len > max_len] = 0  # too long for a gap <= d: not a record start
     # The level code starts after the gap code and the sign bit (position size: invalid).
     at = np.arange(1, size + 1, dtype=idx_t)
