@@ -1,6 +1,7 @@
 """Tests for jaxcomp.coding against plain per-value reference encoders."""
 
 import math
+import re
 import signal
 import struct
 
@@ -478,6 +479,174 @@ def test_decoders_reject_non_bytes():
     for dec in decoders().values():
         with pytest.raises(ValueError):
             dec(np.zeros(3))
+
+
+# ---------------------------------------------------------------------------
+# Work bounded by the declared sizes: a message longer than the longest
+# encoding of its count / n is rejected before it is read. The decoders used
+# to read every bit first: 10-60 s and 4-7 GB of memory for 5-16 MB.
+
+BIG = 4 << 20  # bytes of trailing garbage
+
+
+def oversized_message(name):
+    """(decode, data, bound): a valid short message (or header), then BIG bytes."""
+    rng = np.random.default_rng(11)
+    junk = rng.integers(0, 256, BIG, dtype=np.uint8).tobytes()
+    zeros = bytes(BIG)
+    one = (np.array([1]), np.array([False]), np.float32([1.0]))
+    sparse_one = coding.encode_sparse([5], np.float32([1.0]), 2**20, format="elias", code="delta")
+    cases = {
+        # count=1 gamma codeword: at most 127 bits whatever max_value.
+        "elias_gamma_zeros": (
+            lambda b: coding.elias_decode(b, 1, "gamma"),
+            coding.elias_encode([1], "gamma") + zeros,
+            "count=1 gamma codewords",
+        ),
+        "elias_omega_random": (
+            lambda b: coding.elias_decode(b, 1, "omega"),
+            junk,
+            "count=1 omega codewords",
+        ),
+        # n=1: six bytes at most, before the counts are read.
+        "qsgd_n1_random": (
+            lambda b: coding.decode_qsgd(b, n=1, s=4, bucket_size=None),
+            coding.encode_qsgd(*one, s=4, bucket_size=None) + junk,
+            "n=1 elements",
+        ),
+        # n=2**20 allows ~4.6 MB; its bucket count (one nonzero) allows a few bytes.
+        "qsgd_one_nonzero_zeros": (
+            lambda b: coding.decode_qsgd(b, n=2**20, s=4, bucket_size=None, code="delta"),
+            coding.encode_qsgd(
+                np.eye(1, 2**20, 7, dtype=np.int64)[0],
+                np.zeros(2**20, bool),
+                np.float32([1.0]),
+                s=4,
+                bucket_size=None,
+                code="delta",
+            )
+            + zeros,
+            "1 nonzeros",
+        ),
+        # n=2**20 allows ~7 MB; the header's count=1 allows a few bytes.
+        "sparse_delta_zeros": (
+            lambda b: coding.decode_sparse(b, 2**20, format="elias", code="delta"),
+            sparse_one + zeros,
+            "count=1 values among n=1048576",
+        ),
+        "sparse_omega_random": (
+            lambda b: coding.decode_sparse(b, 1000, format="elias"),
+            junk,
+            "n=1000 values",
+        ),
+        # count=1 among 2**30: 3 units + 16383 full run tokens at most.
+        "rle_full_tokens": (
+            lambda b: coding.decode_sparse(b, 2**30, format="rle"),
+            struct.pack(">I", 1) + b"\xff" * BIG,
+            r"count=1 values among n=1073741824 \(rle\)",
+        ),
+    }
+    return cases[name]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "elias_gamma_zeros",
+        "elias_omega_random",
+        "qsgd_n1_random",
+        "qsgd_one_nonzero_zeros",
+        "sparse_delta_zeros",
+        "sparse_omega_random",
+        "rle_full_tokens",
+    ],
+)
+def test_oversized_message_rejected_before_it_is_read(name):
+    decode, data, bound = oversized_message(name)
+    with Timeout(60), pytest.raises(ValueError, match="oversized message: data is") as err:
+        decode(data)
+    assert re.search(bound, str(err.value)), str(err.value)
+
+
+@pytest.mark.parametrize("code", coding.CODES)
+def test_longest_messages_within_the_bounds_decode(code):
+    # The bounds are the longest valid encodings: messages made of the longest
+    # codewords the arguments allow still decode.
+    top = 2**64 - 1
+    probe = [1, 2, 3, 4, 7, 8, 15, 16, 17, 255, 256, 2**16, 2**20 + 1, 2**32, 2**63, top]
+    want = [len(REF[code](k)) for k in probe]
+    assert [elias.max_codeword_bits(code, k) for k in probe] == want
+    assert elias.max_codeword_bits(code, 2**70) == want[-1]  # capped at uint64
+    values = np.full(3, top, np.uint64)
+    np.testing.assert_array_equal(
+        coding.elias_decode(coding.elias_encode(values, code), 3, code), values
+    )
+    for max_value in (1, 2, 1000, 2**20):
+        data = coding.elias_encode([max_value] * 5, code)
+        got = coding.elias_decode(data, 5, code, max_value=max_value)
+        assert got.tolist() == [max_value] * 5
+    for n in (1, 2, 1000, 2**20 + 3):
+        data = coding.encode_sparse([n - 1], np.float32([2.0]), n, format="elias", code=code)
+        assert coding.decode_sparse(data, n, format="elias", code=code)[0].tolist() == [n - 1]
+    for n, idx in ((1, [0]), (200000, [199999]), (200000, list(range(199990, 200000)))):
+        data = coding.encode_sparse(idx, np.ones(len(idx), np.float32), n, format="rle")
+        assert coding.decode_sparse(data, n, format="rle")[0].tolist() == idx
+    for n, s, d in ((1, 1, None), (37, 7, 8), (1000, 2**40, 16)):
+        levels = np.full(n, s)
+        levels[n // 2] = 0  # one gap of 2
+        data = coding.encode_qsgd(
+            levels,
+            np.ones(n, bool),
+            np.ones(-(-n // (d or n)), np.float32),
+            s=s,
+            bucket_size=d,
+            code=code,
+        )
+        lv, _, _ = coding.decode_qsgd(data, n=n, s=s, bucket_size=d, code=code)
+        np.testing.assert_array_equal(lv, levels)
+
+
+def test_sizes_from_arguments_are_checked_before_allocating():
+    # A corrupt tiny message with a huge n raises ValueError, not MemoryError
+    # (the levels were allocated before the records were checked).
+    data = coding.encode_qsgd(
+        np.array([0, 2, 1]),
+        np.array([False, True, False]),
+        np.float32([0.5]),
+        s=2,
+        bucket_size=None,
+    )
+    with Timeout(60):
+        for cut in range(len(data)):
+            with pytest.raises(ValueError, match="truncated"):
+                coding.decode_qsgd(data[:cut], n=10**10, s=2, bucket_size=None)
+        with pytest.raises(ValueError):
+            coding.decode_qsgd(data + b"\x00", n=10**10, s=2, bucket_size=None)
+        # Too short for the scales and counts of 10**12 elements in buckets of 512.
+        with pytest.raises(ValueError, match="truncated message: data is"):
+            coding.decode_qsgd(data, n=10**12, s=2, bucket_size=512)
+    # The same bytes are a valid message for any n: one bucket's trailing zeros
+    # are implicit, so no message length bounds n from above.
+    lv, sg, _ = coding.decode_qsgd(data, n=10**6, s=2, bucket_size=None)
+    assert np.flatnonzero(lv).tolist() == [1, 2] and np.flatnonzero(sg).tolist() == [1]
+    # Sizes beyond what numpy can index or uint64 can hold: ValueError naming them.
+    with pytest.raises(ValueError, match="n must be an integer"):
+        coding.decode_sparse(coding.encode_sparse([1], np.float32([0.5]), 8), 2**64)
+    with pytest.raises(ValueError, match="n must be an integer"):
+        coding.decode_qsgd(data, n=2**64, s=2, bucket_size=None)
+    with pytest.raises(ValueError, match="max_value must be an integer"):
+        coding.elias_decode(coding.elias_encode([5]), 1, max_value=2**64)
+    with pytest.raises(ValueError, match="count must be an integer"):
+        coding.elias_decode(coding.elias_encode([5]), 1.5)
+    # The packed messages' decoder checks its sizes before unpacking n codes.
+    with pytest.raises(ValueError, match="codes must be"):
+        coding.qsgd_message_fields(
+            np.zeros(4, np.uint8), np.ones(1, np.float32), 10**12, s=4, bucket_size=None
+        )
+    with pytest.raises(ValueError, match="bucket_size"):
+        coding.qsgd_message_fields(
+            np.zeros(3, np.uint8), np.ones(1, np.float32), 5, s=4, bucket_size=0
+        )
 
 
 # ---------------------------------------------------------------------------

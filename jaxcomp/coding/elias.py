@@ -37,14 +37,19 @@ import functools
 
 import numpy as np
 
+from jaxcomp import _validation as V
+
 __all__ = [
     "CODES",
+    "MAX_VALUE",
     "BitReader",
+    "check_size",
     "codeword_lengths",
     "elias_bits",
     "elias_decode",
     "elias_encode",
     "follow_chain",
+    "max_codeword_bits",
     "pack_items",
 ]
 
@@ -53,6 +58,7 @@ CODES = ("gamma", "delta", "omega")
 _U64 = np.uint64
 _WINDOW = 20  # bits per lookup-table window when decoding
 _TABLE_VALUES = 1 << 16  # encode lookup table covers values below this
+MAX_VALUE = 2**64 - 1  # values are uint64
 
 
 def _check_code(code: str) -> None:
@@ -304,8 +310,72 @@ def _decode_table(code: str):
     return tab_len, tab_val, int(v.max())
 
 
-def _max_length(code: str, max_value: int) -> int:
-    return int(_codewords_generic(np.array([max_value], _U64), code)[2][0]) if max_value > 1 else 1
+def max_codeword_bits(code: str, max_value: int) -> int:
+    """Bits of the longest codeword of a value in ``[1, max_value]`` (capped at uint64).
+
+    Codeword lengths never decrease with the value, so this is the length of
+    ``max_value``'s codeword, computed on Python ints (decoders call it per message).
+
+    Example:
+      >>> max_codeword_bits("gamma", 5), max_codeword_bits("omega", 2**70)
+      (5, 76)
+    """
+    v = min(int(max_value), MAX_VALUE)
+    if v <= 1:
+        return 1
+    bits = v.bit_length()
+    if code == "gamma":
+        return 2 * bits - 1
+    if code == "delta":
+        return 2 * bits.bit_length() - 1 + bits - 1
+    length = 1  # omega: the final 0, then each group of the recursion
+    while v > 1:
+        bits = v.bit_length()
+        length += bits
+        v = bits - 1
+    return length
+
+
+def check_size(data, min_bits: int, max_bits: int, what: str) -> int:
+    """``len(data)`` in bytes, checked against the bits ``what`` takes (O(1)).
+
+    Decoders call this before any work proportional to the input or to a size
+    read from the arguments or a header: a message longer than the longest
+    encoding of what it declares is rejected without reading it, so decoding
+    time is bounded by the declared sizes, never by the bytes given.
+
+    Args:
+      data: the message (bytes-like; anything else raises ``ValueError``).
+      min_bits: fewest bits ``what`` can take; the message has at least
+        ``ceil(min_bits / 8)`` bytes.
+      max_bits: most bits it can take, padding excluded: at most
+        ``ceil(max_bits / 8)`` bytes.
+      what: what the message declares, for the error message.
+
+    Raises:
+      ValueError: ``data`` is not bytes, or its length is outside the bounds.
+
+    Example:
+      >>> check_size(bytes(3), 9, 24, "3 bytes")
+      3
+      >>> check_size(bytes(4), 9, 24, "3 bytes")
+      Traceback (most recent call last):
+      ...
+      ValueError: oversized message: data is 4 bytes, more than the 3 that 3 bytes can take
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"data must be bytes, got {type(data).__name__}")
+    nbytes = len(data)
+    lo, hi = -(-min_bits // 8), -(-max_bits // 8)
+    if nbytes < lo:
+        raise ValueError(
+            f"truncated message: data is {nbytes} bytes, fewer than the {lo} that {what} take"
+        )
+    if nbytes > hi:
+        raise ValueError(
+            f"oversized message: data is {nbytes} bytes, more than the {hi} that {what} can take"
+        )
+    return nbytes
 
 
 def _decode_generic(reader: BitReader, pos: np.ndarray, code: str, max_value: int):
@@ -355,7 +425,7 @@ def lengths_all(reader: BitReader, lo: int, hi: int, code: str, max_value: int):
     lengths = tab_len[w]
     if max_value < tab_max:
         lengths[tab_val[w] > max_value] = 0
-    if _max_length(code, max_value) > _WINDOW:
+    if max_codeword_bits(code, max_value) > _WINDOW:
         far = np.flatnonzero(lengths == 0)
         _, glen = _decode_generic(reader, far + lo, code, max_value)
         lengths = lengths.astype(np.int64)
@@ -498,24 +568,29 @@ def elias_decode(data: bytes, count: int, code: str = "omega", *, max_value: int
     Raises:
       ValueError: truncated or corrupt message (fewer than ``count`` values),
         wrong padding (not all zeros for gamma/delta, not all ones for omega)
-        or trailing bytes.
+        or trailing bytes; ``count`` or ``max_value`` not an integer in range.
+        A message longer than ``count`` codewords of at most ``max_value``
+        can be (``count * max_codeword_bits(code, max_value)`` bits, rounded
+        up to a byte) is rejected before it is read.
 
     Example:
       >>> elias_decode(elias_encode([1, 5, 9], "delta"), 3, "delta").tolist()
       [1, 5, 9]
     """
     _check_code(code)
-    count = int(count)
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
-    reader = BitReader(data)
+    count = V.check_int("count", count, 0)
+    max_value = V.check_int("max_value", max_value, 1, MAX_VALUE)
+    longest = max_codeword_bits(code, max_value)
+    check_size(
+        data,
+        count,
+        count * longest,
+        f"count={count} {code} codewords of values <= max_value={max_value}",
+    )
     if count == 0:
-        if reader.nbytes:
-            raise ValueError("trailing bytes after 0 codewords")
         return np.zeros(0, _U64)
+    reader = BitReader(data)
     size = reader.nbits
-    if size < count:
-        raise ValueError(f"message of {size} bits cannot hold {count} codewords")
     lengths = lengths_all(reader, 0, size, code, max_value)
     positions, exit_ = follow_chain(chain_next(lengths, size), size, 1)
     if positions.size < count:

@@ -59,7 +59,9 @@ def qsgd_message_fields(codes, scales, n: int, *, s: int, bucket_size: int | Non
 
     Raises:
       ValueError: ``codes``/``scales`` do not have the sizes ``s`` and
-        ``bucket_size`` give for ``n`` elements, or a level exceeds ``s``.
+        ``bucket_size`` give for ``n`` elements (checked before anything of
+        size ``n`` is allocated), ``bucket_size`` is not None or an int >= 1,
+        or a level exceeds ``s``.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxcomp
@@ -75,14 +77,17 @@ def qsgd_message_fields(codes, scales, n: int, *, s: int, bucket_size: int | Non
 
     s = _check_s(s)
     n = V.check_int("n", n, 0)  # 3.7 is no length
+    bucket_size = V.check_int("bucket_size", bucket_size, 1, allow_none=True)
     width = qsgd_bits(s)
     codes = np.asarray(codes)
     scales = np.asarray(scales, np.float32).reshape(-1)
-    d = n if bucket_size is None else min(int(bucket_size), n)
+    d = n if bucket_size is None else min(bucket_size, n)
     nb = -(-n // d) if n else 0
-    if codes.dtype != np.uint8 or codes.shape != (math.ceil(n * width / 8),):
+    # Both sizes are checked before anything n long is allocated (exact integers: n may be huge).
+    nbytes = -(-n * width // 8)
+    if codes.dtype != np.uint8 or codes.shape != (nbytes,):
         raise ValueError(
-            f"codes must be uint8[{math.ceil(n * width / 8)}] for n={n} at s={s} "
+            f"codes must be uint8[{nbytes}] for n={n} at s={s} "
             f"({width} bits a coordinate), got {codes.dtype}{list(codes.shape)}: "
             "s or n does not match the message"
         )

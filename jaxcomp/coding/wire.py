@@ -2,7 +2,10 @@
 
 All formats are bit strings written MSB first into bytes, zero padded to a
 whole byte; decoders reject truncation, corrupt codewords, counts or positions
-out of range, nonzero padding and trailing bytes with ``ValueError``.
+out of range, nonzero padding and trailing bytes with ``ValueError``. Their
+work is bounded by the declared sizes (``n``, the counts in the message): a
+message longer than the longest encoding those allow is rejected before it is
+read (``elias.check_size``).
 
 QSGD format (``encode_qsgd``), for ``nb`` buckets (``ceil(n / bucket_size)``,
 or 1 when ``bucket_size`` is None). The fields are the paper's, per bucket
@@ -70,6 +73,7 @@ __all__ = [
 SPARSE_FORMATS = ("rle", "elias")
 _RUN_MAX = 0xFFFF  # a full 16-bit token: 65535 zeros, no value
 _U64 = np.uint64
+_MAX_N = 2**63 - 1  # decoded positions are int64
 
 
 def _num_buckets(n: int, bucket_size: int | None) -> tuple[int, int]:
@@ -214,7 +218,11 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
       (levels int64 [n], signs bool [n] (False where level is 0), scales float32 [nb]).
 
     Raises:
-      ValueError: truncated, corrupt or oversized message.
+      ValueError: truncated, corrupt or oversized message: one longer than
+        the longest encoding of ``n`` elements (every element a nonzero with
+        the longest gap and level codes) is rejected before it is read, and
+        after the bucket counts one longer than their records can take. The
+        output arrays are allocated only once the message is valid.
 
     Example:
       >>> import numpy as np
@@ -226,16 +234,21 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
     """
     elias._check_code(code)
     s = _check_s(s)
-    n = V.check_int("n", n, 0)  # 3.7 is no length
+    n = V.check_int("n", n, 0, _MAX_N)  # 3.7 is no length
     nb, d = _num_buckets(n, bucket_size)
+    s_max = min(s, elias.MAX_VALUE)
+    # Each bucket: a 32-bit scale and an Elias(count + 1) of >= 1 bit; then at
+    # most n records, none longer than the longest gap, sign and level codes.
+    rec_max = elias.max_codeword_bits(code, d) + 1 + elias.max_codeword_bits(code, s)
+    head_max = 32 * nb + nb * elias.max_codeword_bits(code, d + 1)
+    where = f"(s={s}, bucket_size={bucket_size}, {code})"
+    elias.check_size(data, 33 * nb, head_max + n * rec_max, f"n={n} elements {where}")
     reader = elias.BitReader(data)
-    if reader.nbits < 32 * nb:
-        raise ValueError(f"truncated message: {reader.nbytes} bytes < {4 * nb} for the scales")
     scales = np.frombuffer(bytes(data[: 4 * nb]), ">u4").astype(np.uint32).view(np.float32)
     bucket_len = np.minimum(d, n - d * np.arange(nb)) if n else np.zeros(1, np.int64)
     # Counts: a homogeneous chain of codewords, each at most max_len bits.
     base = 32 * nb
-    max_count_len = elias._max_length(code, d + 1)
+    max_count_len = elias.max_codeword_bits(code, d + 1)
     size = min(reader.nbits, base + nb * max_count_len) - base
     lengths = elias.lengths_all(reader, base, base + size, code, d + 1)
     pos, exit_ = elias.follow_chain(elias.chain_next(lengths, size), size, 1)
@@ -246,19 +259,20 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
     if (counts > bucket_len).any():
         raise ValueError("bucket count larger than the bucket")
     total = int(counts.sum())
-    levels = np.zeros(n, np.int64)
-    signs = np.zeros(n, bool)
+    elias.check_size(
+        data, rec_start + 3 * total, rec_start + total * rec_max, f"{total} nonzeros {where}"
+    )
     if total == 0:
         elias.check_padding(reader, rec_start)
-        return levels, signs, scales
+        return np.zeros(n, np.int64), np.zeros(n, bool), scales
     # Records: gap code, sign bit, level code; chain over every bit position.
     size = reader.nbits - rec_start
-    max_len = max(elias._max_length(code, d), 1)
-    lengths = elias.lengths_all(reader, rec_start, reader.nbits, code, max(d, s))
+    max_len = max(elias.max_codeword_bits(code, d), 1)
+    lengths = elias.lengths_all(reader, rec_start, reader.nbits, code, max(d, s_max))
     idx_t = np.int32 if size + 2 < 2**31 else np.int64
     level_lengths = np.concatenate([lengths.astype(idx_t), np.zeros(1, idx_t)])
     gap_len = level_lengths[:-1].copy()
-    if max_len < elias._max_length(code, max(d, s)):
+    if max_len < elias.max_codeword_bits(code, max(d, s_max)):
         gap_len[gap_len > max_len] = 0  # too long for a gap <= d: not a record start
     # The level code starts after the gap code and the sign bit (position size: invalid).
     at = np.arange(1, size + 1, dtype=idx_t)
@@ -275,7 +289,7 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
     pos = pos[:total] + rec_start
     gaps, glen = elias.decode_at(reader, pos, code, d)
     sign_at = pos + glen
-    lv, _ = elias.decode_at(reader, sign_at + 1, code, s)
+    lv, _ = elias.decode_at(reader, sign_at + 1, code, s_max)
     # Positions: cumulative gaps, restarted at every bucket.
     gaps = gaps.astype(np.int64)
     bucket = np.repeat(np.arange(nb), counts)
@@ -286,6 +300,10 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
     if (local >= bucket_len[bucket]).any():
         raise ValueError("nonzero position beyond its bucket")
     idx = bucket * d + local
+    # Allocated only now: n comes from the caller, and a corrupt message must
+    # raise ValueError, not MemoryError.
+    levels = np.zeros(n, np.int64)
+    signs = np.zeros(n, bool)
     levels[idx] = lv.astype(np.int64)
     signs[idx] = reader.read(sign_at, 1).astype(bool)
     return levels, signs, scales
@@ -416,6 +434,9 @@ def decode_sparse(data: bytes, n: int, *, format: str = "rle", code: str = "omeg
 
     Raises:
       ValueError: truncated, corrupt or oversized message, indices out of [0, n).
+        A message longer than the longest encoding of its header's count of
+        values among ``n`` (of ``n`` values, before the header is read) is
+        rejected without being read.
 
     Example:
       >>> import numpy as np
@@ -425,19 +446,21 @@ def decode_sparse(data: bytes, n: int, *, format: str = "rle", code: str = "omeg
       ([1, 3], [0.5, -1.0])
     """
     _check_format(format)
-    n = V.check_int("n", n, 0)  # 3.7 is no length
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"data must be bytes, got {type(data).__name__}")
+    n = V.check_int("n", n, 0, _MAX_N)  # 3.7 is no length
     if format == "rle":
-        if len(data) % 2 or len(data) < 4:
+        if elias.check_size(data, 32, 32 + 48 * n, f"n={n} values (rle)") % 2:
             raise ValueError("rle message must be a 32-bit count and 16-bit units")
         count = struct.unpack(">I", bytes(data[:4]))[0]
         if count > n:
             raise ValueError(f"rle count {count} > n={n}")
+        # Each value: its 32 bits and a short token, plus the full tokens of
+        # runs that add up to at most n - count zeros.
+        max_units = 3 * count + (n - count) // _RUN_MAX
+        elias.check_size(
+            data, 32 + 48 * count, 32 + 16 * max_units, f"count={count} values among n={n} (rle)"
+        )
         units = np.frombuffer(bytes(data[4:]), ">u2").astype(np.int64)
         size = units.size
-        if size < 3 * count:
-            raise ValueError(f"truncated rle message: {size} units for {count} values")
         nxt = np.empty(size + 2, np.int64)
         nxt[:size] = np.minimum(np.arange(size) + np.where(units == _RUN_MAX, 1, 3), size + 1)
         nxt[size], nxt[size + 1] = size, size + 1
@@ -456,12 +479,17 @@ def decode_sparse(data: bytes, n: int, *, format: str = "rle", code: str = "omeg
         bits = ((units[ends + 1] << 16) | units[ends + 2]).astype(np.uint32)
         return indices, bits.view(np.float32)
     elias._check_code(code)
+    # Elias(count + 1), then per value an Elias(gap <= n) and 32 bits.
+    value_max = elias.max_codeword_bits(code, max(n, 1)) + 32
+    head_max = elias.max_codeword_bits(code, n + 1)
+    elias.check_size(data, 1, head_max + n * value_max, f"n={n} values ({code})")
     reader = elias.BitReader(data)
     count_value, head = elias.decode_at(reader, np.zeros(1, np.int64), code, n + 1)
     count, head = int(count_value[0]) - 1, int(head[0])
+    elias.check_size(
+        data, head + 33 * count, head + count * value_max, f"count={count} values among n={n}"
+    )
     size = reader.nbits - head
-    if size < 33 * count:
-        raise ValueError(f"truncated message: {size} bits for {count} values")
     if count == 0:
         elias.check_padding(reader, head)
         return np.zeros(0, np.int64), np.zeros(0, np.float32)
