@@ -36,6 +36,12 @@ the two programs that a training step actually runs:
   outputs must be a fresh buffer on every call whatever the compressor does,
   and above glibc's largest mmap threshold (32 MiB, i.e. 2^23 float32) it is
   mapped and page-faulted anew each time (``contract`` measures that cost);
+- ``gradient donated, timed alone``: the same program again after the
+  rounds, ``--repeats`` consecutive calls of it alone, as a training loop
+  calls its step. In the rounds, the programs that write fresh n-sized
+  buffers (the kept-gradient updates, the train steps) change glibc's heap
+  between calls, which costs the next program page faults; the floors of
+  this mode are against the rounds' floor;
 - ``train step``: a whole jitted step with parameters and state donated,
   ``grad(0.5 |p - target|^2)``, ``optax.chain(tx, optax.sgd(0.1))`` and
   ``optax.apply_updates``, beside the same step with plain SGD
@@ -493,6 +499,16 @@ def run(
                 if rnd >= 2:
                     times[name].append(dt)
         med = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+        if modes:
+            # The gradient-donated updates again, each timed alone: consecutive
+            # calls of one program, as a training loop makes them. In the rounds
+            # above the programs with fresh n-sized buffers (the kept-gradient
+            # updates, the train steps) change the allocator's state between
+            # calls.
+            for m in methods:
+                entry = progs[f"{m}/grad_donated"]
+                ts = [_call(entry) for _ in range(repeats + 2)][2:]
+                med[f"{m}/grad_donated_alone"] = 1e3 * statistics.median(ts)
         floor = med["floor"]
         row = {
             "log2_n": lg,
@@ -523,6 +539,8 @@ def run(
             if modes:
                 entry["grad_donated_ms"] = med[f"{m}/grad_donated"]
                 entry["grad_donated_floors"] = med[f"{m}/grad_donated"] / floor
+                entry["grad_donated_alone_ms"] = med[f"{m}/grad_donated_alone"]
+                entry["grad_donated_alone_floors"] = med[f"{m}/grad_donated_alone"] / floor
                 entry["step_ms"] = med[f"{m}/step"]
                 entry["step_floors"] = med[f"{m}/step"] / floor
                 entry["step_over_dense"] = med[f"{m}/step"] / med["dense_step"]
@@ -541,6 +559,9 @@ def run(
             if modes:
                 entry["grad_donated_speedup_vs_top_k"] = (
                     base["grad_donated_ms"] / entry["grad_donated_ms"]
+                )
+                entry["grad_donated_alone_speedup_vs_top_k"] = (
+                    base["grad_donated_alone_ms"] / entry["grad_donated_alone_ms"]
                 )
                 entry["step_speedup_vs_top_k"] = base["step_ms"] / entry["step_ms"]
         results.append(row)
@@ -601,6 +622,12 @@ def _print_row(row):
                 f" {e['step_ms']:.2f} ms {e['step_floors']:.1f} floors"
                 f" {e['step_speedup_vs_top_k']:.2f}x top_k,"
                 f" {e['step_over_dense']:.2f}x the dense step",
+                flush=True,
+            )
+            print(
+                f"    gradient donated, timed alone {e['grad_donated_alone_ms']:.2f} ms"
+                f" {e['grad_donated_alone_floors']:.1f} floors"
+                f" {e['grad_donated_alone_speedup_vs_top_k']:.2f}x top_k",
                 flush=True,
             )
         if "stages_floors" in e:

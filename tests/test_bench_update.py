@@ -52,9 +52,12 @@ def test_bench_update_writes_json_and_png(tmp_path):
         for m in row["methods"].values():
             # The two other modes, each against top_k in the same mode.
             np.testing.assert_allclose(m["grad_donated_floors"], m["grad_donated_ms"] / floor)
+            np.testing.assert_allclose(
+                m["grad_donated_alone_floors"], m["grad_donated_alone_ms"] / floor
+            )
             np.testing.assert_allclose(m["step_floors"], m["step_ms"] / floor)
             np.testing.assert_allclose(m["step_over_dense"], m["step_ms"] / row["dense_step_ms"])
-            for mode in ("grad_donated", "step"):
+            for mode in ("grad_donated", "grad_donated_alone", "step"):
                 np.testing.assert_allclose(
                     m[f"{mode}_speedup_vs_top_k"],
                     row["methods"]["top_k"][f"{mode}_ms"] / m[f"{mode}_ms"],
