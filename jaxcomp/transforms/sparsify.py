@@ -1181,19 +1181,24 @@ def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) ->
     residual = _keep_rest(acc, mask, sent_out)
     if copied and sent_out.dtype == acc.dtype:
         # The same update, read off the residual (here where(mask, +0, acc)):
-        # acc - residual is acc - 0 = acc where sent and acc - acc = +0 where
-        # kept, exactly; a kept inf or NaN (its residual not finite) gives 0,
-        # as where(mask, acc, 0) does. Two reasons: the update now comes after
-        # the residual, so XLA accumulates in place of the donated residual,
-        # writes the update in place of acc, and the one fresh n-sized buffer
-        # (the new residual) is first written by the selector's copy, a
-        # lighter pass than the accumulation (ldte_bs at 2^24: 92-95 vs
-        # 96-101 ms with the copy alone); and XLA:CPU runs this subtract
-        # faster than a kernel that selects on a compare (with the mask, or
-        # on the residual's bits): the update of ldte_bs at 2^22 took
-        # 8.6 vs 9.8 ms with the gradient kept and 7.9 vs 9.2 ms with it
-        # donated (interleaved A/B runs, 2026-11-26).
-        sent_out = jnp.where(jnp.isfinite(residual), acc - residual, 0)
+        # the bits of acc and-not those of the residual are acc's where sent
+        # (residual +0, all bits clear) and +0 where kept (residual == acc bit
+        # for bit), for every value, inf, NaN and subnormals included (no
+        # float arithmetic: a subtraction acc - residual would make inf - inf
+        # a NaN and flush a subnormal under XLA:CPU's denormals-are-zero). Two
+        # reasons: the update now comes after the residual, so XLA accumulates
+        # in place of the donated residual, writes the update in place of acc,
+        # and the one fresh n-sized buffer (the new residual) is first written
+        # by the selector's copy, a lighter pass than the accumulation
+        # (ldte_bs at 2^24: 92-95 vs 96-101 ms with the copy alone); and
+        # XLA:CPU runs this elementwise and-not as fast as the accumulation,
+        # while a kernel that selects on a compare (the mask, or the residual's
+        # bits == 0) ran 1.9-3.1 ms at 2^22 against 0.8-0.9 (ldte_bs's update
+        # at 2^22: 8.0-8.2 vs 9.8 ms with the gradient kept, interleaved A/B
+        # runs, 2026-11-26).
+        bits = jnp.dtype(f"uint{8 * acc.dtype.itemsize}")
+        sent_bits = lax.bitcast_convert_type(acc, bits) & ~lax.bitcast_convert_type(residual, bits)
+        sent_out = lax.bitcast_convert_type(sent_bits, acc.dtype)
     seg = None
     if segments is not None:
         seg = tuple(jnp.sum(mask[lo:hi], dtype=jnp.int32) for lo, hi in _bounds(segments))
