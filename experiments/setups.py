@@ -222,9 +222,10 @@ def setup_config(name: str, **overrides):
     if compressor in train.SPARSIFIERS:
         values.update(setup.sparsifier)
     else:
-        defaults = train.TrainConfig()
         values.update(warmup_epochs=0, momentum_correction=None)
-        values.update({n: getattr(defaults, n) for n in train.unused_fields(compressor)})
+    # The fields the compressor does not use (e.g. DLGS's reuse_period for random_k) stay unset.
+    defaults = train.TrainConfig()
+    values.update({n: getattr(defaults, n) for n in train.unused_fields(compressor)})
     if "epochs" in overrides and "lr_milestones" not in overrides:
         epochs, base = overrides["epochs"], setup.config["epochs"]
         scaled = (round(m * epochs / base) for m in setup.config.get("lr_milestones", ()))

@@ -396,6 +396,8 @@ def unused_fields(compressor: str) -> dict:
             *("merge", "merge_alpha", "merge_beta"),
         ):
             out[name] = "the sparsifiers"
+    if compressor == "random_k":  # it picks indices: there is no threshold to reuse
+        out["reuse_period"] = "the threshold sparsifiers"
     if compressor not in QUANTIZERS or compressor == "cast":
         out["bucket_size"] = "the quantizers but cast"
     if compressor != "qsgd":

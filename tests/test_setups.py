@@ -312,3 +312,16 @@ def test_setup_flag_applies_the_setup_and_explicit_flags_override():
     for name in setups.SETUPS:  # every setup, with the compressors the notebook compares
         for compressor in ("dense", "ldte_bs", "qsgd", "powersgd"):
             train.validate_config(setups.setup_config(name, compressor=compressor))
+
+
+def test_setup_fields_the_compressor_does_not_use_stay_unset():
+    # DLGS's threshold reuse is a sparsifier setting; random_k picks indices
+    # and has no threshold to reuse, so the setup leaves it unset for random_k.
+    c = setups.setup_config("dlgs_vgg16_cifar10", compressor="random_k")
+    assert setups.setup_config("dlgs_vgg16_cifar10").reuse_period > 1
+    assert c.reuse_period is None and c.ratio is not None
+    train.validate_config(c)
+    with pytest.raises(ValueError, match="reuse_period"):
+        train.validate_config(
+            setups.setup_config("dlgs_vgg16_cifar10", compressor="random_k", reuse_period=5)
+        )
