@@ -1193,9 +1193,8 @@ def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) ->
         # (ldte_bs at 2^24: 92-95 vs 96-101 ms with the copy alone); and
         # XLA:CPU runs this elementwise and-not as fast as the accumulation,
         # while a kernel that selects on a compare (the mask, or the residual's
-        # bits == 0) ran 1.9-3.1 ms at 2^22 against 0.8-0.9 (ldte_bs's update
-        # at 2^22: 8.0-8.2 vs 9.8 ms with the gradient kept, interleaved A/B
-        # runs, 2026-11-26).
+        # bits == 0) ran 1.9-3.1 ms at 2^22 against 0.8-1.3 (ldte_bs's update
+        # at 2^22 1.0-1.4 ms faster, interleaved A/B runs, 2026-11-26).
         bits = jnp.dtype(f"uint{8 * acc.dtype.itemsize}")
         sent_bits = lax.bitcast_convert_type(acc, bits) & ~lax.bitcast_convert_type(residual, bits)
         sent_out = lax.bitcast_convert_type(sent_bits, acc.dtype)
