@@ -485,20 +485,20 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
     """
     _validate_fields(config, device_count)
     num_train, shape, num_classes = data_lib.DATASET_SPECS[config.dataset]
-    _validate_data(config, num_train, shape, config.num_devices or device_count, _invalid)
-    _validate_optimizer(config, num_train, shape, num_classes, _invalid)
+    _validate_data(config, num_train, shape, config.num_devices or device_count)
+    _validate_optimizer(config, num_train, shape, num_classes)
 
 
-def _validate_data(c: TrainConfig, num_train: int, shape, n: int | None, fail) -> None:
+def _validate_data(c: TrainConfig, num_train: int, shape, n: int | None) -> None:
     """The checks of a run against its training set (``num_train`` images of ``shape``)."""
     if data_lib.steps_per_epoch(num_train, c.batch_size) < 1:
-        fail(
+        _invalid(
             f"batch_size={c.batch_size} (--batch_size) exceeds the {num_train} training "
             f"examples of dataset={c.dataset!r}"
         )
     num_features = int(np.prod(shape))
     if c.sampling == "feature" and n is not None and n > num_features:
-        fail(
+        _invalid(
             f"sampling='feature' gives every device at least one of the "
             f"{num_features} input features; num_devices={n} is too many"
         )
@@ -515,7 +515,7 @@ def _param_shapes(model: str, shape: tuple, num_classes: int, norm: str):
     return variables["params"]
 
 
-def _validate_optimizer(config: TrainConfig, num_train: int, shape, num_classes, fail) -> None:
+def _validate_optimizer(config: TrainConfig, num_train: int, shape, num_classes) -> None:
     """Builds the run's optimizer and its state abstractly; a factory's ValueError fails."""
     c = config
     # The errors are raised outside the except blocks: one message, no chained traceback.
@@ -525,7 +525,7 @@ def _validate_optimizer(config: TrainConfig, num_train: int, shape, num_classes,
     except Exception as e:  # noqa: BLE001 (whatever the model raises on these inputs)
         error = e
     if error is not None:
-        fail(
+        _invalid(
             f"model={c.model!r} (--model) cannot take dataset={c.dataset!r} images of shape "
             f"{tuple(shape)} ({type(error).__name__}: {error})"
         )
@@ -543,186 +543,193 @@ def _validate_optimizer(config: TrainConfig, num_train: int, shape, num_classes,
     except ValueError as e:
         error = e
     if error is not None:
-        fail(f"{c.compressor}: {error}")
+        _invalid(f"{c.compressor}: {error}")
 
 
 def _validate_fields(config: TrainConfig, device_count: int | None = None) -> None:
     """The checks of :func:`validate_config` that need neither the data nor the optimizer."""
-    fail = _invalid
     c = config
     if c.compressor not in COMPRESSORS:
-        fail(f"unknown compressor {c.compressor!r}; expected one of {', '.join(COMPRESSORS)}")
+        _invalid(f"unknown compressor {c.compressor!r}; expected one of {', '.join(COMPRESSORS)}")
     sparse = c.compressor in SPARSIFIERS
     kind = _kind(c.compressor)
     # A flag the compressor would not read is an error, never silently ignored.
     for name, users in unused_fields(c.compressor).items():
         if getattr(c, name) is not None:
-            fail(
+            _invalid(
                 f"{name} (--{name}) is not used by {kind} {c.compressor!r} (it applies to "
                 f"{users}); leave it unset"
             )
-    _validate_exchange(c, fail)
+    _validate_exchange(c)
     if c.ratio is not None and not 0.0 < c.ratio <= 1.0:
-        fail(f"ratio must be in (0, 1], got {c.ratio}")
+        _invalid(f"ratio must be in (0, 1], got {c.ratio}")
     if not 0 <= c.warmup_epochs <= len(jaxcomp.DGC_WARMUP):
-        fail(f"warmup_epochs must be in [0, {len(jaxcomp.DGC_WARMUP)}], got {c.warmup_epochs}")
+        _invalid(f"warmup_epochs must be in [0, {len(jaxcomp.DGC_WARMUP)}], got {c.warmup_epochs}")
     if c.warmup_epochs and not sparse:
-        fail(
+        _invalid(
             f"warmup_epochs (--warmup_epochs) needs a sparsifier ({', '.join(SPARSIFIERS)}), "
             f"not {kind} {c.compressor!r}; leave it 0"
         )
     if not 0.0 <= c.momentum < 1.0:
-        fail(f"momentum must be in [0, 1), got {c.momentum}")
+        _invalid(f"momentum must be in [0, 1), got {c.momentum}")
     if c.momentum_correction and c.compressor not in (*SPARSIFIERS, "dense"):
-        fail(
+        _invalid(
             f"momentum_correction (--momentum_correction) needs a sparsifier, not {kind} "
             f"{c.compressor!r} (leave it unset or false: it runs with momentum on the "
             "optimizer, or its own)"
         )
     if c.granularity is not None and c.granularity not in ("layer", "global"):
-        fail(f"granularity must be 'layer' or 'global', got {c.granularity!r}")
+        _invalid(f"granularity must be 'layer' or 'global', got {c.granularity!r}")
     if c.reuse_period is not None and c.reuse_period < 1:
-        fail(f"reuse_period must be >= 1 (1: off), got {c.reuse_period}")
+        _invalid(f"reuse_period must be >= 1 (1: off), got {c.reuse_period}")
     if c.low_pass is not None and not 0 < c.low_pass <= 1:
-        fail(f"low_pass must be in (0, 1] (1: plain error feedback), got {c.low_pass}")
+        _invalid(f"low_pass must be in (0, 1] (1: plain error feedback), got {c.low_pass}")
     if c.merge is not None and c.merge not in MERGES:
-        fail(f"merge must be one of {MERGES}, got {c.merge!r}")
+        _invalid(f"merge must be one of {MERGES}, got {c.merge!r}")
     if c.merge not in (None, "none") and c.granularity == "global":
-        fail(f"merge={c.merge!r} plans groups of layers; granularity='global' is one group already")
+        _invalid(
+            f"merge={c.merge!r} plans groups of layers; granularity='global' is one group already"
+        )
     for name in ("merge_alpha", "merge_beta"):
         value = getattr(c, name)
         if value is None:
             continue
         if c.merge in (None, "none"):
-            fail(
+            _invalid(
                 f"{name} (--{name}) sets the merge planner's link; "
                 "it needs merge='greedy' or 'optimal'"
             )
         try:  # the planner's own check of a link time
             planning.linear_cost(**{"alpha": 0.0, "beta": 0.0, name.removeprefix("merge_"): value})
         except ValueError as err:
-            fail(f"{name} (--{name}), in seconds: {err}")
+            _invalid(f"{name} (--{name}), in seconds: {err}")
     if c.min_dense_size is not None and c.min_dense_size < 0:
-        fail(f"min_dense_size must be >= 0, got {c.min_dense_size}")
+        _invalid(f"min_dense_size must be >= 0, got {c.min_dense_size}")
     if c.levels is not None and c.levels < 1:
-        fail(f"qsgd needs levels >= 1, got {c.levels}")
+        _invalid(f"qsgd needs levels >= 1, got {c.levels}")
     if c.rank is not None and c.rank < 1:
-        fail(f"rank must be >= 1, got {c.rank}")
+        _invalid(f"rank must be >= 1, got {c.rank}")
     if c.freeze_step is not None and c.freeze_step < 0:
-        fail(f"freeze_step must be >= 0, got {c.freeze_step}")
+        _invalid(f"freeze_step must be >= 0, got {c.freeze_step}")
     if c.compressor in COMPRESSED_OPTIMIZERS and (c.exchange not in (None, "default")):
-        fail(f"{c.compressor} has its own exchange; leave exchange unset")
+        _invalid(f"{c.compressor} has its own exchange; leave exchange unset")
     if c.bits is not None and not 1 <= c.bits <= 30:
-        fail(f"bits must be in [1, 30] (s = 2**bits levels), got {c.bits}")
+        _invalid(f"bits must be in [1, 30] (s = 2**bits levels), got {c.bits}")
     if c.levels is not None and c.bits is not None:
-        fail(
+        _invalid(
             "give qsgd one of levels (--levels, s itself) and bits (--bits, s = 2**bits), "
             f"not both; got levels={c.levels}, bits={c.bits}"
         )
     if c.bucket_size is not None and c.bucket_size < 1:
-        fail(f"bucket_size must be >= 1, got {c.bucket_size}")
+        _invalid(f"bucket_size must be >= 1, got {c.bucket_size}")
     if c.dataset not in DATASETS:
-        fail(f"unknown dataset {c.dataset!r}; expected one of {', '.join(DATASETS)}")
+        _invalid(f"unknown dataset {c.dataset!r}; expected one of {', '.join(DATASETS)}")
     if not c.dataset.startswith("cifar") and (c.data_dir is not None or c.download):
         # Forgetting --dataset=cifar10 would train on digits without a word.
-        fail(f"data_dir and download (--data_dir, --download) read CIFAR; dataset={c.dataset!r}")
+        _invalid(
+            f"data_dir and download (--data_dir, --download) read CIFAR; dataset={c.dataset!r}"
+        )
     if c.model not in models.MODELS:
-        fail(f"unknown model {c.model!r}; expected one of {', '.join(models.MODELS)}")
+        _invalid(f"unknown model {c.model!r}; expected one of {', '.join(models.MODELS)}")
     if c.schedule not in SCHEDULES:
-        fail(f"schedule must be one of {SCHEDULES}, got {c.schedule!r}")
+        _invalid(f"schedule must be one of {SCHEDULES}, got {c.schedule!r}")
     if c.epochs < 1 or c.batch_size < 1 or not 0 < c.lr < math.inf:
-        fail(
+        _invalid(
             f"need epochs >= 1, batch_size >= 1, a finite lr > 0; "
             f"got {c.epochs}, {c.batch_size}, {c.lr}"
         )
     integer = isinstance(c.seed, (int, np.integer)) and not isinstance(c.seed, bool)
     if not (integer and 0 <= c.seed < 2**32):  # jax.random.key keeps 32 bits: 2**32 + 1 is 1
-        fail(f"seed must be an int in [0, 2**32), got {c.seed!r}")
-    _validate_recipe(c, fail)
+        _invalid(f"seed must be an int in [0, 2**32), got {c.seed!r}")
+    _validate_recipe(c)
     if c.eval_examples is not None and c.eval_examples < 1:
-        fail(f"eval_examples must be >= 1 (or unset: every test example), got {c.eval_examples}")
+        _invalid(
+            f"eval_examples must be >= 1 (or unset: every test example), got {c.eval_examples}"
+        )
     if c.max_steps_per_epoch is not None and c.max_steps_per_epoch < 1:
-        fail(f"max_steps_per_epoch must be >= 1, got {c.max_steps_per_epoch}")
+        _invalid(f"max_steps_per_epoch must be >= 1, got {c.max_steps_per_epoch}")
     bad = [e for e in c.fit_check_epochs if not 1 <= e <= c.epochs]
     if bad:
-        fail(f"fit_check_epochs must be in [1, epochs={c.epochs}], got {bad}")
+        _invalid(f"fit_check_epochs must be in [1, epochs={c.epochs}], got {bad}")
     if c.coded_bytes_every is not None and c.coded_bytes_every < 1:
-        fail(f"coded_bytes_every must be >= 1 (or unset: off), got {c.coded_bytes_every}")
+        _invalid(f"coded_bytes_every must be >= 1 (or unset: off), got {c.coded_bytes_every}")
     if c.num_devices is not None:
         if c.num_devices < 1:
-            fail(f"num_devices must be >= 1, got {c.num_devices}")
+            _invalid(f"num_devices must be >= 1, got {c.num_devices}")
         if device_count is not None and c.num_devices > device_count:
-            fail(
+            _invalid(
                 f"num_devices={c.num_devices} but only {device_count} devices exist "
                 "(on CPU set --num_devices in main.py, or jax_num_cpu_devices / XLA_FLAGS "
                 "before JAX initialises)"
             )
-    _validate_sampling(c, fail)
+    _validate_sampling(c)
     n = c.num_devices or device_count
     if is_coded(c):
-        _validate_coded_devices(c, n, fail)
+        _validate_coded_devices(c, n)
     elif c.sampling == "feature":
         pass  # every device sees the whole batch; features vs devices is checked on the data
     elif n is not None and c.batch_size % n:
-        fail(f"batch_size={c.batch_size} is not divisible by num_devices={n}")
+        _invalid(f"batch_size={c.batch_size} is not divisible by num_devices={n}")
     mp = (c.coordinator_address, c.num_processes, c.process_id)
     if any(v is not None for v in mp):
         if any(v is None for v in mp):
-            fail("coordinator_address, num_processes and process_id go together")
+            _invalid("coordinator_address, num_processes and process_id go together")
         if c.num_processes < 1 or not 0 <= c.process_id < c.num_processes:
-            fail(f"need 0 <= process_id < num_processes, got {c.process_id}, {c.num_processes}")
+            _invalid(f"need 0 <= process_id < num_processes, got {c.process_id}, {c.num_processes}")
         if c.batch_size % c.num_processes:
-            fail(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
+            _invalid(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
 
 
-def _validate_recipe(c: TrainConfig, fail) -> None:
+def _validate_recipe(c: TrainConfig) -> None:
     """The checks of the step schedule, weight decay, norm and augmentation."""
     milestones = tuple(c.lr_milestones)
     if milestones and c.schedule != "step":
-        fail(f"lr_milestones (--lr_milestones) needs schedule='step', got schedule={c.schedule!r}")
+        _invalid(
+            f"lr_milestones (--lr_milestones) needs schedule='step', got schedule={c.schedule!r}"
+        )
     if any(isinstance(m, bool) or int(m) != m for m in milestones):
-        fail(f"lr_milestones must be integer epochs, got {milestones}")
+        _invalid(f"lr_milestones must be integer epochs, got {milestones}")
     if milestones and (
         any(b <= a for a, b in zip(milestones, milestones[1:], strict=False))
         or not 1 <= milestones[0]
         or milestones[-1] >= c.epochs
     ):
-        fail(
+        _invalid(
             f"lr_milestones must be strictly increasing epochs in [1, epochs={c.epochs}), got "
             f"{milestones}"
         )
     if not (np.isfinite(c.lr_decay) and 0.0 < c.lr_decay <= 1.0):
-        fail(f"lr_decay must be in (0, 1], got {c.lr_decay}")
+        _invalid(f"lr_decay must be in (0, 1], got {c.lr_decay}")
     if c.lr_decay != 0.1 and c.schedule != "step":
-        fail(f"lr_decay (--lr_decay) needs schedule='step', got schedule={c.schedule!r}")
+        _invalid(f"lr_decay (--lr_decay) needs schedule='step', got schedule={c.schedule!r}")
     if not (np.isfinite(c.weight_decay) and c.weight_decay >= 0.0):
-        fail(f"weight_decay must be >= 0, got {c.weight_decay}")
+        _invalid(f"weight_decay must be >= 0, got {c.weight_decay}")
     if c.norm not in NORMS:
-        fail(f"norm (--norm) must be one of {', '.join(NORMS)}, got {c.norm!r}")
+        _invalid(f"norm (--norm) must be one of {', '.join(NORMS)}, got {c.norm!r}")
     if c.norm == "batch":
         if c.model not in models.NORMALIZED:
-            fail(
+            _invalid(
                 f"norm='batch' needs a model with normalisation layers "
                 f"({', '.join(models.NORMALIZED)}), got {c.model!r}"
             )
         if is_coded(c):
-            fail(
+            _invalid(
                 f"norm='batch' is not supported with exchange={c.exchange!r}: CSSGD's step "
                 "differentiates a loss without model state; use --norm=group"
             )
         if c.fit_check_epochs:
-            fail(
+            _invalid(
                 "fit_check_epochs (--fit_check_epochs) is not supported with norm='batch' (it "
                 "recomputes a device's gradient without the batch statistics); leave it empty"
             )
 
 
-def _validate_sampling(c: TrainConfig, fail) -> None:
+def _validate_sampling(c: TrainConfig) -> None:
     """The checks of ``sampling`` that need neither the devices nor the data."""
     if c.sampling not in SAMPLINGS:
-        fail(f"sampling (--sampling) must be one of {', '.join(SAMPLINGS)}, got {c.sampling!r}")
+        _invalid(f"sampling (--sampling) must be one of {', '.join(SAMPLINGS)}, got {c.sampling!r}")
     if is_coded(c) and c.sampling in ("local", "feature"):
-        fail(
+        _invalid(
             f"sampling={c.sampling!r} (--sampling) does not go with exchange={c.exchange!r}: "
             "CSSGD puts every block of the global batch on several devices, so a device would "
             "compute on examples (or features) it does not hold; use --sampling=global or "
@@ -732,30 +739,30 @@ def _validate_sampling(c: TrainConfig, fail) -> None:
         return
     why = "(--sampling=feature slices the input features of the mlp's first dense layer)"
     if c.model != "mlp":
-        fail(f"sampling='feature' needs model='mlp', got {c.model!r} {why}")
+        _invalid(f"sampling='feature' needs model='mlp', got {c.model!r} {why}")
     if c.merge not in (None, "none"):
-        fail(
+        _invalid(
             f"merge={c.merge!r} (--merge) is not supported with sampling='feature': it plans "
             "groups over all the model's layers, and the first kernel's slices are not "
             "compressed there; leave it unset"
         )
     if c.fit_check_epochs:
-        fail(
+        _invalid(
             "fit_check_epochs (--fit_check_epochs) is not supported with sampling='feature' (it "
             "measures a device's gradient of a data-parallel batch); leave it empty"
         )
     if c.num_processes is not None or c.coordinator_address is not None:
-        fail(
+        _invalid(
             "sampling='feature' runs in one process only (the kernel slices are placed and "
             "gathered on the host as whole arrays); leave coordinator_address, num_processes "
             "and process_id unset"
         )
 
 
-def _validate_exchange(c: TrainConfig, fail) -> None:
+def _validate_exchange(c: TrainConfig) -> None:
     """The checks of ``exchange`` and the CSSGD fields that need no device count."""
     if c.exchange is not None and c.exchange not in EXCHANGES:
-        fail(f"exchange (--exchange) must be one of {', '.join(EXCHANGES)}, got {c.exchange!r}")
+        _invalid(f"exchange (--exchange) must be one of {', '.join(EXCHANGES)}, got {c.exchange!r}")
     if c.exchange not in (None, "default") and not is_coded(c):
         allowed = (
             SPARSIFIER_EXCHANGES
@@ -765,7 +772,7 @@ def _validate_exchange(c: TrainConfig, fail) -> None:
             else ()
         )
         if c.exchange not in allowed:
-            fail(
+            _invalid(
                 f"exchange={c.exchange!r} (--exchange) is not an exchange of "
                 f"{_kind(c.compressor)} {c.compressor!r}: it takes "
                 f"{', '.join(('default', *CODED_EXCHANGES) if not allowed else allowed)}"
@@ -774,14 +781,14 @@ def _validate_exchange(c: TrainConfig, fail) -> None:
         # Like the per-compressor flags: a CSSGD flag is never silently ignored.
         for name in CODED_FIELDS:
             if getattr(c, name) is not None:
-                fail(
+                _invalid(
                     f"{name} (--{name}) is only used by CSSGD runs (--exchange=coded or "
                     "--exchange=uncoded), not with the compressor's own exchange; leave it "
                     "unset or set --exchange"
                 )
         return
     if c.compressor != "dense":
-        fail(
+        _invalid(
             f"exchange={c.exchange!r} (--exchange) needs compressor='dense', got "
             f"{_kind(c.compressor)} {c.compressor!r}: CSSGD's coded packets are wrap-around sums "
             "of dense integer gradient segments, which only invert when every device quantizes "
@@ -791,49 +798,49 @@ def _validate_exchange(c: TrainConfig, fail) -> None:
             "itself)"
         )
     if c.redundancy is None:
-        fail(
+        _invalid(
             f"exchange={c.exchange!r} needs redundancy (--redundancy), the devices holding "
             "each block of the batch, in [1, num_devices]"
         )
     if isinstance(c.redundancy, bool) or not isinstance(c.redundancy, (int, np.integer)):
-        fail(f"redundancy (--redundancy) must be an integer >= 1, got {c.redundancy!r}")
+        _invalid(f"redundancy (--redundancy) must be an integer >= 1, got {c.redundancy!r}")
     if c.redundancy < 1:
-        fail(f"redundancy (--redundancy) must be an integer >= 1, got {c.redundancy!r}")
+        _invalid(f"redundancy (--redundancy) must be an integer >= 1, got {c.redundancy!r}")
     if c.coded_value_range is not None and not (
         np.isfinite(c.coded_value_range) and c.coded_value_range > 0
     ):
-        fail(f"coded_value_range (--coded_value_range) must be > 0, got {c.coded_value_range}")
+        _invalid(f"coded_value_range (--coded_value_range) must be > 0, got {c.coded_value_range}")
     if c.coded_bits is not None and c.coded_bits not in cssgd.BITS:
-        fail(
+        _invalid(
             f"coded_bits (--coded_bits) must be one of {', '.join(map(str, cssgd.BITS))}, "
             f"got {c.coded_bits}"
         )
     if c.num_processes is not None or c.coordinator_address is not None:
-        fail(
+        _invalid(
             f"exchange={c.exchange!r} runs in one process only (every device's blocks are cut "
             "from the whole global batch on the host); leave coordinator_address, "
             "num_processes and process_id unset"
         )
     if c.fit_check_epochs:
-        fail(
+        _invalid(
             f"fit_check_epochs (--fit_check_epochs) is not supported with "
             f"exchange={c.exchange!r} (it measures a device's share of a plain data-parallel "
             "batch; CSSGD's devices hold several overlapping blocks); leave it empty"
         )
 
 
-def _validate_coded_devices(c: TrainConfig, n: int | None, fail) -> None:
+def _validate_coded_devices(c: TrainConfig, n: int | None) -> None:
     """CSSGD's checks that need the device count ``n`` (skipped when unknown)."""
     if n is None:
         return
     if c.redundancy > n:
-        fail(
+        _invalid(
             f"redundancy (--redundancy) must be in [1, num_devices={n}] (a block cannot live "
             f"on more devices than there are), got {c.redundancy}"
         )
     blocks = math.comb(n, c.redundancy)
     if c.batch_size % blocks:
-        fail(
+        _invalid(
             f"batch_size={c.batch_size} must be a multiple of C(num_devices, redundancy) = "
             f"C({n}, {c.redundancy}) = {blocks} (CSSGD splits each batch into one block per "
             f"{c.redundancy}-subset of the {n} devices; e.g. 280 serves 8 devices at r = 1..4)"
@@ -1951,7 +1958,7 @@ def train_and_evaluate(
         error = e
     if error is not None:
         _invalid(f"dataset={c.dataset!r} (--data_dir): {error}")
-    _validate_data(c, len(dataset.train_y), dataset.train_x.shape[1:], n_dev, _invalid)
+    _validate_data(c, len(dataset.train_y), dataset.train_x.shape[1:], n_dev)
     _check_workdir(c, workdir, n_dev, overwrite)
     spe = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
     num_features = int(np.prod(dataset.train_x.shape[1:]))
