@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from experiments import jsonio
+
 __all__ = ["EXCHANGES", "formula_bytes", "main", "measure", "run"]
 
 # "sparse" before the others: its bytes give the message capacity.
@@ -161,7 +163,7 @@ def run(devices, log2: int, repeats: int, out: str | Path, exchanges=EXCHANGES) 
         r["fewer_than_dense"] = dense[r["devices"]] / r["wire_bytes"] if r["wire_bytes"] else None
     targets = _targets(rows)
     result = {"ratio": RATIO, "log2_size": log2, "rows": rows, "targets": targets}
-    (out / "bench_allreduce.json").write_text(json.dumps(result, indent=1))
+    (out / "bench_allreduce.json").write_text(jsonio.dumps(result, indent=1))
     _plot(rows, out / "bench_allreduce.png")
     return result
 

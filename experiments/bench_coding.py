@@ -56,6 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import jsonio  # noqa: E402
 from experiments.timing import environment  # noqa: E402
 from jaxcomp import coding  # noqa: E402
 from jaxcomp.transforms.quantize import (  # noqa: E402
@@ -329,7 +330,7 @@ def main(argv=None):
         statistic="median after 1 warm-up",
     )
     with open(os.path.join(args.out, "bench_coding.json"), "w") as f:
-        json.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
+        jsonio.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
     plot(rows, os.path.join(args.out, "bench_coding.png"))
     print(json.dumps(summary, indent=1))
 

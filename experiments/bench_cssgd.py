@@ -47,10 +47,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import statistics
+
+from experiments import jsonio
 
 __all__ = ["DEFAULT_MODELS", "DEFAULT_REDUNDANCIES", "format_table", "main", "run", "write_plot"]
 
@@ -246,7 +247,7 @@ def run(
         }
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_cssgd.json"), "w") as f:
-        json.dump(record, f, indent=1)
+        jsonio.dump(record, f, indent=1)
     write_plot(record, os.path.join(out_dir, "bench_cssgd.png"))
     return record
 

@@ -41,7 +41,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -53,6 +52,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
+from experiments import jsonio  # noqa: E402
 from experiments.timing import environment, median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import comm  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
@@ -319,7 +319,7 @@ def main(argv=None):
         "repeats": args.repeats,
     }
     (out / "bench_exchange.json").write_text(
-        json.dumps({"meta": meta, "rows": rows, "quantizer_rows": qrows}, indent=2)
+        jsonio.dumps({"meta": meta, "rows": rows, "quantizer_rows": qrows}, indent=2)
     )
     _plot(rows, out / "bench_exchange.png", qrows)
     print(f"wrote {out / 'bench_exchange.json'} and {out / 'bench_exchange.png'}")

@@ -39,7 +39,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -52,6 +51,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
+from experiments import jsonio  # noqa: E402
 from experiments.models import make_model  # noqa: E402
 from experiments.timing import environment, median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
@@ -210,7 +210,7 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     meta["predicted"] = {m: {"groups": g, "predicted_ms": t} for m, (g, t) in predicted.items()}
     result = {"meta": meta, "results": rows}
-    (out / "bench_merge.json").write_text(json.dumps(result, indent=1))
+    (out / "bench_merge.json").write_text(jsonio.dumps(result, indent=1))
     _plot(rows, out / "bench_merge.png", meta)
     return result
 

@@ -29,12 +29,12 @@ A 4-D shape is a Flax ``(kh, kw, in, out)`` kernel, compressed with
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import time
 
+from experiments import jsonio
 from experiments.compare import set_cpu_devices
 
 
@@ -157,7 +157,7 @@ def run(shapes, ranks, eta, n_dev, repeats, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_powersgd.json")
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1)
+        jsonio.dump({"meta": meta, "results": rows}, f, indent=1)
     plot(rows, eta, os.path.join(out_dir, "bench_powersgd.png"))
     return {"meta": meta, "results": rows}
 

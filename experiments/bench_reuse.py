@@ -41,7 +41,6 @@ Run: ``python -m experiments.bench_reuse [--log2_n 22] [--periods 1,5,20]
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -52,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomp
+from experiments import jsonio
 from experiments.bench_selection import make_data
 from experiments.timing import environment, median_ms
 from jaxcomp.selection import _kernels as kernels
@@ -205,7 +205,7 @@ def run(log2_n, periods, methods, repeats, out_dir, drift_periods=3, warm_steps=
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_reuse.json")
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+        jsonio.dump({"meta": meta, "results": results}, f, indent=1)
     png = plot(results, os.path.join(out_dir, "bench_reuse.png"))
     print(f"wrote {path} and {png}")
     return results

@@ -32,7 +32,6 @@ Run: ``python -m experiments.bench_selection [--sizes 10,12,...,24]
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
@@ -40,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import jsonio
 from experiments.timing import environment, median_ms, median_ms_threaded
 from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import selectors
@@ -244,7 +244,7 @@ def run(sizes_log2, kinds, repeats, out_dir, methods=None):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_selection.json")
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+        jsonio.dump({"meta": meta, "results": results}, f, indent=1)
     png = plot(results, os.path.join(out_dir, "bench_selection.png"))
     print(f"wrote {path} and {png}")
     return results

@@ -39,7 +39,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -51,6 +50,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
+from experiments import jsonio  # noqa: E402
 from experiments.timing import environment, median_ms_threaded  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 
@@ -182,7 +182,7 @@ def run(width: int, depth: int, ratio: float, repeats: int, out_dir: str) -> dic
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "results": rows}
-    (out / "bench_train_step.json").write_text(json.dumps(result, indent=1))
+    (out / "bench_train_step.json").write_text(jsonio.dumps(result, indent=1))
     _plot(rows, out / "bench_train_step.png", meta)
     return result
 

@@ -88,6 +88,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxcomp
+from experiments import jsonio
 from experiments.bench_selection import make_data
 from experiments.timing import environment
 from jaxcomp.selection import selectors
@@ -579,7 +580,7 @@ def run(
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_update.json")
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+        jsonio.dump({"meta": meta, "results": results}, f, indent=1)
     png = plot(results, os.path.join(out_dir, "bench_update.png"))
     print(f"wrote {path} and {png}")
     return results

@@ -55,9 +55,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
+
+from experiments import jsonio
 
 __all__ = [
     "DLGS_REUSE_PERIOD",
@@ -379,7 +380,7 @@ def main(argv=None) -> dict:
     table, rows = format_table(results, args.target)
     print(table)
     with open(os.path.join(args.outdir, "comparison.json"), "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        jsonio.dump({"args": vars(args), "rows": rows}, f, indent=2)
     print(f"plots and JSON in {args.outdir}")
     return rows
 

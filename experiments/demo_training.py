@@ -23,10 +23,9 @@ Two byte counts are reported because they answer different questions:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-from experiments import compare
+from experiments import compare, jsonio
 
 __all__ = ["main"]
 
@@ -100,7 +99,7 @@ def main(argv=None) -> dict:
             f"{s['wire_ratio']:.0f}x)."
         )
     with open(os.path.join(args.outdir, "comparison.json"), "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        jsonio.dump({"args": vars(args), "rows": rows}, f, indent=2)
     print(f"plots and metrics in {args.outdir}")
     return rows
 

@@ -39,6 +39,8 @@ import os
 
 import numpy as np
 
+from experiments import jsonio
+
 __all__ = [
     "FIT_CHECK_FILE",
     "MIN_SIZE",
@@ -151,7 +153,7 @@ def check_epoch(workdir: str, epoch: int, *, config, model, params, opt_state, b
     if jax.process_index() == 0:
         kept = [r for r in read_rows(workdir) if r["epoch"] < epoch]
         with open(os.path.join(workdir, FIT_CHECK_FILE), "w") as f:
-            json.dump(kept + rows, f, indent=1)
+            jsonio.dump(kept + rows, f, indent=1)
         plot_histograms(
             trees,
             rows,
@@ -302,7 +304,7 @@ def main(argv=None) -> list:
     os.makedirs(args.outdir, exist_ok=True)
     summary = [{k: v for k, v in r.items() if k != "per_leaf"} for r in rows]
     with open(os.path.join(args.outdir, "table1.json"), "w") as f:
-        json.dump({"args": vars(args), "rows": summary, "markdown": table}, f, indent=1)
+        jsonio.dump({"args": vars(args), "rows": summary, "markdown": table}, f, indent=1)
     print(f"per-layer rows and histograms in {args.outdir}/<model>/, table in table1.json")
     return rows
 

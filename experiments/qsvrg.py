@@ -26,7 +26,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
     ).strip()
 
-import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -34,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from experiments import jsonio  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 from jaxcomp.transforms.qsvrg import make_qsvrg_epoch, qsvrg  # noqa: E402
 
@@ -197,7 +197,7 @@ def write(result, out_dir):
     """Writes ``qsvrg.json`` and ``qsvrg.png`` to ``out_dir``; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "qsvrg.json").write_text(json.dumps(result, indent=2))
+    (out / "qsvrg.json").write_text(jsonio.dumps(result, indent=2))
     _plot(result, out / "qsvrg.png")
     return out / "qsvrg.json", out / "qsvrg.png"
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
+from experiments import jsonio
 from jaxcomp.planning import scalability as sc
 
 __all__ = [
@@ -377,7 +377,7 @@ def run(out: str | Path, nodes=NODES, verbose: bool = True, pays: dict | None = 
         "curves": data,
         "compression_pays": pays,
     }
-    (out / "scalability.json").write_text(json.dumps(result, indent=1))
+    (out / "scalability.json").write_text(jsonio.dumps(result, indent=1))
     plot(data, out / "scalability.png")
     if verbose:
         print("Assumed inputs:")

@@ -31,11 +31,12 @@ Flags: ``--num_devices`` (simulated CPU devices, set before JAX starts),
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from absl import app, flags
+
+from experiments import jsonio
 
 __all__ = ["COMPRESSORS", "MODES", "define_flags", "format_table", "main", "run", "run_from_flags"]
 
@@ -225,7 +226,7 @@ def run(
     }
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "staleness.json"), "w") as f:
-        json.dump(record, f, indent=2)
+        jsonio.dump(record, f, indent=2)
     write_plot(record, os.path.join(outdir, "staleness.png"))
     return record
 

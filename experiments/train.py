@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from experiments import data as data_lib
-from experiments import models, timing
+from experiments import jsonio, models, timing
 from jaxcomp import cssgd, planning
 from jaxcomp import sampling as sampling_lib
 from jaxcomp.transforms.quantize import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
@@ -1470,10 +1470,7 @@ def _metrics_line(record: dict) -> str:
     Python's ``json`` would write ``NaN``/``Infinity``, which is not JSON: ``jq``,
     JavaScript and other strict parsers reject the whole file.
     """
-    strict = {
-        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
-    }
-    return json.dumps(strict, allow_nan=False) + "\n"
+    return jsonio.dumps(record) + "\n"
 
 
 def _read_records(path: str, upto: int) -> list:

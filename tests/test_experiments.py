@@ -303,6 +303,38 @@ def test_compare_table_has_table3_alpha_and_the_time_split():
     assert "alpha" in table.splitlines()[0] and "4.00" in table
 
 
+def _strict_json(text):
+    """``json.loads`` that rejects NaN and Infinity, as jq and JavaScript do."""
+
+    def reject(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=reject)
+
+
+def test_result_files_write_non_finite_values_as_null():
+    from experiments import compare, jsonio  # noqa: PLC0415
+
+    nan, inf = float("nan"), float("inf")
+    assert _strict_json(jsonio.dumps({"a": [1.5, nan, {"b": -inf}], "c": (2, inf), "d": "x"})) == {
+        "a": [1.5, None, {"b": None}],
+        "c": [2, None],
+        "d": "x",
+    }
+    # A diverged run (NaN accuracy and times) in compare's rows, as comparison.json holds them.
+    results = {
+        name: {"records": _fake_records(acc, 1.0, (0.001, 0.001, 0.001)), "compile_time": 1.0}
+        for name, acc in [("dense", [0.5, 0.9]), ("top_k", [0.5, nan])]
+    }
+    for r in results.values():
+        r["final"] = r["records"][-1]
+    _, rows = compare.format_table(results, target=0.95)
+    assert math.isnan(rows["top_k"]["final_accuracy"])
+    stored = _strict_json(jsonio.dumps({"rows": rows}))["rows"]
+    assert stored["top_k"]["final_accuracy"] is None
+    assert stored["dense"] == rows["dense"]
+
+
 def test_bench_cssgd_writes_json_and_png(tmp_path):
     from experiments import bench_cssgd  # noqa: PLC0415
     from jaxcomp import cssgd  # noqa: PLC0415
