@@ -92,3 +92,12 @@ def test_readme_internal_links_resolve():
     assert sorted(anchors - slugs) == []
     for target in re.findall(r"\]\(([\w./-]+\.(?:md|ipynb|py))\)", text):
         assert (README.parent / target).exists(), target
+
+
+def test_readme_images_exist():
+    """Every image the README shows is a file in the repository (a relative path)."""
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text())
+    assert images, "the README shows the exchanges' scaling plot"
+    for path in images:
+        assert not path.startswith(("http:", "https:", "/")), path
+        assert (README.parent / path).is_file(), path
