@@ -15,7 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["check_per_device", "cond", "probing", "varying_axes", "varying_like", "vma_checked"]
+__all__ = [
+    "check_per_device",
+    "cond",
+    "device_identical",
+    "probing",
+    "varying_axes",
+    "varying_like",
+    "vma_checked",
+]
 
 
 def varying_axes(x) -> frozenset:
@@ -84,7 +92,9 @@ def check_per_device(grads, axis_name, who: str) -> None:
                 "with jaxcomp.distributed.per_device_grad (or per_device_value_and_grad), "
                 "which casts the parameters to device-varying first. If the gradients really "
                 "are identical on every device there is nothing to exchange: use "
-                "axis_name=None."
+                "axis_name=None. (optax.MultiSteps around the compressor also does this: it "
+                "traces the compressor on its zero accumulator, typed invariant; in a "
+                "hand-written shard_map use check_vma=False there, as make_train_step does.)"
             )
 
 
@@ -101,6 +111,25 @@ def probing():
         yield
     finally:
         _PROBING.reset(token)
+
+
+def device_identical(x, axis_name):
+    """``x``, equal on every device along ``axis_name`` by construction, typed so for the probe.
+
+    A ``ppermute``'s output is typed device-varying even when every device
+    ends with the same value (gTop-k's recursive doubling, SparCML's merged
+    union). ``make_train_step``'s probe reads that type to find the update
+    leaves ``tx`` averages, and would take such a leaf for an unexchanged one
+    (and average its gradient densely before ``tx``). While probing (tracing
+    only: nothing runs) ``x`` is therefore typed invariant with a ``pmax``.
+    JAX has no free cast from varying to invariant, so outside the probe ``x``
+    comes back as it is: a ``shard_map`` with ``check_vma=True`` needs out
+    specs that allow a device-varying value for it (or ``check_vma=False``).
+    """
+    if not _PROBING.get():
+        return x
+    axes = tuple(a for a in _axis_names(axis_name) if a in varying_axes(x))
+    return lax.pmax(x, axes) if axes else x
 
 
 def cond(pred, true_fun, false_fun, *operands):

@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import mesh_update
 from jax.sharding import NamedSharding
@@ -261,11 +262,13 @@ def test_auto_never_picks_an_approximate_exchange():
             assert sa.choose_exchange("auto", cap, 2**22, 4, n_dev) in sa.EXACT_EXCHANGES
 
 
-def test_include_rejected_by_approximate_exchanges():
+@pytest.mark.parametrize("name", ["gtopk", "auto_topk"])
+def test_include_rejected_by_approximate_exchanges(name):
+    """Named as asked: auto_topk, whichever exchange it would resolve to."""
     idx, val = _messages(2, 4, seed=0)
-    with pytest.raises(ValueError, match="include"):
+    with pytest.raises(ValueError, match=f"exchange='{name}' does not take include="):
         _run(
-            lambda i, v: sa.exchange("gtopk", i, v, SIZE, "data", include=jnp.bool_(True)),
+            lambda i, v: sa.exchange(name, i, v, SIZE, "data", include=jnp.bool_(True)),
             2,
             idx,
             val,
@@ -438,6 +441,39 @@ def test_scalecom_device_that_skips_sends_nothing_and_keeps_its_residual():
         np.testing.assert_array_equal(r1[d][lead], 0)
 
 
+def test_scalecom_leader_that_skips_applies_nothing():
+    n_dev, n = 4, 40
+    rng = np.random.default_rng(1)
+    g0 = rng.integers(-100, 100, size=(n_dev, n)).astype(np.float32)
+    g1 = rng.integers(-100, 100, size=(n_dev, n)).astype(np.float32)
+    g1[1, 3] = np.inf  # device 1 leads step 1 and skips it
+    tx = jaxcomp.top_k(0.1, axis_name="data", exchange="scalecom")
+    (_, s0), (u1, s1) = _steps_on_devices(tx, [{"w": g0}, {"w": g1}], n_dev)
+    r0, r1 = s0.residual["w"], s1.residual["w"]
+    assert not np.any(u1["w"])
+    np.testing.assert_array_equal(r1[1], r0[1])
+    for d in (0, 2, 3):  # no indices: each keeps its whole accumulator
+        np.testing.assert_array_equal(r1[d], r0[d] + g1[d])
+
+
+@pytest.mark.parametrize("exchange", ["gtopk", "oktopk"])
+def test_device_that_skips_loses_nothing_and_stays_finite(exchange):
+    """A skipping device sends nothing but still owns what its group or region
+    leaves: its residual may change, by finite sums, and nothing is lost."""
+    n_dev, n = 4, 64
+    rng = np.random.default_rng(2)
+    g0 = rng.integers(-100, 100, size=(n_dev, n)).astype(np.float32)
+    g1 = rng.integers(-100, 100, size=(n_dev, n)).astype(np.float32)
+    g1[0, 5] = np.nan
+    tx = jaxcomp.top_k(0.1, axis_name="data", exchange=exchange)
+    (_, s0), (u1, s1) = _steps_on_devices(tx, [{"w": g0}, {"w": g1}], n_dev)
+    r0, r1 = s0.residual["w"].astype(np.float64), s1.residual["w"].astype(np.float64)
+    assert np.all(np.isfinite(r1)) and np.all(np.isfinite(u1["w"]))
+    assert s1.sent_count["w"][0] == 0 and s1.nonfinite_steps.tolist()[0] == 1
+    sent = r0.sum(0) + np.where(np.isnan(g1), 0, g1)[1:].sum(0)  # device 0 adds nothing
+    np.testing.assert_array_equal(r1.sum(0) + n_dev * u1["w"][0].astype(np.float64), sent)
+
+
 def test_exact_exchanges_agree_with_the_all_gather():
     import jaxcomp  # noqa: PLC0415
 
@@ -532,3 +568,46 @@ def test_every_exchange_runs_under_a_checked_shard_map(exchange):
         }
         for k in g:
             np.testing.assert_array_equal(np.asarray(out[True][k]), np.asarray(out[False][k]))
+
+
+@pytest.mark.parametrize("exchange", ["gtopk", "sparcml"])
+def test_make_train_step_compresses_each_devices_gradient(exchange):
+    """gTop-k's and SparCML's updates come out of ppermutes, typed device-varying
+    although equal on every device. make_train_step's probe once took them for
+    unexchanged leaves and averaged the gradients densely before the compressor:
+    every device then compressed the same mean gradient (and paid a dense
+    all-reduce). The applied update must be the exchange of the per-device
+    top-k messages (numpy references), at the exchange's own bytes."""
+    from jaxcomp import distributed as dist  # noqa: PLC0415
+
+    n_dev, ratio = 8, 0.05
+    mesh = _mesh(n_dev)
+    rng = np.random.default_rng(5)
+    # Distinct integer magnitudes per device: no ties, every sum exact in float32.
+    grads = np.stack([rng.permutation(SIZE) + 1.0 for _ in range(n_dev)])
+    grads = (grads * rng.choice([-1.0, 1.0], size=grads.shape)).astype(np.float32)
+    tx = optax.chain(jaxcomp.top_k(ratio, axis_name="data", exchange=exchange), optax.sgd(1.0))
+    params = dist.replicate({"w": jnp.zeros(SIZE)}, mesh)
+    for name in ("sparse", "gtopk", "oktopk", "scalecom", "sparcml", "auto_topk"):
+        other = jaxcomp.top_k(ratio, axis_name="data", exchange=name)
+        assert dist.unexchanged_leaves(other, params, mesh) == [], name
+    loss = lambda p, b: jnp.sum(p["w"] * b["g"][0])  # noqa: E731 (gradient: this device's row)
+    step = dist.make_train_step(loss, tx, mesh, unexchanged="error")
+    state = dist.init_opt_state(tx, params, mesh)
+    new_params, _, metrics = step(params, state, dist.shard_batch({"g": grads}, mesh))
+    k = jaxcomp.selection.target_count(ratio, SIZE)
+    cap = math.ceil(1.5 * k)  # the message capacity (capacity_factor 1.5)
+    top = np.argsort(-np.abs(grads), axis=1, kind="stable")[:, :k]
+    idx = np.full((n_dev, cap), SIZE, np.int32)
+    idx[:, :k] = top
+    val = np.zeros((n_dev, cap), np.float32)
+    val[:, :k] = np.take_along_axis(grads, top, axis=1)
+    if exchange == "gtopk":
+        want = _gtopk_reference(idx, val, cap)
+        want_bytes = math.log2(n_dev) * cap * 8
+    else:  # the exact mean of the messages (the sparse branch: 8 x 26 pairs fit the union)
+        want = _dense(idx, val).sum(0) / n_dev
+        want_bytes = None
+    np.testing.assert_array_equal(-np.asarray(new_params["w"], np.float64), want)
+    if want_bytes is not None:
+        assert float(metrics["wire_bytes"]) == want_bytes

@@ -227,7 +227,7 @@ def gtopk_mean(indices, values, size: int, axis_name) -> Exchanged:
         leader = (me & ((2 << i) - 1)) == 0
         back_idx.append(jnp.where(leader, d_idx, size))
         back_val.append(jnp.where(leader, d_val, 0))
-    update = _scatter_mean(idx, val, size, divisor)
+    update = _vma.device_identical(_scatter_mean(idx, val, size, divisor), axis_name)
     if not back_idx:
         return Exchanged(update, jnp.float32(wire))
     back = _returned(jnp.concatenate(back_val), n_dev, divisor)
@@ -538,7 +538,8 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
             keep = min(m_idx.shape[0], union)
             order = jnp.argsort(m_idx, stable=True)[:keep]
             idx, val = m_idx[order], m_val[order]
-        return _scatter_mean(idx, val, size, divisor), jnp.float32(sent)
+        update = _vma.device_identical(_scatter_mean(idx, val, size, divisor), axis_name)
+        return update, jnp.float32(sent)
 
     def dense_path(_):
         d = (
@@ -665,12 +666,14 @@ def exchange(
     from jaxcomp.comm import collectives  # noqa: PLC0415
 
     n_dev = axis_size(axis_name)
-    name = choose_exchange(name, indices.shape[0], size, jnp.dtype(values.dtype).itemsize, n_dev)
-    if include is not None and name not in INCLUDE_EXCHANGES:
+    # Checked on the name asked for: "auto_topk" may resolve to an exact
+    # exchange at some sizes and not at others.
+    if include is not None and name not in (*INCLUDE_EXCHANGES, "auto"):
         raise ValueError(
             f"exchange={name!r} does not take include= (backup workers): only "
             f"{INCLUDE_EXCHANGES} (and 'auto') average over the included devices"
         )
+    name = choose_exchange(name, indices.shape[0], size, jnp.dtype(values.dtype).itemsize, n_dev)
     if name in ("sparse", "dense"):
         return Exchanged(
             *collectives.exchange_mean(

@@ -429,7 +429,13 @@ def sparsify(
         nothing this step (an empty message; with one device the update is
         zero) and keeps its residual and velocity unchanged; the other
         devices' messages are averaged as usual (divided by the number of
-        devices), and the collective runs unconditionally. ``"zero"``: non-finite elements are
+        devices), and the collective runs unconditionally. Two exchanges
+        differ: with ``gtopk`` and ``oktopk`` the skipping device still
+        receives into its residual the (finite) sums it owns, a merging
+        group's dropped pairs or its region's unselected ones; with
+        ``scalecom`` a skipping leader selects no indices, so that step
+        applies nothing (every device keeps its message in its residual).
+        Nothing is lost either way. ``"zero"``: non-finite elements are
         replaced by 0 and the rest is used. Neither ever writes NaN/Inf into
         the residual. ``optax.apply_if_finite`` around the compressor also
         protects the residual on one device; under ``shard_map`` its
