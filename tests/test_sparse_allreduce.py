@@ -570,14 +570,15 @@ def test_every_exchange_runs_under_a_checked_shard_map(exchange):
             np.testing.assert_array_equal(np.asarray(out[True][k]), np.asarray(out[False][k]))
 
 
-@pytest.mark.parametrize("exchange", ["gtopk", "sparcml"])
+@pytest.mark.parametrize("exchange", ["gtopk", "sparcml", "server"])
 def test_make_train_step_compresses_each_devices_gradient(exchange):
-    """gTop-k's and SparCML's updates come out of ppermutes, typed device-varying
-    although equal on every device. make_train_step's probe once took them for
-    unexchanged leaves and averaged the gradients densely before the compressor:
-    every device then compressed the same mean gradient (and paid a dense
-    all-reduce). The applied update must be the exchange of the per-device
-    top-k messages (numpy references), at the exchange's own bytes."""
+    """gTop-k's, SparCML's and the parameter server's updates come out of
+    ppermutes, typed device-varying although equal on every device.
+    make_train_step's probe once took them for unexchanged leaves and averaged
+    the gradients densely before the compressor: every device then compressed
+    the same mean gradient (and paid a dense all-reduce). The applied update
+    must be the exchange of the per-device top-k messages (numpy references),
+    at the exchange's own bytes."""
     from jaxcomp import distributed as dist  # noqa: PLC0415
 
     n_dev, ratio = 8, 0.05
@@ -588,9 +589,18 @@ def test_make_train_step_compresses_each_devices_gradient(exchange):
     grads = (grads * rng.choice([-1.0, 1.0], size=grads.shape)).astype(np.float32)
     tx = optax.chain(jaxcomp.top_k(ratio, axis_name="data", exchange=exchange), optax.sgd(1.0))
     params = dist.replicate({"w": jnp.zeros(SIZE)}, mesh)
-    for name in ("sparse", "gtopk", "oktopk", "scalecom", "sparcml", "auto_topk"):
-        other = jaxcomp.top_k(ratio, axis_name="data", exchange=name)
-        assert dist.unexchanged_leaves(other, params, mesh) == [], name
+    others = [
+        jaxcomp.top_k(ratio, axis_name="data", exchange=name)
+        for name in sa.EXCHANGES
+        if name not in ("gossip", "scatter")  # per-device results by design
+    ]
+    others += [
+        factory(axis_name="data", exchange=name)
+        for factory in (jaxcomp.terngrad, jaxcomp.onebit)
+        for name in ("allgather", "allreduce", "server")
+    ]
+    for other in others:
+        assert dist.unexchanged_leaves(other, params, mesh) == [], other
     loss = lambda p, b: jnp.sum(p["w"] * b["g"][0])  # noqa: E731 (gradient: this device's row)
     step = dist.make_train_step(loss, tx, mesh, unexchanged="error")
     state = dist.init_opt_state(tx, params, mesh)
@@ -605,7 +615,7 @@ def test_make_train_step_compresses_each_devices_gradient(exchange):
     if exchange == "gtopk":
         want = _gtopk_reference(idx, val, cap)
         want_bytes = math.log2(n_dev) * cap * 8
-    else:  # the exact mean of the messages (the sparse branch: 8 x 26 pairs fit the union)
+    else:  # the exact mean (sparcml: the sparse branch, 8 x 26 pairs fit the union)
         want = _dense(idx, val).sum(0) / n_dev
         want_bytes = None
     np.testing.assert_array_equal(-np.asarray(new_params["w"], np.float64), want)

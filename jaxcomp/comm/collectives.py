@@ -521,7 +521,8 @@ def _pull(x, axis_name, root, n_dev):
     received = [lax.ppermute(x, axis_name, perm=[(root, d)]) for d in range(n_dev) if d != root]
     # Each device receives from exactly one of the ppermutes, zeros from the rest.
     got = sum(received[1:], received[0]) if received else x
-    return jnp.where(lax.axis_index(axis_name) == root, x, got)
+    # The same on every device: typed so for make_train_step's probe.
+    return _vma.device_identical(jnp.where(lax.axis_index(axis_name) == root, x, got), axis_name)
 
 
 def push_to_root(x: jax.Array, axis_name, *, root: int = 0) -> list:
