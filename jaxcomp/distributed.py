@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -888,6 +889,28 @@ def init_opt_state(
     return jax.jit(init_fn)(params)
 
 
+def _check_stacked_state(opt_state, mesh: Mesh, layout: _Layout) -> None:
+    """Raises unless every state leaf is stacked for this mesh's data-axis devices.
+
+    The step splits the state's leading axis over the devices and each reads
+    its first row: a state stacked for another device count would run, every
+    device reading one row of its block, and the other rows (what those
+    devices owed, their residuals) would be silently dropped.
+    """
+    n_data = math.prod(mesh.shape[a] for a in layout.data_axes)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+        if rows != n_data:
+            raise ValueError(
+                f"make_train_step: opt_state leaf {jax.tree_util.keystr(path) or '<root>'} has "
+                f"shape {jnp.shape(leaf)}, but the state must be stacked for the mesh's "
+                f"{n_data} devices along {layout.data_axes} (leading axis {n_data}). Create "
+                "it with jaxcomp.distributed.init_opt_state(tx, params, mesh); to move a state "
+                "saved on another device count without losing its residuals, use "
+                "jaxcomp.elastic.resize_opt_state."
+            )
+
+
 def _wire_bytes_total(state):
     """Sum of every ``wire_bytes`` field in ``state`` (a chain may hold several), or None."""
     found = optax.tree.get_all_with_path(state, "wire_bytes")
@@ -1155,6 +1178,8 @@ def make_train_step(
     def step(params, opt_state, batch, model_state, rng, update_args, dense_paths, layout):
         state = jax.tree.map(lambda x: x[0], opt_state)
         extra = jax.tree.map(lambda x: x[0], update_args)
+        # Backup workers: what the step averages itself counts the included devices only.
+        include = extra.get("include") if isinstance(extra, dict) else None
         kwargs = {}
         if mutable:
             kwargs["model_state"] = model_state
@@ -1171,7 +1196,7 @@ def make_train_step(
             # this device's slice.
             full, gather_wire = _gather_fsdp(params, layout, axis_name)
             loss, grads = value_and_grad(full, batch, **kwargs)
-            grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name)
+            grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name, include)
             updates, state = _sharded_update(tx, layout)(grads, state, full, **extra)
             updates = _own_slices(updates, params, layout, axis_name)
             dense_wire = dense_wire + gather_wire
@@ -1179,7 +1204,9 @@ def make_train_step(
         value, aux = (loss[0], loss[1]) if (has_aux or mutable) else (loss, None)
         if mutable:
             new_model_state, aux = aux if has_aux else (aux, None)
-            model_state = jax.tree.map(lambda x: _mean_if_float(x, axis_name), new_model_state)
+            model_state = jax.tree.map(
+                lambda x: _mean_if_float(x, axis_name, include), new_model_state
+            )
         metrics = {"loss": lax.pmean(value, axis_name)}
         wire = _wire_bytes_total(state)
         if wire is not None and model_axes:
@@ -1196,6 +1223,7 @@ def make_train_step(
 
     def run(params, opt_state, batch, model_state, rng, update_args):
         layout = _layout(mesh, axis_name, params, param_specs)
+        _check_stacked_state(opt_state, mesh, layout)
         tx_dims = getattr(tx.update, "fsdp_dims", None)
         if tx_dims is not None and tuple(tx_dims(params)) != layout.fsdp_dims:
             raise ValueError(
@@ -1449,29 +1477,39 @@ def unexchanged_leaves(
     return [jax.tree_util.keystr(p) for p in paths]
 
 
-def _mean_leaves(grads, paths, axis_name):
+def _mean_leaves(grads, paths, axis_name, include=None):
     """Dense all-reduce mean of the leaves at ``paths``; (grads, bytes sent).
 
     One ``pmean`` over all of them: a single multi-operand all-reduce, not one
-    collective per bias vector (each costs a rendezvous of all devices).
+    collective per bias vector (each costs a rendezvous of all devices). With
+    backup workers (``include``, this device's flag) the mean is over the
+    included devices, as the compressors' exchanges average their messages.
     """
     if not paths:
         return grads, jnp.float32(0)
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
     chosen = [i for i, (path, _) in enumerate(flat) if path in paths]
-    means = lax.pmean([flat[i][1] for i in chosen], axis_name)
     leaves = [g for _, g in flat]
+    if include is None:
+        means = lax.pmean([leaves[i] for i in chosen], axis_name)
+        nbytes = sum(leaves[i].size * leaves[i].dtype.itemsize for i in chosen)
+        wire = jnp.float32(collectives.allreduce_bytes(nbytes, collectives.axis_size(axis_name)))
+    else:
+        outs = [collectives.dense_mean(leaves[i], axis_name, include=include) for i in chosen]
+        means = [m for m, _ in outs]
+        wire = sum((w for _, w in outs), jnp.float32(0))
     for i, m in zip(chosen, means, strict=True):
         leaves[i] = m
-    n_dev = collectives.axis_size(axis_name)
-    nbytes = sum(leaves[i].size * leaves[i].dtype.itemsize for i in chosen)
-    wire = jnp.float32(collectives.allreduce_bytes(nbytes, n_dev))
     return jax.tree_util.tree_unflatten(treedef, leaves), wire
 
 
-def _mean_if_float(x, axis_name):
+def _mean_if_float(x, axis_name, include=None):
     x = jnp.asarray(x)
-    return lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    if include is None:
+        return lax.pmean(x, axis_name)
+    return collectives.dense_mean(x, axis_name, include=include)[0]
 
 
 # --- pmap compatibility ----------------------------------------------------------

@@ -411,3 +411,36 @@ def test_unexchanged_probe_sees_update_args(mesh):
     batch = dist.shard_batch(make_data(), mesh)
     new_params, _, _ = step(params, state, batch, {"include": include})
     assert_replicated(new_params)
+
+
+def test_backup_workers_leave_the_densely_averaged_leaves_too(mesh):
+    """With include=, the leaves the step averages itself (here b, outside the
+    compressor) are the mean over the included devices, as the compressed ones:
+    an excluded device's gradient must reach no parameter."""
+    tx = optax.chain(optax.masked(jaxcomp.top_k(1.0, axis_name="data"), MASK), optax.sgd(1.0))
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh)
+    data = make_data(3)
+    data["y"][2 * (BATCH // N) : 3 * (BATCH // N)] += 100.0  # device 2's rows, excluded
+    included = np.arange(N) != 2
+    flag = jax.device_put(included, NamedSharding(mesh, P("data")))
+    new_params, _, _ = step(params, state, dist.shard_batch(data, mesh), {"include": flag})
+    rows = np.split(np.arange(BATCH), N)
+    grads = [jax.grad(loss_fn)(init_params(), {k: v[r] for k, v in data.items()}) for r in rows]
+    for leaf in ("w", "b"):
+        want = -np.mean([np.asarray(grads[d][leaf]) for d in range(N) if included[d]], axis=0)
+        np.testing.assert_allclose(device_copies(new_params[leaf])[0], want, rtol=1e-5)
+
+
+def test_state_stacked_for_another_device_count_is_rejected(mesh):
+    """A state for 8 devices on a 4-device mesh would run, each device reading one
+    row of its 2-row block: the other rows' residuals silently dropped."""
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(LR))
+    params = dist.replicate(init_params(), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    step = dist.make_train_step(loss_fn, tx, small)
+    batch = dist.shard_batch(make_data(), small)
+    with pytest.raises(ValueError, match="stacked for the mesh's 4 devices.*resize_opt_state"):
+        step(dist.replicate(init_params(), small), state, batch)
