@@ -20,6 +20,7 @@ __all__ = [
     "cond",
     "device_identical",
     "probing",
+    "probing_now",
     "varying_axes",
     "varying_like",
     "vma_checked",
@@ -113,6 +114,11 @@ def probing():
         _PROBING.reset(token)
 
 
+def probing_now() -> bool:
+    """Whether ``make_train_step``'s probe is tracing (see :func:`probing`)."""
+    return _PROBING.get()
+
+
 def device_identical(x, axis_name):
     """``x``, equal on every device along ``axis_name`` by construction, typed so for the probe.
 
@@ -126,7 +132,7 @@ def device_identical(x, axis_name):
     comes back as it is: a ``shard_map`` with ``check_vma=True`` needs out
     specs that allow a device-varying value for it (or ``check_vma=False``).
     """
-    if not _PROBING.get():
+    if not probing_now():
         return x
     axes = tuple(a for a in _axis_names(axis_name) if a in varying_axes(x))
     return lax.pmax(x, axes) if axes else x

@@ -491,7 +491,34 @@ def sharded_optimizer(
         owned_updates = _own_slice_tree(exchanged, dims, axis_name, like=params)
         owned_params = _own_slice_tree(params, dims, axis_name)
         new, opt_state = optimizer.update(owned_updates, state.optimizer, owned_params)
-        return new, ShardedOptimizerState(comp_state, opt_state)
+        return _typed_as_exchanged(new, exchanged, params), ShardedOptimizerState(
+            comp_state, opt_state
+        )
+
+    def _typed_as_exchanged(new, exchanged, params):
+        """While make_train_step probes (tracing only): an owned slice typed as exchanged.
+
+        A slice taken at this device's index is typed device-varying, so the
+        probe would take every split leaf for an unexchanged one wherever this
+        transformation sits (inside optax.chain, say). A leaf whose
+        compressor output was exchanged (typed invariant, or reduce-scattered:
+        a slice shape) is typed invariant here; one the compressor left
+        per-device stays varying, and the probe still reports it.
+        """
+        if not vma.probing_now():
+            return new
+        out = []
+        new_leaves, treedef = jax.tree.flatten(new)
+        for leaf, ex, p in zip(
+            new_leaves,
+            treedef.flatten_up_to(exchanged),
+            treedef.flatten_up_to(params),
+            strict=True,
+        ):
+            done = axis_name not in varying_axes(ex) or jnp.shape(ex) != jnp.shape(p)
+            varying = axis_name in varying_axes(leaf)
+            out.append(lax.pmax(leaf, axis_name) if done and varying else leaf)
+        return jax.tree.unflatten(treedef, out)
 
     compressor_update = optax.with_extra_args_support(compressor).update
     # make_train_step's exchange check looks through to the compressor (told

@@ -457,10 +457,32 @@ def _fsdp_wrapped(kind):
             optax.chain(compressor, optax.inject_hyperparams(optax.adam)(learning_rate=0.01)),
             dist.sharded_optimizer(compressor, adam, FSDP_SPECS),
         )
+    if kind == "chain":  # sharded_optimizer after a (here inactive) clipping transform
+        clip = optax.clip_by_global_norm(1e6)
+        return (
+            optax.chain(clip, compressor, optax.adam(0.01)),
+            optax.chain(clip, dist.sharded_optimizer(compressor, optax.adam(0.01), FSDP_SPECS)),
+        )
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["masked", "multi_steps", "inject_hyperparams"])
+def test_exchange_probe_sees_through_a_chained_sharded_optimizer():
+    """Inside optax.chain the probe once took the owned slices for unexchanged leaves
+    and averaged their gradients densely before tx (the compressor then compressed the
+    mean gradient). A compressor that exchanges nothing is still reported."""
+    params, _ = _mlp_data(9)
+    mesh = _mesh_1d(4)
+    placed = dist.place_params(params, mesh, FSDP_SPECS)
+    clip = optax.clip_by_global_norm(1e6)
+    for compressor, want in [
+        (FACTORIES["top_k"](RATIO, axis_name="data"), []),
+        (FACTORIES["top_k"](RATIO), ["['b']", "['v']", "['w']"]),  # no axis_name
+    ]:
+        tx = optax.chain(clip, dist.sharded_optimizer(compressor, optax.adam(0.01), FSDP_SPECS))
+        assert dist.unexchanged_leaves(tx, placed, mesh) == want
+
+
+@pytest.mark.parametrize("kind", ["masked", "multi_steps", "inject_hyperparams", "chain"])
 def test_fsdp_with_optax_wrappers_equals_replicated_training(kind):
     """optax.masked, MultiSteps and inject_hyperparams around FSDP training: the split
     parameters end bit for bit where the replicated ones do (or a clear error)."""

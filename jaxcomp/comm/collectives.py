@@ -705,7 +705,7 @@ def ring_neighbours(x, axis_name):
       >>> [v.tolist() for v in f(jnp.arange(3.0))]  # one device: both neighbours are itself
       [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
     """
-    if _vma._PROBING.get():  # noqa: SLF001 (the flag make_train_step sets while probing)
+    if _vma.probing_now():  # make_train_step's probe (replicated parameters)
         raise DecentralizedExchangeError(
             "a gossip exchange (exchange='gossip', jaxcomp.aggregation.gossip_exchange or "
             "jaxcomp.comm.gossip_mean) gives each device a different update, so it cannot "

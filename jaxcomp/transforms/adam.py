@@ -790,7 +790,7 @@ def zero_one_adam(
     def update(updates, state, params=None, **extra_args):
         del params, extra_args
         _check_common(who, updates, state.mu, axis_name)
-        if local_steps and axis_name is not None and vma._PROBING.get():
+        if local_steps and axis_name is not None and vma.probing_now():
             # make_train_step is tracing tx to find un-averaged update leaves.
             raise ValueError(
                 f"{who}: local steps (local_step_clipper={local_step_clipper} > 1) give every "
