@@ -1569,6 +1569,14 @@ def make_pmap_train_step(
       ``step(params, opt_state, batch) -> (params, opt_state, metrics)``, all
       with a leading device axis.
 
+    Raises:
+      ValueError: on the first call for a parameter structure, if ``tx``
+        leaves update leaves un-averaged over ``axis_name`` (``optax.masked``
+        around the compressor, a compressor without ``axis_name``): the
+        replicas would drift apart. Unlike :func:`make_train_step`, this step
+        does not average them itself; give every leaf an exchange
+        (:func:`dense_exchange` for the rest).
+
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax
       >>> from jaxcomp import distributed as dist
@@ -1592,7 +1600,29 @@ def make_pmap_train_step(
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": lax.pmean(loss, axis_name)}
 
-    return jax.pmap(step, axis_name=axis_name)
+    pmapped = jax.pmap(step, axis_name=axis_name)
+    checked = set()
+
+    def train_step(params, opt_state, batch):
+        leaves, treedef = jax.tree.flatten(params)
+        key = (treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+        if key not in checked:  # make_train_step's probe, on a mesh of the pmap's devices
+            n_dev = jnp.shape(leaves[0])[0]
+            mesh = Mesh(np.array(jax.local_devices()[:n_dev]), (axis_name,))
+            one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
+            paths = unexchanged_leaves(tx, one, mesh, axis_name)
+            if paths:
+                raise ValueError(
+                    f"make_pmap_train_step: tx does not average these update leaves over "
+                    f"{axis_name!r}, so the per-device parameter copies would drift apart: "
+                    f"{', '.join(paths)}. Give every leaf an exchange (a compressor with "
+                    "axis_name, or jaxcomp.dense_exchange for the rest), or use "
+                    "make_train_step, which averages such leaves densely."
+                )
+            checked.add(key)
+        return pmapped(params, opt_state, batch)
+
+    return train_step
 
 
 # --- several processes --------------------------------------------------------------

@@ -152,6 +152,21 @@ def test_pmap_path_matches_shard_map(mesh):
         )
 
 
+def test_pmap_path_rejects_unexchanged_leaves():
+    """A masked compressor leaves the bias per device: the pmap step does not average
+    it (make_train_step does), so the replicas would drift apart; it says so."""
+    tx = optax.chain(
+        optax.masked(jaxcomp.top_k(0.5, axis_name="data"), {"w": True, "b": False}),
+        optax.sgd(LR),
+    )
+    step = dist.make_pmap_train_step(loss_fn, tx)
+    params = dist.stack_for_pmap(init_params(), N)
+    state = jax.pmap(tx.init)(params)
+    stacked = jax.tree.map(lambda v: v.reshape(N, -1, *v.shape[1:]), make_data(3))
+    with pytest.raises(ValueError, match=r"drift apart: \['b'\]"):
+        step(params, state, stacked)
+
+
 def test_random_k_streams_differ_per_device_and_repeat(mesh):
     batch = make_data(4)
     tx = optax.chain(jaxcomp.random_k(ratio=0.25, axis_name="data", seed=3), optax.sgd(LR))
