@@ -939,12 +939,25 @@ def _check_stacked_state(opt_state, mesh: Mesh, layout: _Layout) -> None:
 
 
 def _wire_bytes_total(state):
-    """Sum of every ``wire_bytes`` field in ``state`` (a chain may hold several), or None."""
-    found = optax.tree.get_all_with_path(state, "wire_bytes")
-    if not found:
-        return None
+    """Sum of every ``wire_bytes`` field in ``state`` (a chain may hold several), or None.
+
+    Under ``optax.MultiSteps`` the inner transformation runs on the last
+    mini-step only (its counter then wraps to 0); on the others its state,
+    ``wire_bytes`` included, still holds the last run's, which nothing sent.
+    """
+    is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+    total, found = jnp.float32(0), False
+    for node in jax.tree.leaves(state, is_leaf=is_multi):
+        if is_multi(node):
+            inner = _wire_bytes_total(node.inner_opt_state)
+            if inner is not None:
+                ran = jnp.ravel(node.mini_step)[0] == 0
+                total, found = total + jnp.where(ran, inner, 0), True
+    rest = jax.tree.map(lambda x: None if is_multi(x) else x, state, is_leaf=is_multi)
     # Each field is a scalar, or one per model shard (stacked): summed over them.
-    return sum((jnp.sum(jnp.asarray(v, jnp.float32)) for _, v in found), jnp.float32(0))
+    for _, v in optax.tree.get_all_with_path(rest, "wire_bytes"):
+        total, found = total + jnp.sum(jnp.asarray(v, jnp.float32)), True
+    return total if found else None
 
 
 _UNEXCHANGED = ("mean", "error")

@@ -191,6 +191,29 @@ def test_multisteps_compressor_stays_replicated(mesh):
     assert np.any(device_copies(params["w"])[0] != 0)
 
 
+def test_multisteps_wire_bytes_count_the_steps_that_exchange(mesh):
+    """MultiSteps runs the compressor (and its exchange) on every k-th mini-step only;
+    on the others its state still holds the last run's wire_bytes, which nothing sent.
+    The leaves the step averages itself (b, outside the compressor) cost every step."""
+    plain = optax.chain(jaxcomp.top_k(0.25, axis_name="data"), optax.sgd(LR))
+    masked = optax.chain(optax.masked(jaxcomp.top_k(0.25, axis_name="data"), MASK), optax.sgd(LR))
+    params = dist.replicate(init_params(), mesh)
+    batch = dist.shard_batch(make_data(3), mesh)
+    for tx in (plain, masked):
+        wires = {}
+        for label, t in (("plain", tx), ("multi", optax.MultiSteps(tx, every_k_schedule=2))):
+            p, s = params, dist.init_opt_state(t, params, mesh)
+            step = dist.make_train_step(loss_fn, t, mesh, donate=False)
+            wires[label] = []
+            for _ in range(4):
+                p, s, metrics = step(p, s, batch)
+                wires[label].append(float(metrics["wire_bytes"]))
+        dense_b = 2 * (N - 1) / N * 4 if tx is masked else 0.0  # b's ring all-reduce
+        exchange = wires["plain"][0] - dense_b
+        assert exchange > 0 and len(set(wires["plain"])) == 1
+        assert wires["multi"] == [dense_b, dense_b + exchange] * 2
+
+
 # --- item 2: psum-ed gradients into a compressor -------------------------------------
 
 
