@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
+    "ProbeError",
     "check_per_device",
     "cond",
     "device_identical",
@@ -112,6 +113,14 @@ def probing():
         yield
     finally:
         _PROBING.reset(token)
+
+
+class ProbeError(ValueError):
+    """A configuration that ``make_train_step``'s probe rejects, raised as it is.
+
+    Other exceptions while probing are wrapped in a message about tracing
+    under ``check_vma``; these already say what is wrong and what to use.
+    """
 
 
 def probing_now() -> bool:

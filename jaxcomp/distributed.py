@@ -318,6 +318,8 @@ def apply_if_finite(
                 "pass, before the finiteness decision. Use the sparsifier's own "
                 "nonfinite='skip' (decided per group with overlap) or overlap=False."
             )
+        if axis_name is None and vma.probing_now():
+            _check_no_exchange_inside(inner, updates, state.inner_state, params, extra_args)
         bad = jnp.int32(0)
         for leaf in jax.tree.leaves(updates):
             bad = bad + (~_all_finite(leaf)).astype(jnp.int32)
@@ -333,8 +335,11 @@ def apply_if_finite(
 
         def reject_update(_):
             # Fresh zeros, not zeros_like(updates): typed invariant, like an
-            # exchanged update, so the branch does not look un-exchanged.
-            zeros = jax.tree.map(lambda u: jnp.zeros(jnp.shape(u), jnp.result_type(u)), updates)
+            # exchanged update, so the branch does not look un-exchanged. Shaped
+            # as inner's update, which may differ from the gradient's
+            # (sharded_optimizer returns the owned slices).
+            shapes = jax.eval_shape(lambda: do_update(None)[0])
+            zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), shapes)
             return zeros, state.inner_state
 
         # Branch outputs typed alike under check_vma (old vs new inner state).
@@ -351,6 +356,24 @@ def apply_if_finite(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _check_no_exchange_inside(inner, updates, inner_state, params, extra_args) -> None:
+    """Raises if ``inner`` exchanges per-device gradients (make_train_step's probe only).
+
+    Without ``axis_name`` each device decides on its own gradients, so one
+    device's NaN would send it past the exchange while the others wait in it.
+    """
+    if not any(varying_axes(leaf) for leaf in jax.tree.leaves(updates)):
+        return  # gradients already averaged: every device decides alike
+    traced, _ = inner.update(updates, inner_state, params, **extra_args)
+    if any(not varying_axes(leaf) for leaf in jax.tree.leaves(traced)):
+        raise vma.ProbeError(
+            "jaxcomp.apply_if_finite without axis_name wraps a transformation that exchanges "
+            "over the mesh: a NaN on one device would skip its exchange while the others wait "
+            "in it (the step hangs; XLA:CPU aborts the process). Pass the step's axis, e.g. "
+            "jaxcomp.apply_if_finite(tx, max_consecutive_errors, axis_name='data')."
+        )
 
 
 # --- FSDP: optimizer state sharded over the data axis ------------------------------
@@ -1047,8 +1070,8 @@ def _unexchanged_paths(
                 jax.tree.map(abstract, params, param_specs),
                 jax.tree.map(lambda x: abstract(x, P(axis_name)), update_args),
             )
-    except collectives.DecentralizedExchangeError:
-        raise  # already names make_gossip_train_step
+    except vma.ProbeError:
+        raise  # already says what to use (make_gossip_train_step, axis_name=...)
     except Exception as e:  # noqa: BLE001 (any tracing failure: say what it means)
         raise ValueError(
             "make_train_step could not trace tx under shard_map's check_vma typing to find "

@@ -457,6 +457,13 @@ def _fsdp_wrapped(kind):
             optax.chain(compressor, optax.inject_hyperparams(optax.adam)(learning_rate=0.01)),
             dist.sharded_optimizer(compressor, adam, FSDP_SPECS),
         )
+    if kind == "apply_if_finite":  # the skip branch's zeros shaped as the owned slices
+        return (
+            jaxcomp.apply_if_finite(optax.chain(compressor, optax.adam(0.01)), 3, axis_name="data"),
+            jaxcomp.apply_if_finite(
+                dist.sharded_optimizer(compressor, optax.adam(0.01), FSDP_SPECS), 3, "data"
+            ),
+        )
     if kind == "chain":  # sharded_optimizer after a (here inactive) clipping transform
         clip = optax.clip_by_global_norm(1e6)
         return (
@@ -482,7 +489,9 @@ def test_exchange_probe_sees_through_a_chained_sharded_optimizer():
         assert dist.unexchanged_leaves(tx, placed, mesh) == want
 
 
-@pytest.mark.parametrize("kind", ["masked", "multi_steps", "inject_hyperparams", "chain"])
+@pytest.mark.parametrize(
+    "kind", ["masked", "multi_steps", "inject_hyperparams", "chain", "apply_if_finite"]
+)
 def test_fsdp_with_optax_wrappers_equals_replicated_training(kind):
     """optax.masked, MultiSteps and inject_hyperparams around FSDP training: the split
     parameters end bit for bit where the replicated ones do (or a clear error)."""

@@ -288,6 +288,23 @@ def test_apply_if_finite_skips_on_every_device_together(mesh):
     assert_replicated(p2)
 
 
+def test_apply_if_finite_without_axis_name_around_an_exchange_is_rejected(mesh):
+    """Each device would decide on its own gradients, and a one-device NaN would
+    hang the exchange (XLA:CPU aborts the process): rejected when the step is
+    traced. Around a transformation that exchanges nothing (the step averages the
+    gradients first) every device decides alike, and it trains."""
+    params = dist.replicate(init_params(), mesh)
+    batch = dist.shard_batch(make_data(2), mesh)
+    exchanging = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(LR))
+    tx = jaxcomp.apply_if_finite(exchanging, 3)
+    step = dist.make_train_step(loss_fn, tx, mesh)
+    with pytest.raises(ValueError, match="apply_if_finite without axis_name .* axis_name='data'"):
+        step(params, dist.init_opt_state(tx, params, mesh), batch)
+    plain = jaxcomp.apply_if_finite(optax.sgd(LR), 3)
+    new_params, _, _ = run_mesh(mesh, plain, make_data(2), steps=1)
+    assert_close_to(new_params, run_single(optax.sgd(LR), make_data(2), steps=1))
+
+
 def test_multisteps_skip_not_finite_skips_on_every_device_together(mesh):
     # optax.skip_not_finite would send device 3 alone down MultiSteps' skip branch
     # (the others wait in the exchange): the count is summed over the devices first.

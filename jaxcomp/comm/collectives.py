@@ -647,7 +647,7 @@ def server_sparse_mean(
 GOSSIP_WEIGHTS = (1 / 3, 1 / 3, 1 / 3)
 
 
-class DecentralizedExchangeError(ValueError):
+class DecentralizedExchangeError(_vma.ProbeError):
     """A gossip (decentralized) exchange traced where updates must be averaged.
 
     A gossip exchange gives every device a different update (its ring mix), so

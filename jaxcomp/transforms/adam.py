@@ -792,7 +792,7 @@ def zero_one_adam(
         _check_common(who, updates, state.mu, axis_name)
         if local_steps and axis_name is not None and vma.probing_now():
             # make_train_step is tracing tx to find un-averaged update leaves.
-            raise ValueError(
+            raise vma.ProbeError(
                 f"{who}: local steps (local_step_clipper={local_step_clipper} > 1) give every "
                 "device its own parameters between syncs, which replicated parameters cannot "
                 "hold. Train with jaxcomp.aggregation.make_gossip_train_step(..., "
