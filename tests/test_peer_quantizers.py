@@ -538,14 +538,15 @@ def test_sign_l2_scale_is_the_rms_per_bucket(bucket_size):
     """``scale="l2"`` (DeepSpeed's 1-bit codec): ``sqrt(mean x^2)`` per bucket times sign,
     zeros sent as +, against numpy."""
     rng = np.random.default_rng(21)
-    v = rng.normal(size=30).astype(np.float32)
-    v[4] = 0.0
     q = sign_quantizer(bucket_size, scale="l2")
-    codes, scales = q.encode(jnp.asarray(v), jax.random.key(0))
-    got = np.asarray(q.decode(codes, scales, v.size))
-    d = bucket_size or v.size
-    want = np.empty_like(v)
-    for i in range(0, v.size, d):
-        b = v[i : i + d].astype(np.float64)
-        want[i : i + d] = np.where(b < 0, -1.0, 1.0) * np.sqrt(np.mean(b * b))
-    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for magnitude in (1.0, 1e-20, 1e20):  # ||x||^2 under- and overflows float32 at the ends
+        v = (rng.normal(size=30) * magnitude).astype(np.float32)
+        v[4] = 0.0
+        codes, scales = q.encode(jnp.asarray(v), jax.random.key(0))
+        got = np.asarray(q.decode(codes, scales, v.size), np.float64)
+        d = bucket_size or v.size
+        want = np.empty(v.size)
+        for i in range(0, v.size, d):
+            b = v[i : i + d].astype(np.float64)
+            want[i : i + d] = np.where(b < 0, -1.0, 1.0) * np.sqrt(np.mean(b * b))
+        np.testing.assert_allclose(got, want, rtol=1e-6)

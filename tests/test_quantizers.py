@@ -606,6 +606,17 @@ def test_bounded_sign_uses_lam_l2_scale_when_within_bound():
     np.testing.assert_allclose(np.abs(np.asarray(u["w"])), alpha, rtol=1e-5)
 
 
+@pytest.mark.parametrize("magnitude", [1e-20, 1e20])
+def test_bounded_sign_scale_at_extreme_magnitudes(magnitude):
+    """||x||^2 over- or underflows float32 here (it once gave scale 0, or NaN and a
+    silent fall back to the l1 scale): the scale is lam ||x|| / sqrt(d) still."""
+    x = jnp.asarray(_gauss(1000, seed=9) * magnitude, jnp.float32)
+    tx = jaxcomp.bounded_sign(0.7)
+    u, _ = tx.update({"w": x}, tx.init({"w": x}))
+    alpha = 0.7 * float(np.linalg.norm(np.asarray(x, np.float64))) / math.sqrt(1000)
+    np.testing.assert_allclose(np.abs(np.asarray(u["w"], np.float64)), alpha, rtol=1e-5)
+
+
 def test_zero_leaf_sends_zero():
     for name in ONE_BIT:
         tx = ONE_BIT[name][0](None)

@@ -436,8 +436,9 @@ def sign_quantizer(bucket_size: int | None = None, *, scale: str = "l1") -> Quan
         xb = _to_buckets(x.astype(jnp.float32), d, nb)
         if scale == "l1":
             alpha = jnp.sum(jnp.abs(xb), axis=1) / _true_counts(n, d, nb)
-        elif scale == "l2":
-            alpha = jnp.sqrt(jnp.sum(xb * xb, axis=1) / _true_counts(n, d, nb))
+        elif scale == "l2":  # ||x||_2 / sqrt(d), scaled as nrm2 (no over/underflow)
+            norm, _, _ = _bucket_norms(xb, "l2")
+            alpha = norm / jnp.sqrt(_true_counts(n, d, nb))
         else:
             alpha = jnp.any(xb != 0, axis=1).astype(jnp.float32)
         return _sign_codes(xb, n), alpha[:, None]
@@ -526,8 +527,13 @@ def bounded_sign_quantizer(
         d, nb = _bucketing(n, bucket_size)
         xb = _to_buckets(x.astype(jnp.float32), d, nb)
         count = _true_counts(n, d, nb)
-        l1 = jnp.sum(jnp.abs(xb), axis=1)
-        l2sq = jnp.sum(xb * xb, axis=1)
+        # In units of the bucket's max m (as nrm2): ||x||^2 itself overflows
+        # float32 for |x| ~ 1e19 and underflows for |x| ~ 1e-20. Every term
+        # below is homogeneous in x, so alpha = m * (the same formula on x / m).
+        _, a, ns = _bucket_norms(xb, "l2")
+        m = jnp.max(jnp.abs(xb), axis=1)
+        l1 = jnp.sum(a, axis=1)
+        l2sq = ns * ns
         alpha0 = jnp.asarray(lam, jnp.float32) * jnp.sqrt(l2sq / count)
         c = (1 - eb32 * eb32) * l2sq
         disc = l1 * l1 - count * c
@@ -536,7 +542,7 @@ def bounded_sign_quantizer(
         # The smaller root as c / (d * hi): no cancellation when D ~ ||x||_1^2.
         lo = jnp.where(hi > 0, c / (count * jnp.where(hi > 0, hi, 1)), 0)
         alpha = jnp.where(disc >= 0, jnp.clip(alpha0, lo, hi), l1 / count)
-        return _sign_codes(xb, n), alpha[:, None]
+        return _sign_codes(xb, n), (m * jnp.where(m > 0, alpha, 0))[:, None]
 
     name = "bounded_sign" + (
         ""
