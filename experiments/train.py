@@ -443,7 +443,8 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
             c,
             ratio=1e-3 if c.ratio is None else c.ratio,
             granularity=c.granularity or "layer",
-            reuse_period=c.reuse_period or 1,
+            # random_k picks indices: no threshold to reuse, the field stays unset.
+            reuse_period=None if c.compressor == "random_k" else c.reuse_period or 1,
             merge=c.merge or "none",
             # Floats, whatever real type was given (config.json holds them).
             merge_alpha=None if c.merge_alpha is None else float(c.merge_alpha),

@@ -583,6 +583,10 @@ def test_every_compressor_builds_with_default_flags(name):
     config = train.TrainConfig(compressor=name)
     train.validate_config(config)
     resolved = train.resolve_config(config)
+    # What a run validates again (and a rerun reads back from config.json): a
+    # default the resolution fills in must not look like a flag the user gave.
+    train.validate_config(resolved)
+    assert train.resolve_config(resolved) == resolved
     tx, _ = train.build_optimizer(config, 10, 100)
     state = tx.init({"w": np.zeros(64, np.float32)})
     # Momentum correction: on the compressor for sparsifiers (plain SGD after
