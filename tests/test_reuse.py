@@ -156,6 +156,30 @@ def test_skipped_step_then_refresh_with_momentum():
 N_DEV = 8
 
 
+@pytest.mark.parametrize("factory", [jaxcomp.top_k, jaxcomp.ldte_bs])
+@pytest.mark.parametrize("nonzeros", [0, 3])
+def test_step_with_fewer_than_k_nonzeros_makes_the_next_step_select(factory, nonzeros):
+    """A first step with fewer than k nonzero values (a zero-initialised layer's
+    gradient) stores threshold 0. Applied on the next (reuse) step it sent the
+    first nonzeros in index order; the selector must run again there."""
+    n, k = 1000, 10
+    tx = factory(ratio=k / n, reuse_period=5)
+    g0 = np.zeros(n, np.float32)
+    g0[:nonzeros] = 1e-3
+    g1 = np.full(n, 1e-3, np.float32)
+    g1[900:910] = 100.0 + np.arange(10)
+    step = jax.jit(tx.update)
+    state = tx.init({"w": jnp.zeros(n)})
+    u0, state = step({"w": jnp.asarray(g0)}, state)
+    np.testing.assert_array_equal(np.asarray(u0["w"]), g0)  # the nonzeros it found, all
+    assert float(state.threshold["w"]) == 0.0
+    u1, state = step({"w": jnp.asarray(g1)}, state)
+    want = np.zeros(n, np.float32)
+    want[900:910] = g1[900:910]
+    np.testing.assert_array_equal(np.asarray(u1["w"]), want)  # the k largest of r + g
+    assert float(state.threshold["w"]) > 0.0
+
+
 def test_shard_map_matches_single_device_reuse():
     """Under shard_map (extraction path): the mean of what each device alone sends.
 

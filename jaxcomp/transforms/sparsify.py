@@ -417,7 +417,8 @@ def sparsify(
       reuse_period: DLGS threshold reuse ``s``, an int >= 1. The selector
         runs on steps with ``step % s == 0``, and also on the first step of
         every warm-up phase (a new ratio needs a new threshold) and on the
-        step after one that sent nothing (its stored threshold is ``inf``);
+        step after one that sent nothing (its stored threshold is ``inf``) or
+        found fewer than ``k`` nonzero values (threshold 0: all-zero leaves);
         the threshold is stored per leaf (per group) in ``state.threshold``.
         On the other steps the stored threshold is applied, ``|R| > H``,
         without running the selector, still capped at the message capacity
@@ -1027,7 +1028,10 @@ def _refresh_due(cfg: _Config, step, stored):
     """Whether the selector runs this step (None: every step, no reuse)."""
     if cfg.reuse_period == 1:
         return None
-    due = (step % cfg.reuse_period == 0) | ~jnp.isfinite(stored)
+    # inf: the last step sent nothing. 0: it found fewer than k nonzero
+    # magnitudes; applied again, it would send any nonzero up to capacity in
+    # index order, not the largest.
+    due = (step % cfg.reuse_period == 0) | ~jnp.isfinite(stored) | (stored <= 0)
     if len(cfg.phase_ratios) > 1:  # the first step of every warm-up phase
         spe = cfg.steps_per_epoch
         due = due | ((step % spe == 0) & (step // spe < len(cfg.phase_ratios)))
