@@ -41,7 +41,8 @@ the two programs that a training step actually runs:
   calls its step. In the rounds, the programs that write fresh n-sized
   buffers (the kept-gradient updates, the train steps) change glibc's heap
   between calls, which costs the next program page faults; the floors of
-  this mode are against the rounds' floor;
+  this mode are against the rounds' floor; the train steps below are timed
+  alone the same way (``step_alone_*``);
 - ``train step``: a whole jitted step with parameters and state donated,
   ``grad(0.5 |p - target|^2)``, ``optax.chain(tx, optax.sgd(0.1))`` and
   ``optax.apply_updates``, beside the same step with plain SGD
@@ -506,10 +507,11 @@ def run(
             # above the programs with fresh n-sized buffers (the kept-gradient
             # updates, the train steps) change the allocator's state between
             # calls.
-            for m in methods:
-                entry = progs[f"{m}/grad_donated"]
-                ts = [_call(entry) for _ in range(repeats + 2)][2:]
-                med[f"{m}/grad_donated_alone"] = 1e3 * statistics.median(ts)
+            # The train steps too: what a training loop pays per step.
+            alone = [f"{m}/{mode}" for m in methods for mode in ("grad_donated", "step")]
+            for name in [*alone, "dense_step"]:
+                ts = [_call(progs[name]) for _ in range(repeats + 2)][2:]
+                med[f"{name}_alone"] = 1e3 * statistics.median(ts)
         floor = med["floor"]
         row = {
             "log2_n": lg,
@@ -545,6 +547,9 @@ def run(
                 entry["step_ms"] = med[f"{m}/step"]
                 entry["step_floors"] = med[f"{m}/step"] / floor
                 entry["step_over_dense"] = med[f"{m}/step"] / med["dense_step"]
+                entry["step_alone_ms"] = med[f"{m}/step_alone"]
+                entry["step_alone_floors"] = med[f"{m}/step_alone"] / floor
+                entry["step_alone_over_dense"] = med[f"{m}/step_alone"] / med["dense_step_alone"]
             if stages:
                 st = {s: med[f"{m}/{s}"] for s in STAGES}
                 st["send"] = med[m] - st["select"]
@@ -554,6 +559,8 @@ def run(
         if modes:
             row["dense_step_ms"] = med["dense_step"]
             row["dense_step_floors"] = med["dense_step"] / floor
+            row["dense_step_alone_ms"] = med["dense_step_alone"]
+            row["dense_step_alone_floors"] = med["dense_step_alone"] / floor
         base = row["methods"]["top_k"]
         for entry in row["methods"].values():
             entry["speedup_vs_top_k"] = base["update_ms"] / entry["update_ms"]
@@ -565,6 +572,9 @@ def run(
                     base["grad_donated_alone_ms"] / entry["grad_donated_alone_ms"]
                 )
                 entry["step_speedup_vs_top_k"] = base["step_ms"] / entry["step_ms"]
+                entry["step_alone_speedup_vs_top_k"] = (
+                    base["step_alone_ms"] / entry["step_alone_ms"]
+                )
         results.append(row)
         _print_row(row)
     meta = {
@@ -601,7 +611,8 @@ def _print_row(row):
     if "dense_step_ms" in row:
         print(
             f"  dense SGD step {row['dense_step_ms']:.2f} ms"
-            f" ({row['dense_step_floors']:.1f} floors)",
+            f" ({row['dense_step_floors']:.1f} floors);"
+            f" timed alone {row['dense_step_alone_ms']:.2f} ms",
             flush=True,
         )
     for m, e in row["methods"].items():
@@ -628,7 +639,10 @@ def _print_row(row):
             print(
                 f"    gradient donated, timed alone {e['grad_donated_alone_ms']:.2f} ms"
                 f" {e['grad_donated_alone_floors']:.1f} floors"
-                f" {e['grad_donated_alone_speedup_vs_top_k']:.2f}x top_k",
+                f" {e['grad_donated_alone_speedup_vs_top_k']:.2f}x top_k | train step"
+                f" {e['step_alone_ms']:.2f} ms {e['step_alone_floors']:.1f} floors"
+                f" {e['step_alone_speedup_vs_top_k']:.2f}x top_k,"
+                f" {e['step_alone_over_dense']:.2f}x the dense step",
                 flush=True,
             )
         if "stages_floors" in e:
@@ -660,7 +674,13 @@ def plot(results, path):
         if "step_floors" in row["methods"][names[0]]:
             modes += [
                 ("gradient donated", "grad_donated_floors", "grad_donated_speedup_vs_top_k"),
+                (
+                    "gradient donated, alone",
+                    "grad_donated_alone_floors",
+                    "grad_donated_alone_speedup_vs_top_k",
+                ),
                 ("train step", "step_floors", "step_speedup_vs_top_k"),
+                ("train step, alone", "step_alone_floors", "step_alone_speedup_vs_top_k"),
             ]
         width = 0.8 / len(modes)
         floors = []

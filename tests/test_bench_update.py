@@ -57,7 +57,11 @@ def test_bench_update_writes_json_and_png(tmp_path):
             )
             np.testing.assert_allclose(m["step_floors"], m["step_ms"] / floor)
             np.testing.assert_allclose(m["step_over_dense"], m["step_ms"] / row["dense_step_ms"])
-            for mode in ("grad_donated", "grad_donated_alone", "step"):
+            np.testing.assert_allclose(m["step_alone_floors"], m["step_alone_ms"] / floor)
+            np.testing.assert_allclose(
+                m["step_alone_over_dense"], m["step_alone_ms"] / row["dense_step_alone_ms"]
+            )
+            for mode in ("grad_donated", "grad_donated_alone", "step", "step_alone"):
                 np.testing.assert_allclose(
                     m[f"{mode}_speedup_vs_top_k"],
                     row["methods"]["top_k"][f"{mode}_ms"] / m[f"{mode}_ms"],
