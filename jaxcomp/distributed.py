@@ -987,7 +987,7 @@ _UNEXCHANGED = ("mean", "error")
 
 
 def _unexchanged_paths(
-    tx, params, mesh, axis_name, update_args, layout=None, scattered=frozenset()
+    tx, params, mesh, axis_name, update_args, layout=None, scattered=frozenset(), averaged=()
 ) -> list:
     """Key paths of the update leaves that ``tx`` leaves un-averaged over ``axis_name``.
 
@@ -1000,14 +1000,22 @@ def _unexchanged_paths(
     without ``axis_name``, plain optax). The real step runs with
     ``check_vma=False`` and per-device optimizer state, where this typing is
     not available.
+
+    ``averaged``: key paths whose gradients are given device-invariant, as
+    the step gives them after averaging them itself; an update leaf still
+    varying then was made different per device by ``tx`` (a transform that
+    reads per-device values into it).
     """
     found = []
+    averaged = frozenset(averaged)
     names = set(_axis_names(axis_name))
     # MultiSteps averages what its inner transform averages; its own lax.cond
     # cannot be typed on fresh state, so look through it.
     multi = getattr(tx.update, "__self__", tx)
     if isinstance(multi, optax.MultiSteps):
-        return _unexchanged_paths(multi.inner_opt, params, mesh, axis_name, update_args, layout)
+        return _unexchanged_paths(
+            multi.inner_opt, params, mesh, axis_name, update_args, layout, averaged=averaged
+        )
     # sharded_optimizer: the compressor exchanges; the optimizer then works on owned slices.
     sharded = getattr(tx.update, "sharded_compressor", None)
     if sharded is not None:
@@ -1022,7 +1030,7 @@ def _unexchanged_paths(
         # varying update of such a leaf is still unexchanged.
         scattered = {path for path, m in jax.tree_util.tree_flatten_with_path(mask)[0] if m}
         return _unexchanged_paths(
-            probed, params, mesh, axis_name, update_args, layout, scattered=scattered
+            probed, params, mesh, axis_name, update_args, layout, scattered, averaged
         )
     if layout is None:
         layout = _layout(mesh, axis_name, params, None)
@@ -1037,9 +1045,11 @@ def _unexchanged_paths(
     update = _sharded_update(tx, layout, check_vma=True, stack_updates=True)
 
     def probe(params, extra):
-        grads = jax.tree.map(
-            lambda p: lax.pcast(jnp.zeros_like(p), axis_name, to="varying"), params
-        )
+        def gradient(path, p):
+            z = jnp.zeros_like(p)
+            return z if path in averaged else lax.pcast(z, axis_name, to="varying")
+
+        grads = jax.tree_util.tree_map_with_path(gradient, params)
         extra = jax.tree.map(lambda x: x[0], extra)
         updates, _ = update(grads, init_shard(params), params, **extra)
         shapes = {path: jnp.shape(p) for path, p in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -1081,6 +1091,30 @@ def _unexchanged_paths(
             "branch: use jaxcomp.apply_if_finite(..., axis_name=...) instead."
         ) from e
     return found
+
+
+def _check_averaged_stay_identical(tx, params, mesh, axis_name, update_args, layout, paths):
+    """Raises if ``tx`` makes a leaf the step averages itself differ between devices.
+
+    The step averages the gradients at ``paths`` before ``tx``; a transform
+    that then mixes per-device values into them (``clip_by_global_norm``
+    over leaves the compressor has not exchanged yet, ``scale_by_weight``'s
+    per-device factor) gives every device another update of a replicated
+    parameter.
+    """
+    diverging = _unexchanged_paths(tx, params, mesh, axis_name, update_args, layout, averaged=paths)
+    if diverging:
+        raise ValueError(
+            "make_train_step: tx does not average these update leaves, and it makes them "
+            "differ between devices even after the step averages their gradients before tx: "
+            f"{', '.join(jax.tree_util.keystr(p) for p in diverging)}; the replicated "
+            "parameters would diverge. A transform before the exchange reads per-device values "
+            "into them (optax.clip_by_global_norm over leaves not exchanged yet, "
+            "jaxcomp.aggregation.scale_by_weight's per-device factor). Exchange every leaf "
+            "inside tx (optax.multi_transform with jaxcomp.dense_exchange or "
+            "jaxcomp.aggregation.weighted_exchange for the others), or move that transform "
+            "after the exchange."
+        )
 
 
 def make_train_step(
@@ -1311,6 +1345,7 @@ def make_train_step(
                 f"{axis_name!r}, and put it first in optax.chain, outside optax.masked)."
             )
         if paths:
+            _check_averaged_stay_identical(tx, params, mesh, axis_name, update_args, layout, paths)
             logging.info(
                 "make_train_step: averaging %d leaves densely before tx (not exchanged by tx): %s",
                 len(paths),

@@ -151,6 +151,45 @@ def test_masked_sparse_compressor_keeps_params_replicated(mesh):
     )
 
 
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        # b is averaged before tx, then clipped by this device's global norm,
+        # which holds its own un-exchanged w.
+        lambda: optax.chain(
+            optax.clip_by_global_norm(0.01),
+            optax.masked(jaxcomp.top_k(1.0, axis_name="data"), MASK),
+            optax.sgd(LR),
+        ),
+        # b is averaged, then multiplied by this device's own N w_i / W.
+        lambda: optax.chain(
+            jaxcomp.aggregation.scale_by_weight("data"),
+            optax.masked(jaxcomp.top_k(1.0, axis_name="data"), MASK),
+            optax.sgd(LR),
+        ),
+        lambda: optax.chain(jaxcomp.aggregation.scale_by_weight("data"), optax.sgd(LR)),
+    ],
+    ids=["clip_before_masked", "scale_by_weight_masked", "scale_by_weight_alone"],
+)
+def test_averaged_leaves_made_device_dependent_by_tx_are_rejected(mesh, make_tx):
+    weight = {"weight": np.arange(1, N + 1, dtype=np.float32)}
+    params = dist.replicate(init_params(), mesh)
+    tx = make_tx()
+    step = dist.make_train_step(loss_fn, tx, mesh)
+    with pytest.raises(ValueError, match=r"differ between devices.*\['b'\]"):
+        step(params, dist.init_opt_state(tx, params, mesh), dist.shard_batch(make_data(), mesh),
+             dist.shard_batch(weight, mesh))  # fmt: skip
+
+
+def test_clip_after_the_exchange_keeps_params_replicated(mesh):
+    # The same clip after the exchange sees the mean update on every device:
+    # accepted, and equal to clipping the full-batch gradient.
+    make = lambda comp: optax.chain(comp, optax.clip_by_global_norm(0.01), optax.sgd(LR))  # noqa: E731
+    tx = make(optax.masked(jaxcomp.top_k(1.0, axis_name="data"), MASK))
+    params, _, _ = run_mesh(mesh, tx, make_data(3), steps=2)
+    assert_close_to(params, run_single(make(optax.identity()), make_data(3), steps=2))
+
+
 def test_unexchanged_error_names_the_leaf(mesh):
     tx = optax.chain(optax.masked(jaxcomp.top_k(0.5, axis_name="data"), MASK), optax.sgd(LR))
     with pytest.raises(ValueError, match=r"\['b'\]"):
