@@ -65,6 +65,36 @@ def test_mesh_step_is_the_mean_over_devices(mesh):
     np.testing.assert_allclose(u[0], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_include_leaves_backup_workers_out_of_the_mean(mesh):
+    """``include=`` (backup workers): the mean is over the included devices only."""
+    tx = qsvrg(0.5, levels=FINE, axis_name="data")
+    rng = np.random.default_rng(4)
+    g = rng.normal(size=(N, 24)).astype(np.float32)
+    gs = rng.normal(size=(N, 24)).astype(np.float32)
+    h = rng.normal(size=24).astype(np.float32)
+    inc = np.array([True, False, True, True, False, True, False, True])
+
+    def run(g, gs, h, inc):
+        u, _ = tx.update(g[0], tx.init(g[0]), snapshot_grads=gs[0], full_grad=h, include=inc[0])
+        return u[None]
+
+    sh = NamedSharding(mesh, P("data"))
+    f = jax.jit(
+        jax.shard_map(
+            run,
+            mesh=mesh,
+            in_specs=(P("data"), P("data"), P(), P("data")),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+    )
+    u = np.asarray(f(*(jax.device_put(x, sh) for x in (g, gs)), h, jax.device_put(inc, sh)))
+    expected = -0.5 * np.mean((g - gs + h)[inc], axis=0)
+    for i in range(N):
+        assert np.array_equal(u[i], u[0])
+    np.testing.assert_allclose(u[0], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_one_compilation_dtypes_and_nonfinite():
     tx = qsvrg(0.1, bits=4, bucket_size=16)
     traces = []

@@ -57,7 +57,7 @@ def qsvrg(
 ) -> optax.GradientTransformationExtraArgs:
     """QSVRG's inner step: ``-lr * mean_i Q_s(g_i - snapshot_grads_i + full_grad)``.
 
-    ``update(grads, state, params=None, *, snapshot_grads, full_grad)``:
+    ``update(grads, state, params=None, *, snapshot_grads, full_grad, include=None)``:
     ``grads`` is this device's minibatch gradient at the current point,
     ``snapshot_grads`` the gradient of *the same minibatch* at the epoch's
     snapshot, ``full_grad`` the full gradient at the snapshot averaged over
@@ -66,7 +66,10 @@ def qsvrg(
     quantized with QSGD's codec (:func:`jaxcomp.transforms.quantize.qsgd_quantizer`,
     unbiased, no error feedback) and exchanged by
     :func:`jaxcomp.transforms.quantize.quantize` (all-gather of the packed
-    messages, identical mean on every device).
+    messages, identical mean on every device). ``include`` (optional bool
+    scalar, this device's backup-worker flag): a left-out device's message is
+    dropped and the mean is over the included devices (each device's
+    variance-reduced gradient is unbiased on its own).
 
     Args:
       learning_rate: ``lr > 0`` or an optax schedule of the step count.
@@ -108,7 +111,9 @@ def qsvrg(
     )
     who = "jaxcomp.qsvrg"
 
-    def update(updates, state, params=None, *, snapshot_grads=None, full_grad=None, **extra):
+    def update(
+        updates, state, params=None, *, snapshot_grads=None, full_grad=None, include=None, **extra
+    ):
         del params, extra
         if snapshot_grads is None or full_grad is None:
             raise ValueError(
@@ -124,7 +129,9 @@ def qsvrg(
             snapshot_grads,
             full_grad,
         )
-        mean, state_new = inner.update(v, state)
+        # Each device's v is unbiased for grad f(x) on its own, so the mean over the
+        # included devices (the quantizer's backup-worker exchange) is still unbiased.
+        mean, state_new = inner.update(v, state, include=include)
         count = state.step
         if callable(learning_rate):
             step = -jnp.asarray(learning_rate(count), jnp.float32)
