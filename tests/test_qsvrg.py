@@ -156,6 +156,29 @@ def test_bad_driver_arguments_and_missing_extra_args(mesh):
         tx.update(g, tx.init(g), snapshot_grads=g, full_grad={"v": jnp.ones(3)})
 
 
+def test_epoch_rejects_a_transform_that_does_not_exchange(mesh):
+    """qsvrg without axis_name would return device 0's own trajectory as the epoch's result
+    (out_specs=P() under check_vma=False): refused when the epoch is traced."""
+    loss = lambda w, b: 0.5 * jnp.mean((b["x"] @ w["w"] - b["y"]) ** 2)  # noqa: E731
+    rng = np.random.default_rng(5)
+    data = dist.shard_batch(
+        {"x": rng.normal(size=(2 * N, 3)).astype(np.float32), "y": np.ones(2 * N, np.float32)},
+        mesh,
+    )
+    params = dist.replicate({"w": jnp.zeros(3)}, mesh)
+    for axis_name, ok in ((None, False), ("data", True)):
+        tx = qsvrg(0.1, bits=8, axis_name=axis_name)
+        state = dist.init_opt_state(tx, params, mesh)
+        epoch = make_qsvrg_epoch(loss, tx, mesh, epoch_length=2, batch_size=1)
+        if ok:
+            epoch(params, state, data, jax.random.key(0))
+        else:
+            with pytest.raises(
+                ValueError, match=r"\['w'\]\. Build it with qsvrg\(\.\.\., axis_name='data'\)"
+            ):
+                epoch(params, state, data, jax.random.key(0))
+
+
 def _ridge(seed=3, per_device=64, dim=16, lam=0.02):
     rng = np.random.default_rng(seed)
     a = (rng.normal(size=(N * per_device, dim)) / np.sqrt(dim)).astype(np.float32)

@@ -184,7 +184,9 @@ def make_qsvrg_epoch(
       the snapshot, mean over devices).
 
     Raises:
-      ValueError: bad ``epoch_length``, ``batch_size`` or ``average``.
+      ValueError: bad ``epoch_length``, ``batch_size`` or ``average``; from
+        the first call, a ``tx`` that does not average its update over
+        ``axis_name`` (:func:`qsvrg` without ``axis_name``).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -264,7 +266,31 @@ def make_qsvrg_epoch(
         in_specs=(P(), P(axis_name), P(axis_name), P()),
         out_specs=(P(), P(axis_name), P()),
         # The exchanged updates are identical on every device; the state that
-        # produced them is per device (as in make_train_step).
+        # produced them is per device (as in make_train_step). The check below
+        # stands in for what check_vma would guard.
         check_vma=False,
     )
-    return jax.jit(sharded)
+
+    def epoch(params, opt_state, data, key):
+        # With out_specs=P() and check_vma=False, an update tx does not average
+        # (qsvrg without axis_name) would silently return device 0's private
+        # trajectory: trace tx under check_vma once per compilation, as
+        # make_train_step does, and refuse it.
+        from jaxcomp import distributed  # noqa: PLC0415 (distributed imports the transforms)
+
+        n_dev = mesh.shape[axis_name]
+        zeros = jax.tree.map(lambda p: jnp.zeros((n_dev, *jnp.shape(p)), p.dtype), params)
+        paths = distributed.unexchanged_leaves(
+            tx, params, mesh, axis_name, {"snapshot_grads": zeros, "full_grad": zeros}
+        )
+        if paths:
+            names = ", ".join(p or "<root>" for p in paths)
+            raise ValueError(
+                "make_qsvrg_epoch: tx does not average these update leaves over "
+                f"{axis_name!r}, so the devices' parameters would diverge (the epoch would "
+                f"return device 0's alone): {names}. Build it with "
+                f"qsvrg(..., axis_name={axis_name!r})."
+            )
+        return sharded(params, opt_state, data, key)
+
+    return jax.jit(epoch)
