@@ -8,6 +8,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -93,6 +94,24 @@ def test_include_leaves_backup_workers_out_of_the_mean(mesh):
     for i in range(N):
         assert np.array_equal(u[i], u[0])
     np.testing.assert_allclose(u[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_injected_learning_rate_equals_the_static_one():
+    """optax.inject_hyperparams(qsvrg): the learning rate lives in the state and is traced;
+    only the codec's shape-fixing option (levels) is static."""
+    rng = np.random.default_rng(6)
+    g, gs, h = ({"w": jnp.asarray(rng.normal(size=30), jnp.float32)} for _ in range(3))
+    inj = optax.inject_hyperparams(qsvrg, static_args=("levels",))(learning_rate=0.3, levels=FINE)
+    update = jax.jit(inj.update)
+    si = inj.init(g)
+    sr = qsvrg(0.3, levels=FINE).init(g)
+    for lr in (0.3, 0.05):  # changed between steps in the state
+        si.hyperparams["learning_rate"] = jnp.float32(lr)
+        ui, si = update(g, si, snapshot_grads=gs, full_grad=h)
+        ur, sr = qsvrg(lr, levels=FINE).update(g, sr, snapshot_grads=gs, full_grad=h)
+        expected = -lr * (np.asarray(g["w"]) - np.asarray(gs["w"]) + np.asarray(h["w"]))
+        np.testing.assert_allclose(np.asarray(ui["w"]), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(ui["w"]), np.asarray(ur["w"]), rtol=1e-6)
 
 
 def test_one_compilation_dtypes_and_nonfinite():

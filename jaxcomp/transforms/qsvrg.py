@@ -52,7 +52,7 @@ def qsvrg(
     bucket_size: int | None = None,
     norm: str = "l2",
     axis_name: Any = None,
-    min_dense_size: int = 0,
+    min_dense_size: int | None = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """QSVRG's inner step: ``-lr * mean_i Q_s(g_i - snapshot_grads_i + full_grad)``.
@@ -72,11 +72,14 @@ def qsvrg(
     variance-reduced gradient is unbiased on its own).
 
     Args:
-      learning_rate: ``lr > 0`` or an optax schedule of the step count.
+      learning_rate: ``lr > 0`` or an optax schedule of the step count; a
+        traced scalar too (``optax.inject_hyperparams``: only arithmetic
+        uses it, so it can change between steps without recompiling).
       levels, bits: QSGD's ``s`` or ``s = 2**bits``; give exactly one.
       bucket_size, norm: QSGD's bucketing and scale (see :func:`jaxcomp.qsgd`).
       axis_name: mesh axis to average over (None: one device).
-      min_dense_size: leaves with at most this many elements are sent dense.
+      min_dense_size: leaves with at most this many elements are sent dense
+        (None: 0).
       seed: seed of the quantizer's random stream.
 
     Returns:
@@ -98,10 +101,17 @@ def qsvrg(
       >>> [round(float(x), 3) for x in u["w"]]  # -0.5 * (g - snapshot + full)
       [-0.25, -0.5]
     """
+    traced_lr = isinstance(learning_rate, jax.core.Tracer)
     if not callable(learning_rate):
-        learning_rate = V.check_real("learning_rate", learning_rate, 0.0, low_open=True)
+        # A static value becomes a Python float (weakly typed: the update keeps the
+        # gradient dtype); a traced one (inject_hyperparams) cannot be range-checked.
+        learning_rate = V.check_real(
+            "learning_rate", learning_rate, 0.0, low_open=True, allow_traced=traced_lr
+        )
     s = qsgd_levels(levels, bits)
-    min_dense_size = V.check_int("min_dense_size", min_dense_size, 0)
+    min_dense_size = V.check_int(
+        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
+    )
     inner = quantize(
         qsgd_quantizer(s, bucket_size, norm),
         axis_name=axis_name,
@@ -133,8 +143,11 @@ def qsvrg(
         # included devices (the quantizer's backup-worker exchange) is still unbiased.
         mean, state_new = inner.update(v, state, include=include)
         count = state.step
-        if callable(learning_rate):
-            step = -jnp.asarray(learning_rate(count), jnp.float32)
+        if callable(learning_rate) or traced_lr:
+            if callable(learning_rate):
+                step = -jnp.asarray(learning_rate(count), jnp.float32)
+            else:  # injected: in its own dtype (float64 ones stay exact under x64)
+                step = -learning_rate
             out = jax.tree.map(lambda m: step.astype(m.dtype) * m, mean)
         else:
             out = jax.tree.map(lambda m: -learning_rate * m, mean)
