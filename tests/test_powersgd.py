@@ -490,6 +490,32 @@ def test_bad_updates_rejected():
         tx.update({"w": jnp.ones((25, 20))}, state)
 
 
+@pytest.mark.parametrize("eps", [None, 1e-2])
+def test_inject_hyperparams_needs_only_the_arguments_given(eps):
+    """optax.inject_hyperparams(powersgd) with only ``rank`` static: the options the user
+    did not pass default to None (left alone), a given orthogonalization_epsilon is traced
+    from the state; the updates follow the numpy reference and the plain transform."""
+    kw = {} if eps is None else {"orthogonalization_epsilon": eps}
+    inj = optax.inject_hyperparams(powersgd, static_args=("rank",))(rank=RANK, **kw)
+    plain = powersgd(RANK, **kw)
+    rng = np.random.default_rng(14)
+    g0 = {"w": _laplace(rng, (20, 25)), "b": _laplace(rng, (25,))}
+    si, sp = inj.init(g0), plain.init(g0)
+    assert ("orthogonalization_epsilon" in si.hyperparams) == (eps is not None)
+    update = jax.jit(inj.update)
+    for _ in range(2):
+        g = {"w": _laplace(rng, (20, 25)), "b": _laplace(rng, (25,))}
+        inner = si.inner_state
+        acc = f32(inner.residual["w"]).astype(np.float64) + f32(g["w"])
+        ref_s, _ = _ref_step([acc], np.asarray(inner.q["w"], np.float64), eps=eps or 0.0)
+        ui, si = update(g, si)
+        up, sp = plain.update(g, sp)
+        _close(f32(ui["w"]), ref_s)
+        np.testing.assert_array_equal(f32(ui["b"]), f32(g["b"]))  # dense leaf
+        for k in g:  # two programs: equal up to how XLA fuses each one's float32 products
+            np.testing.assert_allclose(f32(ui[k]), f32(up[k]), rtol=1e-5, atol=1e-6)
+
+
 def test_state_readable_inside_chain():
     tx = optax.chain(powersgd(RANK, reshape="last"), optax.sgd(0.1))
     params = {"k": jnp.zeros((3, 3, 4, 8), jnp.float32), "b": jnp.zeros((8,), jnp.float32)}

@@ -8,6 +8,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -63,6 +64,54 @@ def test_mesh_step_is_the_mean_over_devices(mesh):
     for i in range(N):
         assert np.array_equal(u[i], u[0])  # the same on every device
     np.testing.assert_allclose(u[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_include_leaves_backup_workers_out_of_the_mean(mesh):
+    """``include=`` (backup workers): the mean is over the included devices only."""
+    tx = qsvrg(0.5, levels=FINE, axis_name="data")
+    rng = np.random.default_rng(4)
+    g = rng.normal(size=(N, 24)).astype(np.float32)
+    gs = rng.normal(size=(N, 24)).astype(np.float32)
+    h = rng.normal(size=24).astype(np.float32)
+    inc = np.array([True, False, True, True, False, True, False, True])
+
+    def run(g, gs, h, inc):
+        u, _ = tx.update(g[0], tx.init(g[0]), snapshot_grads=gs[0], full_grad=h, include=inc[0])
+        return u[None]
+
+    sh = NamedSharding(mesh, P("data"))
+    f = jax.jit(
+        jax.shard_map(
+            run,
+            mesh=mesh,
+            in_specs=(P("data"), P("data"), P(), P("data")),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+    )
+    u = np.asarray(f(*(jax.device_put(x, sh) for x in (g, gs)), h, jax.device_put(inc, sh)))
+    expected = -0.5 * np.mean((g - gs + h)[inc], axis=0)
+    for i in range(N):
+        assert np.array_equal(u[i], u[0])
+    np.testing.assert_allclose(u[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_injected_learning_rate_equals_the_static_one():
+    """optax.inject_hyperparams(qsvrg): the learning rate lives in the state and is traced;
+    only the codec's shape-fixing option (levels) is static."""
+    rng = np.random.default_rng(6)
+    g, gs, h = ({"w": jnp.asarray(rng.normal(size=30), jnp.float32)} for _ in range(3))
+    inj = optax.inject_hyperparams(qsvrg, static_args=("levels",))(learning_rate=0.3, levels=FINE)
+    update = jax.jit(inj.update)
+    si = inj.init(g)
+    sr = qsvrg(0.3, levels=FINE).init(g)
+    for lr in (0.3, 0.05):  # changed between steps in the state
+        si.hyperparams["learning_rate"] = jnp.float32(lr)
+        ui, si = update(g, si, snapshot_grads=gs, full_grad=h)
+        ur, sr = qsvrg(lr, levels=FINE).update(g, sr, snapshot_grads=gs, full_grad=h)
+        expected = -lr * (np.asarray(g["w"]) - np.asarray(gs["w"]) + np.asarray(h["w"]))
+        np.testing.assert_allclose(np.asarray(ui["w"]), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(ui["w"]), np.asarray(ur["w"]), rtol=1e-6)
 
 
 def test_one_compilation_dtypes_and_nonfinite():
@@ -124,6 +173,52 @@ def test_bad_driver_arguments_and_missing_extra_args(mesh):
         tx.update(g, tx.init(g))
     with pytest.raises(ValueError, match="full_grad"):
         tx.update(g, tx.init(g), snapshot_grads=g, full_grad={"v": jnp.ones(3)})
+
+
+def test_epoch_rejects_a_transform_that_does_not_exchange(mesh):
+    """qsvrg without axis_name would return device 0's own trajectory as the epoch's result
+    (out_specs=P() under check_vma=False): refused when the epoch is traced."""
+    loss = lambda w, b: 0.5 * jnp.mean((b["x"] @ w["w"] - b["y"]) ** 2)  # noqa: E731
+    rng = np.random.default_rng(5)
+    data = dist.shard_batch(
+        {"x": rng.normal(size=(2 * N, 3)).astype(np.float32), "y": np.ones(2 * N, np.float32)},
+        mesh,
+    )
+    params = dist.replicate({"w": jnp.zeros(3)}, mesh)
+    for axis_name, ok in ((None, False), ("data", True)):
+        tx = qsvrg(0.1, bits=8, axis_name=axis_name)
+        state = dist.init_opt_state(tx, params, mesh)
+        epoch = make_qsvrg_epoch(loss, tx, mesh, epoch_length=2, batch_size=1)
+        if ok:
+            epoch(params, state, data, jax.random.key(0))
+        else:
+            with pytest.raises(
+                ValueError, match=r"\['w'\]\. Build it with qsvrg\(\.\.\., axis_name='data'\)"
+            ):
+                epoch(params, state, data, jax.random.key(0))
+
+
+def test_average_of_bfloat16_iterates_is_summed_wide(mesh):
+    """average=True: the mean of T identical bfloat16 iterates is that iterate (a sum kept
+    in bfloat16 drifts: 200 x 3.0 gave 3.5625)."""
+    target = {
+        "b": jnp.asarray([3.0, 0.1, -7.3, 250.0], jnp.bfloat16),
+        "f": jnp.asarray([3.0, -0.75], jnp.float32),
+    }
+
+    def loss(w, batch):  # minimum at `target`: the gradient there is exactly zero
+        sq = [jnp.sum((w[k] - target[k]).astype(jnp.float32) ** 2) for k in w]
+        return 0.5 * sum(sq) + 0.0 * jnp.sum(batch["x"])
+
+    data = dist.shard_batch({"x": np.ones((N, 1), np.float32)}, mesh)
+    params = dist.replicate(target, mesh)
+    tx = qsvrg(0.1, bits=8, axis_name="data")
+    state = dist.init_opt_state(tx, params, mesh)
+    epoch = make_qsvrg_epoch(loss, tx, mesh, epoch_length=200, batch_size=1, average=True)
+    out, _, _ = epoch(params, state, data, jax.random.key(0))
+    for k in target:  # every iterate equals the start, so must their mean
+        assert out[k].dtype == target[k].dtype
+        assert np.array_equal(np.asarray(out[k], np.float64), np.asarray(target[k], np.float64))
 
 
 def _ridge(seed=3, per_device=64, dim=16, lam=0.02):

@@ -233,12 +233,12 @@ def powersgd(
     rank: int,
     *,
     axis_name: Any = None,
-    start_iter: int = 0,
-    min_compression_rate: float = 2.0,
+    start_iter: int | None = None,
+    min_compression_rate: float | None = None,
     min_dense_size: int | None = None,
     error_feedback: bool = True,
     warm_start: bool = True,
-    orthogonalization_epsilon: float = 0.0,
+    orthogonalization_epsilon: float | None = None,
     reshape: str = "first",
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -260,13 +260,13 @@ def powersgd(
         approximation (one device).
       start_iter: steps ``0 .. start_iter - 1`` average every leaf dense
         (vanilla all-reduce, as the hook; the residual stays zero); PowerSGD
-        from step ``start_iter`` on. One compilation: with ``start_iter > 0``
+        from step ``start_iter`` on (None: 0). One compilation: with ``start_iter > 0``
         only the collectives sit in a ``lax.cond`` on the step, so vanilla
         steps also compute the (unsent) low-rank products, and PowerSGD steps
         cost what they cost without ``start_iter``.
       min_compression_rate: a leaf is compressed only if ``(n + m) r *
-        min_compression_rate < n m`` (element counts), a real >= 0 (the
-        hook's default: 2).
+        min_compression_rate < n m`` (element counts), a real >= 0 (None:
+        2, the hook's default).
       min_dense_size: leaves with at most this many elements are sent dense
         (None: 0; the rate test above already sends small matrices dense).
       error_feedback: keep ``e = M - S`` per device and add it to the next
@@ -275,7 +275,12 @@ def powersgd(
       warm_start: reuse the last step's ``Q`` (orthogonalized) instead of a
         fresh random draw every step; keeps ``Q`` in ``state.q``.
       orthogonalization_epsilon: added to each column norm in
-        :func:`orthogonalize`, a real >= 0 (the hook's default: 0).
+        :func:`orthogonalize`, a real >= 0 (None: 0, the hook's default).
+        Only arithmetic uses it, so it may be traced
+        (``optax.inject_hyperparams``). ``start_iter``,
+        ``min_compression_rate`` and ``min_dense_size`` fix the program
+        (which leaves are compressed, the dense steps): pass them in
+        ``static_args`` when you give them to ``inject_hyperparams``.
       reshape: ``"first"`` (the hook's ``(shape[0], -1)``) or ``"last"``
         (``(-1, shape[-1])``, for Flax's ``(kh, kw, in, out)`` kernels), see
         :func:`matrix_plan`. 2-D leaves are the same either way.
@@ -320,15 +325,24 @@ def powersgd(
       {'b': 20, 'w': 44}
     """
     rank = V.check_int("rank", rank, 1)
-    start_iter = V.check_int("start_iter", start_iter, 0, 2**31 - 1)
-    min_compression_rate = V.check_real("min_compression_rate", min_compression_rate, 0.0)
+    # None defaults (the documented values), so optax.inject_hyperparams does not trace
+    # options the user never passed.
+    start_iter = V.check_int("start_iter", 0 if start_iter is None else start_iter, 0, 2**31 - 1)
+    min_compression_rate = V.check_real(
+        "min_compression_rate", 2.0 if min_compression_rate is None else min_compression_rate, 0.0
+    )
     min_dense_size = V.check_int(
         "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
     )
     error_feedback = V.check_bool("error_feedback", error_feedback)
     warm_start = V.check_bool("warm_start", warm_start)
+    if orthogonalization_epsilon is None:
+        orthogonalization_epsilon = 0.0
     orthogonalization_epsilon = V.check_real(
-        "orthogonalization_epsilon", orthogonalization_epsilon, 0.0
+        "orthogonalization_epsilon",
+        orthogonalization_epsilon,
+        0.0,
+        allow_traced=isinstance(orthogonalization_epsilon, jax.core.Tracer),
     )
     reshape = V.check_choice("reshape", reshape, POWERSGD_RESHAPES)
     if residual_dtype is not None:  # None: per leaf, see resolve_residual_dtype
