@@ -320,8 +320,11 @@ def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_s
         server = lax.dynamic_update_slice(server_pad, server_new, (me * chunk,))[:d]
         out_packed = jnp.packbits(server_bits, bitorder="little")
         if axis_name is not None:
-            out_packed = lax.all_gather(out_packed, axis_name)
-            out_scales = lax.all_gather(server_scale, axis_name)
+            # Typed device-invariant (every device gets the same servers' chunks): with
+            # plain all_gather make_train_step's probe took the result for unexchanged
+            # and averaged the gradients densely before the optimizer.
+            out_packed = collectives.all_gather_invariant(out_packed, axis_name)
+            out_scales = collectives.all_gather_invariant(server_scale, axis_name)
             c8, f = chunk // 8, dtype.itemsize
             # all_to_all (n - 1 chunks), worker scale, servers' chunks and scales.
             wire = wire + jnp.float32((n - 1) * (c8 + f) + collectives.allgather_bytes(c8 + f, n))
