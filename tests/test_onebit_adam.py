@@ -411,6 +411,22 @@ def test_bad_schedule_arguments(make, arg):
         make()
 
 
+def test_backup_workers_are_refused(mesh):
+    """include= (backup workers) raises, named, in tx.update and under make_train_step:
+    it was swallowed and the left-out device's gradient averaged in."""
+    g = {"w": jnp.ones(4)}
+    for tx in (onebit_adam(0.1, freeze_step=1), zero_one_adam(0.1, var_freeze_step=1)):
+        with pytest.raises(ValueError, match=r"include= \(backup workers\)"):
+            tx.update(g, tx.init(g), include=jnp.bool_(False))
+    tx = onebit_adam(0.1, freeze_step=1, axis_name="data")
+    params = dist.replicate({"w": jnp.zeros(12), "b": jnp.zeros(())}, mesh)
+    step = dist.make_train_step(_lsq_loss, tx, mesh)
+    include = jnp.arange(N) > 0
+    with pytest.raises(ValueError, match=r"include= \(backup workers\)"):
+        step(params, dist.init_opt_state(tx, params, mesh), dist.shard_batch(_lsq_problem(), mesh),
+             update_args={"include": include})  # fmt: skip
+
+
 def test_schedule_learning_rate_and_tree_mismatch():
     sched = optax.linear_schedule(0.1, 0.0, 10)
     tx, ref = onebit_adam(sched, freeze_step=5), optax.adam(sched)

@@ -376,6 +376,20 @@ def _mask_dead(tree, nu):
     return jax.tree.map(lambda x, v: jnp.where(v > 0, x, jnp.zeros_like(x)), tree, nu)
 
 
+def _reject_include(who, include):
+    # Backup workers: what a left-out device did not send has no exact place
+    # here (its momentum mixes the shared mean with its gradient, and 0/1
+    # Adam's local steps move its parameters), so it is refused rather than
+    # silently averaged in. A ProbeError (a ValueError) is raised as it is by
+    # make_train_step's probe.
+    if include is not None:
+        raise vma.ProbeError(
+            f"{who} does not take include= (backup workers): the 1-bit momentum exchange "
+            "averages every device's message; use a sparsifier or jaxcomp.quantize for "
+            "partial aggregation"
+        )
+
+
 def _check_common(who, updates, state_mu, axis_name):
     V.check_gradient_leaves(updates, who)
     V.check_tree_like(updates, state_mu, who)
@@ -502,7 +516,8 @@ def onebit_adam(
       like ``optax.adam``'s.
 
     Raises:
-      ValueError: for a bad argument; the message names it.
+      ValueError: for a bad argument; the message names it. From ``update``
+        for ``include=`` (backup workers are not supported).
 
     Example:
       >>> import jax.numpy as jnp
@@ -543,8 +558,9 @@ def onebit_adam(
             nonfinite_steps=jnp.zeros([], jnp.int32),
         )
 
-    def update(updates, state, params=None, **extra_args):
+    def update(updates, state, params=None, *, include=None, **extra_args):
         del params, extra_args
+        _reject_include(who, include)
         _check_common(who, updates, state.mu, axis_name)
         grads, finite, ok = apply_nonfinite_policy(updates, nonfinite)
         g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
@@ -739,7 +755,8 @@ def zero_one_adam(
 
     Raises:
       ValueError: for a bad argument (the message names it); under
-        ``make_train_step`` with ``local_step_clipper > 1`` and ``axis_name``.
+        ``make_train_step`` with ``local_step_clipper > 1`` and ``axis_name``;
+        from ``update`` for ``include=`` (backup workers are not supported).
 
     Example:
       >>> import jax.numpy as jnp
@@ -790,8 +807,9 @@ def zero_one_adam(
             nonfinite_steps=i32(0),
         )
 
-    def update(updates, state, params=None, **extra_args):
+    def update(updates, state, params=None, *, include=None, **extra_args):
         del params, extra_args
+        _reject_include(who, include)
         _check_common(who, updates, state.mu, axis_name)
         if local_steps and axis_name is not None and vma.probing_now():
             # make_train_step is tracing tx to find un-averaged update leaves.
