@@ -411,6 +411,23 @@ def test_bad_schedule_arguments(make, arg):
         make()
 
 
+def test_float16_dense_mean_does_not_overflow(mesh):
+    """float16 gradients whose sum over the devices exceeds 65504 but whose mean fits: the
+    dense (warm-up / variance) step's mean matches numpy's; the sum overflowed to inf."""
+    rng = np.random.default_rng(3)
+    g = (40000 + 1000 * rng.normal(size=(N, 6))).astype(np.float16)
+    mean = g.astype(np.float64).mean(0)
+    for tx in (
+        onebit_adam(0.1, freeze_step=5, axis_name="data"),
+        zero_one_adam(0.1, var_freeze_step=5, local_step_clipper=1, axis_name="data"),
+    ):
+        state = _stack_init(tx, {"w": jnp.zeros(6, jnp.float16)}, mesh)
+        _, new = mesh_update(tx, mesh)(_stacked({"w": g}, mesh), state)
+        # float16 shares (g / N) added in float16: a few float16 roundings of the mean.
+        np.testing.assert_allclose(np.asarray(new.mu["w"])[0], (1 - B1) * mean, rtol=2e-3)
+        np.testing.assert_allclose(np.asarray(new.nu["w"])[0], (1 - B2) * mean**2, rtol=4e-3)
+
+
 def test_backup_workers_are_refused(mesh):
     """include= (backup workers) raises, named, in tx.update and under make_train_step:
     it was swallowed and the left-out device's gradient averaged in."""

@@ -235,10 +235,16 @@ def _dense_leaf_mean(g, ok, n_ok, axis_name):
     if axis_name is None:
         return g, jnp.float32(0)
     # In the gradient's dtype: that is what travels. Divided like pmean, so the
-    # warm-up matches optax.adam after a dense pmean bit for bit.
-    total = lax.psum(jnp.where(ok, g, jnp.zeros_like(g)), axis_name)
-    mean = total / jnp.maximum(n_ok, 1.0).astype(total.dtype)
+    # warm-up matches optax.adam after a dense pmean bit for bit; float16 is
+    # divided first, as collectives.dense_mean does (a sum of float16
+    # gradients overflows 65504 where their mean fits, and mu stayed inf).
     n_dev = collectives.axis_size(axis_name)
+    divisor = jnp.maximum(n_ok, 1.0).astype(g.dtype)
+    if collectives._divides_first(g.dtype, n_dev):
+        mean = lax.psum(jnp.where(ok, g / divisor, jnp.zeros_like(g)), axis_name)
+    else:
+        total = lax.psum(jnp.where(ok, g, jnp.zeros_like(g)), axis_name)
+        mean = total / divisor
     return mean, jnp.float32(collectives.allreduce_bytes(g.size * g.dtype.itemsize, n_dev))
 
 
