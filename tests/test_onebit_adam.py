@@ -399,6 +399,9 @@ def test_one_device_with_nan_is_left_out_of_the_mean(mesh):
     "make,arg",
     [
         (lambda: onebit_adam(0.1, freeze_step=-1), "freeze_step"),
+        # 0: v frozen at 0, the optimizer never moved (0/1 Adam: NaN updates).
+        (lambda: onebit_adam(0.1, freeze_step=0), r"freeze_step must be .* \[1,"),
+        (lambda: zero_one_adam(0.1, var_freeze_step=0), r"var_freeze_step must be .* \[1,"),
         (lambda: onebit_adam(0.1, freeze_step=1.5), "freeze_step"),
         (lambda: zero_one_adam(0.1, var_freeze_step=-2), "var_freeze_step"),
         (lambda: zero_one_adam(0.1, var_freeze_step=2, var_update_scaler=0), "var_update_scaler"),
@@ -688,12 +691,12 @@ def test_two_stage_state_is_not_resized_elastically(mesh):
     """The server chunks move with N: elastic.resize_opt_state raises, naming the field."""
     from jaxcomp import elastic
 
-    tx = onebit_adam(0.01, freeze_step=0, axis_name="data", exchange="two_stage")
+    tx = onebit_adam(0.01, freeze_step=1, axis_name="data", exchange="two_stage")
     state = jax.tree.map(np.asarray, _stack_init(tx, {"w": jnp.zeros(16)}, mesh))
     state = state._replace(server_residual=np.ones_like(state.server_residual))
     with pytest.raises(ValueError, match="server_residual"):
         elastic.resize_opt_state(state, N, 4)
-    plain = onebit_adam(0.01, freeze_step=0, axis_name="data")
+    plain = onebit_adam(0.01, freeze_step=1, axis_name="data")
     small = elastic.resize_opt_state(
         jax.tree.map(np.asarray, _stack_init(plain, {"w": jnp.zeros(16)}, mesh)), N, 4
     )

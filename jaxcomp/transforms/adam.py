@@ -495,7 +495,7 @@ def onebit_adam(
       learning_rate: ``lr > 0``, or an optax schedule of the step count.
       b1, b2: Adam's decay rates, in ``[0, 1)``.
       eps: ``> 0``, added to ``sqrt(v_hat)``.
-      freeze_step: ``>= 0``, warm-up steps with dense exchange before ``v``
+      freeze_step: ``>= 1``, warm-up steps with dense exchange before ``v``
         is frozen (required: there is no good default; DeepSpeed's is 100000).
       axis_name: mesh axis to average over inside ``shard_map``; ``None``:
         one device (the 1-bit round trip is still applied after the freeze).
@@ -541,7 +541,8 @@ def onebit_adam(
     who = "jaxcomp.onebit_adam"
     learning_rate = _check_learning_rate(learning_rate)
     b1, b2, eps = _check_betas_eps(b1, b2, eps)
-    freeze_step = V.check_int("freeze_step", freeze_step, 0, 2**31 - 1)
+    # freeze_step 0 would freeze v at 0: every coordinate "dead", no step ever.
+    freeze_step = V.check_int("freeze_step", freeze_step, 1, 2**31 - 1)
     quantizer = _codec(codec, bucket_size, exchange)
     bias_correction = V.check_bool("bias_correction", bias_correction)
     min_dense_size = V.check_int("min_dense_size", min_dense_size, 0)
@@ -742,7 +743,7 @@ def zero_one_adam(
       learning_rate: ``lr > 0``, or an optax schedule of the step count.
       b1, b2: Adam's decay rates, in ``[0, 1)``.
       eps: ``> 0``, added to ``sqrt(v_hat)``.
-      var_freeze_step: ``>= 0``, the last step that may update ``v``
+      var_freeze_step: ``>= 1``, the last step that may update ``v``
         (DeepSpeed: "usually the end of the learning rate warmup").
       var_update_scaler: ``>= 1``, variance updates per interval doubling.
       local_step_scaler: ``>= 1``, stage-2 steps per local-interval doubling
@@ -778,7 +779,9 @@ def zero_one_adam(
     who = "jaxcomp.zero_one_adam"
     learning_rate = _check_learning_rate(learning_rate)
     b1, b2, eps = _check_betas_eps(b1, b2, eps)
-    var_freeze_step = V.check_int("var_freeze_step", var_freeze_step, 0, 2**31 - 2)
+    # var_freeze_step 0 would start stage 2 with no variance update (v = 0: NaN
+    # through the bias correction 1 - b2^0, or no step without it).
+    var_freeze_step = V.check_int("var_freeze_step", var_freeze_step, 1, 2**31 - 2)
     var_update_scaler = V.check_int("var_update_scaler", var_update_scaler, 1, 2**31 - 1)
     local_step_scaler = V.check_int("local_step_scaler", local_step_scaler, 1, 2**31 - 1)
     local_step_clipper = V.check_int("local_step_clipper", local_step_clipper, 1, 2**30)
