@@ -431,6 +431,37 @@ def test_float16_dense_mean_does_not_overflow(mesh):
         np.testing.assert_allclose(np.asarray(new.nu["w"])[0], (1 - B2) * mean**2, rtol=4e-3)
 
 
+def test_leaves_split_over_an_explicit_mesh_axis_equal_unsharded():
+    """jit(tx.update) on leaves split with explicit axes (GSPMD, no shard_map): each leaf
+    handled whole, as unsharded; it raised ShardingTypeError."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(4)
+    grads = [
+        {"w": rng.normal(size=(16, 3)).astype(np.float32), "b": rng.normal(size=4).astype("f4")}
+        for _ in range(3)
+    ]
+    specs = {"w": P("data", None), "b": P()}
+    for tx in (
+        onebit_adam(0.1, freeze_step=1),
+        zero_one_adam(0.1, var_freeze_step=1, local_step_clipper=2, local_step_scaler=1),
+    ):
+        ref_state, state = tx.init(grads[0]), None
+        with jax.set_mesh(mesh):
+            put = lambda g: jax.tree.map(  # noqa: E731
+                lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), g, specs
+            )
+            state = jax.jit(tx.init)(put(grads[0]))
+        for g in grads:  # warm-up / variance step, then 1-bit (and local) steps
+            ref_updates, ref_state = jax.jit(tx.update)(g, ref_state)
+            with jax.set_mesh(mesh):
+                updates, state = jax.jit(tx.update)(put(g), state)
+            assert updates["w"].sharding.spec == P("data", None)
+            assert state.residual["w"].sharding.spec == P("data", None)
+            for k in g:
+                np.testing.assert_array_equal(np.asarray(updates[k]), np.asarray(ref_updates[k]))
+                np.testing.assert_array_equal(np.asarray(state.mu[k]), np.asarray(ref_state.mu[k]))
+
+
 def test_backup_workers_are_refused(mesh):
     """include= (backup workers) raises, named, in tx.update and under make_train_step:
     it was swallowed and the left-out device's gradient averaged in."""

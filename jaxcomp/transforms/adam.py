@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp import _sharding
 from jaxcomp import _validation as V
 from jaxcomp import _vma as vma
 from jaxcomp._vma import check_per_device
@@ -352,8 +353,9 @@ def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_s
 
 
 def _moment_dtypes(params, residual_dtype):
+    # zeros_like: a parameter split over an explicit mesh axis gets moments split alike.
     return jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), resolve_residual_dtype(residual_dtype, [p])), params
+        lambda p: jnp.zeros_like(p, resolve_residual_dtype(residual_dtype, [p])), params
     )
 
 
@@ -568,6 +570,13 @@ def onebit_adam(
     def update(updates, state, params=None, *, include=None, **extra_args):
         del params, extra_args
         _reject_include(who, include)
+        # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
+        # handled whole, as on one device (see jaxcomp._sharding).
+        return _sharding.whole_leaves(update_leaves, fields=("mu", "nu", "residual"))(
+            updates, state
+        )
+
+    def update_leaves(updates, state):
         _check_common(who, updates, state.mu, axis_name)
         grads, finite, ok = apply_nonfinite_policy(updates, nonfinite)
         g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
@@ -819,6 +828,13 @@ def zero_one_adam(
     def update(updates, state, params=None, *, include=None, **extra_args):
         del params, extra_args
         _reject_include(who, include)
+        # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
+        # handled whole, as on one device (see jaxcomp._sharding).
+        return _sharding.whole_leaves(
+            update_leaves, fields=("mu", "nu", "residual", "accumulator")
+        )(updates, state)
+
+    def update_leaves(updates, state):
         _check_common(who, updates, state.mu, axis_name)
         if local_steps and axis_name is not None and vma.probing_now():
             # make_train_step is tracing tx to find un-averaged update leaves.
