@@ -700,6 +700,28 @@ def test_two_stage_under_make_train_step_is_not_pre_averaged(mesh, codec):
         np.testing.assert_array_equal(np.asarray(params[k]), np.asarray(ref_p[k]))
 
 
+def test_two_stage_x64_mixed_dtypes_keep_float64():
+    """x64, a float32 leaf first and a float64 leaf: the flat exchange buffer is float64,
+    so nothing is lost for the float64 leaf to float64 rounding (it was rounded to
+    float32, the first leaf's dtype: 1e-9 lost)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(6)
+        tx = onebit_adam(0.01, freeze_step=1, exchange="two_stage")
+        g = [
+            {"a": rng.normal(size=16).astype(np.float32), "b": 1 + 1e-9 * rng.normal(size=16)}
+            for _ in range(2)
+        ]
+        state = tx.init(jax.tree.map(jnp.zeros_like, g[0]))
+        _, state = tx.update(g[0], state)  # warm-up: dense
+        mu = np.asarray(state.mu["b"])
+        _, state = tx.update(g[1], state)  # the two-stage exchange, zero errors before
+        assert state.server_residual.dtype == np.float64 and state.mu["b"].dtype == np.float64
+        x = B1 * mu + (1 - B1) * g[1]["b"]
+        kept = np.asarray(state.mu["b"]) + np.asarray(state.residual["b"])
+        kept = kept + np.asarray(state.server_residual)[16:]  # "b" is the second leaf
+        np.testing.assert_allclose(kept, x, rtol=0, atol=1e-14)
+
+
 @pytest.mark.parametrize(
     "kwargs,arg",
     [

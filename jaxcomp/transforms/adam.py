@@ -202,7 +202,9 @@ class _Exchange:
         """The two-stage exchange's server error (module docstring): flat, ``d`` values."""
         big = [z for z in jax.tree.leaves(zeros) if z.size > self.min_dense_size]
         d = sum(z.size for z in big) if self.two_stage else 0
-        dtype = big[0].dtype if big else jnp.float32
+        # The widest of the leaves' dtypes: one flat buffer carries them all, and a
+        # float64 leaf beside a float32 one must not be rounded to float32.
+        dtype = jnp.result_type(*big) if big else jnp.float32
         return jnp.zeros([d], dtype)
 
     def compressed_mean(self, x, residual, server, message_bytes, ok, n_ok, step):
