@@ -343,6 +343,27 @@ def test_zero_one_adam_gossip_step_trains(mesh):
     assert ours <= max(3 * adam, 1e-3), (ours, adam)
 
 
+def test_zero_one_adam_sync_with_zero_learning_rate_keeps_the_momentum():
+    """A stage-2 sync where the schedule is 0 (lr_sum == 0): the error feedback is still
+    applied (c / d, numpy), and m stays the local momentum; m was -c / 0 = inf."""
+    sched = lambda count: jnp.where(count == 3, 0.0, 0.01)  # noqa: E731  (step t = 4)
+    tx = zero_one_adam(sched, var_freeze_step=2, local_step_clipper=1)
+    rng = np.random.default_rng(8)
+    g = {"w": rng.normal(size=10).astype(np.float32)}
+    state, update = tx.init(g), jax.jit(tx.update)
+    for _ in range(3):  # two variance steps, a sync that leaves a residual
+        _, state = update(g, state)
+    old = jax.tree.map(np.asarray, state)
+    upd, state = update(g, state)
+    e = old.residual["w"]
+    d = np.sqrt(old.nu["w"].astype(np.float64) / (1 - B2**2)) + EPS
+    np.testing.assert_allclose(upd["w"], sign_codec(e) / d, rtol=1e-5)
+    np.testing.assert_allclose(state.residual["w"], e - sign_codec(e), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(state.mu["w"], B1 * old.mu["w"] + (1 - B1) * g["w"], rtol=1e-6)
+    upd, state = update(g, state)  # lr 0.01 again: a normal sync
+    assert np.all(np.isfinite(np.asarray(upd["w"]))) and np.all(np.abs(state.mu["w"]) < 10)
+
+
 def test_make_train_step_rejects_local_steps(mesh):
     tx = zero_one_adam(0.1, var_freeze_step=2, axis_name="data")
     params = dist.replicate({"w": jnp.zeros(12), "b": jnp.zeros(())}, mesh)

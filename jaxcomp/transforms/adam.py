@@ -720,7 +720,9 @@ def zero_one_adam(
     ``c_i = accumulator * d`` (``= -sum lr_k m_hat_k``) is exchanged in 1 bit
     with error feedback, ``c = mean_i C[c_i + e_i]``, the parameters are
     reset to the last synchronised point plus ``c / d`` (identical on every
-    device), ``m = -c / lr_sum`` (times ``1 - b1^t`` with bias correction),
+    device), ``m = -c / lr_sum`` (times ``1 - b1^t`` with bias correction;
+    with ``lr_sum == 0`` nothing but error feedback was sent and ``m`` stays
+    the local one, as after a local step, until the next sync),
     and ``accumulator`` and ``lr_sum`` restart from 0. ``local_interval``
     starts at 1 and doubles, up to ``local_step_clipper`` (the paper's ``H``),
     after every ``local_step_scaler`` stage-2 steps.
@@ -936,8 +938,15 @@ def zero_one_adam(
                 # last sync + c / d, the same point on every device.
                 upd = jax.tree.map(lambda cc, dd, a: cc / dd - a, c, d, s.accumulator)
                 scale = (1 - jnp.float32(b1) ** t) if bias_correction else jnp.float32(1)
+                # With lr_sum == 0 (a schedule at 0 since the last sync) the messages
+                # carried no momentum, only the error feedback, and -c / 0 was inf:
+                # the momentum stays this device's own, as after a local step.
+                moved = lr_sum != 0
+                divisor = jnp.where(moved, lr_sum, 1)
                 mu = jax.tree.map(
-                    lambda cc: (-cc / jnp.maximum(lr_sum, 1e-38) * scale).astype(cc.dtype), c
+                    lambda cc, ml: jnp.where(moved, -cc / divisor * scale, ml).astype(cc.dtype),
+                    c,
+                    m_local,
                 )
                 new = s._replace(
                     mu=mu,
