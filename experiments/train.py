@@ -610,9 +610,10 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
         _invalid(f"qsgd needs levels >= 1, got {c.levels}")
     if c.rank is not None and c.rank < 1:
         _invalid(f"rank must be >= 1, got {c.rank}")
-    # zero_one_adam's var_freeze_step + 1 must fit in int32 (its stage-2 start).
-    if c.freeze_step is not None and not 0 <= c.freeze_step <= 2**31 - 2:
-        _invalid(f"freeze_step must be in [0, 2**31 - 2], got {c.freeze_step}")
+    # zero_one_adam's var_freeze_step + 1 must fit in int32 (its stage-2 start); 0
+    # would freeze a variance never updated (no step, or NaN).
+    if c.freeze_step is not None and not 1 <= c.freeze_step <= 2**31 - 2:
+        _invalid(f"freeze_step must be in [1, 2**31 - 2], got {c.freeze_step}")
     if c.compressor in COMPRESSED_OPTIMIZERS and (c.exchange not in (None, "default")):
         _invalid(f"{c.compressor} has its own exchange; leave exchange unset")
     if c.bits is not None and not 1 <= c.bits <= 30:

@@ -13,7 +13,8 @@ field (by the type and field name of the jaxcomp state that holds a leaf):
 ================  ==========================================================
 rule              fields, and what device ``j`` of ``M`` gets
 ================  ==========================================================
-``"fold"``        ``residual``, ``velocity`` (per-device owed mass).
+``"fold"``        ``residual``, ``velocity`` (per-device owed mass; 1-bit and
+                  0/1 Adam's error feedback too).
                   Shrinking (``M < N``): old device ``i`` is assigned to
                   ``i mod M`` and ``new_j = (M/N) * sum_{i mod M = j} old_i``.
                   Growing (``M > N``): old device ``i`` is split evenly over
@@ -26,6 +27,9 @@ rule              fields, and what device ``j`` of ``M`` gets
                   same on every device). They must be equal on every old
                   device (bit for bit by default), else ``ValueError``
                   naming the leaf; every new device gets device 0's copy.
+                  0/1 Adam's ``mu``, ``accumulator`` and ``lr_sum`` are
+                  per device between its local steps' syncs: such a state
+                  is resizable at a sync (``local_step_clipper=1``: always).
 ``"copy"``        last-step statistics (``sent_count``, ``search_iterations``,
                   ``message_bytes``, ``wire_bytes``, ``received_bytes``,
                   QSGD's kept ``message``): device ``j mod N``'s value (as
@@ -39,7 +43,7 @@ rule              fields, and what device ``j`` of ``M`` gets
                   when ``M != N``, which makes the next step select afresh
                   (the residuals it was chosen for changed); kept when
                   ``M == N``.
-``"empty"``       a field that must hold no values (1-bit Adam's
+``"empty"``       a field that must hold no values (1-bit and 0/1 Adam's
                   ``server_residual`` with the single-stage exchange);
                   ``ValueError`` when it holds some.
 ================  ==========================================================
@@ -112,7 +116,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
 from jaxcomp import aggregation, cssgd, distributed
-from jaxcomp.transforms.adam import OnebitAdamState
+from jaxcomp.transforms.adam import OnebitAdamState, ZeroOneAdamState
 from jaxcomp.transforms.powersgd import PowerSGDState
 from jaxcomp.transforms.quantize import MomentumQuantizeState, QuantizeState
 from jaxcomp.transforms.sparsify import SparsifyState
@@ -192,6 +196,28 @@ FIELD_RULES: Mapping[type, Mapping[str, str]] = types.MappingProxyType(
                 "residual": "fold",
                 # Two-stage server chunks move with the device count: not resized.
                 "server_residual": "empty",
+                "message_bytes": "copy",
+                "wire_bytes": "copy",
+                "nonfinite_steps": "sum",
+            }
+        ),
+        ZeroOneAdamState: types.MappingProxyType(
+            {
+                "count": "replicated",
+                # Stage 1: from averaged gradients. Stage 2: mu, accumulator and lr_sum
+                # are per device between syncs (local steps) and the same on every
+                # device at a sync (accumulator and lr_sum 0): resizable there only.
+                "mu": "replicated",
+                "nu": "replicated",
+                "nu_count": "replicated",
+                "residual": "fold",  # gradient, then accumulated-momentum errors
+                "server_residual": "empty",
+                "accumulator": "replicated",
+                "lr_sum": "replicated",
+                "var_interval": "replicated",
+                "var_counter": "replicated",
+                "local_interval": "replicated",
+                "local_counter": "replicated",
                 "message_bytes": "copy",
                 "wire_bytes": "copy",
                 "nonfinite_steps": "sum",
@@ -373,7 +399,8 @@ def _resize_leaf(a: np.ndarray, m: int, rule: str | None, where: str, rtol: floa
             raise ValueError(
                 f"resize_opt_state: leaf {where} is a two-stage exchange's server error, "
                 "held in chunks that move with the device count; it cannot be resized. "
-                "Train 1-bit Adam with exchange='allgather' to restart elastically."
+                "Train 1-bit Adam or 0/1 Adam with exchange='allgather' to restart "
+                "elastically."
             )
         return np.zeros((m, *a.shape[1:]), a.dtype)
     raise AssertionError(rule)

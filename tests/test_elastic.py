@@ -275,6 +275,36 @@ def test_top_k_uneven_8_to_3_applies_the_owed_mass():
     _assert_delta(_drain_delta(drain, params3, state3, mesh3), want, _host(params8))
 
 
+def test_zero_one_adam_4_to_3_keeps_the_owed_residual():
+    """0/1 Adam (make_train_step: syncs every stage-2 step): residuals folded, the rest
+    replicated; it had no rules (a misleading 'state of your own' error). Between the
+    syncs of local steps the accumulator differs per device: refused, named."""
+    tx = jaxcomp.zero_one_adam(LR, var_freeze_step=1, local_step_clipper=1, axis_name=AXIS)
+    mesh3 = _mesh(3)
+    params4, state4 = _train(tx, _mesh(4), steps=3)  # a variance step, then two 1-bit syncs
+    old = _host(state4)
+    state3 = elastic.resize_opt_state(state4, 4, 3, mesh=mesh3)
+    new = _host(state3)
+    for k in ("w", "b"):
+        o, n3 = np.asarray(old.residual[k]), np.asarray(new.residual[k])
+        np.testing.assert_allclose(n3, _fold_reference(o, 3), rtol=F32_EPS, atol=0)
+        _assert_owed_kept(o, n3)
+        for field in ("mu", "nu", "accumulator"):
+            np.testing.assert_array_equal(
+                getattr(new, field)[k], np.repeat(getattr(old, field)[k][:1], 3, axis=0)
+            )
+    assert int(new.nonfinite_steps.sum()) == int(old.nonfinite_steps.sum())
+    assert new.count.tolist() == [3] * 3 and new.server_residual.shape == (3, 0)
+    step3 = dist.make_train_step(_loss, tx, mesh3, donate=False)
+    _, after, metrics = step3(dist.replicate(_host(params4), mesh3), state3, _batch(3, 5, mesh3))
+    assert np.isfinite(float(metrics["loss"])) and np.all(np.asarray(after.count) == 4)
+
+    moved = old.accumulator["b"] + np.arange(4, dtype=np.float32)[:, None]  # local steps taken
+    local = old._replace(accumulator={**old.accumulator, "b": moved})
+    with pytest.raises(ValueError, match=r"accumulator\['b'\] differs between devices"):
+        elastic.resize_opt_state(local, 4, 3)
+
+
 # ---------------------------------------------------------------------------
 # The rule on synthetic states (no devices involved).
 # ---------------------------------------------------------------------------

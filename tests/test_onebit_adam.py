@@ -343,6 +343,27 @@ def test_zero_one_adam_gossip_step_trains(mesh):
     assert ours <= max(3 * adam, 1e-3), (ours, adam)
 
 
+def test_zero_one_adam_sync_with_zero_learning_rate_keeps_the_momentum():
+    """A stage-2 sync where the schedule is 0 (lr_sum == 0): the error feedback is still
+    applied (c / d, numpy), and m stays the local momentum; m was -c / 0 = inf."""
+    sched = lambda count: jnp.where(count == 3, 0.0, 0.01)  # noqa: E731  (step t = 4)
+    tx = zero_one_adam(sched, var_freeze_step=2, local_step_clipper=1)
+    rng = np.random.default_rng(8)
+    g = {"w": rng.normal(size=10).astype(np.float32)}
+    state, update = tx.init(g), jax.jit(tx.update)
+    for _ in range(3):  # two variance steps, a sync that leaves a residual
+        _, state = update(g, state)
+    old = jax.tree.map(np.asarray, state)
+    upd, state = update(g, state)
+    e = old.residual["w"]
+    d = np.sqrt(old.nu["w"].astype(np.float64) / (1 - B2**2)) + EPS
+    np.testing.assert_allclose(upd["w"], sign_codec(e) / d, rtol=1e-5)
+    np.testing.assert_allclose(state.residual["w"], e - sign_codec(e), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(state.mu["w"], B1 * old.mu["w"] + (1 - B1) * g["w"], rtol=1e-6)
+    upd, state = update(g, state)  # lr 0.01 again: a normal sync
+    assert np.all(np.isfinite(np.asarray(upd["w"]))) and np.all(np.abs(state.mu["w"]) < 10)
+
+
 def test_make_train_step_rejects_local_steps(mesh):
     tx = zero_one_adam(0.1, var_freeze_step=2, axis_name="data")
     params = dist.replicate({"w": jnp.zeros(12), "b": jnp.zeros(())}, mesh)
@@ -399,6 +420,9 @@ def test_one_device_with_nan_is_left_out_of_the_mean(mesh):
     "make,arg",
     [
         (lambda: onebit_adam(0.1, freeze_step=-1), "freeze_step"),
+        # 0: v frozen at 0, the optimizer never moved (0/1 Adam: NaN updates).
+        (lambda: onebit_adam(0.1, freeze_step=0), r"freeze_step must be .* \[1,"),
+        (lambda: zero_one_adam(0.1, var_freeze_step=0), r"var_freeze_step must be .* \[1,"),
         (lambda: onebit_adam(0.1, freeze_step=1.5), "freeze_step"),
         (lambda: zero_one_adam(0.1, var_freeze_step=-2), "var_freeze_step"),
         (lambda: zero_one_adam(0.1, var_freeze_step=2, var_update_scaler=0), "var_update_scaler"),
@@ -409,6 +433,70 @@ def test_one_device_with_nan_is_left_out_of_the_mean(mesh):
 def test_bad_schedule_arguments(make, arg):
     with pytest.raises(ValueError, match=arg):
         make()
+
+
+def test_float16_dense_mean_does_not_overflow(mesh):
+    """float16 gradients whose sum over the devices exceeds 65504 but whose mean fits: the
+    dense (warm-up / variance) step's mean matches numpy's; the sum overflowed to inf."""
+    rng = np.random.default_rng(3)
+    g = (40000 + 1000 * rng.normal(size=(N, 6))).astype(np.float16)
+    mean = g.astype(np.float64).mean(0)
+    for tx in (
+        onebit_adam(0.1, freeze_step=5, axis_name="data"),
+        zero_one_adam(0.1, var_freeze_step=5, local_step_clipper=1, axis_name="data"),
+    ):
+        state = _stack_init(tx, {"w": jnp.zeros(6, jnp.float16)}, mesh)
+        _, new = mesh_update(tx, mesh)(_stacked({"w": g}, mesh), state)
+        # float16 shares (g / N) added in float16: a few float16 roundings of the mean.
+        np.testing.assert_allclose(np.asarray(new.mu["w"])[0], (1 - B1) * mean, rtol=2e-3)
+        np.testing.assert_allclose(np.asarray(new.nu["w"])[0], (1 - B2) * mean**2, rtol=4e-3)
+
+
+def test_leaves_split_over_an_explicit_mesh_axis_equal_unsharded():
+    """jit(tx.update) on leaves split with explicit axes (GSPMD, no shard_map): each leaf
+    handled whole, as unsharded; it raised ShardingTypeError."""
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(4)
+    grads = [
+        {"w": rng.normal(size=(16, 3)).astype(np.float32), "b": rng.normal(size=4).astype("f4")}
+        for _ in range(3)
+    ]
+    specs = {"w": P("data", None), "b": P()}
+    for tx in (
+        onebit_adam(0.1, freeze_step=1),
+        zero_one_adam(0.1, var_freeze_step=1, local_step_clipper=2, local_step_scaler=1),
+    ):
+        ref_state, state = tx.init(grads[0]), None
+        with jax.set_mesh(mesh):
+            put = lambda g: jax.tree.map(  # noqa: E731
+                lambda x, sp: jax.device_put(x, NamedSharding(mesh, sp)), g, specs
+            )
+            state = jax.jit(tx.init)(put(grads[0]))
+        for g in grads:  # warm-up / variance step, then 1-bit (and local) steps
+            ref_updates, ref_state = jax.jit(tx.update)(g, ref_state)
+            with jax.set_mesh(mesh):
+                updates, state = jax.jit(tx.update)(put(g), state)
+            assert updates["w"].sharding.spec == P("data", None)
+            assert state.residual["w"].sharding.spec == P("data", None)
+            for k in g:
+                np.testing.assert_array_equal(np.asarray(updates[k]), np.asarray(ref_updates[k]))
+                np.testing.assert_array_equal(np.asarray(state.mu[k]), np.asarray(ref_state.mu[k]))
+
+
+def test_backup_workers_are_refused(mesh):
+    """include= (backup workers) raises, named, in tx.update and under make_train_step:
+    it was swallowed and the left-out device's gradient averaged in."""
+    g = {"w": jnp.ones(4)}
+    for tx in (onebit_adam(0.1, freeze_step=1), zero_one_adam(0.1, var_freeze_step=1)):
+        with pytest.raises(ValueError, match=r"include= \(backup workers\)"):
+            tx.update(g, tx.init(g), include=jnp.bool_(False))
+    tx = onebit_adam(0.1, freeze_step=1, axis_name="data")
+    params = dist.replicate({"w": jnp.zeros(12), "b": jnp.zeros(())}, mesh)
+    step = dist.make_train_step(_lsq_loss, tx, mesh)
+    include = jnp.arange(N) > 0
+    with pytest.raises(ValueError, match=r"include= \(backup workers\)"):
+        step(params, dist.init_opt_state(tx, params, mesh), dist.shard_batch(_lsq_problem(), mesh),
+             update_args={"include": include})  # fmt: skip
 
 
 def test_schedule_learning_rate_and_tree_mismatch():
@@ -589,6 +677,72 @@ def test_two_stage_single_device_and_zero_one_adam(mesh):
     assert np.all(d > 0)
 
 
+@pytest.mark.parametrize("codec", ["sign", "sign_l2"])
+def test_two_stage_under_make_train_step_is_not_pre_averaged(mesh, codec):
+    """The two-stage result is the same on every device and typed so: make_train_step's
+    probe sees every leaf exchanged (no dense pre-averaging of the gradients), and its
+    steps equal a hand-written shard_map step on per-device gradients."""
+    p0 = {"w": jnp.zeros(12), "b": jnp.zeros(())}
+    kw = dict(axis_name="data", exchange="two_stage", codec=codec)
+    makers = (
+        lambda: onebit_adam(0.05, freeze_step=1, **kw),
+        lambda: zero_one_adam(0.05, var_freeze_step=1, local_step_clipper=1, **kw),
+    )
+    batch = dist.shard_batch(_lsq_problem(), mesh)
+
+    def by_hand(p, s, b):
+        s = jax.tree.map(lambda x: x[0], s)
+        g = dist.per_device_grad(_lsq_loss, "data")(p, b)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), jax.tree.map(lambda x: x[None], s)
+
+    hand = jax.jit(
+        jax.shard_map(
+            by_hand, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+            out_specs=(P(), P("data")), check_vma=False,
+        )
+    )  # fmt: skip
+    for make in makers:
+        assert dist.unexchanged_leaves(make(), p0, mesh) == []
+    # Training (the slow part) with one optimizer per codec: 1-bit Adam "sign", 0/1 Adam "sign_l2".
+    tx = makers[0 if codec == "sign" else 1]()
+    params = dist.replicate(p0, mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    ref_p = dist.replicate(p0, mesh)  # make_train_step donates its inputs
+    ref_s = dist.init_opt_state(tx, ref_p, mesh)
+    step = dist.make_train_step(_lsq_loss, tx, mesh, unexchanged="error")
+    for _ in range(3):
+        params, state, _ = step(params, state, batch)
+        ref_p, ref_s = hand(ref_p, ref_s, batch)
+    res = np.asarray(state.residual["w"])
+    assert not np.array_equal(res[0], res[1])  # each device compressed its own momentum
+    np.testing.assert_array_equal(res, np.asarray(ref_s.residual["w"]))
+    for k in p0:
+        np.testing.assert_array_equal(np.asarray(params[k]), np.asarray(ref_p[k]))
+
+
+def test_two_stage_x64_mixed_dtypes_keep_float64():
+    """x64, a float32 leaf first and a float64 leaf: the flat exchange buffer is float64,
+    so nothing is lost for the float64 leaf to float64 rounding (it was rounded to
+    float32, the first leaf's dtype: 1e-9 lost)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(6)
+        tx = onebit_adam(0.01, freeze_step=1, exchange="two_stage")
+        g = [
+            {"a": rng.normal(size=16).astype(np.float32), "b": 1 + 1e-9 * rng.normal(size=16)}
+            for _ in range(2)
+        ]
+        state = tx.init(jax.tree.map(jnp.zeros_like, g[0]))
+        _, state = tx.update(g[0], state)  # warm-up: dense
+        mu = np.asarray(state.mu["b"])
+        _, state = tx.update(g[1], state)  # the two-stage exchange, zero errors before
+        assert state.server_residual.dtype == np.float64 and state.mu["b"].dtype == np.float64
+        x = B1 * mu + (1 - B1) * g[1]["b"]
+        kept = np.asarray(state.mu["b"]) + np.asarray(state.residual["b"])
+        kept = kept + np.asarray(state.server_residual)[16:]  # "b" is the second leaf
+        np.testing.assert_allclose(kept, x, rtol=0, atol=1e-14)
+
+
 @pytest.mark.parametrize(
     "kwargs,arg",
     [
@@ -611,12 +765,12 @@ def test_two_stage_state_is_not_resized_elastically(mesh):
     """The server chunks move with N: elastic.resize_opt_state raises, naming the field."""
     from jaxcomp import elastic
 
-    tx = onebit_adam(0.01, freeze_step=0, axis_name="data", exchange="two_stage")
+    tx = onebit_adam(0.01, freeze_step=1, axis_name="data", exchange="two_stage")
     state = jax.tree.map(np.asarray, _stack_init(tx, {"w": jnp.zeros(16)}, mesh))
     state = state._replace(server_residual=np.ones_like(state.server_residual))
     with pytest.raises(ValueError, match="server_residual"):
         elastic.resize_opt_state(state, N, 4)
-    plain = onebit_adam(0.01, freeze_step=0, axis_name="data")
+    plain = onebit_adam(0.01, freeze_step=1, axis_name="data")
     small = elastic.resize_opt_state(
         jax.tree.map(np.asarray, _stack_init(plain, {"w": jnp.zeros(16)}, mesh)), N, 4
     )

@@ -239,8 +239,9 @@ def test_epoch_order_is_deterministic():
         # Rejected by the jaxcomp factories: the optimizer is built (abstractly) in validation.
         ({"compressor": "qsgd", "levels": 3 * 10**9}, r"qsgd: levels must be .* \[1, 2147483647\]"),
         # The flag's name, not the library's (zero_one_adam calls it var_freeze_step).
-        ({"compressor": "onebit_adam", "freeze_step": 2**63 - 1}, r"freeze_step must be in \[0,"),
-        ({"compressor": "zero_one_adam", "freeze_step": 2**31 - 1}, r"freeze_step must be in \[0,"),
+        ({"compressor": "onebit_adam", "freeze_step": 2**63 - 1}, r"freeze_step must be in \[1,"),
+        ({"compressor": "zero_one_adam", "freeze_step": 2**31 - 1}, r"freeze_step must be in \[1,"),
+        ({"compressor": "zero_one_adam", "freeze_step": 0}, r"freeze_step must be in \[1,"),
         ({"compressor": "random_k", "reuse_period": 5}, "reuse_period .* not used by .*'random_k'"),
         # The synthetic set's 2048 examples, known without reading the data.
         ({"batch_size": 100_000}, "batch_size=100000 .* exceeds the 2048 training examples"),

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomp import _sharding
 from jaxcomp import _validation as V
 from jaxcomp import _vma as vma
 from jaxcomp._vma import check_per_device
@@ -201,7 +202,9 @@ class _Exchange:
         """The two-stage exchange's server error (module docstring): flat, ``d`` values."""
         big = [z for z in jax.tree.leaves(zeros) if z.size > self.min_dense_size]
         d = sum(z.size for z in big) if self.two_stage else 0
-        dtype = big[0].dtype if big else jnp.float32
+        # The widest of the leaves' dtypes: one flat buffer carries them all, and a
+        # float64 leaf beside a float32 one must not be rounded to float32.
+        dtype = jnp.result_type(*big) if big else jnp.float32
         return jnp.zeros([d], dtype)
 
     def compressed_mean(self, x, residual, server, message_bytes, ok, n_ok, step):
@@ -235,10 +238,16 @@ def _dense_leaf_mean(g, ok, n_ok, axis_name):
     if axis_name is None:
         return g, jnp.float32(0)
     # In the gradient's dtype: that is what travels. Divided like pmean, so the
-    # warm-up matches optax.adam after a dense pmean bit for bit.
-    total = lax.psum(jnp.where(ok, g, jnp.zeros_like(g)), axis_name)
-    mean = total / jnp.maximum(n_ok, 1.0).astype(total.dtype)
+    # warm-up matches optax.adam after a dense pmean bit for bit; float16 is
+    # divided first, as collectives.dense_mean does (a sum of float16
+    # gradients overflows 65504 where their mean fits, and mu stayed inf).
     n_dev = collectives.axis_size(axis_name)
+    divisor = jnp.maximum(n_ok, 1.0).astype(g.dtype)
+    if collectives._divides_first(g.dtype, n_dev):
+        mean = lax.psum(jnp.where(ok, g / divisor, jnp.zeros_like(g)), axis_name)
+    else:
+        total = lax.psum(jnp.where(ok, g, jnp.zeros_like(g)), axis_name)
+        mean = total / divisor
     return mean, jnp.float32(collectives.allreduce_bytes(g.size * g.dtype.itemsize, n_dev))
 
 
@@ -320,8 +329,11 @@ def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_s
         server = lax.dynamic_update_slice(server_pad, server_new, (me * chunk,))[:d]
         out_packed = jnp.packbits(server_bits, bitorder="little")
         if axis_name is not None:
-            out_packed = lax.all_gather(out_packed, axis_name)
-            out_scales = lax.all_gather(server_scale, axis_name)
+            # Typed device-invariant (every device gets the same servers' chunks): with
+            # plain all_gather make_train_step's probe took the result for unexchanged
+            # and averaged the gradients densely before the optimizer.
+            out_packed = collectives.all_gather_invariant(out_packed, axis_name)
+            out_scales = collectives.all_gather_invariant(server_scale, axis_name)
             c8, f = chunk // 8, dtype.itemsize
             # all_to_all (n - 1 chunks), worker scale, servers' chunks and scales.
             wire = wire + jnp.float32((n - 1) * (c8 + f) + collectives.allgather_bytes(c8 + f, n))
@@ -343,8 +355,9 @@ def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_s
 
 
 def _moment_dtypes(params, residual_dtype):
+    # zeros_like: a parameter split over an explicit mesh axis gets moments split alike.
     return jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), resolve_residual_dtype(residual_dtype, [p])), params
+        lambda p: jnp.zeros_like(p, resolve_residual_dtype(residual_dtype, [p])), params
     )
 
 
@@ -371,6 +384,20 @@ def _mask_dead(tree, nu):
     ``exp_avg_mask`` for this, here it is derived from the variance.
     """
     return jax.tree.map(lambda x, v: jnp.where(v > 0, x, jnp.zeros_like(x)), tree, nu)
+
+
+def _reject_include(who, include):
+    # Backup workers: what a left-out device did not send has no exact place
+    # here (its momentum mixes the shared mean with its gradient, and 0/1
+    # Adam's local steps move its parameters), so it is refused rather than
+    # silently averaged in. A ProbeError (a ValueError) is raised as it is by
+    # make_train_step's probe.
+    if include is not None:
+        raise vma.ProbeError(
+            f"{who} does not take include= (backup workers): the 1-bit momentum exchange "
+            "averages every device's message; use a sparsifier or jaxcomp.quantize for "
+            "partial aggregation"
+        )
 
 
 def _check_common(who, updates, state_mu, axis_name):
@@ -472,7 +499,7 @@ def onebit_adam(
       learning_rate: ``lr > 0``, or an optax schedule of the step count.
       b1, b2: Adam's decay rates, in ``[0, 1)``.
       eps: ``> 0``, added to ``sqrt(v_hat)``.
-      freeze_step: ``>= 0``, warm-up steps with dense exchange before ``v``
+      freeze_step: ``>= 1``, warm-up steps with dense exchange before ``v``
         is frozen (required: there is no good default; DeepSpeed's is 100000).
       axis_name: mesh axis to average over inside ``shard_map``; ``None``:
         one device (the 1-bit round trip is still applied after the freeze).
@@ -499,7 +526,8 @@ def onebit_adam(
       like ``optax.adam``'s.
 
     Raises:
-      ValueError: for a bad argument; the message names it.
+      ValueError: for a bad argument; the message names it. From ``update``
+        for ``include=`` (backup workers are not supported).
 
     Example:
       >>> import jax.numpy as jnp
@@ -517,7 +545,8 @@ def onebit_adam(
     who = "jaxcomp.onebit_adam"
     learning_rate = _check_learning_rate(learning_rate)
     b1, b2, eps = _check_betas_eps(b1, b2, eps)
-    freeze_step = V.check_int("freeze_step", freeze_step, 0, 2**31 - 1)
+    # freeze_step 0 would freeze v at 0: every coordinate "dead", no step ever.
+    freeze_step = V.check_int("freeze_step", freeze_step, 1, 2**31 - 1)
     quantizer = _codec(codec, bucket_size, exchange)
     bias_correction = V.check_bool("bias_correction", bias_correction)
     min_dense_size = V.check_int("min_dense_size", min_dense_size, 0)
@@ -540,8 +569,16 @@ def onebit_adam(
             nonfinite_steps=jnp.zeros([], jnp.int32),
         )
 
-    def update(updates, state, params=None, **extra_args):
+    def update(updates, state, params=None, *, include=None, **extra_args):
         del params, extra_args
+        _reject_include(who, include)
+        # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
+        # handled whole, as on one device (see jaxcomp._sharding).
+        return _sharding.whole_leaves(update_leaves, fields=("mu", "nu", "residual"))(
+            updates, state
+        )
+
+    def update_leaves(updates, state):
         _check_common(who, updates, state.mu, axis_name)
         grads, finite, ok = apply_nonfinite_policy(updates, nonfinite)
         g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
@@ -683,7 +720,9 @@ def zero_one_adam(
     ``c_i = accumulator * d`` (``= -sum lr_k m_hat_k``) is exchanged in 1 bit
     with error feedback, ``c = mean_i C[c_i + e_i]``, the parameters are
     reset to the last synchronised point plus ``c / d`` (identical on every
-    device), ``m = -c / lr_sum`` (times ``1 - b1^t`` with bias correction),
+    device), ``m = -c / lr_sum`` (times ``1 - b1^t`` with bias correction;
+    with ``lr_sum == 0`` nothing but error feedback was sent and ``m`` stays
+    the local one, as after a local step, until the next sync),
     and ``accumulator`` and ``lr_sum`` restart from 0. ``local_interval``
     starts at 1 and doubles, up to ``local_step_clipper`` (the paper's ``H``),
     after every ``local_step_scaler`` stage-2 steps.
@@ -717,7 +756,7 @@ def zero_one_adam(
       learning_rate: ``lr > 0``, or an optax schedule of the step count.
       b1, b2: Adam's decay rates, in ``[0, 1)``.
       eps: ``> 0``, added to ``sqrt(v_hat)``.
-      var_freeze_step: ``>= 0``, the last step that may update ``v``
+      var_freeze_step: ``>= 1``, the last step that may update ``v``
         (DeepSpeed: "usually the end of the learning rate warmup").
       var_update_scaler: ``>= 1``, variance updates per interval doubling.
       local_step_scaler: ``>= 1``, stage-2 steps per local-interval doubling
@@ -736,7 +775,8 @@ def zero_one_adam(
 
     Raises:
       ValueError: for a bad argument (the message names it); under
-        ``make_train_step`` with ``local_step_clipper > 1`` and ``axis_name``.
+        ``make_train_step`` with ``local_step_clipper > 1`` and ``axis_name``;
+        from ``update`` for ``include=`` (backup workers are not supported).
 
     Example:
       >>> import jax.numpy as jnp
@@ -752,7 +792,9 @@ def zero_one_adam(
     who = "jaxcomp.zero_one_adam"
     learning_rate = _check_learning_rate(learning_rate)
     b1, b2, eps = _check_betas_eps(b1, b2, eps)
-    var_freeze_step = V.check_int("var_freeze_step", var_freeze_step, 0, 2**31 - 2)
+    # var_freeze_step 0 would start stage 2 with no variance update (v = 0: NaN
+    # through the bias correction 1 - b2^0, or no step without it).
+    var_freeze_step = V.check_int("var_freeze_step", var_freeze_step, 1, 2**31 - 2)
     var_update_scaler = V.check_int("var_update_scaler", var_update_scaler, 1, 2**31 - 1)
     local_step_scaler = V.check_int("local_step_scaler", local_step_scaler, 1, 2**31 - 1)
     local_step_clipper = V.check_int("local_step_clipper", local_step_clipper, 1, 2**30)
@@ -787,8 +829,16 @@ def zero_one_adam(
             nonfinite_steps=i32(0),
         )
 
-    def update(updates, state, params=None, **extra_args):
+    def update(updates, state, params=None, *, include=None, **extra_args):
         del params, extra_args
+        _reject_include(who, include)
+        # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
+        # handled whole, as on one device (see jaxcomp._sharding).
+        return _sharding.whole_leaves(
+            update_leaves, fields=("mu", "nu", "residual", "accumulator")
+        )(updates, state)
+
+    def update_leaves(updates, state):
         _check_common(who, updates, state.mu, axis_name)
         if local_steps and axis_name is not None and vma.probing_now():
             # make_train_step is tracing tx to find un-averaged update leaves.
@@ -888,8 +938,15 @@ def zero_one_adam(
                 # last sync + c / d, the same point on every device.
                 upd = jax.tree.map(lambda cc, dd, a: cc / dd - a, c, d, s.accumulator)
                 scale = (1 - jnp.float32(b1) ** t) if bias_correction else jnp.float32(1)
+                # With lr_sum == 0 (a schedule at 0 since the last sync) the messages
+                # carried no momentum, only the error feedback, and -c / 0 was inf:
+                # the momentum stays this device's own, as after a local step.
+                moved = lr_sum != 0
+                divisor = jnp.where(moved, lr_sum, 1)
                 mu = jax.tree.map(
-                    lambda cc: (-cc / jnp.maximum(lr_sum, 1e-38) * scale).astype(cc.dtype), c
+                    lambda cc, ml: jnp.where(moved, -cc / divisor * scale, ml).astype(cc.dtype),
+                    c,
+                    m_local,
                 )
                 new = s._replace(
                     mu=mu,
