@@ -571,7 +571,9 @@ def _manager(directory):
     return ocp, ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), item_names=_ITEMS)
 
 
-def save(directory, step: int, params, opt_state, *, axis_name="data") -> None:
+def save(
+    directory, step: int, params, opt_state, *, axis_name="data", overwrite: bool = False
+) -> None:
     """Saves parameters and the stacked optimizer state with its device count (orbax).
 
     Writes ``directory/<step>/`` with items ``state`` (``{"params": ...,
@@ -581,11 +583,21 @@ def save(directory, step: int, params, opt_state, *, axis_name="data") -> None:
 
     Args:
       directory: the checkpoint root directory (created).
-      step: the checkpoint's step number, an int >= 0 (must not exist yet).
+      step: the checkpoint's step number, an int >= 0. It must be after every
+        step already in ``directory`` (orbax writes nothing otherwise, and
+        :func:`restore` would return the older checkpoint), unless
+        ``overwrite``.
       params: the (replicated) parameters.
       opt_state: the stacked state from :func:`jaxcomp.distributed.init_opt_state`
         and training.
       axis_name: the device axis (recorded).
+      overwrite: delete the checkpoints at steps ``>= step`` in ``directory``
+        first (e.g. a rerun into the same directory); False: raise instead.
+
+    Raises:
+      ValueError: ``directory`` already holds a checkpoint at ``step`` or
+        later and ``overwrite`` is False; opt_state's leaves have different
+        leading axes.
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax, jaxcomp
@@ -600,11 +612,26 @@ def save(directory, step: int, params, opt_state, *, axis_name="data") -> None:
       >>> import shutil; shutil.rmtree(d)
     """
     step = V.check_int("step", step, 0)
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite must be a bool, got {overwrite!r}")
     n = _leading(opt_state)
     ocp, manager = _manager(directory)
     meta = {"format": _FORMAT, "version": _VERSION, "devices": n, "axis_name": str(axis_name)}
     try:
-        manager.save(
+        # orbax's manager skips (returns False, writes nothing) a step that is
+        # not after its latest one: a rerun into the same directory would keep
+        # the old run's checkpoint and restore would return it.
+        later = sorted(s for s in manager.all_steps() if s >= step)
+        if later and not overwrite:
+            raise ValueError(
+                f"save: {manager.directory} already holds checkpoint step(s) {later} >= "
+                f"step={step} (steps: {sorted(manager.all_steps())}); orbax would not write "
+                f"step {step}. Save into a new directory, or pass overwrite=True to delete "
+                "those steps first"
+            )
+        for s in later:
+            manager.delete(s)
+        saved = manager.save(
             step,
             args=ocp.args.Composite(
                 # One pytree: orbax's StandardSave refuses a bare array (params may be one).
@@ -613,6 +640,8 @@ def save(directory, step: int, params, opt_state, *, axis_name="data") -> None:
             ),
         )
         manager.wait_until_finished()
+        if not saved:  # never skip silently, whatever orbax's policy decided
+            raise ValueError(f"save: orbax did not write step {step} to {manager.directory}")
     finally:
         manager.close()
 

@@ -458,3 +458,34 @@ def test_checkpoint_errors(tmp_path):
         tmp_path / "bare", 0, mesh, None, np.zeros(3, np.float32), state_like=state
     )
     np.testing.assert_array_equal(bare, [0.0, 1.0, 2.0])
+
+
+def test_save_refuses_an_existing_or_earlier_step(tmp_path):
+    # orbax skips a step that is not after its latest: a rerun into the same
+    # directory used to write nothing, and restore returned the old run.
+    mesh = _mesh(2)
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR))
+    state = _stacked(tx.init(_params()), 2)
+    old = _params()
+    new = jax.tree.map(lambda x: x + 1.0, old)
+    like = _params()
+    elastic.save(tmp_path, 5, old, state)
+    elastic.save(tmp_path, 10, old, state)
+    for step in (10, 3):  # the same step, and one before the latest
+        with pytest.raises(ValueError, match=r"already holds checkpoint step.*overwrite=True"):
+            elastic.save(tmp_path, step, new, state)
+    got, _ = elastic.restore(tmp_path, None, mesh, tx, like)
+    np.testing.assert_array_equal(got["w"], old["w"])
+    assert elastic.saved_devices(tmp_path, 5) == 2
+    # overwrite=True deletes the steps >= step, then writes.
+    elastic.save(tmp_path, 10, new, state, overwrite=True)
+    got, _ = elastic.restore(tmp_path, None, mesh, tx, like)
+    np.testing.assert_array_equal(got["w"], new["w"])
+    got, _ = elastic.restore(tmp_path, 5, mesh, tx, like)
+    np.testing.assert_array_equal(got["w"], old["w"])
+    elastic.save(tmp_path, 3, new, state, overwrite=True)
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [3]
+    got, _ = elastic.restore(tmp_path, None, mesh, tx, like)
+    np.testing.assert_array_equal(got["w"], new["w"])
+    with pytest.raises(ValueError, match="overwrite must be a bool"):
+        elastic.save(tmp_path, 11, new, state, overwrite=1)
