@@ -563,6 +563,14 @@ def _check_permutation(name: str, order, n_dev: int) -> tuple:
     return tuple(int(v) for v in values)
 
 
+def _message_bytes_fields(state):
+    """``(path, message_bytes, state node)`` of every state holding a ``message_bytes`` field."""
+    is_node = lambda x: hasattr(x, "_fields") and "message_bytes" in x._fields  # noqa: E731
+    for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_node)[0]:
+        if is_node(node):
+            yield path, node.message_bytes, node
+
+
 def _push_bytes(state, updates) -> jax.Array:
     """Bytes of the message a worker pushes: the compressor's, dense for other leaves.
 
@@ -575,10 +583,17 @@ def _push_bytes(state, updates) -> jax.Array:
     all_paths = {path for path, _ in flat}
     covered: set = set()
     total = jnp.float32(0)
-    for _, field in optax.tree.get_all_with_path(state, "message_bytes"):
+    for _, field, node in _message_bytes_fields(state):
         leaves = jax.tree_util.tree_flatten_with_path(field)[0]
         if len(leaves) == 1 and leaves[0][0] == () and len(flat) > 1:
-            covered = all_paths  # granularity="global": one count for every leaf
+            # granularity="global": one count for the leaves the compressor
+            # sees, which are its residual's (optax.masked and multi_transform
+            # give it MaskedNode, no leaf, for the others: pushed dense).
+            residual = getattr(node, "residual", None)
+            if residual is None:
+                covered = all_paths
+            else:
+                covered |= {path for path, _ in jax.tree_util.tree_flatten_with_path(residual)[0]}
         else:
             covered |= {path for path, _ in leaves}
         total = total + sum((jnp.asarray(v, jnp.float32) for _, v in leaves), jnp.float32(0))

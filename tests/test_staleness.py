@@ -234,11 +234,21 @@ def test_async_first_round_is_a_synchronous_step(mesh, data):
     assert metrics["staleness"].tolist() == list(range(N))
 
 
-def test_async_push_bytes_count_masked_leaves_dense(mesh):
+@pytest.mark.parametrize(
+    "wrapper, granularity",
+    [("masked", "layer"), ("masked", "global"), ("multi_transform", "global")],
+)
+def test_async_push_bytes_count_masked_leaves_dense(mesh, wrapper, granularity):
+    # granularity="global" reports one count for the covered leaves: the bias
+    # next to it is still pushed dense (it was left out).
     params = {"w": np.zeros((8, 2), np.float32), "b": np.zeros(2, np.float32)}
-    tx = optax.chain(
-        optax.masked(jaxcomp.top_k(0.25), {"w": True, "b": False}), optax.sgd(LR)
-    )  # fmt: skip
+    top_k = jaxcomp.top_k(0.25, granularity=granularity)
+    if wrapper == "masked":
+        tx = optax.chain(optax.masked(top_k, {"w": True, "b": False}), optax.sgd(LR))
+    else:
+        tx = optax.multi_transform(
+            {"c": optax.chain(top_k, optax.sgd(LR)), "d": optax.sgd(LR)}, {"w": "c", "b": "d"}
+        )
 
     def loss(p, b):
         return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
