@@ -24,7 +24,8 @@ rule              fields, and what device ``j`` of ``M`` gets
                   jaxcomp does not know (optax's momentum ``trace``, Adam
                   moments, ``count``: computed from the averaged update, the
                   same on every device). They must be equal on every old
-                  device (bit for bit by default), else ``ValueError``
+                  device (exactly by default: bit for bit, except that
+                  ``-0.0 == +0.0`` and NaN equals NaN), else ``ValueError``
                   naming the leaf; every new device gets device 0's copy.
 ``"copy"``        last-step statistics (``sent_count``, ``search_iterations``,
                   ``message_bytes``, ``wire_bytes``, ``received_bytes``,
@@ -330,13 +331,23 @@ def _fold(a: np.ndarray, m: int, where: str) -> np.ndarray:
 
 def _replicated(a: np.ndarray, m: int, where: str, rtol: float, known: bool) -> np.ndarray:
     first = a[0]
-    if rtol == 0 or not jnp.issubdtype(a.dtype, jnp.inexact):
+    if not jnp.issubdtype(a.dtype, jnp.inexact):
         flat = np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[0], -1)
         same = bool(np.all(flat == flat[:1]))
     else:
-        wide, ref = a.astype(np.float64), first.astype(np.float64)
-        close = np.abs(wide - ref) <= rtol * np.abs(ref)
-        same = bool(np.all(close | (np.isnan(wide) & np.isnan(ref))))
+        # Values, not bits: -0.0 equals +0.0 (optax.MultiSteps resets its
+        # accumulators to (1 - 1) * acc, -0.0 where acc < 0) and NaN equals
+        # NaN; otherwise equal floats are equal bits. Equal infinities pass
+        # with rtol > 0 too (inf - inf is NaN).
+        wide = a.astype(
+            np.complex128 if jnp.issubdtype(a.dtype, jnp.complexfloating) else np.float64
+        )
+        ref = wide[:1]
+        close = (wide == ref) | (np.isnan(wide) & np.isnan(ref))
+        if rtol > 0:  # a tolerance around a finite value (inf is near no finite one)
+            with np.errstate(invalid="ignore"):
+                close |= np.isfinite(ref) & (np.abs(wide - ref) <= rtol * np.abs(ref))
+        same = bool(np.all(close))
     if not same:
         if known:
             why = "a jaxcomp field that is the same on every device in a synchronous run"
@@ -347,7 +358,7 @@ def _replicated(a: np.ndarray, m: int, where: str, rtol: float, known: bool) -> 
                 "(optax.MultiSteps' accumulated local gradients, a state of your own: "
                 "pass rules={YourState: {field: rule}})"
             )
-        tol = "bit for bit" if rtol == 0 else f"within rtol={rtol}"
+        tol = "exactly" if rtol == 0 else f"within rtol={rtol}"
         raise ValueError(
             f"resize_opt_state: leaf {where} differs between devices ({tol}); it is {why}"
         )
@@ -418,9 +429,11 @@ def resize_opt_state(
       rules: ``{StateType: {field: rule}}`` for state types of your own (or
         to override jaxcomp's), rules from :data:`RULES`.
       rtol: tolerance of the check that replicated leaves are equal on every
-        device: 0 (default) requires them bit for bit (what
-        ``make_train_step``'s bit-identical averaged updates give); a float
-        leaf may then differ by ``rtol`` relative to device 0's value.
+        device: 0 (default) requires them equal (what
+        ``make_train_step``'s bit-identical averaged updates give): bit for
+        bit, except that ``-0.0`` equals ``+0.0`` and NaN equals NaN; a float
+        leaf may then differ by ``rtol`` relative to device 0's value (equal
+        values, infinities too, always pass).
 
     Returns:
       The state with leading axis ``new_devices``, numpy arrays of the same

@@ -400,13 +400,56 @@ def test_replicated_leaves_checked():
     trace = state[1][0].trace["w"]
     trace[:] = 1.0
     trace[2, 0, 0] = 1.0 + 1e-7
-    with pytest.raises(ValueError, match=r"trace\['w'\] differs between devices \(bit for bit\)"):
+    with pytest.raises(ValueError, match=r"trace\['w'\] differs between devices \(exactly\)"):
         elastic.resize_opt_state(state, 4, 2)
     new = elastic.resize_opt_state(state, 4, 2, rtol=1e-6)
     np.testing.assert_array_equal(new[1][0].trace["w"], np.ones((2, 12, 6), np.float32))
     steps = state[0]._replace(step=np.array([1, 1, 2, 1], np.int32))
     with pytest.raises(ValueError, match=r"\.step differs between devices"):
         elastic.resize_opt_state((steps, state[1]), 4, 2, rtol=1e-6)
+
+
+def test_replicated_check_treats_signed_zeros_and_nans_as_equal():
+    # optax.MultiSteps at an accumulation boundary writes (1 - 1) * acc: -0.0
+    # where acc < 0, so the all-zero accumulators differ in their sign bits.
+    ms = optax.MultiSteps(optax.chain(jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR)), 2)
+    stacked = _stacked(ms.init(_params()), 4)
+    acc = stacked.acc_grads["w"]
+    acc[1, 0, :3] = -0.0
+    acc[3, 5, 0] = -0.0
+    assert np.signbit(acc).sum() == 4 and np.all(acc == 0)
+    new = elastic.resize_opt_state(stacked, 4, 2)
+    np.testing.assert_array_equal(new.acc_grads["w"], np.zeros((2, 12, 6), np.float32))
+    # NaN at the same place on every device is the same value; elsewhere not.
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR, momentum=MOMENTUM))
+    state = _stacked(tx.init(_params()), 4)
+    trace = state[1][0].trace["b"]
+    trace[:, 2] = np.nan
+    new = elastic.resize_opt_state(state, 4, 3)
+    assert np.isnan(new[1][0].trace["b"][:, 2]).all()
+    trace[1, 3] = np.nan
+    with pytest.raises(ValueError, match=r"trace\['b'\] differs between devices \(exactly\)"):
+        elastic.resize_opt_state(state, 4, 3)
+    # Integer leaves stay bit for bit.
+    steps = state[0]._replace(step=np.array([1, 1, 2, 1], np.int32))
+    with pytest.raises(ValueError, match=r"\.step differs between devices"):
+        elastic.resize_opt_state((steps, state[1]), 4, 2)
+
+
+def test_rtol_accepts_equal_infinities():
+    # reduce_on_plateau's best_value starts at +inf on every device: inf - inf
+    # is NaN, which the tolerance test used to count as a difference.
+    tx = optax.chain(
+        jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR), optax.contrib.reduce_on_plateau()
+    )
+    state = _stacked(tx.init(_params()), 2)
+    assert np.isposinf(state[2].best_value).all()
+    new = elastic.resize_opt_state(state, 2, 1, rtol=1e-6)
+    np.testing.assert_array_equal(new[2].best_value, np.full(1, np.inf, np.float32))
+    for other in (-np.inf, 1e30):  # an unequal value is still refused
+        state[2].best_value[1] = other
+        with pytest.raises(ValueError, match=r"best_value differs between devices \(within"):
+            elastic.resize_opt_state(state, 2, 1, rtol=1e-6)
 
 
 def test_bad_arguments():
