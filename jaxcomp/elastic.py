@@ -72,8 +72,11 @@ that step.
 A state that jaxcomp cannot fold raises ``ValueError`` rather than being
 copied: a leaf that differs between devices outside the fields above (e.g.
 ``optax.MultiSteps``' accumulated local gradients, a state type of your own),
-a non-finite residual (it was never sent; folding would spread it), or a
-known state type with a field the rules above do not name. Tell
+a non-finite residual (it was never sent; folding would spread it), a
+known state type with a field the rules above do not name, or a
+:func:`jaxcomp.distributed.sharded_optimizer` (ZeRO) state with optimizer
+moments (each device's slice of the split parameters, shaped by ``N``:
+resize its ``compressor`` part and start its ``optimizer`` part afresh). Tell
 :func:`resize_opt_state` how to treat your own state types with ``rules=``.
 
 :func:`save` and :func:`restore` wrap this around orbax (imported when
@@ -365,6 +368,33 @@ def _replicated(a: np.ndarray, m: int, where: str, rtol: float, known: bool) -> 
     return np.ascontiguousarray(np.broadcast_to(first, (m, *first.shape)))
 
 
+def _check_no_owned_slices(opt_state) -> None:
+    """Refuses a :func:`jaxcomp.distributed.sharded_optimizer` (ZeRO) state with moments.
+
+    Its ``optimizer`` part holds each device's owned slice of every split
+    parameter: ``1/N`` of the leaf, a shape that depends on the device count.
+    Folding or copying rows would give ``M`` devices ``N``-device slices (a
+    wrong shape; or, where the slices happen to be equal, e.g. zeros, a state
+    that passes the replicated check and crashes the step).
+    """
+    is_sharded = lambda x: isinstance(x, distributed.ShardedOptimizerState)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_sharded)[0]
+    for path, node in flat:
+        if not is_sharded(node):
+            continue
+        moments = [x for x in jax.tree.leaves(node.optimizer) if np.ndim(x) > 1]
+        if moments:
+            where = jax.tree_util.keystr(path) or "opt_state"
+            raise ValueError(
+                f"resize_opt_state: {where} is a jaxcomp.distributed.sharded_optimizer (ZeRO) "
+                "state; its optimizer state holds each device's slice of the split "
+                "parameters, whose shape depends on the device count, and cannot be resized. "
+                "Resize its compressor part and restart the optimizer's on the new mesh: "
+                "fresh = init_opt_state(tx, params, mesh, param_specs=...); "
+                "fresh._replace(compressor=resize_opt_state(state.compressor, N, M, mesh=mesh))"
+            )
+
+
 def _resize_leaf(a: np.ndarray, m: int, rule: str | None, where: str, rtol: float):
     n = a.shape[0]
     if rule == "fold":
@@ -464,6 +494,8 @@ def resize_opt_state(
     leaves = jax.tree.leaves(opt_state)
     if not leaves:
         raise ValueError("resize_opt_state: opt_state has no array leaves")
+    if m != n:
+        _check_no_owned_slices(opt_state)
 
     def leaf_fn(path, x, rule):
         a = _host(path, x, n)

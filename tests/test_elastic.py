@@ -452,6 +452,40 @@ def test_rtol_accepts_equal_infinities():
             elastic.resize_opt_state(state, 2, 1, rtol=1e-6)
 
 
+def test_sharded_optimizer_state_is_refused_and_its_compressor_resized():
+    # ZeRO keeps each device's 1/N slice of the moments: another device count
+    # needs other slices. Zero moments used to pass the replicated check and
+    # come out N-device shaped ((2, 3, 6) instead of (2, 6, 6)).
+    from jax.sharding import PartitionSpec as P
+
+    specs = {"w": P(AXIS, None), "b": P()}
+    tx = dist.sharded_optimizer(jaxcomp.top_k(0.5, axis_name=AXIS), optax.adam(0.01), specs)
+    mesh4, mesh2 = _mesh(4), _mesh(2)
+    state = dist.init_opt_state(
+        tx, dist.place_params(_params(), mesh4, specs), mesh4, param_specs=specs
+    )
+    assert state.optimizer[0].mu["w"].shape == (4, 3, 6)
+    with pytest.raises(ValueError, match="sharded_optimizer .*cannot be resized"):
+        elastic.resize_opt_state(state, 4, 2)
+    assert elastic.resize_opt_state(state, 4, 4) is not None  # nothing moves: allowed
+    # What the message recommends: a fresh optimizer part, the compressor's resized.
+    params2 = dist.place_params(_params(), mesh2, specs)
+    fresh = dist.init_opt_state(tx, params2, mesh2, param_specs=specs)
+    comp = _host(state.compressor)._replace(
+        residual=jax.tree.map(
+            lambda x: np.random.default_rng(0).normal(size=x.shape).astype(np.float32),
+            _host(state.compressor.residual),
+        )
+    )
+    new = fresh._replace(compressor=elastic.resize_opt_state(comp, 4, 2, mesh=mesh2))
+    for k in ("w", "b"):
+        _assert_owed_kept(comp.residual[k], np.asarray(new.compressor.residual[k]))
+    step = dist.make_train_step(_loss, tx, mesh2, param_specs=specs, donate=False)
+    _, new, metrics = step(params2, new, _batch(2, 0, mesh2))
+    assert np.isfinite(float(metrics["loss"]))
+    assert new.optimizer[0].mu["w"].shape == (2, 6, 6)
+
+
 def test_bad_arguments():
     state = _random_sparsify_state(4, seed=2)
     for bad in (0, -1, 1.5, True, None):
