@@ -60,7 +60,10 @@ rounded once to the leaf's dtype, so each element of the owed mean moves by
 at most ``2**-24`` times the mean of ``|new_j|`` in float32 (``2**-8`` in
 bfloat16), besides float64's own rounding; none when nothing needs rounding,
 e.g. growing ``N -> kN`` (each device copied ``k`` times). With ``M == N``
-the state is returned unchanged, bit for bit.
+the state is returned unchanged, bit for bit. A new value beyond the leaf's
+dtype's range (a float16 residual near its maximum scaled up, when ``M``
+neither divides nor is a multiple of ``N``) raises ``ValueError`` rather
+than becoming ``inf``.
 
 **PRNG keys.** jaxcomp's compressors keep the seed's key data, the same on
 every device, and derive each step's per-device stream by folding in the step
@@ -329,7 +332,21 @@ def _fold(a: np.ndarray, m: int, where: str) -> np.ndarray:
     else:  # old device i split evenly over its copies j = i, i + n, ...
         copies = [len(range(i, m, n)) for i in range(n)]
         out = np.stack([wide[j % n] * (m / (n * copies[j % n])) for j in range(m)])
-    return out.astype(a.dtype)
+    with np.errstate(over="ignore"):
+        new = out.astype(a.dtype)
+    # Rows scaled up (M / (N c_i) > 1 growing, (M/N) * ceil(N/M) > 1 shrinking
+    # onto a non-divisor) can leave a narrow dtype's range: refused, since inf
+    # (or a saturated value) would lose the owed mass.
+    if not np.all(np.isfinite(new)):
+        raise ValueError(
+            f"resize_opt_state: folding fold leaf {where} ({a.dtype}) from {n} onto {m} "
+            f"devices gives values up to {np.abs(out).max():.6g}, beyond {a.dtype}'s range "
+            f"(max {float(jnp.finfo(a.dtype).max):.6g}); the owed mass would be lost. Use a "
+            "new device count that divides or is a multiple of the old one (each new value "
+            "is then a mean or a share of old ones), or a wider residual_dtype (e.g. "
+            "float32: cast the state's residuals before resizing)"
+        )
+    return new
 
 
 def _replicated(a: np.ndarray, m: int, where: str, rtol: float, known: bool) -> np.ndarray:

@@ -348,6 +348,23 @@ def test_same_count_is_identity_and_float64_rounding():
         assert new.residual[k].dtype == jnp.bfloat16
 
 
+def test_fold_that_leaves_the_dtype_range_is_refused():
+    # 2 -> 3 devices scales device 1's row by 3/2: 50000 * 1.5 > float16's max.
+    one = jaxcomp.top_k(0.5, axis_name=AXIS, residual_dtype=jnp.float16).init(
+        {"w": jnp.zeros(2, jnp.float16)}
+    )
+    state = _stacked(one, 2)._replace(
+        residual={"w": np.array([[50000, 1], [50000, 1]], np.float16)}
+    )
+    with pytest.raises(ValueError, match=r"residual\['w'\] \(float16\) from 2 onto 3.*range"):
+        elastic.resize_opt_state(state, 2, 3)
+    for m in (1, 4):  # a divisor or a multiple: means and shares stay in range
+        new = elastic.resize_opt_state(state, 2, m)
+        np.testing.assert_array_equal(
+            np.asarray(new.residual["w"], np.float64), _fold_reference(state.residual["w"], m)
+        )
+
+
 def test_cssgd_state_counters_and_key():
     mesh = _mesh(8)
     coded, sgd_state = cssgd.init_opt_state(optax.sgd(LR, momentum=MOMENTUM), _params(), mesh)
