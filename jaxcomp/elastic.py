@@ -628,9 +628,17 @@ def _leading(opt_state) -> int:
     return distinct.pop()
 
 
-def _manager(directory):
+def _manager(directory, who: str | None = None):
+    """orbax's manager of ``directory``; ``who`` (a reader) requires it to exist.
+
+    orbax creates a missing directory: a reader given a typo would create it
+    and then report no checkpoint there.
+    """
     ocp = _orbax()
-    return ocp, ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), item_names=_ITEMS)
+    path = os.path.abspath(os.fspath(directory))
+    if who is not None and not os.path.isdir(path):
+        raise ValueError(f"{who}: the checkpoint directory {path} does not exist")
+    return ocp, ocp.CheckpointManager(path, item_names=_ITEMS)
 
 
 def save(
@@ -708,15 +716,15 @@ def save(
         manager.close()
 
 
-def _read_meta(ocp, manager, step, directory) -> dict:
+def _read_meta(ocp, manager, step, directory, who: str) -> dict:
     if step is None:
         step = manager.latest_step()
         if step is None:
-            raise ValueError(f"restore: no checkpoint in {directory}")
+            raise ValueError(f"{who}: no checkpoint in {directory}")
     step = V.check_int("step", step, 0)
     if step not in manager.all_steps():
         raise ValueError(
-            f"restore: no checkpoint at step {step} in {directory} "
+            f"{who}: no checkpoint at step {step} in {directory} "
             f"(steps: {sorted(manager.all_steps())})"
         )
     try:
@@ -724,11 +732,11 @@ def _read_meta(ocp, manager, step, directory) -> dict:
         meta = dict(meta["elastic"])
     except Exception as e:  # noqa: BLE001 (whatever orbax raises: not our checkpoint)
         raise ValueError(
-            f"restore: the checkpoint at step {step} in {directory} has no readable "
+            f"{who}: the checkpoint at step {step} in {directory} has no readable "
             f"'elastic' item; it was not written by jaxcomp.elastic.save ({type(e).__name__})"
         ) from e
     if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
-        raise ValueError(f"restore: unknown checkpoint metadata {json.dumps(meta)}")
+        raise ValueError(f"{who}: unknown checkpoint metadata {json.dumps(meta)}")
     return {**meta, "step": step}
 
 
@@ -747,9 +755,9 @@ def saved_devices(directory, step: int | None = None) -> int:
       1
       >>> shutil.rmtree(d)
     """
-    ocp, manager = _manager(directory)
+    ocp, manager = _manager(directory, "saved_devices")
     try:
-        return int(_read_meta(ocp, manager, step, directory)["devices"])
+        return int(_read_meta(ocp, manager, step, directory, "saved_devices")["devices"])
     finally:
         manager.close()
 
@@ -797,7 +805,7 @@ def restore(
       ``(params, opt_state)`` on ``mesh``.
 
     Raises:
-      ValueError: no such checkpoint, a checkpoint not written by :func:`save`,
+      ValueError: no such directory or checkpoint, a checkpoint not written by :func:`save`,
         a structure unlike ``tx``'s state, and :func:`resize_opt_state`'s errors.
 
     Example:
@@ -830,9 +838,9 @@ def restore(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=replicated),
         params_like,
     )
-    ocp, manager = _manager(directory)
+    ocp, manager = _manager(directory, "restore")
     try:
-        meta = _read_meta(ocp, manager, step, directory)
+        meta = _read_meta(ocp, manager, step, directory, "restore")
         n = int(meta["devices"])
         # Host arrays (np.zeros only reserves the pages until orbax fills them).
         state_target = jax.tree.map(lambda s: np.zeros((n, *s.shape), s.dtype), per_device)

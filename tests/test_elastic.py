@@ -583,3 +583,15 @@ def test_save_refuses_an_existing_or_earlier_step(tmp_path):
     np.testing.assert_array_equal(got["w"], new["w"])
     with pytest.raises(ValueError, match="overwrite must be a bool"):
         elastic.save(tmp_path, 11, new, state, overwrite=1)
+
+
+def test_readers_do_not_create_a_missing_directory(tmp_path):
+    typo = tmp_path / "typo_ckpt"
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR))
+    with pytest.raises(ValueError, match=r"saved_devices: the checkpoint directory .* not exist"):
+        elastic.saved_devices(typo)
+    with pytest.raises(ValueError, match=r"restore: the checkpoint directory .* not exist"):
+        elastic.restore(typo, None, _mesh(2), tx, _params())
+    assert not typo.exists()
+    with pytest.raises(ValueError, match="^saved_devices: no checkpoint in"):
+        elastic.saved_devices(tmp_path)
