@@ -25,7 +25,8 @@ rule              fields, and what device ``j`` of ``M`` gets
                   jaxcomp does not know (optax's momentum ``trace``, Adam
                   moments, ``count``: computed from the averaged update, the
                   same on every device). They must be equal on every old
-                  device (bit for bit by default), else ``ValueError``
+                  device (exactly by default: bit for bit, except that
+                  ``-0.0 == +0.0`` and NaN equals NaN), else ``ValueError``
                   naming the leaf; every new device gets device 0's copy.
                   0/1 Adam's ``mu``, ``accumulator`` and ``lr_sum`` are
                   per device between its local steps' syncs: such a state
@@ -63,7 +64,10 @@ rounded once to the leaf's dtype, so each element of the owed mean moves by
 at most ``2**-24`` times the mean of ``|new_j|`` in float32 (``2**-8`` in
 bfloat16), besides float64's own rounding; none when nothing needs rounding,
 e.g. growing ``N -> kN`` (each device copied ``k`` times). With ``M == N``
-the state is returned unchanged, bit for bit.
+the state is returned unchanged, bit for bit. A new value beyond the leaf's
+dtype's range (a float16 residual near its maximum scaled up, when ``M``
+neither divides nor is a multiple of ``N``) raises ``ValueError`` rather
+than becoming ``inf``.
 
 **PRNG keys.** jaxcomp's compressors keep the seed's key data, the same on
 every device, and derive each step's per-device stream by folding in the step
@@ -75,8 +79,11 @@ that step.
 A state that jaxcomp cannot fold raises ``ValueError`` rather than being
 copied: a leaf that differs between devices outside the fields above (e.g.
 ``optax.MultiSteps``' accumulated local gradients, a state type of your own),
-a non-finite residual (it was never sent; folding would spread it), or a
-known state type with a field the rules above do not name. Tell
+a non-finite residual (it was never sent; folding would spread it), a
+known state type with a field the rules above do not name, or a
+:func:`jaxcomp.distributed.sharded_optimizer` (ZeRO) state with optimizer
+moments (each device's slice of the split parameters, shaped by ``N``:
+resize its ``compressor`` part and start its ``optimizer`` part afresh). Tell
 :func:`resize_opt_state` how to treat your own state types with ``rules=``.
 
 :func:`save` and :func:`restore` wrap this around orbax (imported when
@@ -351,18 +358,42 @@ def _fold(a: np.ndarray, m: int, where: str) -> np.ndarray:
     else:  # old device i split evenly over its copies j = i, i + n, ...
         copies = [len(range(i, m, n)) for i in range(n)]
         out = np.stack([wide[j % n] * (m / (n * copies[j % n])) for j in range(m)])
-    return out.astype(a.dtype)
+    with np.errstate(over="ignore"):
+        new = out.astype(a.dtype)
+    # Rows scaled up (M / (N c_i) > 1 growing, (M/N) * ceil(N/M) > 1 shrinking
+    # onto a non-divisor) can leave a narrow dtype's range: refused, since inf
+    # (or a saturated value) would lose the owed mass.
+    if not np.all(np.isfinite(new)):
+        raise ValueError(
+            f"resize_opt_state: folding fold leaf {where} ({a.dtype}) from {n} onto {m} "
+            f"devices gives values up to {np.abs(out).max():.6g}, beyond {a.dtype}'s range "
+            f"(max {float(jnp.finfo(a.dtype).max):.6g}); the owed mass would be lost. Use a "
+            "new device count that divides or is a multiple of the old one (each new value "
+            "is then a mean or a share of old ones), or a wider residual_dtype (e.g. "
+            "float32: cast the state's residuals before resizing)"
+        )
+    return new
 
 
 def _replicated(a: np.ndarray, m: int, where: str, rtol: float, known: bool) -> np.ndarray:
     first = a[0]
-    if rtol == 0 or not jnp.issubdtype(a.dtype, jnp.inexact):
+    if not jnp.issubdtype(a.dtype, jnp.inexact):
         flat = np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[0], -1)
         same = bool(np.all(flat == flat[:1]))
     else:
-        wide, ref = a.astype(np.float64), first.astype(np.float64)
-        close = np.abs(wide - ref) <= rtol * np.abs(ref)
-        same = bool(np.all(close | (np.isnan(wide) & np.isnan(ref))))
+        # Values, not bits: -0.0 equals +0.0 (optax.MultiSteps resets its
+        # accumulators to (1 - 1) * acc, -0.0 where acc < 0) and NaN equals
+        # NaN; otherwise equal floats are equal bits. Equal infinities pass
+        # with rtol > 0 too (inf - inf is NaN).
+        wide = a.astype(
+            np.complex128 if jnp.issubdtype(a.dtype, jnp.complexfloating) else np.float64
+        )
+        ref = wide[:1]
+        close = (wide == ref) | (np.isnan(wide) & np.isnan(ref))
+        if rtol > 0:  # a tolerance around a finite value (inf is near no finite one)
+            with np.errstate(invalid="ignore"):
+                close |= np.isfinite(ref) & (np.abs(wide - ref) <= rtol * np.abs(ref))
+        same = bool(np.all(close))
     if not same:
         if known:
             why = "a jaxcomp field that is the same on every device in a synchronous run"
@@ -373,11 +404,38 @@ def _replicated(a: np.ndarray, m: int, where: str, rtol: float, known: bool) -> 
                 "(optax.MultiSteps' accumulated local gradients, a state of your own: "
                 "pass rules={YourState: {field: rule}})"
             )
-        tol = "bit for bit" if rtol == 0 else f"within rtol={rtol}"
+        tol = "exactly" if rtol == 0 else f"within rtol={rtol}"
         raise ValueError(
             f"resize_opt_state: leaf {where} differs between devices ({tol}); it is {why}"
         )
     return np.ascontiguousarray(np.broadcast_to(first, (m, *first.shape)))
+
+
+def _check_no_owned_slices(opt_state) -> None:
+    """Refuses a :func:`jaxcomp.distributed.sharded_optimizer` (ZeRO) state with moments.
+
+    Its ``optimizer`` part holds each device's owned slice of every split
+    parameter: ``1/N`` of the leaf, a shape that depends on the device count.
+    Folding or copying rows would give ``M`` devices ``N``-device slices (a
+    wrong shape; or, where the slices happen to be equal, e.g. zeros, a state
+    that passes the replicated check and crashes the step).
+    """
+    is_sharded = lambda x: isinstance(x, distributed.ShardedOptimizerState)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_sharded)[0]
+    for path, node in flat:
+        if not is_sharded(node):
+            continue
+        moments = [x for x in jax.tree.leaves(node.optimizer) if np.ndim(x) > 1]
+        if moments:
+            where = jax.tree_util.keystr(path) or "opt_state"
+            raise ValueError(
+                f"resize_opt_state: {where} is a jaxcomp.distributed.sharded_optimizer (ZeRO) "
+                "state; its optimizer state holds each device's slice of the split "
+                "parameters, whose shape depends on the device count, and cannot be resized. "
+                "Resize its compressor part and restart the optimizer's on the new mesh: "
+                "fresh = init_opt_state(tx, params, mesh, param_specs=...); "
+                "fresh._replace(compressor=resize_opt_state(state.compressor, N, M, mesh=mesh))"
+            )
 
 
 def _resize_leaf(a: np.ndarray, m: int, rule: str | None, where: str, rtol: float):
@@ -445,9 +503,11 @@ def resize_opt_state(
       rules: ``{StateType: {field: rule}}`` for state types of your own (or
         to override jaxcomp's), rules from :data:`RULES`.
       rtol: tolerance of the check that replicated leaves are equal on every
-        device: 0 (default) requires them bit for bit (what
-        ``make_train_step``'s bit-identical averaged updates give); a float
-        leaf may then differ by ``rtol`` relative to device 0's value.
+        device: 0 (default) requires them equal (what
+        ``make_train_step``'s bit-identical averaged updates give): bit for
+        bit, except that ``-0.0`` equals ``+0.0`` and NaN equals NaN; a float
+        leaf may then differ by ``rtol`` relative to device 0's value (equal
+        values, infinities too, always pass).
 
     Returns:
       The state with leading axis ``new_devices``, numpy arrays of the same
@@ -478,6 +538,8 @@ def resize_opt_state(
     leaves = jax.tree.leaves(opt_state)
     if not leaves:
         raise ValueError("resize_opt_state: opt_state has no array leaves")
+    if m != n:
+        _check_no_owned_slices(opt_state)
 
     def leaf_fn(path, x, rule):
         a = _host(path, x, n)
@@ -593,12 +655,22 @@ def _leading(opt_state) -> int:
     return distinct.pop()
 
 
-def _manager(directory):
+def _manager(directory, who: str | None = None):
+    """orbax's manager of ``directory``; ``who`` (a reader) requires it to exist.
+
+    orbax creates a missing directory: a reader given a typo would create it
+    and then report no checkpoint there.
+    """
     ocp = _orbax()
-    return ocp, ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), item_names=_ITEMS)
+    path = os.path.abspath(os.fspath(directory))
+    if who is not None and not os.path.isdir(path):
+        raise ValueError(f"{who}: the checkpoint directory {path} does not exist")
+    return ocp, ocp.CheckpointManager(path, item_names=_ITEMS)
 
 
-def save(directory, step: int, params, opt_state, *, axis_name="data") -> None:
+def save(
+    directory, step: int, params, opt_state, *, axis_name="data", overwrite: bool = False
+) -> None:
     """Saves parameters and the stacked optimizer state with its device count (orbax).
 
     Writes ``directory/<step>/`` with items ``state`` (``{"params": ...,
@@ -608,11 +680,21 @@ def save(directory, step: int, params, opt_state, *, axis_name="data") -> None:
 
     Args:
       directory: the checkpoint root directory (created).
-      step: the checkpoint's step number, an int >= 0 (must not exist yet).
+      step: the checkpoint's step number, an int >= 0. It must be after every
+        step already in ``directory`` (orbax writes nothing otherwise, and
+        :func:`restore` would return the older checkpoint), unless
+        ``overwrite``.
       params: the (replicated) parameters.
       opt_state: the stacked state from :func:`jaxcomp.distributed.init_opt_state`
         and training.
       axis_name: the device axis (recorded).
+      overwrite: delete the checkpoints at steps ``>= step`` in ``directory``
+        first (e.g. a rerun into the same directory); False: raise instead.
+
+    Raises:
+      ValueError: ``directory`` already holds a checkpoint at ``step`` or
+        later and ``overwrite`` is False; opt_state's leaves have different
+        leading axes.
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax, jaxcomp
@@ -627,11 +709,26 @@ def save(directory, step: int, params, opt_state, *, axis_name="data") -> None:
       >>> import shutil; shutil.rmtree(d)
     """
     step = V.check_int("step", step, 0)
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite must be a bool, got {overwrite!r}")
     n = _leading(opt_state)
     ocp, manager = _manager(directory)
     meta = {"format": _FORMAT, "version": _VERSION, "devices": n, "axis_name": str(axis_name)}
     try:
-        manager.save(
+        # orbax's manager skips (returns False, writes nothing) a step that is
+        # not after its latest one: a rerun into the same directory would keep
+        # the old run's checkpoint and restore would return it.
+        later = sorted(s for s in manager.all_steps() if s >= step)
+        if later and not overwrite:
+            raise ValueError(
+                f"save: {manager.directory} already holds checkpoint step(s) {later} >= "
+                f"step={step} (steps: {sorted(manager.all_steps())}); orbax would not write "
+                f"step {step}. Save into a new directory, or pass overwrite=True to delete "
+                "those steps first"
+            )
+        for s in later:
+            manager.delete(s)
+        saved = manager.save(
             step,
             args=ocp.args.Composite(
                 # One pytree: orbax's StandardSave refuses a bare array (params may be one).
@@ -640,19 +737,21 @@ def save(directory, step: int, params, opt_state, *, axis_name="data") -> None:
             ),
         )
         manager.wait_until_finished()
+        if not saved:  # never skip silently, whatever orbax's policy decided
+            raise ValueError(f"save: orbax did not write step {step} to {manager.directory}")
     finally:
         manager.close()
 
 
-def _read_meta(ocp, manager, step, directory) -> dict:
+def _read_meta(ocp, manager, step, directory, who: str) -> dict:
     if step is None:
         step = manager.latest_step()
         if step is None:
-            raise ValueError(f"restore: no checkpoint in {directory}")
+            raise ValueError(f"{who}: no checkpoint in {directory}")
     step = V.check_int("step", step, 0)
     if step not in manager.all_steps():
         raise ValueError(
-            f"restore: no checkpoint at step {step} in {directory} "
+            f"{who}: no checkpoint at step {step} in {directory} "
             f"(steps: {sorted(manager.all_steps())})"
         )
     try:
@@ -660,11 +759,11 @@ def _read_meta(ocp, manager, step, directory) -> dict:
         meta = dict(meta["elastic"])
     except Exception as e:  # noqa: BLE001 (whatever orbax raises: not our checkpoint)
         raise ValueError(
-            f"restore: the checkpoint at step {step} in {directory} has no readable "
+            f"{who}: the checkpoint at step {step} in {directory} has no readable "
             f"'elastic' item; it was not written by jaxcomp.elastic.save ({type(e).__name__})"
         ) from e
     if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
-        raise ValueError(f"restore: unknown checkpoint metadata {json.dumps(meta)}")
+        raise ValueError(f"{who}: unknown checkpoint metadata {json.dumps(meta)}")
     return {**meta, "step": step}
 
 
@@ -683,9 +782,9 @@ def saved_devices(directory, step: int | None = None) -> int:
       1
       >>> shutil.rmtree(d)
     """
-    ocp, manager = _manager(directory)
+    ocp, manager = _manager(directory, "saved_devices")
     try:
-        return int(_read_meta(ocp, manager, step, directory)["devices"])
+        return int(_read_meta(ocp, manager, step, directory, "saved_devices")["devices"])
     finally:
         manager.close()
 
@@ -733,7 +832,7 @@ def restore(
       ``(params, opt_state)`` on ``mesh``.
 
     Raises:
-      ValueError: no such checkpoint, a checkpoint not written by :func:`save`,
+      ValueError: no such directory or checkpoint, a checkpoint not written by :func:`save`,
         a structure unlike ``tx``'s state, and :func:`resize_opt_state`'s errors.
 
     Example:
@@ -766,9 +865,9 @@ def restore(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=replicated),
         params_like,
     )
-    ocp, manager = _manager(directory)
+    ocp, manager = _manager(directory, "restore")
     try:
-        meta = _read_meta(ocp, manager, step, directory)
+        meta = _read_meta(ocp, manager, step, directory, "restore")
         n = int(meta["devices"])
         # Host arrays (np.zeros only reserves the pages until orbax fills them).
         state_target = jax.tree.map(lambda s: np.zeros((n, *s.shape), s.dtype), per_device)

@@ -73,6 +73,8 @@ from jaxcomp import _validation as V
 from jaxcomp._vma import _axis_names
 from jaxcomp.distributed import (
     _UNEXCHANGED,
+    _check_stacked_state,
+    _layout,
     _mean_leaves,
     _unexchanged_paths,
     _wire_bytes_total,
@@ -282,6 +284,30 @@ def _check_history(history, max_delay: int, params) -> None:
             )
 
 
+def _check_stacked(who: str, init: str, state, mesh: Mesh, axis_name, per_device: dict) -> None:
+    """Raises unless the per-device fields are stacked for the mesh's devices.
+
+    As in make_train_step: shard_map would hand each device a block of rows
+    and the step reads the first, silently dropping the others (what those
+    devices owed: their residuals, or their pulled parameters).
+    """
+    layout = _layout(mesh, axis_name, state.params, None)
+    try:
+        _check_stacked_state(state.opt_state, mesh, layout)
+    except ValueError as e:
+        msg = str(e).removeprefix("make_train_step: ")
+        raise ValueError(f"{who}: state.{msg} (the initial state: {init})") from None
+    n_dev = _mesh_size(mesh, axis_name)
+    for name, tree in per_device.items():
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != n_dev:
+                raise ValueError(
+                    f"{who}: state.{name}{jax.tree_util.keystr(path)} has shape "
+                    f"{jnp.shape(leaf)}, but it must be stacked for the mesh's {n_dev} devices "
+                    f"along {axis_name!r} (leading axis {n_dev}); the initial state: {init}"
+                )
+
+
 def make_stale_train_step(
     loss_fn: Callable,
     tx: optax.GradientTransformation,
@@ -409,6 +435,9 @@ def make_stale_train_step(
 
     def run(state: StaleState, batch):
         _check_history(state.history, max_delay, state.params)
+        _check_stacked(
+            "make_stale_train_step", "staleness.init_stale_state", state, mesh, axis_name, {}
+        )
         paths = _unexchanged_paths(tx, state.params, mesh, axis_name, {})
         if paths and unexchanged == "error":
             raise ValueError(
@@ -534,6 +563,14 @@ def _check_permutation(name: str, order, n_dev: int) -> tuple:
     return tuple(int(v) for v in values)
 
 
+def _message_bytes_fields(state):
+    """``(path, message_bytes, state node)`` of every state holding a ``message_bytes`` field."""
+    is_node = lambda x: hasattr(x, "_fields") and "message_bytes" in x._fields  # noqa: E731
+    for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_node)[0]:
+        if is_node(node):
+            yield path, node.message_bytes, node
+
+
 def _push_bytes(state, updates) -> jax.Array:
     """Bytes of the message a worker pushes: the compressor's, dense for other leaves.
 
@@ -546,10 +583,17 @@ def _push_bytes(state, updates) -> jax.Array:
     all_paths = {path for path, _ in flat}
     covered: set = set()
     total = jnp.float32(0)
-    for _, field in optax.tree.get_all_with_path(state, "message_bytes"):
+    for _, field, node in _message_bytes_fields(state):
         leaves = jax.tree_util.tree_flatten_with_path(field)[0]
         if len(leaves) == 1 and leaves[0][0] == () and len(flat) > 1:
-            covered = all_paths  # granularity="global": one count for every leaf
+            # granularity="global": one count for the leaves the compressor
+            # sees, which are its residual's (optax.masked and multi_transform
+            # give it MaskedNode, no leaf, for the others: pushed dense).
+            residual = getattr(node, "residual", None)
+            if residual is None:
+                covered = all_paths
+            else:
+                covered |= {path for path, _ in jax.tree_util.tree_flatten_with_path(residual)[0]}
         else:
             covered |= {path for path, _ in leaves}
         total = total + sum((jnp.asarray(v, jnp.float32) for _, v in leaves), jnp.float32(0))
@@ -687,6 +731,15 @@ def make_async_train_step(
         )
 
     def run(state: AsyncState, batch, arrival):
+        per_worker = {"worker_params": state.worker_params, "pulled_version": state.pulled_version}
+        _check_stacked(
+            "make_async_train_step",
+            "staleness.init_async_state",
+            state,
+            mesh,
+            axis_name,
+            per_worker,
+        )
         paths = _unexchanged_paths(tx, state.params, mesh, axis_name, {})
         all_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
         exchanged = [p for p in all_paths if p not in set(paths)]

@@ -378,6 +378,23 @@ def test_same_count_is_identity_and_float64_rounding():
         assert new.residual[k].dtype == jnp.bfloat16
 
 
+def test_fold_that_leaves_the_dtype_range_is_refused():
+    # 2 -> 3 devices scales device 1's row by 3/2: 50000 * 1.5 > float16's max.
+    one = jaxcomp.top_k(0.5, axis_name=AXIS, residual_dtype=jnp.float16).init(
+        {"w": jnp.zeros(2, jnp.float16)}
+    )
+    state = _stacked(one, 2)._replace(
+        residual={"w": np.array([[50000, 1], [50000, 1]], np.float16)}
+    )
+    with pytest.raises(ValueError, match=r"residual\['w'\] \(float16\) from 2 onto 3.*range"):
+        elastic.resize_opt_state(state, 2, 3)
+    for m in (1, 4):  # a divisor or a multiple: means and shares stay in range
+        new = elastic.resize_opt_state(state, 2, m)
+        np.testing.assert_array_equal(
+            np.asarray(new.residual["w"], np.float64), _fold_reference(state.residual["w"], m)
+        )
+
+
 def test_cssgd_state_counters_and_key():
     mesh = _mesh(8)
     coded, sgd_state = cssgd.init_opt_state(optax.sgd(LR, momentum=MOMENTUM), _params(), mesh)
@@ -430,13 +447,90 @@ def test_replicated_leaves_checked():
     trace = state[1][0].trace["w"]
     trace[:] = 1.0
     trace[2, 0, 0] = 1.0 + 1e-7
-    with pytest.raises(ValueError, match=r"trace\['w'\] differs between devices \(bit for bit\)"):
+    with pytest.raises(ValueError, match=r"trace\['w'\] differs between devices \(exactly\)"):
         elastic.resize_opt_state(state, 4, 2)
     new = elastic.resize_opt_state(state, 4, 2, rtol=1e-6)
     np.testing.assert_array_equal(new[1][0].trace["w"], np.ones((2, 12, 6), np.float32))
     steps = state[0]._replace(step=np.array([1, 1, 2, 1], np.int32))
     with pytest.raises(ValueError, match=r"\.step differs between devices"):
         elastic.resize_opt_state((steps, state[1]), 4, 2, rtol=1e-6)
+
+
+def test_replicated_check_treats_signed_zeros_and_nans_as_equal():
+    # optax.MultiSteps at an accumulation boundary writes (1 - 1) * acc: -0.0
+    # where acc < 0, so the all-zero accumulators differ in their sign bits.
+    ms = optax.MultiSteps(optax.chain(jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR)), 2)
+    stacked = _stacked(ms.init(_params()), 4)
+    acc = stacked.acc_grads["w"]
+    acc[1, 0, :3] = -0.0
+    acc[3, 5, 0] = -0.0
+    assert np.signbit(acc).sum() == 4 and np.all(acc == 0)
+    new = elastic.resize_opt_state(stacked, 4, 2)
+    np.testing.assert_array_equal(new.acc_grads["w"], np.zeros((2, 12, 6), np.float32))
+    # NaN at the same place on every device is the same value; elsewhere not.
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR, momentum=MOMENTUM))
+    state = _stacked(tx.init(_params()), 4)
+    trace = state[1][0].trace["b"]
+    trace[:, 2] = np.nan
+    new = elastic.resize_opt_state(state, 4, 3)
+    assert np.isnan(new[1][0].trace["b"][:, 2]).all()
+    trace[1, 3] = np.nan
+    with pytest.raises(ValueError, match=r"trace\['b'\] differs between devices \(exactly\)"):
+        elastic.resize_opt_state(state, 4, 3)
+    # Integer leaves stay bit for bit.
+    steps = state[0]._replace(step=np.array([1, 1, 2, 1], np.int32))
+    with pytest.raises(ValueError, match=r"\.step differs between devices"):
+        elastic.resize_opt_state((steps, state[1]), 4, 2)
+
+
+def test_rtol_accepts_equal_infinities():
+    # reduce_on_plateau's best_value starts at +inf on every device: inf - inf
+    # is NaN, which the tolerance test used to count as a difference.
+    tx = optax.chain(
+        jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR), optax.contrib.reduce_on_plateau()
+    )
+    state = _stacked(tx.init(_params()), 2)
+    assert np.isposinf(state[2].best_value).all()
+    new = elastic.resize_opt_state(state, 2, 1, rtol=1e-6)
+    np.testing.assert_array_equal(new[2].best_value, np.full(1, np.inf, np.float32))
+    for other in (-np.inf, 1e30):  # an unequal value is still refused
+        state[2].best_value[1] = other
+        with pytest.raises(ValueError, match=r"best_value differs between devices \(within"):
+            elastic.resize_opt_state(state, 2, 1, rtol=1e-6)
+
+
+def test_sharded_optimizer_state_is_refused_and_its_compressor_resized():
+    # ZeRO keeps each device's 1/N slice of the moments: another device count
+    # needs other slices. Zero moments used to pass the replicated check and
+    # come out N-device shaped ((2, 3, 6) instead of (2, 6, 6)).
+    from jax.sharding import PartitionSpec as P
+
+    specs = {"w": P(AXIS, None), "b": P()}
+    tx = dist.sharded_optimizer(jaxcomp.top_k(0.5, axis_name=AXIS), optax.adam(0.01), specs)
+    mesh4, mesh2 = _mesh(4), _mesh(2)
+    state = dist.init_opt_state(
+        tx, dist.place_params(_params(), mesh4, specs), mesh4, param_specs=specs
+    )
+    assert state.optimizer[0].mu["w"].shape == (4, 3, 6)
+    with pytest.raises(ValueError, match="sharded_optimizer .*cannot be resized"):
+        elastic.resize_opt_state(state, 4, 2)
+    assert elastic.resize_opt_state(state, 4, 4) is not None  # nothing moves: allowed
+    # What the message recommends: a fresh optimizer part, the compressor's resized.
+    params2 = dist.place_params(_params(), mesh2, specs)
+    fresh = dist.init_opt_state(tx, params2, mesh2, param_specs=specs)
+    comp = _host(state.compressor)._replace(
+        residual=jax.tree.map(
+            lambda x: np.random.default_rng(0).normal(size=x.shape).astype(np.float32),
+            _host(state.compressor.residual),
+        )
+    )
+    new = fresh._replace(compressor=elastic.resize_opt_state(comp, 4, 2, mesh=mesh2))
+    for k in ("w", "b"):
+        _assert_owed_kept(comp.residual[k], np.asarray(new.compressor.residual[k]))
+    step = dist.make_train_step(_loss, tx, mesh2, param_specs=specs, donate=False)
+    _, new, metrics = step(params2, new, _batch(2, 0, mesh2))
+    assert np.isfinite(float(metrics["loss"]))
+    assert new.optimizer[0].mu["w"].shape == (2, 6, 6)
 
 
 def test_bad_arguments():
@@ -488,3 +582,46 @@ def test_checkpoint_errors(tmp_path):
         tmp_path / "bare", 0, mesh, None, np.zeros(3, np.float32), state_like=state
     )
     np.testing.assert_array_equal(bare, [0.0, 1.0, 2.0])
+
+
+def test_save_refuses_an_existing_or_earlier_step(tmp_path):
+    # orbax skips a step that is not after its latest: a rerun into the same
+    # directory used to write nothing, and restore returned the old run.
+    mesh = _mesh(2)
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR))
+    state = _stacked(tx.init(_params()), 2)
+    old = _params()
+    new = jax.tree.map(lambda x: x + 1.0, old)
+    like = _params()
+    elastic.save(tmp_path, 5, old, state)
+    elastic.save(tmp_path, 10, old, state)
+    for step in (10, 3):  # the same step, and one before the latest
+        with pytest.raises(ValueError, match=r"already holds checkpoint step.*overwrite=True"):
+            elastic.save(tmp_path, step, new, state)
+    got, _ = elastic.restore(tmp_path, None, mesh, tx, like)
+    np.testing.assert_array_equal(got["w"], old["w"])
+    assert elastic.saved_devices(tmp_path, 5) == 2
+    # overwrite=True deletes the steps >= step, then writes.
+    elastic.save(tmp_path, 10, new, state, overwrite=True)
+    got, _ = elastic.restore(tmp_path, None, mesh, tx, like)
+    np.testing.assert_array_equal(got["w"], new["w"])
+    got, _ = elastic.restore(tmp_path, 5, mesh, tx, like)
+    np.testing.assert_array_equal(got["w"], old["w"])
+    elastic.save(tmp_path, 3, new, state, overwrite=True)
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [3]
+    got, _ = elastic.restore(tmp_path, None, mesh, tx, like)
+    np.testing.assert_array_equal(got["w"], new["w"])
+    with pytest.raises(ValueError, match="overwrite must be a bool"):
+        elastic.save(tmp_path, 11, new, state, overwrite=1)
+
+
+def test_readers_do_not_create_a_missing_directory(tmp_path):
+    typo = tmp_path / "typo_ckpt"
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name=AXIS), optax.sgd(LR))
+    with pytest.raises(ValueError, match=r"saved_devices: the checkpoint directory .* not exist"):
+        elastic.saved_devices(typo)
+    with pytest.raises(ValueError, match=r"restore: the checkpoint directory .* not exist"):
+        elastic.restore(typo, None, _mesh(2), tx, _params())
+    assert not typo.exists()
+    with pytest.raises(ValueError, match="^saved_devices: no checkpoint in"):
+        elastic.saved_devices(tmp_path)

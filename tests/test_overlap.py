@@ -187,6 +187,30 @@ def test_overlap_rejects_missing_or_local_sparsifier(mesh):
     )
 
 
+@pytest.mark.parametrize("comp_axis, step_axis", [(("data",), "data"), ("data", ("data",))])
+def test_overlap_accepts_either_spelling_of_the_axis(mesh, comp_axis, step_axis):
+    # ("data",) and "data" are one axis: overlap=True used to refuse the pair.
+    tx = optax.chain(jaxcomp.top_k(ratio=0.25, axis_name=comp_axis), optax.sgd(0.1))
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((2 * N, 8)), "y": rng.standard_normal(2 * N)}
+    batch = dist.shard_batch(jax.tree.map(lambda a: a.astype(np.float32), data), mesh)
+    out = {}
+    for overlap in (False, True):
+        params = dist.replicate(jnp.zeros(8), mesh)
+        state = dist.init_opt_state(tx, params, mesh, axis_name=step_axis)
+        step = dist.make_train_step(
+            lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2),
+            tx,
+            mesh,
+            axis_name=step_axis,
+            overlap=overlap,
+            donate=False,
+        )
+        out[overlap] = jax.tree.map(np.asarray, step(params, state, batch)[:2])
+    assert_trees_equal(out[True], out[False])
+    assert np.count_nonzero(out[True][0]) > 0
+
+
 def test_overlap_rejects_injected_hyperparameters(mesh):
     tx = optax.chain(
         optax.inject_hyperparams(jaxcomp.ldte_bs, static_args=("ratio", "axis_name"))(

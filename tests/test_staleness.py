@@ -234,11 +234,21 @@ def test_async_first_round_is_a_synchronous_step(mesh, data):
     assert metrics["staleness"].tolist() == list(range(N))
 
 
-def test_async_push_bytes_count_masked_leaves_dense(mesh):
+@pytest.mark.parametrize(
+    "wrapper, granularity",
+    [("masked", "layer"), ("masked", "global"), ("multi_transform", "global")],
+)
+def test_async_push_bytes_count_masked_leaves_dense(mesh, wrapper, granularity):
+    # granularity="global" reports one count for the covered leaves: the bias
+    # next to it is still pushed dense (it was left out).
     params = {"w": np.zeros((8, 2), np.float32), "b": np.zeros(2, np.float32)}
-    tx = optax.chain(
-        optax.masked(jaxcomp.top_k(0.25), {"w": True, "b": False}), optax.sgd(LR)
-    )  # fmt: skip
+    top_k = jaxcomp.top_k(0.25, granularity=granularity)
+    if wrapper == "masked":
+        tx = optax.chain(optax.masked(top_k, {"w": True, "b": False}), optax.sgd(LR))
+    else:
+        tx = optax.multi_transform(
+            {"c": optax.chain(top_k, optax.sgd(LR)), "d": optax.sgd(LR)}, {"w": "c", "b": "d"}
+        )
 
     def loss(p, b):
         return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
@@ -252,6 +262,30 @@ def test_async_push_bytes_count_masked_leaves_dense(mesh):
     # top-k of 16 weights at 25%: 4 (int32, float32) pairs; the bias sent whole.
     assert float(metrics["push_bytes"]) == 4 * 8 + 2 * 4
     assert float(metrics["pull_bytes"]) == (16 + 2) * 4
+
+
+def test_state_stacked_for_another_device_count_is_refused(mesh, data):
+    # A 4-device state on 2 devices: shard_map would give each device 2 rows
+    # and the step keep the first, dropping the other devices' residuals.
+    mesh2 = Mesh(np.array(jax.devices()[:2]), ("data",))
+    x, y = data
+    batch2 = dist.shard_batch({"x": x[: 2 * ROWS], "y": y[: 2 * ROWS]}, mesh2)
+    w0 = np.zeros(DIM, np.float32)
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(LR))
+    stale = jax.device_get(staleness.init_stale_state(tx, w0, mesh, max_delay=1))
+    step = staleness.make_stale_train_step(loss_fn, tx, mesh2, 1, donate=False)
+    with pytest.raises(ValueError, match=r"make_stale_train_step: state\.opt_state .*\(4,\)"):
+        step(stale, batch2)
+    local = optax.chain(jaxcomp.top_k(0.5), optax.sgd(LR))
+    astate = jax.device_get(staleness.init_async_state(local, w0, mesh))
+    astep = staleness.make_async_train_step(loss_fn, local, mesh2, donate=False)
+    with pytest.raises(ValueError, match=r"make_async_train_step: state\.opt_state .*\(4,\)"):
+        astep(astate, batch2)
+    # Plain sgd keeps no optimizer state: the pulled parameters are checked.
+    plain = jax.device_get(staleness.init_async_state(optax.sgd(LR), w0, mesh))
+    pstep = staleness.make_async_train_step(loss_fn, optax.sgd(LR), mesh2, donate=False)
+    with pytest.raises(ValueError, match=r"state\.worker_params has shape \(4, 6\)"):
+        pstep(plain, batch2)
 
 
 def test_draw_delays_is_uniform_per_device_and_step():

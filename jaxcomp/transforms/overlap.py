@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import _validation as V
+from jaxcomp._vma import _axis_names
 from jaxcomp.transforms.sparsify import (
     _check_updates,
     _compress_group,
@@ -118,7 +119,8 @@ class _Apply:
 
 
 def _check_overlap_config(cfg, axis_name) -> None:
-    if cfg.axis_name is None or cfg.axis_name != axis_name:
+    # ("data",) and "data" name the same axis: compare the normalised tuples.
+    if cfg.axis_name is None or _axis_names(cfg.axis_name) != _axis_names(axis_name):
         raise ValueError(
             f"overlap=True needs the sparsifier's axis_name to be the step's axis "
             f"{axis_name!r} (it exchanges inside the backward pass), got {cfg.axis_name!r}"
