@@ -405,6 +405,51 @@ def test_gossip_compressor_in_the_decentralized_step(mesh):
     np.testing.assert_allclose(float(metrics["wire_bytes"]), 2 * 6 * 8 + 2 * dim * 4)
 
 
+_GOSSIP_TOP_K = lambda: optax.chain(  # noqa: E731
+    jaxcomp.top_k(0.5, axis_name="data", exchange="gossip"), optax.sgd(0.1)
+)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda: optax.apply_if_finite(_GOSSIP_TOP_K(), 3),
+        lambda: jaxcomp.apply_if_finite(_GOSSIP_TOP_K(), 3),
+        lambda: optax.apply_if_finite(optax.chain(agg.gossip_exchange("data"), optax.sgd(0.1)), 3),
+    ],
+    ids=["optax", "jaxcomp_no_axis", "optax_dense_gossip"],
+)
+def test_gossip_step_rejects_a_per_device_skip_around_the_exchange(mesh, wrap):
+    """A NaN on one device would skip its exchange while the neighbours wait (a hang)."""
+    tx = wrap()
+    reps = agg.stack_replicas(jnp.zeros(4), mesh)
+    state = agg.init_replica_opt_state(tx, reps, mesh)
+    step = agg.make_gossip_train_step(_lsq, tx, mesh, mix_params=False)
+    batch = dist.shard_batch({"x": np.ones((N, 4), np.float32), "y": np.ones(N, np.float32)}, mesh)
+    with pytest.raises(ValueError, match=r"jaxcomp.apply_if_finite\(.*axis_name='data'"):
+        step(reps, state, batch)
+
+
+def test_gossip_step_apply_if_finite_with_axis_skips_on_every_device(mesh):
+    dim = 4
+    x, y, w0 = _lsq_problem(70, dim, 2)
+    tx = jaxcomp.apply_if_finite(_GOSSIP_TOP_K(), 3, axis_name="data")
+    reps = agg.stack_replicas(w0, mesh, per_device=True)
+    state = agg.init_replica_opt_state(tx, reps, mesh)
+    step = agg.make_gossip_train_step(_lsq, tx, mesh, mix_params=False, donate=False)
+    x_nan = x.copy()
+    x_nan[3, 0, 0] = np.nan  # device 3 only
+    flat = lambda x: dist.shard_batch({"x": x.reshape(-1, dim), "y": y.reshape(-1)}, mesh)  # noqa: E731
+    reps, state, _ = step(reps, state, flat(x_nan))
+    np.testing.assert_array_equal(np.asarray(reps), w0)  # skipped everywhere
+    assert np.asarray(state.total_notfinite).tolist() == [1] * N
+    # Then a finite step trains as the unwrapped chain does (numpy: top-2 of 4, ring mix).
+    reps, state, _ = step(reps, state, flat(x))
+    g = _lsq_grad(w0.astype(np.float64), x, y)
+    sent = np.stack([np.where(topk_set(g[i], 2), g[i], 0) for i in range(N)])
+    np.testing.assert_allclose(np.asarray(reps), w0 - 0.1 * _ring_mix(sent), rtol=1e-5, atol=1e-6)
+
+
 def test_bad_gossip_arguments(mesh):
     with pytest.raises(ValueError, match="weights"):
         agg.make_gossip_train_step(_lsq, optax.sgd(0.1), mesh, weights=(0.5, 0.5, 0.5))
