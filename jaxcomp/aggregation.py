@@ -57,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
+from jaxcomp import distributed
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
 from jaxcomp.comm import local as local_lib
@@ -480,12 +481,6 @@ def init_replica_opt_state(
     return jax.jit(init_fn)(replicas)
 
 
-def _wire_bytes_total(state) -> jax.Array:
-    """Sum of every ``wire_bytes`` field of ``state`` (a chain may hold several)."""
-    found = optax.tree.get_all_with_path(state, "wire_bytes")
-    return sum((jnp.asarray(v, jnp.float32) for _, v in found), jnp.float32(0))
-
-
 # Collectives whose result is the same on every device along the axis they name.
 _UNIFORM_COLLECTIVES = frozenset(
     {"psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant"}
@@ -606,7 +601,10 @@ def _make_replica_step(
         else:
             _check_no_local_branch_around_exchange(tx, grads, state, params, extra, axis_name, who)
         updates, state = tx.update(grads, state, params, **extra)
-        wire = _wire_bytes_total(state)
+        # make_train_step's count: under optax.MultiSteps only mini-steps that ran the
+        # inner exchange sent anything.
+        wire = distributed._wire_bytes_total(state)
+        wire = jnp.float32(0) if wire is None else wire
         base = params
         if mix_weights is not None:
             base, mix_wire = _gossip_tree(params, axis_name, mix_weights)

@@ -450,6 +450,27 @@ def test_gossip_step_apply_if_finite_with_axis_skips_on_every_device(mesh):
     np.testing.assert_allclose(np.asarray(reps), w0 - 0.1 * _ring_mix(sent), rtol=1e-5, atol=1e-6)
 
 
+def test_gossip_step_wire_bytes_under_multisteps(mesh):
+    """Mini-steps that do not run the inner exchange send nothing (not its last count)."""
+    dim = 32
+    x, y, w0 = _lsq_problem(80, dim, 2)
+    batch = dist.shard_batch({"x": x.reshape(-1, dim), "y": y.reshape(-1)}, mesh)
+
+    def run(tx, steps):
+        reps = agg.stack_replicas(w0, mesh, per_device=True)
+        state = agg.init_replica_opt_state(tx, reps, mesh)
+        step = agg.make_gossip_train_step(_lsq, tx, mesh, mix_params=False)
+        wires = []
+        for _ in range(steps):
+            reps, state, metrics = step(reps, state, batch)
+            wires.append(float(metrics["wire_bytes"]))
+        return wires
+
+    (sent,) = run(_GOSSIP_TOP_K(), 1)  # one exchange's bytes (checked against numpy above)
+    assert sent > 0
+    assert run(optax.MultiSteps(_GOSSIP_TOP_K(), 2), 4) == [0.0, sent, 0.0, sent]
+
+
 def test_bad_gossip_arguments(mesh):
     with pytest.raises(ValueError, match="weights"):
         agg.make_gossip_train_step(_lsq, optax.sgd(0.1), mesh, weights=(0.5, 0.5, 0.5))
