@@ -890,6 +890,9 @@ def average_predictions(logits) -> jax.Array:
       [[0.5, 0.5]]
     """
     logits = _check_logits(logits)
+    # bf16/f16 probabilities round close classes together (and ties go to the
+    # lowest index): compute in float32 or wider.
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     return jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0)
 
 

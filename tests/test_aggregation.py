@@ -533,6 +533,21 @@ def test_combiners_match_numpy_with_ties():
         agg.majority_vote(np.zeros(3, np.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_average_predictions_of_half_precision_logits_in_float32(dtype):
+    """Close classes: bf16/f16 probabilities rounded them together (ties to the lowest)."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(5, 2000, 10)) * 0.3, dtype)
+    ref = _np_softmax(np.asarray(logits, np.float64)).mean(0)
+    probs = agg.average_predictions(logits)
+    assert probs.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(probs), ref, rtol=1e-5, atol=1e-7)
+    got = np.asarray(agg.ensemble_predict(logits, "average"))
+    top2 = np.sort(ref, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1e-5  # not a float32-level tie
+    np.testing.assert_array_equal(got[clear], np.argmax(ref, -1)[clear])
+
+
 def test_ensemble_step_rejects_a_communicating_tx(mesh):
     tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(0.1))
     reps = agg.stack_replicas(jnp.zeros(4), mesh)
