@@ -45,6 +45,7 @@ Example (two devices' worth of weighting on one device: the weight cancels):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -108,13 +109,27 @@ def _check_weights(weights) -> tuple[float, ...] | None:
         values = tuple(V.check_real("weights", w, 0.0) for w in weights)
     except (TypeError, ValueError):
         raise bad from None
-    if not values or sum(values) <= 0:
+    if not values or max(values) <= 0:
         raise bad
-    return values
+    # Normalised here in float64, by the largest first (no overflow of the sum):
+    # weights like 1e-40 (0 in float32) or 3e38 + 3e38 (inf) keep their ratios.
+    top = max(values)
+    scaled = [v / top for v in values]
+    total = math.fsum(scaled)
+    return tuple(v / total for v in scaled)
 
 
-def _device_weight(fixed, weight, include, axis_name, who: str) -> jax.Array:
-    """This device's float32 weight (0 for a left-out backup worker)."""
+def _weight_dtype(tree):
+    """The widest floating dtype of ``tree``'s leaves, at least float32 (float64 under x64)."""
+    dtype = jnp.dtype(jnp.float32)
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            dtype = jnp.promote_types(dtype, jnp.result_type(leaf))
+    return dtype
+
+
+def _device_weight(fixed, weight, include, axis_name, who: str, dtype) -> jax.Array:
+    """This device's weight in ``dtype`` (0 for a left-out backup worker)."""
     n_dev = collectives.axis_size(axis_name)
     if fixed is not None:
         if weight is not None:
@@ -126,7 +141,7 @@ def _device_weight(fixed, weight, include, axis_name, who: str) -> jax.Array:
                 f"{who}: weights has {len(fixed)} entries but axis {axis_name!r} has "
                 f"{n_dev} devices; give one weight per device"
             )
-        w = jnp.asarray(fixed, jnp.float32)[lax.axis_index(axis_name)]
+        w = jnp.asarray(fixed, dtype)[lax.axis_index(axis_name)]
     else:
         if weight is None:
             raise ValueError(
@@ -134,7 +149,7 @@ def _device_weight(fixed, weight, include, axis_name, who: str) -> jax.Array:
                 "(tx.update(grads, state, params, weight=w); with make_train_step, "
                 "update_args={'weight': array of shape (N,)}) or weights= at construction"
             )
-        w = jnp.asarray(weight, jnp.float32)
+        w = jnp.asarray(weight).astype(dtype)
         if w.shape != ():
             raise ValueError(
                 f"{who}: weight must be this device's scalar weight, got shape {w.shape} "
@@ -153,11 +168,14 @@ def _normalized_weight(w, axis_name) -> tuple[jax.Array, float]:
     wrong (every device's update) instead of silently mis-weighted.
     """
     bad = ~jnp.isfinite(w) | (w < 0)
-    total, n_bad = lax.psum((jnp.where(bad, 0.0, w), bad.astype(jnp.float32)), axis_name)
-    coef = jnp.where(total > 0, jnp.where(bad, 0.0, w) / jnp.where(total > 0, total, 1.0), 0.0)
-    coef = jnp.where(n_bad > 0, jnp.float32(jnp.nan), coef)
     n_dev = collectives.axis_size(axis_name)
-    return coef, collectives.allreduce_bytes(8, n_dev)
+    # Scaled by a power of two >= N (exact) so that N large finite weights
+    # cannot overflow their sum.
+    w = jnp.where(bad, 0.0, w) * jnp.asarray(2.0 ** -math.ceil(math.log2(n_dev)), w.dtype)
+    total, n_bad = lax.psum((w, bad.astype(w.dtype)), axis_name)
+    coef = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 0.0)
+    coef = jnp.where(n_bad > 0, jnp.asarray(jnp.nan, w.dtype), coef)
+    return coef, collectives.allreduce_bytes(2 * w.dtype.itemsize, n_dev)
 
 
 def _scaled(g, coef):
@@ -201,10 +219,15 @@ def weighted_exchange(
     optional ``include`` extra argument (backup workers) sets a left-out
     device's weight to 0.
 
+    Weights are normalised in the gradients' widest floating dtype (at least
+    float32; float64 for float64 gradients under x64); fixed ``weights`` are
+    first normalised in float64 here, so tiny or huge ones (``1e-40``,
+    ``3e38``) keep their ratios.
+
     Cost: one all-reduce of the weighted gradients (one multi-operand ``psum``
-    for all leaves, in the gradients' dtypes) and one of two float32 scalars
-    (the weight sum and a bad-weight count): ``wire_bytes`` reports both, as
-    a ring all-reduce's ``2 (N - 1) / N`` times their bytes.
+    for all leaves, in the gradients' dtypes) and one of two scalars in the
+    weights' dtype (the weight sum and a bad-weight count): ``wire_bytes``
+    reports both, as a ring all-reduce's ``2 (N - 1) / N`` times their bytes.
 
     Args:
       axis_name: the mesh axis to aggregate over.
@@ -241,7 +264,7 @@ def weighted_exchange(
     def update(updates, state, params=None, *, weight=None, include=None, **extra_args):
         del state, params, extra_args
         check_per_device(updates, axis_name, who)
-        w = _device_weight(fixed, weight, include, axis_name, who)
+        w = _device_weight(fixed, weight, include, axis_name, who, _weight_dtype(updates))
         coef, wire = _normalized_weight(w, axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         # One multi-operand all-reduce for every leaf: one rendezvous, not one per leaf.
@@ -273,8 +296,8 @@ def scale_by_weight(
     nothing is lost (``sum_i residual_i + N * update == sum_i N w_i / W g_i``
     plus the residuals carried in). Weights as in :func:`weighted_exchange`
     (fixed ``weights`` or the ``weight`` extra argument; ``include``; all 0:
-    zero gradients; a bad per-step weight: NaN). Costs one all-reduce of two
-    float32 scalars.
+    zero gradients; a bad per-step weight: NaN; their dtype). Costs one
+    all-reduce of two scalars.
 
     With an exchange that does not average (``exchange="gossip"``) the
     scaling still holds per message but the result is a weighted ring mix,
@@ -309,9 +332,9 @@ def scale_by_weight(
     def update(updates, state, params=None, *, weight=None, include=None, **extra_args):
         del state, params, extra_args
         check_per_device(updates, axis_name, who)
-        w = _device_weight(fixed, weight, include, axis_name, who)
+        w = _device_weight(fixed, weight, include, axis_name, who, _weight_dtype(updates))
         coef, wire = _normalized_weight(w, axis_name)
-        coef = coef * jnp.float32(collectives.axis_size(axis_name))
+        coef = coef * jnp.asarray(collectives.axis_size(axis_name), coef.dtype)
         scaled = jax.tree.map(lambda g: _scaled(g, coef), updates)
         return scaled, ScaleByWeightState(wire_bytes=jnp.float32(wire))
 

@@ -140,6 +140,53 @@ def test_weighted_exchange_fixed_weights_and_errors(mesh):
         _exchange(agg.weighted_exchange("data"), mesh, g)
 
 
+def test_weighted_exchange_under_x64_weights_in_float64(mesh):
+    """float64 gradients: the normalised weights were float32 (~3e-8 relative error)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(4)
+        g = {"w": rng.standard_normal((N, 3)), "b": np.broadcast_to(np.pi, (N, 2)).copy()}
+        weights = np.array([1.0, 3.0, 0.0, 7.0, 1.0, 1.0, 2.0, 5.0])
+        updates, wire = _exchange(agg.weighted_exchange("data"), mesh, g, weight=weights)
+        for name in g:
+            assert updates[name].dtype == np.float64
+            np.testing.assert_allclose(
+                updates[name][0], _weighted_ref(g[name], weights), rtol=1e-14
+            )
+        np.testing.assert_allclose(wire, _allreduce(5 * 8) + _allreduce(16))
+        fixed = agg.weighted_exchange("data", weights=[1.0, 1.0, 1.0] + [0.0] * (N - 3))
+        updates, _ = _exchange(fixed, mesh, g)
+        np.testing.assert_allclose(updates["b"][0], g["b"][0], rtol=1e-15)
+        scaled, _ = _exchange(agg.scale_by_weight("data"), mesh, g, weight=weights)
+        np.testing.assert_allclose(scaled["w"].mean(0), _weighted_ref(g["w"], weights), rtol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [[1e-40, 1e-40], [3e38, 3e38], [1e-50], [1e308, 1e308, 1e308], [1e-40, 1.0]],
+    ids=["f32_subnormal", "f32_sum_overflows", "f32_zero", "f64_sum_overflows", "mixed"],
+)
+def test_fixed_weights_that_underflow_or_overflow_float32(mesh, weights):
+    """Finite weights > 0 whose float32 value is 0 (or sum inf) gave a zero update."""
+    w = np.zeros(N)
+    w[: len(weights)] = weights
+    g = _grads(5)
+    ref = _weighted_ref(g["w"], w / w.max())  # numpy float64, scaled first
+    updates, _ = _exchange(agg.weighted_exchange("data", weights=w.tolist()), mesh, g)
+    np.testing.assert_allclose(updates["w"][0], ref, rtol=1e-5, atol=1e-6)
+    # scale_by_weight: the mean over the devices of N w_i / W g_i.
+    scaled, _ = _exchange(agg.scale_by_weight("data", weights=w.tolist()), mesh, g)
+    np.testing.assert_allclose(scaled["w"].mean(0), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_per_step_weights_whose_float32_sum_overflows(mesh):
+    g = _grads(6)
+    weights = np.full(N, 3e38, np.float32)
+    weights[::2] = 1e38
+    updates, _ = _exchange(agg.weighted_exchange("data"), mesh, g, weight=weights)
+    ref = _weighted_ref(g["w"], weights.astype(np.float64) / 1e38)
+    np.testing.assert_allclose(updates["w"][0], ref, rtol=1e-5, atol=1e-6)
+
+
 def _masked_lsq(w, b):
     # Each device's mean loss over its valid rows (the mask), 0 for an empty shard.
     err = b["x"] @ w - b["y"]
