@@ -249,6 +249,23 @@ def _scale(value_range: float, bits: int) -> float:
     return (2 ** (bits - 1) - 1) / value_range
 
 
+def _min_value_range(bits: int) -> float:
+    """The smallest ``value_range`` whose float32 step ``value_range / (2^(bits-1) - 1)``
+    is a normal float32 (a subnormal one flushes to 0 on XLA:CPU and the scale is inf)."""
+    return float((2 ** (bits - 1) - 1) * np.finfo(np.float32).tiny)
+
+
+def _check_value_range(value_range, bits: int) -> float:
+    value_range = V.check_real("value_range", value_range, 0, low_open=True)
+    low, high = _min_value_range(bits), float(np.finfo(np.float32).max)
+    if not low <= value_range <= high:
+        raise ValueError(
+            f"value_range must be in [{low:.4g}, {high:.4g}] for bits={bits} (its float32 "
+            f"quantization step and scale must be normal, finite float32), got {value_range!r}"
+        )
+    return value_range
+
+
 def _max_level(bits: int) -> float:
     top = 2 ** (bits - 1) - 1
     return float(np.nextafter(np.float32(top + 1), np.float32(0))) if bits == 32 else float(top)
@@ -272,6 +289,7 @@ def quantize(x, value_range: float = 10.0, bits: int = 32, key=None):
       >>> q.tolist(), int(clipped)
       ([64, -127], 1)
     """
+    _check_value_range(value_range, bits)
     x = jnp.asarray(x, jnp.float32)
     finite = jnp.isfinite(x)
     outside = finite & (jnp.abs(x) > value_range)
@@ -294,6 +312,7 @@ def dequantize(q, value_range: float = 10.0, bits: int = 32):
       >>> dequantize(jnp.array([127, -127, 0]), value_range=2.0, bits=8).tolist()
       [2.0, -2.0, 0.0]
     """
+    _check_value_range(value_range, bits)
     return q.astype(jnp.float32) / jnp.float32(_scale(value_range, bits))
 
 
@@ -466,7 +485,9 @@ class CodedConfig:
 
     Attributes:
       redundancy: ``r``, workers per block, in ``[1, n]``.
-      value_range: quantization range ``[-value_range, value_range]`` (> 0).
+      value_range: quantization range ``[-value_range, value_range]``, at
+        least ``(2^(bits-1) - 1) * 2^-126`` (about 2.5e-29 for 32 bits: the
+        float32 step must be a normal number) and at most float32's max.
       bits: integer width on the wire, 8, 16 or 32 (the paper: 32).
       rounding: ``"nearest"`` (the paper) or ``"stochastic"`` (unbiased).
       exchange: ``"coded"`` (multicast packets) or ``"uncoded"`` (whole
@@ -486,8 +507,8 @@ class CodedConfig:
 
     def __post_init__(self):
         V.check_int("redundancy", self.redundancy, 1)
-        V.check_real("value_range", self.value_range, 0, low_open=True)
         V.check_choice("bits", self.bits, BITS)
+        _check_value_range(self.value_range, self.bits)
         V.check_choice("rounding", self.rounding, ROUNDINGS)
         V.check_choice("exchange", self.exchange, EXCHANGES)
 
@@ -645,7 +666,14 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
     else:
         q, clipped, nonfinite = quantize(flat, cfg.value_range, cfg.bits)
     received = _exchange_blocks(q, plan, cfg.exchange, axis_name)
-    total = _exact_sum(q, received) / jnp.float32(_scale(cfg.value_range, cfg.bits) * plan.blocks)
+    total = _exact_sum(q, received)
+    denom = _scale(cfg.value_range, cfg.bits) * plan.blocks
+    if denom <= np.finfo(np.float32).max:
+        total = total / jnp.float32(denom)
+    else:  # a small value_range times many blocks: inf in float32, so in two steps
+        # (the barrier keeps XLA from folding (a / b) / c back into a / (b * c)).
+        total = lax.optimization_barrier(total / jnp.float32(_scale(cfg.value_range, cfg.bits)))
+        total = total / jnp.float32(plan.blocks)
     # A NaN or Inf anywhere makes the step's gradient NaN, as plain SGD's would be.
     any_nonfinite = lax.psum(nonfinite, axis_name) > 0
     total = jnp.where(any_nonfinite, jnp.nan, total)

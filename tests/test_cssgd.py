@@ -96,6 +96,26 @@ def test_stochastic_rounding_is_unbiased():
     assert abs(share - 0.1) < 5 * np.sqrt(0.1 * 0.9 / x.size)
 
 
+@pytest.mark.parametrize("bits", [8, 32])
+def test_value_range_whose_float32_scale_is_not_finite_rejected(bits):
+    """Below (2^(bits-1) - 1) 2^-126 every value decoded to 0 with clipped = 0."""
+    low = (2 ** (bits - 1) - 1) * float(np.finfo(np.float32).tiny)
+    for bad in (low / 2, 1e-40, 1e39):
+        with pytest.raises(ValueError, match="value_range must be in"):
+            cssgd.CodedConfig(redundancy=1, value_range=bad, bits=bits)
+        with pytest.raises(ValueError, match="value_range"):
+            cssgd.quantize(jnp.zeros(2), bad, bits)
+    # The smallest allowed range decodes to numpy's mean (4 devices, r = 2: its
+    # scale times C(4, 2) = 6 blocks is past float32's max).
+    vr = low * 1.01
+    rng = np.random.default_rng(bits)
+    all_blocks = (rng.uniform(-1, 1, size=(math.comb(4, 2), 5)) * vr).astype(np.float32)
+    mean, _, stats = _exchange(4, 2, all_blocks, value_range=vr, bits=bits)
+    step = vr / (2 ** (bits - 1) - 1)
+    np.testing.assert_allclose(mean[0], all_blocks.astype(np.float64).mean(0), rtol=1e-6, atol=step)
+    assert np.abs(mean[0]).max() > 0.1 * vr and stats.clipped.tolist() == [0] * 4
+
+
 # ---------------------------------------------------------------------------
 # The exchange.
 # ---------------------------------------------------------------------------
