@@ -518,6 +518,26 @@ def test_gossip_step_wire_bytes_under_multisteps(mesh):
     assert run(optax.MultiSteps(_GOSSIP_TOP_K(), 2), 4) == [0.0, sent, 0.0, sent]
 
 
+def test_gossip_weights_near_1_are_renormalised_no_drift(mesh):
+    """Weights summing to 1.00001 (accepted by isclose) were used as given: replicas drifted."""
+    w = (0.5, 0.25, 0.25001)
+    got = agg.collectives.check_gossip_weights(w)
+    np.testing.assert_allclose(got, np.asarray(w) / np.sum(w), rtol=1e-15)
+    assert np.sum(got) == 1.0
+    tx = optax.sgd(0.0)
+    step = agg.make_gossip_train_step(
+        lambda p, b: jnp.sum(p * 0.0) + jnp.mean(b), tx, mesh, weights=w
+    )
+    start = np.array([1.0, 3.0], np.float32)
+    reps = agg.stack_replicas(start, mesh)
+    state = agg.init_replica_opt_state(tx, reps, mesh)
+    batch = dist.shard_batch(np.zeros(N, np.float32), mesh)
+    for _ in range(300):  # as given: 1.00001^300 - 1 = 3e-3 off
+        reps, state, _ = step(reps, state, batch)
+        jax.block_until_ready(reps)  # one collective step in flight (NOTES-jax-cpu.md)
+    np.testing.assert_allclose(np.asarray(reps), np.broadcast_to(start, (N, 2)), rtol=1e-6)
+
+
 def test_bad_gossip_arguments(mesh):
     with pytest.raises(ValueError, match="weights"):
         agg.make_gossip_train_step(_lsq, optax.sgd(0.1), mesh, weights=(0.5, 0.5, 0.5))
