@@ -1022,7 +1022,7 @@ def member_logits(apply_fn: Callable, members, x, *, batch_size: int | None = No
     batch_size = V.check_int("batch_size", batch_size, 1, allow_none=True)
     fn = jax.jit(jax.vmap(apply_fn, in_axes=(0, None)))
     n = len(x)
-    step = n if batch_size is None else batch_size
+    step = max(n, 1) if batch_size is None else batch_size  # empty x: one empty chunk
     parts = [np.asarray(fn(members, x[i : i + step])) for i in range(0, max(n, 1), step)]
     return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
@@ -1042,6 +1042,9 @@ def evaluate_ensemble(
     Returns:
       An :class:`EnsembleReport`.
 
+    Raises:
+      ValueError: empty ``x``, or ``y`` not one label per input.
+
     Example:
       >>> import jax.numpy as jnp, numpy as np
       >>> from jaxcomp.aggregation import evaluate_ensemble
@@ -1051,6 +1054,8 @@ def evaluate_ensemble(
       >>> report.member_accuracy, report.vote_accuracy
       ((1.0, 0.0, 1.0), 1.0)
     """
+    if len(x) == 0:
+        raise ValueError("evaluate_ensemble: x is empty (no inputs), so there is no accuracy")
     logits = member_logits(apply_fn, members, x, batch_size=batch_size)
     y = np.asarray(y)
     if logits.shape[1:-1] != y.shape:

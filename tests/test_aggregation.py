@@ -615,6 +615,18 @@ def test_average_predictions_of_half_precision_logits_in_float32(dtype):
     np.testing.assert_array_equal(got[clear], np.argmax(ref, -1)[clear])
 
 
+def test_empty_inputs_in_member_logits_and_evaluate_ensemble():
+    """batch_size=None with empty x raised 'range() arg 3 must not be zero'."""
+    apply = lambda w, x: x @ w  # noqa: E731
+    members = [jnp.eye(2), 2 * jnp.eye(2), jnp.eye(2)]
+    empty = np.zeros((0, 2), np.float32)
+    for bs in (None, 4):
+        out = agg.member_logits(apply, members, empty, batch_size=bs)
+        assert out.shape == (3, 0, 2)
+        with pytest.raises(ValueError, match="x is empty"):
+            agg.evaluate_ensemble(apply, members, empty, np.zeros(0, int), batch_size=bs)
+
+
 def test_ensemble_step_rejects_a_communicating_tx(mesh):
     tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(0.1))
     reps = agg.stack_replicas(jnp.zeros(4), mesh)
