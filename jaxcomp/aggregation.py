@@ -849,6 +849,7 @@ def disjoint_shards(num_examples: int, num_members: int, seed: int = 0) -> list[
     """
     num_examples = V.check_int("num_examples", num_examples, 0)
     num_members = V.check_int("num_members", num_members, 1)
+    seed = V.check_int("seed", seed, 0)
     order = np.random.default_rng(seed).permutation(num_examples)
     size = num_examples // num_members
     return [order[i * size : (i + 1) * size] for i in range(num_members)]
@@ -889,6 +890,12 @@ def member_batches(
       (4,)
     """
     batch_size = V.check_int("batch_size", batch_size, 1)
+    epoch = V.check_int("epoch", epoch, 0)
+    if len(x) != len(y):
+        raise ValueError(
+            f"x and y must have the same number of examples (leading axis), got {len(x)} "
+            f"and {len(y)}"
+        )
     shards = disjoint_shards(len(y), num_members, seed)
     rng = np.random.default_rng([seed, epoch])
     shuffled = [s[rng.permutation(len(s))] for s in shards]

@@ -601,6 +601,13 @@ def _byte_counts(plan: _Plan, size: int, cfg: CodedConfig, axis_name):
     return sent, received
 
 
+def _check_config(cfg) -> None:
+    if not isinstance(cfg, CodedConfig):
+        raise ValueError(
+            f"cfg must be a jaxcomp.cssgd.CodedConfig (e.g. CodedConfig(redundancy=2)), got {cfg!r}"
+        )
+
+
 def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blocks=False):
     """The mean of all blocks' gradients, exchanged by coded multicast (inside ``shard_map``).
 
@@ -635,6 +642,7 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
       >>> f(jnp.array([[0.5, -1.0]])).tolist()  # one worker, one block: its gradient
       [0.5, -1.0]
     """
+    _check_config(cfg)
     n = collectives.axis_size(axis_name)
     if cfg.redundancy > n:
         raise ValueError(
@@ -822,6 +830,7 @@ def make_train_step(
     """
     from jaxcomp import distributed  # noqa: PLC0415
 
+    _check_config(cfg)
     n = mesh.shape[axis_name]
     if cfg.redundancy > n:
         raise ValueError(

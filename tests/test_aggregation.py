@@ -627,6 +627,16 @@ def test_empty_inputs_in_member_logits_and_evaluate_ensemble():
             agg.evaluate_ensemble(apply, members, empty, np.zeros(0, int), batch_size=bs)
 
 
+def test_disjoint_shards_and_member_batches_bad_arguments():
+    x, y = np.zeros((10, 2)), np.zeros(9)
+    with pytest.raises(ValueError, match="x and y must have the same number"):
+        next(agg.member_batches(x, y, 2, 2))  # silently dealt by len(y) before
+    with pytest.raises(ValueError, match="seed"):
+        agg.disjoint_shards(10, 2, seed=1.5)  # a numpy TypeError before
+    with pytest.raises(ValueError, match="epoch"):
+        next(agg.member_batches(x, x, 2, 2, epoch=-1))
+
+
 def test_ensemble_step_rejects_a_communicating_tx(mesh):
     tx = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(0.1))
     reps = agg.stack_replicas(jnp.zeros(4), mesh)

@@ -360,6 +360,15 @@ def test_train_step_rejects_redundancy_above_the_mesh():
         cssgd.make_train_step(loss, optax.sgd(0.1), _mesh(2), cssgd.CodedConfig(redundancy=3))
 
 
+def test_cfg_that_is_not_a_coded_config_rejected():
+    """cfg=2 raised AttributeError: 'int' object has no attribute 'redundancy'."""
+    loss, _, _ = _problem(12)
+    with pytest.raises(ValueError, match="cfg must be a jaxcomp.cssgd.CodedConfig"):
+        cssgd.make_train_step(loss, optax.sgd(0.1), _mesh(2), 2)
+    with pytest.raises(ValueError, match="cfg must be"):
+        _trace_coded_mean({"redundancy": 2}, (1, 3, 2))
+
+
 def test_stochastic_training_keeps_devices_identical():
     # Replicated outputs are each device's own buffer: they must agree bit for
     # bit, which needs every holder of a block to round it alike.
