@@ -63,6 +63,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import weakref
 from collections.abc import Callable
 from fractions import Fraction
 from typing import NamedTuple
@@ -170,6 +171,43 @@ def assign_blocks(n: int, r: int) -> Assignment:
     return Assignment(n, r, subsets, worker_blocks)
 
 
+# Leaves made by block_batch / shard_block_batch: id -> (weak reference, n, r).
+# A layout for r and one for n - r + 1 have the same shapes (C(n-1, r-1) =
+# C(n-1, n-r) blocks per worker), so make_train_step looks its blocks up here
+# to reject a layout made for another redundancy; the coded sums would not
+# cancel and the "mean gradient" would be silently wrong.
+_LAYOUTS: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _remember_layout(tree, n: int, r: int):
+    for leaf in jax.tree.leaves(tree):
+        key = id(leaf)
+
+        def forget(ref, key=key):
+            entry = _LAYOUTS.get(key)
+            if entry is not None and entry[0] is ref:
+                del _LAYOUTS[key]
+
+        try:
+            _LAYOUTS[key] = (weakref.ref(leaf, forget), n, r)
+        except TypeError:  # not weak-referenceable: not checked
+            pass
+    return tree
+
+
+def _check_layout(blocks, n: int, r: int) -> None:
+    for leaf in jax.tree.leaves(blocks):
+        entry = _LAYOUTS.get(id(leaf))
+        if entry is not None and entry[0]() is leaf and (entry[1], entry[2]) != (n, r):
+            raise ValueError(
+                f"cssgd.make_train_step: the blocks were laid out for n={entry[1]} workers "
+                f"and redundancy r={entry[2]} (shard_block_batch(..., r={entry[2]})), but the "
+                f"step was built for n={n}, redundancy={r}: lay the batch out with "
+                f"shard_block_batch(batch, mesh, {r}) (the block counts C(n-1, r-1) agree, "
+                "the holders of each block do not)"
+            )
+
+
 def block_batch(batch, n: int, r: int):
     """A global mini-batch in CSSGD's layout: leaves ``(n, C(n-1, r-1), b, ...)``.
 
@@ -217,7 +255,7 @@ def block_batch(batch, n: int, r: int):
         blocks = x.reshape(q, size // q, *x.shape[1:])
         return blocks[index]
 
-    return jax.tree.map(layout, batch)
+    return _remember_layout(jax.tree.map(layout, batch), n, r)
 
 
 def shard_block_batch(batch, mesh: Mesh, r: int, axis_name="data"):
@@ -234,7 +272,8 @@ def shard_block_batch(batch, mesh: Mesh, r: int, axis_name="data"):
     """
     n = mesh.shape[axis_name]
     sharding = NamedSharding(mesh, P(axis_name))
-    return jax.tree.map(lambda x: jax.device_put(x, sharding), block_batch(batch, n, r))
+    placed = jax.tree.map(lambda x: jax.device_put(x, sharding), block_batch(batch, n, r))
+    return _remember_layout(placed, n, r)
 
 
 # ---------------------------------------------------------------------------
@@ -809,7 +848,10 @@ def make_train_step(
     Returns:
       ``step(params, opt_state, blocks) -> (params, opt_state, metrics)``
       with ``opt_state`` from :func:`init_opt_state`, ``blocks`` from
-      :func:`shard_block_batch`, and ``metrics``: ``loss`` (mean over all
+      :func:`shard_block_batch` with this ``cfg.redundancy`` (blocks it or
+      :func:`block_batch` made for another ``n`` or ``r`` raise a
+      ``ValueError``; the shapes cannot tell ``r`` from ``n - r + 1``, and
+      blocks made otherwise are not checked), and ``metrics``: ``loss`` (mean over all
       blocks), ``wire_bytes`` and ``received_bytes`` (per device, mean over
       devices), ``clipped`` and ``nonfinite`` (this step, summed over devices).
 
@@ -875,4 +917,15 @@ def make_train_step(
         # same program) but typed varying after the all-gather.
         check_vma=False,
     )
-    return jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
+    jitted = jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
+
+    def train_step(params, opt_state, blocks):
+        _check_layout(blocks, n, cfg.redundancy)
+        return jitted(params, opt_state, blocks)
+
+    def lower(params, opt_state, blocks):
+        _check_layout(blocks, n, cfg.redundancy)
+        return jitted.lower(params, opt_state, blocks)
+
+    train_step.lower = lower
+    return train_step

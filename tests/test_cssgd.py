@@ -360,6 +360,30 @@ def test_train_step_rejects_redundancy_above_the_mesh():
         cssgd.make_train_step(loss, optax.sgd(0.1), _mesh(2), cssgd.CodedConfig(redundancy=3))
 
 
+def test_train_step_rejects_blocks_laid_out_for_another_redundancy():
+    """r=2 and r=3 layouts on 4 devices both hold C(3, 1) = C(3, 2) = 3 blocks per worker."""
+    loss, batch, params0 = _problem(12)
+    mesh = _mesh(4)
+    tx = optax.sgd(0.1)
+    params = dist.replicate(params0, mesh)
+    state = cssgd.init_opt_state(tx, params, mesh)
+    for r_layout, r_step in ((2, 3), (3, 2)):
+        cfg = cssgd.CodedConfig(redundancy=r_step)
+        step = cssgd.make_train_step(loss, tx, mesh, cfg, donate=False)
+        for blocks in (
+            cssgd.shard_block_batch(batch, mesh, r_layout),
+            cssgd.block_batch(batch, 4, r_layout),
+        ):
+            with pytest.raises(ValueError, match=rf"redundancy r={r_layout}.*redundancy={r_step}"):
+                step(params, state, blocks)
+            with pytest.raises(ValueError, match="shard_block_batch"):
+                step.lower(params, state, blocks)
+        # Its own layout trains: the update is -0.1 x the whole batch's gradient.
+        new, _, _ = step(params, state, cssgd.shard_block_batch(batch, mesh, r_step))
+        want = jax.grad(loss)(params0, batch)
+        np.testing.assert_allclose(new["w"], -0.1 * want["w"], rtol=1e-5, atol=1e-6)
+
+
 def test_cfg_that_is_not_a_coded_config_rejected():
     """cfg=2 raised AttributeError: 'int' object has no attribute 'redundancy'."""
     loss, _, _ = _problem(12)
