@@ -715,7 +715,7 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
     received = _exchange_blocks(q, plan, cfg.exchange, axis_name)
     total = _exact_sum(q, received)
     denom = _scale(cfg.value_range, cfg.bits) * plan.blocks
-    if denom <= np.finfo(np.float32).max:
+    if denom <= float(np.finfo(np.float32).max):
         total = total / jnp.float32(denom)
     else:  # a small value_range times many blocks: inf in float32, so in two steps
         # (the barrier keeps XLA from folding (a / b) / c back into a / (b * c)).
