@@ -45,6 +45,7 @@ Example (two devices' worth of weighting on one device: the weight cancels):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -57,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
+from jaxcomp import distributed
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
 from jaxcomp.comm import local as local_lib
@@ -107,13 +109,27 @@ def _check_weights(weights) -> tuple[float, ...] | None:
         values = tuple(V.check_real("weights", w, 0.0) for w in weights)
     except (TypeError, ValueError):
         raise bad from None
-    if not values or sum(values) <= 0:
+    if not values or max(values) <= 0:
         raise bad
-    return values
+    # Normalised here in float64, by the largest first (no overflow of the sum):
+    # weights like 1e-40 (0 in float32) or 3e38 + 3e38 (inf) keep their ratios.
+    top = max(values)
+    scaled = [v / top for v in values]
+    total = math.fsum(scaled)
+    return tuple(v / total for v in scaled)
 
 
-def _device_weight(fixed, weight, include, axis_name, who: str) -> jax.Array:
-    """This device's float32 weight (0 for a left-out backup worker)."""
+def _weight_dtype(tree):
+    """The widest floating dtype of ``tree``'s leaves, at least float32 (float64 under x64)."""
+    dtype = jnp.dtype(jnp.float32)
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            dtype = jnp.promote_types(dtype, jnp.result_type(leaf))
+    return dtype
+
+
+def _device_weight(fixed, weight, include, axis_name, who: str, dtype) -> jax.Array:
+    """This device's weight in ``dtype`` (0 for a left-out backup worker)."""
     n_dev = collectives.axis_size(axis_name)
     if fixed is not None:
         if weight is not None:
@@ -125,7 +141,7 @@ def _device_weight(fixed, weight, include, axis_name, who: str) -> jax.Array:
                 f"{who}: weights has {len(fixed)} entries but axis {axis_name!r} has "
                 f"{n_dev} devices; give one weight per device"
             )
-        w = jnp.asarray(fixed, jnp.float32)[lax.axis_index(axis_name)]
+        w = jnp.asarray(fixed, dtype)[lax.axis_index(axis_name)]
     else:
         if weight is None:
             raise ValueError(
@@ -133,7 +149,7 @@ def _device_weight(fixed, weight, include, axis_name, who: str) -> jax.Array:
                 "(tx.update(grads, state, params, weight=w); with make_train_step, "
                 "update_args={'weight': array of shape (N,)}) or weights= at construction"
             )
-        w = jnp.asarray(weight, jnp.float32)
+        w = jnp.asarray(weight).astype(dtype)
         if w.shape != ():
             raise ValueError(
                 f"{who}: weight must be this device's scalar weight, got shape {w.shape} "
@@ -152,11 +168,14 @@ def _normalized_weight(w, axis_name) -> tuple[jax.Array, float]:
     wrong (every device's update) instead of silently mis-weighted.
     """
     bad = ~jnp.isfinite(w) | (w < 0)
-    total, n_bad = lax.psum((jnp.where(bad, 0.0, w), bad.astype(jnp.float32)), axis_name)
-    coef = jnp.where(total > 0, jnp.where(bad, 0.0, w) / jnp.where(total > 0, total, 1.0), 0.0)
-    coef = jnp.where(n_bad > 0, jnp.float32(jnp.nan), coef)
     n_dev = collectives.axis_size(axis_name)
-    return coef, collectives.allreduce_bytes(8, n_dev)
+    # Scaled by a power of two >= N (exact) so that N large finite weights
+    # cannot overflow their sum.
+    w = jnp.where(bad, 0.0, w) * jnp.asarray(2.0 ** -math.ceil(math.log2(n_dev)), w.dtype)
+    total, n_bad = lax.psum((w, bad.astype(w.dtype)), axis_name)
+    coef = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 0.0)
+    coef = jnp.where(n_bad > 0, jnp.asarray(jnp.nan, w.dtype), coef)
+    return coef, collectives.allreduce_bytes(2 * w.dtype.itemsize, n_dev)
 
 
 def _scaled(g, coef):
@@ -200,10 +219,15 @@ def weighted_exchange(
     optional ``include`` extra argument (backup workers) sets a left-out
     device's weight to 0.
 
+    Weights are normalised in the gradients' widest floating dtype (at least
+    float32; float64 for float64 gradients under x64); fixed ``weights`` are
+    first normalised in float64 here, so tiny or huge ones (``1e-40``,
+    ``3e38``) keep their ratios.
+
     Cost: one all-reduce of the weighted gradients (one multi-operand ``psum``
-    for all leaves, in the gradients' dtypes) and one of two float32 scalars
-    (the weight sum and a bad-weight count): ``wire_bytes`` reports both, as
-    a ring all-reduce's ``2 (N - 1) / N`` times their bytes.
+    for all leaves, in the gradients' dtypes) and one of two scalars in the
+    weights' dtype (the weight sum and a bad-weight count): ``wire_bytes``
+    reports both, as a ring all-reduce's ``2 (N - 1) / N`` times their bytes.
 
     Args:
       axis_name: the mesh axis to aggregate over.
@@ -240,7 +264,7 @@ def weighted_exchange(
     def update(updates, state, params=None, *, weight=None, include=None, **extra_args):
         del state, params, extra_args
         check_per_device(updates, axis_name, who)
-        w = _device_weight(fixed, weight, include, axis_name, who)
+        w = _device_weight(fixed, weight, include, axis_name, who, _weight_dtype(updates))
         coef, wire = _normalized_weight(w, axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         # One multi-operand all-reduce for every leaf: one rendezvous, not one per leaf.
@@ -272,8 +296,8 @@ def scale_by_weight(
     nothing is lost (``sum_i residual_i + N * update == sum_i N w_i / W g_i``
     plus the residuals carried in). Weights as in :func:`weighted_exchange`
     (fixed ``weights`` or the ``weight`` extra argument; ``include``; all 0:
-    zero gradients; a bad per-step weight: NaN). Costs one all-reduce of two
-    float32 scalars.
+    zero gradients; a bad per-step weight: NaN; their dtype). Costs one
+    all-reduce of two scalars.
 
     With an exchange that does not average (``exchange="gossip"``) the
     scaling still holds per message but the result is a weighted ring mix,
@@ -308,9 +332,9 @@ def scale_by_weight(
     def update(updates, state, params=None, *, weight=None, include=None, **extra_args):
         del state, params, extra_args
         check_per_device(updates, axis_name, who)
-        w = _device_weight(fixed, weight, include, axis_name, who)
+        w = _device_weight(fixed, weight, include, axis_name, who, _weight_dtype(updates))
         coef, wire = _normalized_weight(w, axis_name)
-        coef = coef * jnp.float32(collectives.axis_size(axis_name))
+        coef = coef * jnp.asarray(collectives.axis_size(axis_name), coef.dtype)
         scaled = jax.tree.map(lambda g: _scaled(g, coef), updates)
         return scaled, ScaleByWeightState(wire_bytes=jnp.float32(wire))
 
@@ -480,10 +504,91 @@ def init_replica_opt_state(
     return jax.jit(init_fn)(replicas)
 
 
-def _wire_bytes_total(state) -> jax.Array:
-    """Sum of every ``wire_bytes`` field of ``state`` (a chain may hold several)."""
-    found = optax.tree.get_all_with_path(state, "wire_bytes")
-    return sum((jnp.asarray(v, jnp.float32) for _, v in found), jnp.float32(0))
+# Collectives whose result is the same on every device along the axis they name.
+_UNIFORM_COLLECTIVES = frozenset(
+    {"psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant"}
+)
+
+
+def _names(value) -> set:
+    return set(value) if isinstance(value, tuple | list | frozenset | set) else {value}
+
+
+def _branch_taint(jaxpr, taint, axis_name) -> tuple[bool, list[bool]]:
+    """Device-dependence of ``jaxpr``'s outputs, and whether it branches on it around a collective.
+
+    ``taint[i]``: input ``i`` may differ between the devices along
+    ``axis_name``. Returns ``(bad, out_taint)``: ``bad`` when a ``cond`` (or a
+    ``while`` loop's condition) decided on such values wraps a collective,
+    where one device could leave the collective the others wait in.
+    """
+    tainted = {v for v, t in zip(jaxpr.invars, taint, strict=True) if t}
+    is_var = lambda v: not isinstance(v, jax.extend.core.Literal)  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [is_var(v) and v in tainted for v in eqn.invars]
+        name, params = eqn.primitive.name, eqn.params
+        subs = [getattr(j, "jaxpr", j) for j in local_lib._sub_jaxprs(eqn)]
+        bad, outs = False, None
+        if name == "cond":
+            branches = [b.jaxpr for b in params["branches"]]
+            bad = ins[0] and any(local_lib._communicates(b, {}) for b in branches)
+            results = [_branch_taint(b, ins[1:], axis_name) for b in branches]
+            bad = bad or any(r[0] for r in results)
+            outs = [ins[0] or any(t) for t in zip(*(r[1] for r in results), strict=True)]
+        elif name == "while":
+            nc, nb = params["cond_nconsts"], params["body_nconsts"]
+            cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
+            carry = ins[nc + nb :]
+            while True:  # the carries' taint to a fixed point
+                body_bad, new = _branch_taint(body, ins[nc : nc + nb] + carry, axis_name)
+                new = [a or b for a, b in zip(carry, new, strict=True)]
+                if new == carry:
+                    break
+                carry = new
+            cond_bad, (pred,) = _branch_taint(cond, ins[:nc] + carry, axis_name)
+            bad = body_bad or cond_bad or (pred and local_lib._communicates(body, {}))
+            outs = carry
+        elif len(subs) == 1 and len(subs[0].invars) == len(ins):
+            bad, outs = _branch_taint(subs[0], ins, axis_name)  # jit, custom_jvp, ...
+            outs = outs if len(outs) == len(eqn.outvars) else None
+        else:
+            bad = any(_branch_taint(j, [any(ins)] * len(j.invars), axis_name)[0] for j in subs)
+        if bad:
+            return True, []
+        if outs is None:
+            varies = any(ins) or name in ("axis_index", "ppermute")
+            if name in _UNIFORM_COLLECTIVES and _names(axis_name) <= _names(
+                params.get("axes", params.get("axis_name"))
+            ):
+                varies = False
+            outs = [varies] * len(eqn.outvars)
+        tainted.update(v for v, t in zip(eqn.outvars, outs, strict=True) if t)
+    return False, [is_var(v) and v in tainted for v in jaxpr.outvars]
+
+
+def _check_no_local_branch_around_exchange(tx, grads, state, params, extra, axis_name, who):
+    """Raises if ``tx`` decides on this device's gradients whether to run a collective.
+
+    ``optax.apply_if_finite`` (or ``jaxcomp.apply_if_finite`` without
+    ``axis_name``) around an exchange sends a device with a NaN gradient down
+    the branch without it while its neighbours wait there: the step hangs
+    (XLA:CPU aborts the process). Only the gradients and extra arguments
+    count as device-dependent here: state counters (``optax.MultiSteps``'s
+    mini-step) are equal on every device.
+    """
+    closed = jax.make_jaxpr(lambda g, e: tx.update(g, state, params, **e))(grads, extra)
+    taint = [True] * len(closed.jaxpr.invars)
+    if _branch_taint(closed.jaxpr, taint, axis_name)[0]:
+        raise ValueError(
+            f"{who}: tx decides on this device's own gradients whether to run an exchange "
+            "(optax.apply_if_finite, jaxcomp.apply_if_finite without axis_name, or "
+            "optax.MultiSteps with should_skip_update_fn=optax.skip_not_finite around a "
+            "gossip or averaging exchange): a non-finite gradient on one device would skip "
+            "its exchange while its neighbours wait in it (the step hangs; XLA:CPU aborts). "
+            f"Use jaxcomp.apply_if_finite(tx, max_consecutive_errors, axis_name={axis_name!r}) "
+            f"or jaxcomp.distributed.skip_not_finite({axis_name!r}), which decide on all "
+            "devices together."
+        )
 
 
 def _make_replica_step(
@@ -516,8 +621,13 @@ def _make_replica_step(
                     "their own data. Build tx without axis_name (e.g. plain optax, or a "
                     "compressor with axis_name=None)."
                 )
+        else:
+            _check_no_local_branch_around_exchange(tx, grads, state, params, extra, axis_name, who)
         updates, state = tx.update(grads, state, params, **extra)
-        wire = _wire_bytes_total(state)
+        # make_train_step's count: under optax.MultiSteps only mini-steps that ran the
+        # inner exchange sent anything.
+        wire = distributed._wire_bytes_total(state)
+        wire = jnp.float32(0) if wire is None else wire
         base = params
         if mix_weights is not None:
             base, mix_wire = _gossip_tree(params, axis_name, mix_weights)
@@ -609,7 +719,10 @@ def make_gossip_train_step(
       ``step.lower(...)`` gives the jitted step's ``jax.stages.Lowered``.
 
     Raises:
-      ValueError: bad ``weights``.
+      ValueError: bad ``weights``; at the first call, a ``tx`` that decides
+        on this device's gradients whether to exchange (``optax.apply_if_finite``
+        around a gossip exchange: one device's NaN would hang the step; use
+        ``jaxcomp.apply_if_finite(tx, n, axis_name=axis_name)``).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -736,6 +849,7 @@ def disjoint_shards(num_examples: int, num_members: int, seed: int = 0) -> list[
     """
     num_examples = V.check_int("num_examples", num_examples, 0)
     num_members = V.check_int("num_members", num_members, 1)
+    seed = V.check_int("seed", seed, 0)
     order = np.random.default_rng(seed).permutation(num_examples)
     size = num_examples // num_members
     return [order[i * size : (i + 1) * size] for i in range(num_members)]
@@ -776,6 +890,12 @@ def member_batches(
       (4,)
     """
     batch_size = V.check_int("batch_size", batch_size, 1)
+    epoch = V.check_int("epoch", epoch, 0)
+    if len(x) != len(y):
+        raise ValueError(
+            f"x and y must have the same number of examples (leading axis), got {len(x)} "
+            f"and {len(y)}"
+        )
     shards = disjoint_shards(len(y), num_members, seed)
     rng = np.random.default_rng([seed, epoch])
     shuffled = [s[rng.permutation(len(s))] for s in shards]
@@ -800,6 +920,9 @@ def average_predictions(logits) -> jax.Array:
       [[0.5, 0.5]]
     """
     logits = _check_logits(logits)
+    # bf16/f16 probabilities round close classes together (and ties go to the
+    # lowest index): compute in float32 or wider.
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     return jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0)
 
 
@@ -906,7 +1029,7 @@ def member_logits(apply_fn: Callable, members, x, *, batch_size: int | None = No
     batch_size = V.check_int("batch_size", batch_size, 1, allow_none=True)
     fn = jax.jit(jax.vmap(apply_fn, in_axes=(0, None)))
     n = len(x)
-    step = n if batch_size is None else batch_size
+    step = max(n, 1) if batch_size is None else batch_size  # empty x: one empty chunk
     parts = [np.asarray(fn(members, x[i : i + step])) for i in range(0, max(n, 1), step)]
     return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
@@ -926,6 +1049,9 @@ def evaluate_ensemble(
     Returns:
       An :class:`EnsembleReport`.
 
+    Raises:
+      ValueError: empty ``x``, or ``y`` not one label per input.
+
     Example:
       >>> import jax.numpy as jnp, numpy as np
       >>> from jaxcomp.aggregation import evaluate_ensemble
@@ -935,6 +1061,8 @@ def evaluate_ensemble(
       >>> report.member_accuracy, report.vote_accuracy
       ((1.0, 0.0, 1.0), 1.0)
     """
+    if len(x) == 0:
+        raise ValueError("evaluate_ensemble: x is empty (no inputs), so there is no accuracy")
     logits = member_logits(apply_fn, members, x, batch_size=batch_size)
     y = np.asarray(y)
     if logits.shape[1:-1] != y.shape:

@@ -63,6 +63,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import weakref
 from collections.abc import Callable
 from fractions import Fraction
 from typing import NamedTuple
@@ -170,6 +171,43 @@ def assign_blocks(n: int, r: int) -> Assignment:
     return Assignment(n, r, subsets, worker_blocks)
 
 
+# Leaves made by block_batch / shard_block_batch: id -> (weak reference, n, r).
+# A layout for r and one for n - r + 1 have the same shapes (C(n-1, r-1) =
+# C(n-1, n-r) blocks per worker), so make_train_step looks its blocks up here
+# to reject a layout made for another redundancy; the coded sums would not
+# cancel and the "mean gradient" would be silently wrong.
+_LAYOUTS: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _remember_layout(tree, n: int, r: int):
+    for leaf in jax.tree.leaves(tree):
+        key = id(leaf)
+
+        def forget(ref, key=key):
+            entry = _LAYOUTS.get(key)
+            if entry is not None and entry[0] is ref:
+                del _LAYOUTS[key]
+
+        try:
+            _LAYOUTS[key] = (weakref.ref(leaf, forget), n, r)
+        except TypeError:  # not weak-referenceable: not checked
+            pass
+    return tree
+
+
+def _check_layout(blocks, n: int, r: int) -> None:
+    for leaf in jax.tree.leaves(blocks):
+        entry = _LAYOUTS.get(id(leaf))
+        if entry is not None and entry[0]() is leaf and (entry[1], entry[2]) != (n, r):
+            raise ValueError(
+                f"cssgd.make_train_step: the blocks were laid out for n={entry[1]} workers "
+                f"and redundancy r={entry[2]} (shard_block_batch(..., r={entry[2]})), but the "
+                f"step was built for n={n}, redundancy={r}: lay the batch out with "
+                f"shard_block_batch(batch, mesh, {r}) (the block counts C(n-1, r-1) agree, "
+                "the holders of each block do not)"
+            )
+
+
 def block_batch(batch, n: int, r: int):
     """A global mini-batch in CSSGD's layout: leaves ``(n, C(n-1, r-1), b, ...)``.
 
@@ -217,7 +255,7 @@ def block_batch(batch, n: int, r: int):
         blocks = x.reshape(q, size // q, *x.shape[1:])
         return blocks[index]
 
-    return jax.tree.map(layout, batch)
+    return _remember_layout(jax.tree.map(layout, batch), n, r)
 
 
 def shard_block_batch(batch, mesh: Mesh, r: int, axis_name="data"):
@@ -234,7 +272,8 @@ def shard_block_batch(batch, mesh: Mesh, r: int, axis_name="data"):
     """
     n = mesh.shape[axis_name]
     sharding = NamedSharding(mesh, P(axis_name))
-    return jax.tree.map(lambda x: jax.device_put(x, sharding), block_batch(batch, n, r))
+    placed = jax.tree.map(lambda x: jax.device_put(x, sharding), block_batch(batch, n, r))
+    return _remember_layout(placed, n, r)
 
 
 # ---------------------------------------------------------------------------
@@ -247,6 +286,23 @@ def _scale(value_range: float, bits: int) -> float:
     # float32 cannot hold 2^31 - 1, so the float product is clipped to the
     # largest float32 below 2^31 (2^31 - 128) before the cast.
     return (2 ** (bits - 1) - 1) / value_range
+
+
+def _min_value_range(bits: int) -> float:
+    """The smallest ``value_range`` whose float32 step ``value_range / (2^(bits-1) - 1)``
+    is a normal float32 (a subnormal one flushes to 0 on XLA:CPU and the scale is inf)."""
+    return float((2 ** (bits - 1) - 1) * np.finfo(np.float32).tiny)
+
+
+def _check_value_range(value_range, bits: int) -> float:
+    value_range = V.check_real("value_range", value_range, 0, low_open=True)
+    low, high = _min_value_range(bits), float(np.finfo(np.float32).max)
+    if not low <= value_range <= high:
+        raise ValueError(
+            f"value_range must be in [{low:.4g}, {high:.4g}] for bits={bits} (its float32 "
+            f"quantization step and scale must be normal, finite float32), got {value_range!r}"
+        )
+    return value_range
 
 
 def _max_level(bits: int) -> float:
@@ -272,6 +328,7 @@ def quantize(x, value_range: float = 10.0, bits: int = 32, key=None):
       >>> q.tolist(), int(clipped)
       ([64, -127], 1)
     """
+    _check_value_range(value_range, bits)
     x = jnp.asarray(x, jnp.float32)
     finite = jnp.isfinite(x)
     outside = finite & (jnp.abs(x) > value_range)
@@ -294,6 +351,7 @@ def dequantize(q, value_range: float = 10.0, bits: int = 32):
       >>> dequantize(jnp.array([127, -127, 0]), value_range=2.0, bits=8).tolist()
       [2.0, -2.0, 0.0]
     """
+    _check_value_range(value_range, bits)
     return q.astype(jnp.float32) / jnp.float32(_scale(value_range, bits))
 
 
@@ -466,7 +524,9 @@ class CodedConfig:
 
     Attributes:
       redundancy: ``r``, workers per block, in ``[1, n]``.
-      value_range: quantization range ``[-value_range, value_range]`` (> 0).
+      value_range: quantization range ``[-value_range, value_range]``, at
+        least ``(2^(bits-1) - 1) * 2^-126`` (about 2.5e-29 for 32 bits: the
+        float32 step must be a normal number) and at most float32's max.
       bits: integer width on the wire, 8, 16 or 32 (the paper: 32).
       rounding: ``"nearest"`` (the paper) or ``"stochastic"`` (unbiased).
       exchange: ``"coded"`` (multicast packets) or ``"uncoded"`` (whole
@@ -486,8 +546,8 @@ class CodedConfig:
 
     def __post_init__(self):
         V.check_int("redundancy", self.redundancy, 1)
-        V.check_real("value_range", self.value_range, 0, low_open=True)
         V.check_choice("bits", self.bits, BITS)
+        _check_value_range(self.value_range, self.bits)
         V.check_choice("rounding", self.rounding, ROUNDINGS)
         V.check_choice("exchange", self.exchange, EXCHANGES)
 
@@ -580,6 +640,13 @@ def _byte_counts(plan: _Plan, size: int, cfg: CodedConfig, axis_name):
     return sent, received
 
 
+def _check_config(cfg) -> None:
+    if not isinstance(cfg, CodedConfig):
+        raise ValueError(
+            f"cfg must be a jaxcomp.cssgd.CodedConfig (e.g. CodedConfig(redundancy=2)), got {cfg!r}"
+        )
+
+
 def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blocks=False):
     """The mean of all blocks' gradients, exchanged by coded multicast (inside ``shard_map``).
 
@@ -614,6 +681,7 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
       >>> f(jnp.array([[0.5, -1.0]])).tolist()  # one worker, one block: its gradient
       [0.5, -1.0]
     """
+    _check_config(cfg)
     n = collectives.axis_size(axis_name)
     if cfg.redundancy > n:
         raise ValueError(
@@ -645,7 +713,14 @@ def coded_mean(block_grads, cfg: CodedConfig, axis_name, key=None, *, return_blo
     else:
         q, clipped, nonfinite = quantize(flat, cfg.value_range, cfg.bits)
     received = _exchange_blocks(q, plan, cfg.exchange, axis_name)
-    total = _exact_sum(q, received) / jnp.float32(_scale(cfg.value_range, cfg.bits) * plan.blocks)
+    total = _exact_sum(q, received)
+    denom = _scale(cfg.value_range, cfg.bits) * plan.blocks
+    if denom <= float(np.finfo(np.float32).max):
+        total = total / jnp.float32(denom)
+    else:  # a small value_range times many blocks: inf in float32, so in two steps
+        # (the barrier keeps XLA from folding (a / b) / c back into a / (b * c)).
+        total = lax.optimization_barrier(total / jnp.float32(_scale(cfg.value_range, cfg.bits)))
+        total = total / jnp.float32(plan.blocks)
     # A NaN or Inf anywhere makes the step's gradient NaN, as plain SGD's would be.
     any_nonfinite = lax.psum(nonfinite, axis_name) > 0
     total = jnp.where(any_nonfinite, jnp.nan, total)
@@ -773,7 +848,10 @@ def make_train_step(
     Returns:
       ``step(params, opt_state, blocks) -> (params, opt_state, metrics)``
       with ``opt_state`` from :func:`init_opt_state`, ``blocks`` from
-      :func:`shard_block_batch`, and ``metrics``: ``loss`` (mean over all
+      :func:`shard_block_batch` with this ``cfg.redundancy`` (blocks it or
+      :func:`block_batch` made for another ``n`` or ``r`` raise a
+      ``ValueError``; the shapes cannot tell ``r`` from ``n - r + 1``, and
+      blocks made otherwise are not checked), and ``metrics``: ``loss`` (mean over all
       blocks), ``wire_bytes`` and ``received_bytes`` (per device, mean over
       devices), ``clipped`` and ``nonfinite`` (this step, summed over devices).
 
@@ -794,6 +872,7 @@ def make_train_step(
     """
     from jaxcomp import distributed  # noqa: PLC0415
 
+    _check_config(cfg)
     n = mesh.shape[axis_name]
     if cfg.redundancy > n:
         raise ValueError(
@@ -838,4 +917,15 @@ def make_train_step(
         # same program) but typed varying after the all-gather.
         check_vma=False,
     )
-    return jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
+    jitted = jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
+
+    def train_step(params, opt_state, blocks):
+        _check_layout(blocks, n, cfg.redundancy)
+        return jitted(params, opt_state, blocks)
+
+    def lower(params, opt_state, blocks):
+        _check_layout(blocks, n, cfg.redundancy)
+        return jitted.lower(params, opt_state, blocks)
+
+    train_step.lower = lower
+    return train_step

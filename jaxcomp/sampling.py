@@ -273,7 +273,7 @@ def epoch_indices(
       >>> bool(np.array_equal(a, global_shuffle(10, 4, 2, seed=1, epoch=3)))
       True
     """
-    if mode not in _PLANS:
+    if not isinstance(mode, str) or mode not in _PLANS:
         raise ValueError(f"mode must be one of {', '.join(SAMPLE_MODES)}, got {mode!r}")
     return _PLANS[mode](num_examples, batch_size, num_devices, seed=seed, epoch=epoch)
 

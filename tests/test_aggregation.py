@@ -140,6 +140,53 @@ def test_weighted_exchange_fixed_weights_and_errors(mesh):
         _exchange(agg.weighted_exchange("data"), mesh, g)
 
 
+def test_weighted_exchange_under_x64_weights_in_float64(mesh):
+    """float64 gradients: the normalised weights were float32 (~3e-8 relative error)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(4)
+        g = {"w": rng.standard_normal((N, 3)), "b": np.broadcast_to(np.pi, (N, 2)).copy()}
+        weights = np.array([1.0, 3.0, 0.0, 7.0, 1.0, 1.0, 2.0, 5.0])
+        updates, wire = _exchange(agg.weighted_exchange("data"), mesh, g, weight=weights)
+        for name in g:
+            assert updates[name].dtype == np.float64
+            np.testing.assert_allclose(
+                updates[name][0], _weighted_ref(g[name], weights), rtol=1e-14
+            )
+        np.testing.assert_allclose(wire, _allreduce(5 * 8) + _allreduce(16))
+        fixed = agg.weighted_exchange("data", weights=[1.0, 1.0, 1.0] + [0.0] * (N - 3))
+        updates, _ = _exchange(fixed, mesh, g)
+        np.testing.assert_allclose(updates["b"][0], g["b"][0], rtol=1e-15)
+        scaled, _ = _exchange(agg.scale_by_weight("data"), mesh, g, weight=weights)
+        np.testing.assert_allclose(scaled["w"].mean(0), _weighted_ref(g["w"], weights), rtol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [[1e-40, 1e-40], [3e38, 3e38], [1e-50], [1e308, 1e308, 1e308], [1e-40, 1.0]],
+    ids=["f32_subnormal", "f32_sum_overflows", "f32_zero", "f64_sum_overflows", "mixed"],
+)
+def test_fixed_weights_that_underflow_or_overflow_float32(mesh, weights):
+    """Finite weights > 0 whose float32 value is 0 (or sum inf) gave a zero update."""
+    w = np.zeros(N)
+    w[: len(weights)] = weights
+    g = _grads(5)
+    ref = _weighted_ref(g["w"], w / w.max())  # numpy float64, scaled first
+    updates, _ = _exchange(agg.weighted_exchange("data", weights=w.tolist()), mesh, g)
+    np.testing.assert_allclose(updates["w"][0], ref, rtol=1e-5, atol=1e-6)
+    # scale_by_weight: the mean over the devices of N w_i / W g_i.
+    scaled, _ = _exchange(agg.scale_by_weight("data", weights=w.tolist()), mesh, g)
+    np.testing.assert_allclose(scaled["w"].mean(0), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_per_step_weights_whose_float32_sum_overflows(mesh):
+    g = _grads(6)
+    weights = np.full(N, 3e38, np.float32)
+    weights[::2] = 1e38
+    updates, _ = _exchange(agg.weighted_exchange("data"), mesh, g, weight=weights)
+    ref = _weighted_ref(g["w"], weights.astype(np.float64) / 1e38)
+    np.testing.assert_allclose(updates["w"][0], ref, rtol=1e-5, atol=1e-6)
+
+
 def _masked_lsq(w, b):
     # Each device's mean loss over its valid rows (the mask), 0 for an empty shard.
     err = b["x"] @ w - b["y"]
@@ -405,6 +452,92 @@ def test_gossip_compressor_in_the_decentralized_step(mesh):
     np.testing.assert_allclose(float(metrics["wire_bytes"]), 2 * 6 * 8 + 2 * dim * 4)
 
 
+_GOSSIP_TOP_K = lambda: optax.chain(  # noqa: E731
+    jaxcomp.top_k(0.5, axis_name="data", exchange="gossip"), optax.sgd(0.1)
+)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda: optax.apply_if_finite(_GOSSIP_TOP_K(), 3),
+        lambda: jaxcomp.apply_if_finite(_GOSSIP_TOP_K(), 3),
+        lambda: optax.apply_if_finite(optax.chain(agg.gossip_exchange("data"), optax.sgd(0.1)), 3),
+    ],
+    ids=["optax", "jaxcomp_no_axis", "optax_dense_gossip"],
+)
+def test_gossip_step_rejects_a_per_device_skip_around_the_exchange(mesh, wrap):
+    """A NaN on one device would skip its exchange while the neighbours wait (a hang)."""
+    tx = wrap()
+    reps = agg.stack_replicas(jnp.zeros(4), mesh)
+    state = agg.init_replica_opt_state(tx, reps, mesh)
+    step = agg.make_gossip_train_step(_lsq, tx, mesh, mix_params=False)
+    batch = dist.shard_batch({"x": np.ones((N, 4), np.float32), "y": np.ones(N, np.float32)}, mesh)
+    with pytest.raises(ValueError, match=r"jaxcomp.apply_if_finite\(.*axis_name='data'"):
+        step(reps, state, batch)
+
+
+def test_gossip_step_apply_if_finite_with_axis_skips_on_every_device(mesh):
+    dim = 4
+    x, y, w0 = _lsq_problem(70, dim, 2)
+    tx = jaxcomp.apply_if_finite(_GOSSIP_TOP_K(), 3, axis_name="data")
+    reps = agg.stack_replicas(w0, mesh, per_device=True)
+    state = agg.init_replica_opt_state(tx, reps, mesh)
+    step = agg.make_gossip_train_step(_lsq, tx, mesh, mix_params=False, donate=False)
+    x_nan = x.copy()
+    x_nan[3, 0, 0] = np.nan  # device 3 only
+    flat = lambda x: dist.shard_batch({"x": x.reshape(-1, dim), "y": y.reshape(-1)}, mesh)  # noqa: E731
+    reps, state, _ = step(reps, state, flat(x_nan))
+    np.testing.assert_array_equal(np.asarray(reps), w0)  # skipped everywhere
+    assert np.asarray(state.total_notfinite).tolist() == [1] * N
+    # Then a finite step trains as the unwrapped chain does (numpy: top-2 of 4, ring mix).
+    reps, state, _ = step(reps, state, flat(x))
+    g = _lsq_grad(w0.astype(np.float64), x, y)
+    sent = np.stack([np.where(topk_set(g[i], 2), g[i], 0) for i in range(N)])
+    np.testing.assert_allclose(np.asarray(reps), w0 - 0.1 * _ring_mix(sent), rtol=1e-5, atol=1e-6)
+
+
+def test_gossip_step_wire_bytes_under_multisteps(mesh):
+    """Mini-steps that do not run the inner exchange send nothing (not its last count)."""
+    dim = 32
+    x, y, w0 = _lsq_problem(80, dim, 2)
+    batch = dist.shard_batch({"x": x.reshape(-1, dim), "y": y.reshape(-1)}, mesh)
+
+    def run(tx, steps):
+        reps = agg.stack_replicas(w0, mesh, per_device=True)
+        state = agg.init_replica_opt_state(tx, reps, mesh)
+        step = agg.make_gossip_train_step(_lsq, tx, mesh, mix_params=False)
+        wires = []
+        for _ in range(steps):
+            reps, state, metrics = step(reps, state, batch)
+            wires.append(float(metrics["wire_bytes"]))
+        return wires
+
+    (sent,) = run(_GOSSIP_TOP_K(), 1)  # one exchange's bytes (checked against numpy above)
+    assert sent > 0
+    assert run(optax.MultiSteps(_GOSSIP_TOP_K(), 2), 4) == [0.0, sent, 0.0, sent]
+
+
+def test_gossip_weights_near_1_are_renormalised_no_drift(mesh):
+    """Weights summing to 1.00001 (accepted by isclose) were used as given: replicas drifted."""
+    w = (0.5, 0.25, 0.25001)
+    got = agg.collectives.check_gossip_weights(w)
+    np.testing.assert_allclose(got, np.asarray(w) / np.sum(w), rtol=1e-15)
+    assert np.sum(got) == 1.0
+    tx = optax.sgd(0.0)
+    step = agg.make_gossip_train_step(
+        lambda p, b: jnp.sum(p * 0.0) + jnp.mean(b), tx, mesh, weights=w
+    )
+    start = np.array([1.0, 3.0], np.float32)
+    reps = agg.stack_replicas(start, mesh)
+    state = agg.init_replica_opt_state(tx, reps, mesh)
+    batch = dist.shard_batch(np.zeros(N, np.float32), mesh)
+    for _ in range(300):  # as given: 1.00001^300 - 1 = 3e-3 off
+        reps, state, _ = step(reps, state, batch)
+        jax.block_until_ready(reps)  # one collective step in flight (NOTES-jax-cpu.md)
+    np.testing.assert_allclose(np.asarray(reps), np.broadcast_to(start, (N, 2)), rtol=1e-6)
+
+
 def test_bad_gossip_arguments(mesh):
     with pytest.raises(ValueError, match="weights"):
         agg.make_gossip_train_step(_lsq, optax.sgd(0.1), mesh, weights=(0.5, 0.5, 0.5))
@@ -465,6 +598,43 @@ def test_combiners_match_numpy_with_ties():
         agg.ensemble_predict(logits, "median")
     with pytest.raises(ValueError, match="shape"):
         agg.majority_vote(np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_average_predictions_of_half_precision_logits_in_float32(dtype):
+    """Close classes: bf16/f16 probabilities rounded them together (ties to the lowest)."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(5, 2000, 10)) * 0.3, dtype)
+    ref = _np_softmax(np.asarray(logits, np.float64)).mean(0)
+    probs = agg.average_predictions(logits)
+    assert probs.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(probs), ref, rtol=1e-5, atol=1e-7)
+    got = np.asarray(agg.ensemble_predict(logits, "average"))
+    top2 = np.sort(ref, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1e-5  # not a float32-level tie
+    np.testing.assert_array_equal(got[clear], np.argmax(ref, -1)[clear])
+
+
+def test_empty_inputs_in_member_logits_and_evaluate_ensemble():
+    """batch_size=None with empty x raised 'range() arg 3 must not be zero'."""
+    apply = lambda w, x: x @ w  # noqa: E731
+    members = [jnp.eye(2), 2 * jnp.eye(2), jnp.eye(2)]
+    empty = np.zeros((0, 2), np.float32)
+    for bs in (None, 4):
+        out = agg.member_logits(apply, members, empty, batch_size=bs)
+        assert out.shape == (3, 0, 2)
+        with pytest.raises(ValueError, match="x is empty"):
+            agg.evaluate_ensemble(apply, members, empty, np.zeros(0, int), batch_size=bs)
+
+
+def test_disjoint_shards_and_member_batches_bad_arguments():
+    x, y = np.zeros((10, 2)), np.zeros(9)
+    with pytest.raises(ValueError, match="x and y must have the same number"):
+        next(agg.member_batches(x, y, 2, 2))  # silently dealt by len(y) before
+    with pytest.raises(ValueError, match="seed"):
+        agg.disjoint_shards(10, 2, seed=1.5)  # a numpy TypeError before
+    with pytest.raises(ValueError, match="epoch"):
+        next(agg.member_batches(x, x, 2, 2, epoch=-1))
 
 
 def test_ensemble_step_rejects_a_communicating_tx(mesh):

@@ -96,6 +96,26 @@ def test_stochastic_rounding_is_unbiased():
     assert abs(share - 0.1) < 5 * np.sqrt(0.1 * 0.9 / x.size)
 
 
+@pytest.mark.parametrize("bits", [8, 32])
+def test_value_range_whose_float32_scale_is_not_finite_rejected(bits):
+    """Below (2^(bits-1) - 1) 2^-126 every value decoded to 0 with clipped = 0."""
+    low = (2 ** (bits - 1) - 1) * float(np.finfo(np.float32).tiny)
+    for bad in (low / 2, 1e-40, 1e39):
+        with pytest.raises(ValueError, match="value_range must be in"):
+            cssgd.CodedConfig(redundancy=1, value_range=bad, bits=bits)
+        with pytest.raises(ValueError, match="value_range"):
+            cssgd.quantize(jnp.zeros(2), bad, bits)
+    # The smallest allowed range decodes to numpy's mean (4 devices, r = 2: its
+    # scale times C(4, 2) = 6 blocks is past float32's max).
+    vr = low * 1.01
+    rng = np.random.default_rng(bits)
+    all_blocks = (rng.uniform(-1, 1, size=(math.comb(4, 2), 5)) * vr).astype(np.float32)
+    mean, _, stats = _exchange(4, 2, all_blocks, value_range=vr, bits=bits)
+    step = vr / (2 ** (bits - 1) - 1)
+    np.testing.assert_allclose(mean[0], all_blocks.astype(np.float64).mean(0), rtol=1e-6, atol=step)
+    assert np.abs(mean[0]).max() > 0.1 * vr and stats.clipped.tolist() == [0] * 4
+
+
 # ---------------------------------------------------------------------------
 # The exchange.
 # ---------------------------------------------------------------------------
@@ -338,6 +358,39 @@ def test_train_step_rejects_redundancy_above_the_mesh():
     loss, _, _ = _problem(12)
     with pytest.raises(ValueError, match="redundancy"):
         cssgd.make_train_step(loss, optax.sgd(0.1), _mesh(2), cssgd.CodedConfig(redundancy=3))
+
+
+def test_train_step_rejects_blocks_laid_out_for_another_redundancy():
+    """r=2 and r=3 layouts on 4 devices both hold C(3, 1) = C(3, 2) = 3 blocks per worker."""
+    loss, batch, params0 = _problem(12)
+    mesh = _mesh(4)
+    tx = optax.sgd(0.1)
+    params = dist.replicate(params0, mesh)
+    state = cssgd.init_opt_state(tx, params, mesh)
+    for r_layout, r_step in ((2, 3), (3, 2)):
+        cfg = cssgd.CodedConfig(redundancy=r_step)
+        step = cssgd.make_train_step(loss, tx, mesh, cfg, donate=False)
+        for blocks in (
+            cssgd.shard_block_batch(batch, mesh, r_layout),
+            cssgd.block_batch(batch, 4, r_layout),
+        ):
+            with pytest.raises(ValueError, match=rf"redundancy r={r_layout}.*redundancy={r_step}"):
+                step(params, state, blocks)
+            with pytest.raises(ValueError, match="shard_block_batch"):
+                step.lower(params, state, blocks)
+        # Its own layout trains: the update is -0.1 x the whole batch's gradient.
+        new, _, _ = step(params, state, cssgd.shard_block_batch(batch, mesh, r_step))
+        want = jax.grad(loss)(params0, batch)
+        np.testing.assert_allclose(new["w"], -0.1 * want["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_cfg_that_is_not_a_coded_config_rejected():
+    """cfg=2 raised AttributeError: 'int' object has no attribute 'redundancy'."""
+    loss, _, _ = _problem(12)
+    with pytest.raises(ValueError, match="cfg must be a jaxcomp.cssgd.CodedConfig"):
+        cssgd.make_train_step(loss, optax.sgd(0.1), _mesh(2), 2)
+    with pytest.raises(ValueError, match="cfg must be"):
+        _trace_coded_mean({"redundancy": 2}, (1, 3, 2))
 
 
 def test_stochastic_training_keeps_devices_identical():

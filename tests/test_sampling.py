@@ -147,6 +147,7 @@ def test_epoch_batches_put_each_devices_draws_in_its_rows():
         (lambda: sampling.global_shuffle(10, 4.0, 2, seed=0, epoch=0), "batch_size"),
         (lambda: sampling.local_shards(3, 4, seed=0), r"num_devices must be in \[1, num_ex"),
         (lambda: sampling.epoch_indices("feature", 10, 4, 2, seed=0, epoch=0), "mode"),
+        (lambda: sampling.epoch_indices(["global"], 10, 4, 2, seed=0, epoch=0), "mode must be"),
         (lambda: sampling.feature_slices(3, 4), r"num_devices must be in \[1, num_features=3"),
         (lambda: sampling.feature_slices(0, 1), "num_features"),
         (lambda: sampling.feature_slices(4, True), "num_devices"),

@@ -661,8 +661,10 @@ class DecentralizedExchangeError(_vma.ProbeError):
 def check_gossip_weights(weights: Sequence[float]) -> tuple[float, float, float]:
     """Validates ring mixing weights: 3 non-negative numbers summing to 1.
 
+    A sum within ``np.isclose`` of 1 is accepted and renormalised (in float64).
+
     Returns:
-      ``(w_self, w_left, w_right)`` as Python floats.
+      ``(w_self, w_left, w_right)`` as Python floats, summing to 1.
 
     Raises:
       ValueError: anything else, naming ``weights``.
@@ -682,7 +684,9 @@ def check_gossip_weights(weights: Sequence[float]) -> tuple[float, float, float]
         raise bad from None
     if w.shape != (3,) or not np.isclose(w.sum(), 1.0):
         raise bad
-    return tuple(float(v) for v in w)
+    # Renormalised: weights kept as given (sum 1 + 1e-5, accepted by isclose)
+    # made replicas that agree drift by that factor every step.
+    return tuple(float(v) for v in w / w.sum())
 
 
 def ring_neighbours(x, axis_name):
