@@ -259,3 +259,13 @@ def test_experiment_writes_json_and_png(tmp_path, capsys):
         assert (row["compress"], row["exchange"]) == (d.compress, d.exchange)
     # The inconsistency bound printed beside the claims: 9 / (12.5 - 5.41) - 1.
     assert exp.implied_overhead(5.41, 1.25) == pytest.approx(9 / 7.09 - 1)
+
+
+def test_message_k_is_the_sparsifiers_k():
+    # 0.07 * 100 = 7.000000000000001 in floating point: the sparsifiers send
+    # target_count = 7 pairs, and so does the model.
+    from jaxcomp.selection.selectors import target_count
+
+    assert target_count(0.07, 100) == 7 == math.ceil(7.0)
+    method = sc.ldte_bs(0.07, message="pairs")
+    assert sc.sparse_message_bytes(method, sc.Workload(1.0, 100)) == 7 * (4 + 4)

@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import (
     DATA,
@@ -19,6 +20,7 @@ from helpers import (
     topk_set,
 )
 
+import jaxcomp
 from jaxcomp import selection as sel
 
 SEEDS = (0, 1, 2)
@@ -627,3 +629,41 @@ def test_ldte_bs_hint_above_max_is_dropped(search):
         assert float(s.threshold) == float(plain.threshold)
         assert int(s.iterations) == int(plain.iterations)
         assert k <= int(s.count) == count_above(x, s.threshold) <= 1.5 * k
+
+
+# ---------------------------------------------------------------------------
+# target_count, trimmed_top_k's step, dgc's injected decay under x64.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ratio, n",
+    [(0.07, 100), (0.3, 10), (1e-3, 1000), (1e-3, 10_000_001), (1e-3, 1 << 22), (0.5, 7)],
+)
+def test_target_count_is_ceil_of_the_exact_product(ratio, n):
+    from fractions import Fraction
+
+    # The decimal ratio the user wrote, times n, exactly: ceil of that.
+    exact = Fraction(repr(ratio)) * n
+    assert sel.target_count(ratio, n) == min(n, max(1, math.ceil(exact)))
+
+
+def test_trimmed_top_k_rejects_a_step_of_millions_of_passes():
+    with pytest.raises(ValueError, match="step must be >"):
+        jaxcomp.trimmed_top_k(0.01, step=1e-10)
+    with pytest.raises(ValueError, match="step must be >"):
+        sel.trimmed_top_k(jnp.ones(8), 2, step=1e-7)
+    # The bound itself: 1023 rounds are allowed.
+    assert jaxcomp.selection.selectors.trim_rounds(0.8, 0.8 / 1023) == 1024
+
+
+def test_dgc_with_injected_hyperparameters_under_x64():
+    # optax.inject_hyperparams stores decay (and momentum) as float64 with
+    # float64 parameters: the while loop's float32 threshold carry must stay float32.
+    with jax.enable_x64(True):
+        g = {"w": jnp.asarray(np.random.default_rng(0).laplace(size=500))}
+        tx = optax.inject_hyperparams(jaxcomp.dgc, static_args=("ratio",))(ratio=0.01, momentum=0.9)
+        plain = jaxcomp.dgc(0.01, momentum=0.9)
+        u, _ = jax.jit(tx.update)(g, tx.init(g))
+        ref, _ = jax.jit(plain.update)(g, plain.init(g))
+        np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(ref["w"]))

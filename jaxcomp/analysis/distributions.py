@@ -216,6 +216,11 @@ def _fit_distances(padded, n):
     # W1 is shift-invariant: centring on the median keeps float32 digits for
     # tensors whose spread is small next to their offset.
     xs = xs - xs[n // 2]
+    # W1 scales with the data: fitted on xs / max|xs|, the variance neither
+    # underflows (|x| ~ 1e-20 in float32: a point mass) nor overflows (~1e20).
+    top = jnp.max(jnp.where(real, jnp.abs(xs), 0.0))
+    scale = jnp.where(finite & (top > 0), top, 1.0).astype(xs.dtype)
+    xs = xs / scale
     nf = n.astype(xs.dtype)
     mu = jnp.sum(jnp.where(real, xs, 0.0)) / nf
     # Two-pass: no E[x^2] - mu^2 cancellation.
@@ -225,7 +230,7 @@ def _fit_distances(padded, n):
         "laplace": _w1(xs, n, mu, sigma / math.sqrt(2.0), "laplace"),
         "gaussian": _w1(xs, n, mu, sigma, "gaussian"),
     }
-    return {k: jnp.where(finite, v, jnp.nan) for k, v in out.items()}
+    return {k: jnp.where(finite, v * scale, jnp.nan) for k, v in out.items()}
 
 
 def tree_fit_distances(tree, *, min_size: int = 1000) -> tuple[dict, dict]:

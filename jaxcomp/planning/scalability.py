@@ -74,6 +74,7 @@ from typing import NamedTuple
 
 from jaxcomp import _validation as V
 from jaxcomp.comm.collectives import server_link_bytes
+from jaxcomp.selection.selectors import target_count
 
 __all__ = [
     "ALGORITHMS",
@@ -433,7 +434,7 @@ def sparse_message_bytes(method: Method, workload: Workload) -> float:
         raise ValueError(f"method {method.name!r} is dense: it sends no sparse message")
     total = 0.0
     for n in workload.buckets:
-        k = min(n, math.ceil(method.fill * max(1, math.ceil(method.ratio * n))))
+        k = min(n, math.ceil(method.fill * target_count(method.ratio, n)))
         if method.message == "rle":
             total += rle_message_bytes(k, n)
         else:
@@ -785,7 +786,7 @@ def compression_pays(
     if (capacity is None) == (ratio is None):
         raise ValueError("give exactly one of capacity and ratio")
     if capacity is None:
-        capacity = math.ceil(V.check_ratio("ratio", ratio) * size)
+        capacity = target_count(V.check_ratio("ratio", ratio), size)
     capacity = V.check_int("capacity", capacity, 1, size)
     itemsize = V.check_int("itemsize", itemsize, 1)
     index_itemsize = V.check_int("index_itemsize", index_itemsize, 1)

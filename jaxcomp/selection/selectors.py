@@ -84,8 +84,11 @@ def target_count(ratio: float, n: int) -> int:
     """
     if n == 0:
         return 0
-    # The epsilon keeps 1e-3 * 1000 from rounding up to 2.
-    return min(n, max(1, math.ceil(ratio * n - 1e-9 * n)))
+    # ratio * n carries a rounding of a few ulps (0.07 * 100 = 7.000000000000001):
+    # a relative epsilon keeps that from counting as one element more, and an
+    # epsilon relative to n would swallow a real fraction (1e-3 * 10_000_001).
+    x = ratio * n
+    return min(n, max(1, math.ceil(x - 1e-12 * x)))
 
 
 def _abs32(x: jax.Array) -> jax.Array:
@@ -823,7 +826,9 @@ def dgc_sample(
 
     def body(s):
         t, _, it = s
-        t = t * decay
+        # An injected decay is float64 under x64 (optax.inject_hyperparams
+        # stores hyperparameters in the parameters' dtype): the carry stays float32.
+        t = (t * decay).astype(t.dtype)
         return t, _count(x, t), it + 1
 
     t, c, it = lax.while_loop(cond, body, varying_like((t, c, jnp.int32(0)), x))
@@ -835,6 +840,23 @@ def dgc_sample(
 
     t, c, it = lax.cond(c > hi, refine, lambda _: (t, c, it), None)
     return _selection(t, c, it)
+
+
+# trimmed_top_k's most counting passes (each reads the whole tensor).
+MAX_TRIM_ROUNDS = 1024
+
+
+def trim_rounds(start: float, step: float) -> int:
+    """The thresholds ``r = start, start - step, ..., >= 0`` of :func:`trimmed_top_k`, checked."""
+    start = V.check_real("start", start, 0.0, 1.0)
+    step = V.check_real("step", step, 0.0, low_open=True)
+    if start / step >= MAX_TRIM_ROUNDS:
+        raise ValueError(
+            f"step must be > start / {MAX_TRIM_ROUNDS} = {start / MAX_TRIM_ROUNDS:.3g} (each "
+            f"value of r is a counting pass over the tensor), got step={step!r} with "
+            f"start={start!r}"
+        )
+    return math.floor(start / step + 1e-9) + 1
 
 
 def trimmed_top_k(x: jax.Array, k: int, *, start: float = 0.8, step: float = 0.2) -> Selection:
@@ -852,11 +874,9 @@ def trimmed_top_k(x: jax.Array, k: int, *, start: float = 0.8, step: float = 0.2
       >>> int(sel.count), int(sel.iterations), x[jnp.abs(x) > sel.threshold].tolist()
       (3, 4, [-4.0, 3.0, 6.0])
     """
-    start = V.check_real("start", start, 0.0, 1.0)
-    step = V.check_real("step", step, 0.0, low_open=True)
+    rounds = trim_rounds(start, step)
     mean = jnp.mean(_abs32(x))
     amax = jnp.max(_abs32(x))
-    rounds = math.floor(start / step + 1e-9) + 1  # r = start, start - step, ..., >= 0
 
     def cond(s):
         _, c, it = s

@@ -37,7 +37,7 @@ import jax
 import optax
 
 from jaxcomp import _validation as V
-from jaxcomp.selection.selectors import DEFAULT_MOMENT_SAMPLE
+from jaxcomp.selection.selectors import DEFAULT_MOMENT_SAMPLE, trim_rounds
 from jaxcomp.transforms.sparsify import sparsify
 
 __all__ = [
@@ -432,10 +432,8 @@ def trimmed_top_k(
       >>> u["w"].tolist()  # exactly the 2 largest
       [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0, 9.0]
     """
-    opts = dict(
-        start=V.check_real("start", 0.8 if start is None else start, 0.0, 1.0),
-        step=V.check_real("step", 0.2 if step is None else step, 0.0, low_open=True),
-    )
+    opts = dict(start=0.8 if start is None else start, step=0.2 if step is None else step)
+    trim_rounds(**opts)  # checked here, not at the first update
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
