@@ -454,7 +454,7 @@ def onebit_adam(
     bucket_size: int | None = None,
     exchange: str = "allgather",
     bias_correction: bool = True,
-    min_dense_size: int = 0,
+    min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
@@ -511,7 +511,7 @@ def onebit_adam(
         docstring).
       bias_correction: Adam's bias correction (see above).
       min_dense_size: leaves with at most this many elements are sent dense
-        after the freeze too.
+        after the freeze too (None: 0).
       residual_dtype: dtype of ``mu``, ``nu`` and the residual (None: float32,
         or wider parameters' dtype).
       nonfinite: ``"skip"``: a device whose gradients hold NaN/Inf sends
@@ -549,7 +549,9 @@ def onebit_adam(
     freeze_step = V.check_int("freeze_step", freeze_step, 1, 2**31 - 1)
     quantizer = _codec(codec, bucket_size, exchange)
     bias_correction = V.check_bool("bias_correction", bias_correction)
-    min_dense_size = V.check_int("min_dense_size", min_dense_size, 0)
+    min_dense_size = V.check_int(
+        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
+    )
     nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
     if residual_dtype is not None:
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
@@ -681,15 +683,15 @@ def zero_one_adam(
     eps: float = 1e-8,
     *,
     var_freeze_step: int,
-    var_update_scaler: int = 16,
-    local_step_scaler: int = 32678,
-    local_step_clipper: int = 16,
+    var_update_scaler: int | None = None,
+    local_step_scaler: int | None = None,
+    local_step_clipper: int | None = None,
     axis_name: Any = None,
     codec: str = "sign",
     bucket_size: int | None = None,
     exchange: str = "allgather",
     bias_correction: bool = True,
-    min_dense_size: int = 0,
+    min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
@@ -758,10 +760,11 @@ def zero_one_adam(
       eps: ``> 0``, added to ``sqrt(v_hat)``.
       var_freeze_step: ``>= 1``, the last step that may update ``v``
         (DeepSpeed: "usually the end of the learning rate warmup").
-      var_update_scaler: ``>= 1``, variance updates per interval doubling.
+      var_update_scaler: ``>= 1``, variance updates per interval doubling
+        (None: 16).
       local_step_scaler: ``>= 1``, stage-2 steps per local-interval doubling
-        (DeepSpeed's default 32678).
-      local_step_clipper: ``>= 1``, the largest local interval.
+        (None: DeepSpeed's default 32678).
+      local_step_clipper: ``>= 1``, the largest local interval (None: 16).
       axis_name, codec, bucket_size, exchange, bias_correction,
         min_dense_size, residual_dtype: as in :func:`onebit_adam`.
       nonfinite: as in :func:`onebit_adam`, for the steps that communicate; on
@@ -795,12 +798,21 @@ def zero_one_adam(
     # var_freeze_step 0 would start stage 2 with no variance update (v = 0: NaN
     # through the bias correction 1 - b2^0, or no step without it).
     var_freeze_step = V.check_int("var_freeze_step", var_freeze_step, 1, 2**31 - 2)
-    var_update_scaler = V.check_int("var_update_scaler", var_update_scaler, 1, 2**31 - 1)
-    local_step_scaler = V.check_int("local_step_scaler", local_step_scaler, 1, 2**31 - 1)
-    local_step_clipper = V.check_int("local_step_clipper", local_step_clipper, 1, 2**30)
+    # None (the defaults, 16, 32678, 16): optax.inject_hyperparams leaves them alone.
+    var_update_scaler = V.check_int(
+        "var_update_scaler", 16 if var_update_scaler is None else var_update_scaler, 1, 2**31 - 1
+    )
+    local_step_scaler = V.check_int(
+        "local_step_scaler", 32678 if local_step_scaler is None else local_step_scaler, 1, 2**31 - 1
+    )
+    local_step_clipper = V.check_int(
+        "local_step_clipper", 16 if local_step_clipper is None else local_step_clipper, 1, 2**30
+    )
     quantizer = _codec(codec, bucket_size, exchange)
     bias_correction = V.check_bool("bias_correction", bias_correction)
-    min_dense_size = V.check_int("min_dense_size", min_dense_size, 0)
+    min_dense_size = V.check_int(
+        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
+    )
     nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
     if residual_dtype is not None:
         residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
