@@ -1093,7 +1093,9 @@ def _unexchanged_paths(
     return found
 
 
-def _check_averaged_stay_identical(tx, params, mesh, axis_name, update_args, layout, paths):
+def _check_averaged_stay_identical(
+    tx, params, mesh, axis_name, update_args, layout, paths, who="make_train_step"
+):
     """Raises if ``tx`` makes a leaf the step averages itself differ between devices.
 
     The step averages the gradients at ``paths`` before ``tx``; a transform
@@ -1105,7 +1107,7 @@ def _check_averaged_stay_identical(tx, params, mesh, axis_name, update_args, lay
     diverging = _unexchanged_paths(tx, params, mesh, axis_name, update_args, layout, averaged=paths)
     if diverging:
         raise ValueError(
-            "make_train_step: tx does not average these update leaves, and it makes them "
+            f"{who}: tx does not average these update leaves, and it makes them "
             "differ between devices even after the step averages their gradients before tx: "
             f"{', '.join(jax.tree_util.keystr(p) for p in diverging)}; the replicated "
             "parameters would diverge. A transform before the exchange reads per-device values "
@@ -1294,6 +1296,12 @@ def make_train_step(
             full, gather_wire = _gather_fsdp(params, layout, axis_name)
             loss, grads = value_and_grad(full, batch, **kwargs)
             grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name, include)
+            if not layout.model_axes:
+                # optax.MultiSteps(should_skip_update_fn=optax.skip_not_finite)
+                # around an exchange: the probe looks through MultiSteps.
+                local_lib.check_no_local_branch_around_exchange(
+                    tx, grads, state, full, extra, axis_name, "make_train_step"
+                )
             updates, state = _sharded_update(tx, layout)(grads, state, full, **extra)
             updates = _own_slices(updates, params, layout, axis_name)
             dense_wire = dense_wire + gather_wire

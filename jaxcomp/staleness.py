@@ -73,6 +73,7 @@ from jaxcomp import _validation as V
 from jaxcomp._vma import _axis_names
 from jaxcomp.distributed import (
     _UNEXCHANGED,
+    _check_averaged_stay_identical,
     _check_stacked_state,
     _layout,
     _mean_leaves,
@@ -444,6 +445,10 @@ def make_stale_train_step(
                 "make_stale_train_step: tx does not average these update leaves over "
                 f"{axis_name!r}: {_names(paths)}. Give "
                 "every leaf an exchange or use unexchanged='mean'."
+            )
+        if paths:
+            _check_averaged_stay_identical(
+                tx, state.params, mesh, axis_name, {}, None, paths, "make_stale_train_step"
             )
 
         def body(params, opt_state, history, step, key, batch):

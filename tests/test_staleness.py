@@ -288,6 +288,25 @@ def test_state_stacked_for_another_device_count_is_refused(mesh, data):
         pstep(plain, batch2)
 
 
+def test_stale_step_rejects_a_tx_that_makes_averaged_leaves_device_dependent(mesh, data):
+    # b is averaged before tx, then clipped by each device's own global norm:
+    # the shard_map's out_specs=P() would return device 0's value silently.
+    tx = optax.chain(
+        optax.clip_by_global_norm(0.1),
+        optax.masked(jaxcomp.top_k(1.0, axis_name="data"), {"w": True, "b": False}),
+        optax.sgd(LR),
+    )
+
+    def loss(p, batch):
+        return jnp.mean((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2)
+
+    params = {"w": np.zeros(DIM, np.float32), "b": np.zeros((), np.float32)}
+    state = staleness.init_stale_state(tx, params, mesh, 0, seed=SEED)
+    step = staleness.make_stale_train_step(loss, tx, mesh, 0)
+    with pytest.raises(ValueError, match=r"make_stale_train_step: .*differ between devices"):
+        step(state, batch_on(mesh, data))
+
+
 def test_draw_delays_is_uniform_per_device_and_step():
     key = jax.random.key(0)
     draws = np.stack([np.asarray(staleness.draw_delays(key, t, N, 2)) for t in range(60)])

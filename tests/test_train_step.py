@@ -181,6 +181,17 @@ def test_averaged_leaves_made_device_dependent_by_tx_are_rejected(mesh, make_tx)
              dist.shard_batch(weight, mesh))  # fmt: skip
 
 
+def test_multisteps_skipping_per_device_around_an_exchange_is_rejected(mesh):
+    # optax.skip_not_finite decides per device: a NaN on one device would skip
+    # its exchange while the others wait in it (the step hangs, XLA aborts).
+    inner = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(LR))
+    tx = optax.MultiSteps(inner, 1, should_skip_update_fn=optax.skip_not_finite)
+    params = dist.replicate(init_params(), mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh)
+    with pytest.raises(ValueError, match=r"skip_not_finite\('data'\)"):
+        step(params, dist.init_opt_state(tx, params, mesh), dist.shard_batch(make_data(), mesh))
+
+
 def test_clip_after_the_exchange_keeps_params_replicated(mesh):
     # The same clip after the exchange sees the mean update on every device:
     # accepted, and equal to clipping the full-batch gradient.

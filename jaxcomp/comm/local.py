@@ -291,3 +291,90 @@ def without_communication(fn: Callable) -> Callable:
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return local
+
+
+# Collectives whose result is the same on every device along the axis they name.
+_UNIFORM_COLLECTIVES = frozenset(
+    {"psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant"}
+)
+
+
+def _names(value) -> set:
+    return set(value) if isinstance(value, tuple | list | frozenset | set) else {value}
+
+
+def _branch_taint(jaxpr, taint, axis_name) -> tuple[bool, list[bool]]:
+    """Device-dependence of ``jaxpr``'s outputs, and whether it branches on it around a collective.
+
+    ``taint[i]``: input ``i`` may differ between the devices along
+    ``axis_name``. Returns ``(bad, out_taint)``: ``bad`` when a ``cond`` (or a
+    ``while`` loop's condition) decided on such values wraps a collective,
+    where one device could leave the collective the others wait in.
+    """
+    tainted = {v for v, t in zip(jaxpr.invars, taint, strict=True) if t}
+    is_var = lambda v: not isinstance(v, jax.extend.core.Literal)  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [is_var(v) and v in tainted for v in eqn.invars]
+        name, params = eqn.primitive.name, eqn.params
+        subs = [getattr(j, "jaxpr", j) for j in _sub_jaxprs(eqn)]
+        bad, outs = False, None
+        if name == "cond":
+            branches = [b.jaxpr for b in params["branches"]]
+            bad = ins[0] and any(_communicates(b, {}) for b in branches)
+            results = [_branch_taint(b, ins[1:], axis_name) for b in branches]
+            bad = bad or any(r[0] for r in results)
+            outs = [ins[0] or any(t) for t in zip(*(r[1] for r in results), strict=True)]
+        elif name == "while":
+            nc, nb = params["cond_nconsts"], params["body_nconsts"]
+            cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
+            carry = ins[nc + nb :]
+            while True:  # the carries' taint to a fixed point
+                body_bad, new = _branch_taint(body, ins[nc : nc + nb] + carry, axis_name)
+                new = [a or b for a, b in zip(carry, new, strict=True)]
+                if new == carry:
+                    break
+                carry = new
+            cond_bad, (pred,) = _branch_taint(cond, ins[:nc] + carry, axis_name)
+            bad = body_bad or cond_bad or (pred and _communicates(body, {}))
+            outs = carry
+        elif len(subs) == 1 and len(subs[0].invars) == len(ins):
+            bad, outs = _branch_taint(subs[0], ins, axis_name)  # jit, custom_jvp, ...
+            outs = outs if len(outs) == len(eqn.outvars) else None
+        else:
+            bad = any(_branch_taint(j, [any(ins)] * len(j.invars), axis_name)[0] for j in subs)
+        if bad:
+            return True, []
+        if outs is None:
+            varies = any(ins) or name in ("axis_index", "ppermute")
+            if name in _UNIFORM_COLLECTIVES and _names(axis_name) <= _names(
+                params.get("axes", params.get("axis_name"))
+            ):
+                varies = False
+            outs = [varies] * len(eqn.outvars)
+        tainted.update(v for v, t in zip(eqn.outvars, outs, strict=True) if t)
+    return False, [is_var(v) and v in tainted for v in jaxpr.outvars]
+
+
+def check_no_local_branch_around_exchange(tx, grads, state, params, extra, axis_name, who):
+    """Raises if ``tx`` decides on this device's gradients whether to run a collective.
+
+    ``optax.apply_if_finite`` (or ``jaxcomp.apply_if_finite`` without
+    ``axis_name``) around an exchange sends a device with a NaN gradient down
+    the branch without it while its neighbours wait there: the step hangs
+    (XLA:CPU aborts the process). Only the gradients and extra arguments
+    count as device-dependent here: state counters (``optax.MultiSteps``'s
+    mini-step) are equal on every device.
+    """
+    closed = jax.make_jaxpr(lambda g, e: tx.update(g, state, params, **e))(grads, extra)
+    taint = [True] * len(closed.jaxpr.invars)
+    if _branch_taint(closed.jaxpr, taint, axis_name)[0]:
+        raise ValueError(
+            f"{who}: tx decides on this device's own gradients whether to run an exchange "
+            "(optax.apply_if_finite, jaxcomp.apply_if_finite without axis_name, or "
+            "optax.MultiSteps with should_skip_update_fn=optax.skip_not_finite around a "
+            "gossip or averaging exchange): a non-finite gradient on one device would skip "
+            "its exchange while its neighbours wait in it (the step hangs; XLA:CPU aborts). "
+            f"Use jaxcomp.apply_if_finite(tx, max_consecutive_errors, axis_name={axis_name!r}) "
+            f"or jaxcomp.distributed.skip_not_finite({axis_name!r}), which decide on all "
+            "devices together."
+        )
