@@ -169,13 +169,18 @@ def _normalized_weight(w, axis_name) -> tuple[jax.Array, float]:
     """
     bad = ~jnp.isfinite(w) | (w < 0)
     n_dev = collectives.axis_size(axis_name)
-    # Scaled by a power of two >= N (exact) so that N large finite weights
-    # cannot overflow their sum.
-    w = jnp.where(bad, 0.0, w) * jnp.asarray(2.0 ** -math.ceil(math.log2(n_dev)), w.dtype)
-    total, n_bad = lax.psum((w, bad.astype(w.dtype)), axis_name)
+    w = jnp.where(bad, 0.0, w)
+    # Two sums in the one all-reduce: of the weights, and of the weights
+    # scaled by a power of two >= N (exact), used only when N large finite
+    # weights overflow the first; unscaled, small weights (2e-38) do not
+    # become subnormal (flushed to 0 on XLA:CPU) on the way.
+    scaled = w * jnp.asarray(2.0 ** -math.ceil(math.log2(n_dev)), w.dtype)
+    total, total_scaled, n_bad = lax.psum((w, scaled, bad.astype(w.dtype)), axis_name)
+    overflow = ~jnp.isfinite(total)
+    w, total = jnp.where(overflow, scaled, w), jnp.where(overflow, total_scaled, total)
     coef = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 0.0)
     coef = jnp.where(n_bad > 0, jnp.asarray(jnp.nan, w.dtype), coef)
-    return coef, collectives.allreduce_bytes(2 * w.dtype.itemsize, n_dev)
+    return coef, collectives.allreduce_bytes(3 * w.dtype.itemsize, n_dev)
 
 
 def _scaled(g, coef):
@@ -225,8 +230,9 @@ def weighted_exchange(
     ``3e38``) keep their ratios.
 
     Cost: one all-reduce of the weighted gradients (one multi-operand ``psum``
-    for all leaves, in the gradients' dtypes) and one of two scalars in the
-    weights' dtype (the weight sum and a bad-weight count): ``wire_bytes``
+    for all leaves, in the gradients' dtypes) and one of three scalars in the
+    weights' dtype (the weight sum, unscaled and scaled against overflow, and
+    a bad-weight count): ``wire_bytes``
     reports both, as a ring all-reduce's ``2 (N - 1) / N`` times their bytes.
 
     Args:
@@ -297,7 +303,7 @@ def scale_by_weight(
     plus the residuals carried in). Weights as in :func:`weighted_exchange`
     (fixed ``weights`` or the ``weight`` extra argument; ``include``; all 0:
     zero gradients; a bad per-step weight: NaN; their dtype). Costs one
-    all-reduce of two scalars.
+    all-reduce of three scalars.
 
     With an exchange that does not average (``exchange="gossip"``) the
     scaling still holds per message but the result is a weighted ring mix,

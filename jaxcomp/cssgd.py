@@ -328,7 +328,8 @@ def quantize(x, value_range: float = 10.0, bits: int = 32, key=None):
       >>> q.tolist(), int(clipped)
       ([64, -127], 1)
     """
-    _check_value_range(value_range, bits)
+    if not V.is_dynamic(value_range):  # a traced range is the caller's to keep in bounds
+        _check_value_range(value_range, bits)
     x = jnp.asarray(x, jnp.float32)
     finite = jnp.isfinite(x)
     outside = finite & (jnp.abs(x) > value_range)
@@ -351,7 +352,8 @@ def dequantize(q, value_range: float = 10.0, bits: int = 32):
       >>> dequantize(jnp.array([127, -127, 0]), value_range=2.0, bits=8).tolist()
       [2.0, -2.0, 0.0]
     """
-    _check_value_range(value_range, bits)
+    if not V.is_dynamic(value_range):
+        _check_value_range(value_range, bits)
     return q.astype(jnp.float32) / jnp.float32(_scale(value_range, bits))
 
 

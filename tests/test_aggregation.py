@@ -94,7 +94,7 @@ def test_weighted_exchange_matches_numpy(mesh):
             updates[name], np.broadcast_to(updates[name][0], updates[name].shape)
         )
     nbytes = 4 * (5 * 3 + 3)
-    np.testing.assert_allclose(wire, _allreduce(nbytes) + _allreduce(8))
+    np.testing.assert_allclose(wire, _allreduce(nbytes) + _allreduce(12))
 
     # A zero-weight device is left out even when its gradient is not finite.
     bad = {k: v.copy() for k, v in g.items()}
@@ -152,7 +152,7 @@ def test_weighted_exchange_under_x64_weights_in_float64(mesh):
             np.testing.assert_allclose(
                 updates[name][0], _weighted_ref(g[name], weights), rtol=1e-14
             )
-        np.testing.assert_allclose(wire, _allreduce(5 * 8) + _allreduce(16))
+        np.testing.assert_allclose(wire, _allreduce(5 * 8) + _allreduce(24))
         fixed = agg.weighted_exchange("data", weights=[1.0, 1.0, 1.0] + [0.0] * (N - 3))
         updates, _ = _exchange(fixed, mesh, g)
         np.testing.assert_allclose(updates["b"][0], g["b"][0], rtol=1e-15)
@@ -187,6 +187,17 @@ def test_per_step_weights_whose_float32_sum_overflows(mesh):
     np.testing.assert_allclose(updates["w"][0], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_small_per_step_weights_are_not_flushed(mesh):
+    # 2e-38 is a normal float32; scaled by 2^-ceil(log2 N) it would be
+    # subnormal, flushed to 0 on XLA:CPU: an all-zero (silent) update.
+    g = _grads(7)
+    weights = np.full(N, 2e-38, np.float32)
+    weights[1] = 4e-38
+    updates, _ = _exchange(agg.weighted_exchange("data"), mesh, g, weight=weights)
+    ref = _weighted_ref(g["w"], weights.astype(np.float64) / 2e-38)
+    np.testing.assert_allclose(updates["w"][0], ref, rtol=1e-5, atol=1e-6)
+
+
 def _masked_lsq(w, b):
     # Each device's mean loss over its valid rows (the mask), 0 for an empty shard.
     err = b["x"] @ w - b["y"]
@@ -218,7 +229,7 @@ def test_weighted_train_step_equals_sgd_on_the_union_batch(mesh):
         params, state, metrics = step(params, state, batch, update_args)
         ref = ref - lr * 2.0 / len(yu) * xu.T @ (xu @ ref - yu)
     np.testing.assert_allclose(np.asarray(params), ref, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(metrics["wire_bytes"]), _allreduce(12) + _allreduce(8))
+    np.testing.assert_allclose(float(metrics["wire_bytes"]), _allreduce(12) + _allreduce(12))
 
 
 def test_scale_by_weight_gives_compressors_the_weighted_mean(mesh):

@@ -116,6 +116,15 @@ def test_value_range_whose_float32_scale_is_not_finite_rejected(bits):
     assert np.abs(mean[0]).max() > 0.1 * vr and stats.clipped.tolist() == [0] * 4
 
 
+def test_quantize_takes_a_traced_value_range():
+    # value_range only scales: a traced one is not checked (a static one is).
+    x = jnp.array([0.5, -1.0, 3.0])
+    fn = jax.jit(lambda x, r: cssgd.dequantize(cssgd.quantize(x, r, 8)[0], r, 8))
+    step = 2.0 / 127
+    ref = np.round(np.clip(np.asarray(x), -2.0, 2.0) / step) * step
+    np.testing.assert_allclose(np.asarray(fn(x, 2.0)), ref, rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # The exchange.
 # ---------------------------------------------------------------------------
