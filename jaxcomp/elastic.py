@@ -859,6 +859,14 @@ def restore(
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params_like
         )
+        if getattr(tx.update, "sharded_compressor", None) is not None:
+            # Its init shapes each device's owned slices under the mesh's axis
+            # (outside shard_map: "unbound axis name").
+            raise ValueError(
+                "restore: tx= cannot describe a sharded_optimizer state (its optimizer holds "
+                "per-device slices); pass state_like= (e.g. init_opt_state(tx, params, mesh) "
+                "on the saving device count), or restore its compressor part alone"
+            )
         per_device = jax.eval_shape(tx.init, abstract)
     replicated = NamedSharding(mesh, P())
     params_target = jax.tree.map(

@@ -499,6 +499,21 @@ def test_rtol_accepts_equal_infinities():
             elastic.resize_opt_state(state, 2, 1, rtol=1e-6)
 
 
+def test_restore_with_a_sharded_optimizer_tx_says_to_pass_state_like(tmp_path):
+    # tx.init of a sharded_optimizer shapes the owned slices under the mesh's
+    # axis: traced outside shard_map it failed with "unbound axis name".
+    from jax.sharding import PartitionSpec as P
+
+    specs = {"w": P(AXIS, None), "b": P()}
+    tx = dist.sharded_optimizer(jaxcomp.top_k(0.5, axis_name=AXIS), optax.adam(0.01), specs)
+    mesh4 = _mesh(4)
+    params = dist.place_params(_params(), mesh4, specs)
+    state = dist.init_opt_state(tx, params, mesh4, param_specs=specs)
+    elastic.save(tmp_path / "z", 1, params, state)
+    with pytest.raises(ValueError, match="sharded_optimizer.*state_like="):
+        elastic.restore(tmp_path / "z", 1, mesh4, tx, _params())
+
+
 def test_sharded_optimizer_state_is_refused_and_its_compressor_resized():
     # ZeRO keeps each device's 1/N slice of the moments: another device count
     # needs other slices. Zero moments used to pass the replicated check and
