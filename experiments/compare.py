@@ -199,6 +199,20 @@ def with_merge_link(runs: dict, merge_alpha=None, merge_beta=None) -> dict:
     return {n: {**o, **link} if n in merging else o for n, o in runs.items()}
 
 
+def validate_runs(base, runs: dict) -> dict:
+    """``{name: config}`` of every ``{name: overrides}`` run, each validated.
+
+    Raises:
+      train.ConfigError: the first row's bad setting, before anything trains.
+    """
+    from experiments import train  # noqa: PLC0415 (after the device count is set)
+
+    configs = {name: for_compressor(base, overrides) for name, overrides in runs.items()}
+    for config in configs.values():
+        train.validate_config(config)
+    return configs
+
+
 def run_configs(base, runs: dict, outdir: str) -> dict:
     """Trains every ``{name: overrides}`` run from ``base`` into ``outdir/name``.
 
@@ -207,9 +221,7 @@ def run_configs(base, runs: dict, outdir: str) -> dict:
     """
     from experiments import train  # noqa: PLC0415 (after the device count is set)
 
-    configs = {name: for_compressor(base, overrides) for name, overrides in runs.items()}
-    for config in configs.values():  # every row's bad setting before the first run trains
-        train.validate_config(config)
+    configs = validate_runs(base, runs)  # every row's bad setting before the first run trains
     results = {}
     for name, config in configs.items():
         # A comparison is a fresh run: its directory never resumes an older one.
@@ -376,6 +388,10 @@ def main(argv=None) -> dict:
         progress=args.progress,
         checkpoint=False,
     )
+    try:
+        validate_runs(base, rows_spec)
+    except train.ConfigError as err:  # one line, as experiments.main says it
+        parser.error(f"invalid config: {err}")
     results = run_configs(base, rows_spec, args.outdir)
     table, rows = format_table(results, args.target)
     print(table)

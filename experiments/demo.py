@@ -39,6 +39,10 @@ def main(argv=None):
     parser.add_argument("--size", type=int, default=2**22)
     parser.add_argument("--ratio", type=float, default=1e-3)
     args = parser.parse_args(argv)
+    if args.size < 1:
+        parser.error(f"--size must be >= 1, got {args.size}")
+    if not 0 < args.ratio <= 1:  # NaN too
+        parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
     n, ratio = args.size, args.ratio
     rng = np.random.default_rng(0)
     # The LDTE-BS paper's test data: Laplacian, mean 5e-4, std 5e-3.

@@ -72,12 +72,21 @@ def main(argv=None) -> dict:
     # The sparse all-reduces whose bytes do not grow like the all-gather's
     # (they apply a global top of the summed messages: the accuracy effect).
     runs.update({f"ldte_bs_{e}": {"compressor": "ldte_bs", "exchange": e} for e in args.exchanges})
+    try:
+        compare.validate_runs(base, runs)
+    except train.ConfigError as err:
+        parser.error(f"invalid config: {err}")
     results = compare.run_configs(base, runs, args.outdir)
     table, rows = compare.format_table(results, target=0.95)
     n_params = results["dense"]["num_params"]
     print(
         f"\n{args.model} on digits, {n_params} parameters, {args.num_devices} simulated devices, "
-        f"{args.epochs} epochs, global batch 64; bytes from the last epoch (after warm-up)\n"
+        f"{args.epochs} epochs, global batch 64; bytes from the last epoch "
+        + (
+            "(after warm-up)\n"
+            if args.epochs > base.warmup_epochs
+            else f"(still in the {base.warmup_epochs}-epoch warm-up: not the target ratio's)\n"
+        )
     )
     print(table)
     d, s = rows["dense"], rows["ldte_bs"]

@@ -129,6 +129,26 @@ def test_compare_merge_link_reaches_only_the_merging_row():
         compare.run_configs(base, bad, "/nonexistent/compare")
 
 
+def test_compare_and_demos_reject_bad_settings_in_one_line(capsys):
+    # Settings only train.validate_config rejects: argparse's one-line error
+    # (exit 2), not a traceback, before any training.
+    from experiments import compare, demo_training  # noqa: PLC0415
+
+    for main, bad in (
+        (compare.main, ["--ratio=2"]),
+        (compare.main, ["--epochs=0"]),
+        (compare.main, ["--batch_size=7"]),
+        (demo_training.main, ["--epochs=0"]),
+        (demo.main, ["--size=0"]),
+        (demo.main, ["--ratio=0"]),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*bad, "--outdir=/nonexistent/x"] if main is not demo.main else bad)
+        assert exit_info.value.code == 2, bad
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and ("invalid config" in err or "must be" in err), bad
+
+
 def test_ldte_bs_paper_row_runs_the_paper_variant():
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
