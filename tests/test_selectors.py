@@ -667,3 +667,15 @@ def test_dgc_with_injected_hyperparameters_under_x64():
         u, _ = jax.jit(tx.update)(g, tx.init(g))
         ref, _ = jax.jit(plain.update)(g, plain.init(g))
         np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(ref["w"]))
+
+
+@pytest.mark.parametrize("name", sorted(sel.SELECTORS))
+def test_selectors_reject_input_that_is_not_1d(name):
+    # exact_top_k on a (20, 10) array used to count over the flattened rows
+    # against a row-wise threshold (count 159 for k = 10), silently.
+    select = sel.get_selector(name)
+    options = {"random_k": {"key": jax.random.key(0)}, "threshold": {"threshold": 0.5}}
+    with pytest.raises(ValueError, match="x must be 1-D"):
+        select(jnp.ones((20, 10)), 10, **options.get(name, {}))
+    one_d = select(jnp.arange(200.0), 10, **options.get(name, {}))
+    assert int(one_d.count) >= 10 or name == "threshold"

@@ -18,7 +18,9 @@ paper, RedSync, DGC and Gaussian-k).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -140,12 +142,28 @@ def _selection(t, count, iterations=0) -> Selection:
 # ---------------------------------------------------------------------------
 
 
+def _flat_input(select: Callable[..., Selection]) -> Callable[..., Selection]:
+    """Rejects a selector's ``x`` that is not 1-D (counts and indices are of a flat tensor)."""
+
+    @functools.wraps(select)
+    def checked(x, *args, **kwargs):
+        if jnp.ndim(x) != 1:
+            raise ValueError(
+                f"{select.__name__}: x must be 1-D (flatten the tensor first), got shape "
+                f"{jnp.shape(x)}"
+            )
+        return select(x, *args, **kwargs)
+
+    return checked
+
+
 def _kth_largest(a: jax.Array, k: int) -> jax.Array:
     # jnp.min of the top-k values, not values[k - 1]: indexing the output of
     # lax.top_k makes XLA:CPU compile a full sort (35x slower at 2^24).
     return jnp.min(lax.top_k(a, k)[0])
 
 
+@_flat_input
 def exact_top_k(x: jax.Array, k: int) -> Selection:
     """Exact top-k by magnitude with ``lax.top_k`` ("radixSelect" on GPU).
 
@@ -173,6 +191,7 @@ def exact_top_k(x: jax.Array, k: int) -> Selection:
     return _selection(t, kernels.count_above(a, t))
 
 
+@_flat_input
 def sort_top_k(x: jax.Array, k: int) -> Selection:
     """Exact top-k through a full sort: the O(n log n) reference.
 
@@ -188,6 +207,7 @@ def sort_top_k(x: jax.Array, k: int) -> Selection:
     return _selection(t, kernels.count_above(a, t))
 
 
+@_flat_input
 def fixed_threshold(x: jax.Array, k: int, *, threshold: float) -> Selection:
     """ "fixed-v": a user-given threshold; ``k`` only sizes the caller's capacity.
 
@@ -470,6 +490,7 @@ def _bracket(ts: jax.Array, cs: jax.Array, k: int, ub: int, n: int):
     return lo, c_lo, hi, c_hi, hi_known
 
 
+@_flat_input
 def ldte_bs(
     x: jax.Array,
     k: int,
@@ -636,6 +657,7 @@ def ldte_bs(
     return _selection(t, c, it + it2)
 
 
+@_flat_input
 def binary_search(
     x: jax.Array,
     k: int,
@@ -770,6 +792,7 @@ def _top_k_above(x: jax.Array, t: jax.Array, count: jax.Array, k: int, buffer: i
     return t2, _count(x, t2)
 
 
+@_flat_input
 def dgc_sample(
     x: jax.Array,
     k: int,
@@ -859,6 +882,7 @@ def trim_rounds(start: float, step: float) -> int:
     return math.floor(start / step + 1e-9) + 1
 
 
+@_flat_input
 def trimmed_top_k(x: jax.Array, k: int, *, start: float = 0.8, step: float = 0.2) -> Selection:
     """RedSync's trimmed top-k.
 
@@ -900,6 +924,7 @@ def trimmed_top_k(x: jax.Array, k: int, *, start: float = 0.8, step: float = 0.2
     return _selection(t, c, it - 1)
 
 
+@_flat_input
 def gaussian_k(
     x: jax.Array,
     k: int,
@@ -999,6 +1024,7 @@ def gaussian_k(
     return _selection(t, c, it)
 
 
+@_flat_input
 def random_k(x: jax.Array, k: int, *, key: jax.Array) -> Selection:
     """k coordinates drawn uniformly without replacement (index-based).
 
