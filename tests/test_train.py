@@ -151,8 +151,8 @@ def _pickled(obj) -> bytes:
     return pickle.dumps(obj, protocol=2)
 
 
-def _write_tiny_cifar(path, n_train=4, n_test=3):
-    rng = np.random.default_rng(0)
+def _write_tiny_cifar(path, n_train=4, n_test=3, seed=0):
+    rng = np.random.default_rng(seed)
 
     def batch(n, key):
         return {
@@ -413,6 +413,49 @@ def test_workdir_without_config_or_with_bad_checkpoint_is_a_clear_error(tmp_path
     refused(config, "cannot restore the epoch-1 checkpoint")
     (workdir / train.CONFIG_FILE).write_text("{not json")
     refused(config, "not a valid run configuration")
+
+
+def test_resume_on_other_data_is_refused_and_the_same_data_elsewhere_resumes(tmp_path):
+    # data_dir may change on resuming (the files moved), the data may not: a
+    # run resumed on another CIFAR trained epoch 1 on one set and epoch 2 on another.
+    a, bigger, other = (tmp_path / f"{n}.tar.gz" for n in ("a", "bigger", "other"))
+    _write_tiny_cifar(a)
+    _write_tiny_cifar(bigger, n_train=8, n_test=5, seed=1)
+    _write_tiny_cifar(other, seed=1)  # the same sizes, other pixels and labels
+    workdir = str(tmp_path / "w")
+    config = dataclasses.replace(
+        TINY, dataset="cifar10", data_dir=str(a), batch_size=4, epochs=2, checkpoint=True,
+        time_split=False,
+    )  # fmt: skip
+    train.train_and_evaluate(config, workdir, stop_after_epoch=1)
+    metrics = (tmp_path / "w" / "metrics.jsonl").read_text()
+    stored = json.loads((tmp_path / "w" / train.CONFIG_FILE).read_text())["data"]
+    assert stored["train_examples"] == 5 * 4 and stored["test_examples"] == 3
+    assert stored["image_shape"] == [32, 32, 3]
+    with pytest.raises(train.WorkdirError, match="train_examples=20 there, 40 now") as info:
+        train.train_and_evaluate(dataclasses.replace(config, data_dir=str(bigger)), workdir)
+    assert "test_examples=3 there, 5 now" in str(info.value) and "--overwrite" in str(info.value)
+    with pytest.raises(train.WorkdirError, match="fingerprint="):
+        train.train_and_evaluate(dataclasses.replace(config, data_dir=str(other)), workdir)
+    assert (tmp_path / "w" / "metrics.jsonl").read_text() == metrics  # untouched
+    # The same archive extracted elsewhere is the same data: it resumes.
+    with tarfile.open(a) as tar:
+        tar.extractall(tmp_path / "moved", filter="data")
+    moved = dataclasses.replace(config, data_dir=str(tmp_path / "moved"))
+    result = train.train_and_evaluate(moved, workdir)
+    assert [r["epoch"] for r in result["records"]] == [1, 2]
+    # A config.json written before the data were recorded: unknown, accepted
+    # (and recorded from then on).
+    path = tmp_path / "w" / train.CONFIG_FILE
+    record = json.loads(path.read_text())
+    del record["data"]
+    path.write_text(json.dumps(record))
+    train._check_workdir(
+        train.resolve_config(moved), workdir, 2, False, train._data_record(
+            data_lib.load_cifar("cifar10", str(other))
+        ),
+    )  # fmt: skip
+    assert json.loads(path.read_text())["data"]["fingerprint"] != stored["fingerprint"]
 
 
 # Issue 8 items 4 and 15 through the command line: clean errors, quiet logs.
