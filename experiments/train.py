@@ -1685,6 +1685,14 @@ def _check_workdir(
                 f"workdir {workdir} holds a run's checkpoints or metrics, and checkpoint=False "
                 f"(--checkpoint=false) would start over and rewrite them{_OVERWRITE}"
             )
+        if not stored_config.get("checkpoint", True):
+            # The run there saved no checkpoint: this one would start over and
+            # truncate its metrics (finished or not) without a word.
+            raise WorkdirError(
+                f"workdir {workdir} holds a run with checkpoint=False (--checkpoint=false), "
+                f"which left no checkpoint to resume from; a rerun would start over and "
+                f"rewrite its metrics{_OVERWRITE}"
+            )
     if primary:
         os.makedirs(workdir, exist_ok=True)
         with open(path, "w") as f:

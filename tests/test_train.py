@@ -369,6 +369,20 @@ def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
         train.train_and_evaluate(no_checkpoint, workdir)
     assert (tmp_path / "w" / "metrics.jsonl").read_text() == metrics
 
+    # The reverse: a finished checkpoint=False run (its metrics, no checkpoint)
+    # rerun with checkpoints on would start over and truncate its records.
+    no_checkpoint_dir = str(tmp_path / "n")
+    two = dataclasses.replace(no_checkpoint, epochs=2)
+    done = train.train_and_evaluate(two, no_checkpoint_dir)
+    saved = (tmp_path / "n" / "metrics.jsonl").read_text()
+    assert [json.loads(line)["epoch"] for line in saved.splitlines()] == [1, 2]
+    for rerun in (dataclasses.replace(dense, epochs=1), dataclasses.replace(dense, epochs=2)):
+        with pytest.raises(train.WorkdirError, match="holds a run with checkpoint=False") as info:
+            train.train_and_evaluate(rerun, no_checkpoint_dir)
+        assert "another --workdir" in str(info.value)
+        assert (tmp_path / "n" / "metrics.jsonl").read_text() == saved
+    assert done["records"] == [json.loads(line) for line in saved.splitlines()]
+
     new = train.train_and_evaluate(top_k, workdir, overwrite=True)
     # Resuming the dense epoch-1 checkpoint would train nothing and report the
     # dense record (density -1); the new run trained top_k's epoch.
