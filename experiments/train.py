@@ -1505,8 +1505,8 @@ class WorkdirError(ValueError):
 CONFIG_FILE = "config.json"
 _CONFIG_FORMAT = 1
 # Fields that change neither the trained parameters nor what the metrics
-# mean: a run may resume with other values. ``epochs`` may also change
-# (to train longer) when both schedules are "constant"; with "cosine" the
+# mean: a run may resume with other values. ``epochs`` may also grow (to
+# train longer, never shrink) when both schedules are "constant"; with "cosine" the
 # schedule of the epochs already done depends on it.
 RESUMABLE_FIELDS = (
     "progress",
@@ -1664,6 +1664,24 @@ def _check_workdir(
                 f"workdir {workdir} holds a run with another configuration "
                 f"({'; '.join(diffs)}), refusing to resume from it{_OVERWRITE}"
             )
+        if not stored_config.get("checkpoint", True):
+            # The run there saved no checkpoint: this one would start over and
+            # truncate its metrics (finished or not) without a word.
+            raise WorkdirError(
+                f"workdir {workdir} holds a run with checkpoint=False (--checkpoint=false), "
+                f"which left no checkpoint to resume from; a rerun would start over and "
+                f"rewrite its metrics{_OVERWRITE}"
+            )
+        stored_epochs, epochs = stored_config.get("epochs"), record["config"]["epochs"]
+        if isinstance(stored_epochs, int) and epochs < stored_epochs:
+            # Only growing is resuming: a shrunk rerun would train nothing past
+            # the epochs done and leave config.json claiming fewer than it holds.
+            done = len(_read_records(os.path.join(workdir, "metrics.jsonl"), math.inf))
+            raise WorkdirError(
+                f"workdir {workdir} holds a run of epochs={stored_epochs} ({done} done), "
+                f"epochs={epochs} now: epochs may only grow (--epochs>={stored_epochs}) on "
+                f"resuming{_OVERWRITE}"
+            )
         stored_data = stored.get("data")
         if data is not None and isinstance(stored_data, dict):
             changed = [
@@ -1684,14 +1702,6 @@ def _check_workdir(
             raise WorkdirError(
                 f"workdir {workdir} holds a run's checkpoints or metrics, and checkpoint=False "
                 f"(--checkpoint=false) would start over and rewrite them{_OVERWRITE}"
-            )
-        if not stored_config.get("checkpoint", True):
-            # The run there saved no checkpoint: this one would start over and
-            # truncate its metrics (finished or not) without a word.
-            raise WorkdirError(
-                f"workdir {workdir} holds a run with checkpoint=False (--checkpoint=false), "
-                f"which left no checkpoint to resume from; a rerun would start over and "
-                f"rewrite its metrics{_OVERWRITE}"
             )
     if primary:
         os.makedirs(workdir, exist_ok=True)

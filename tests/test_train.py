@@ -395,6 +395,26 @@ def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
     assert stored["compressor"] == "top_k" and stored["ratio"] == 0.05
 
 
+def test_epochs_grow_on_resuming_and_a_shrink_is_refused(tmp_path):
+    workdir = str(tmp_path / "w")
+    config = dataclasses.replace(TINY, checkpoint=True, time_split=False)  # constant schedule
+    train.train_and_evaluate(config, workdir)
+    longer = train.train_and_evaluate(dataclasses.replace(config, epochs=3), workdir)
+    assert [r["epoch"] for r in longer["records"]] == [1, 2, 3]  # grown: epochs 2, 3 trained
+    metrics = (tmp_path / "w" / "metrics.jsonl").read_text()
+    for epochs in (1, 2):
+        # Shrunk, the rerun trained nothing and config.json claimed fewer epochs than held.
+        with pytest.raises(train.WorkdirError, match=rf"epochs=3 \(3 done\), epochs={epochs} now"):
+            train.train_and_evaluate(dataclasses.replace(config, epochs=epochs), workdir)
+    assert (tmp_path / "w" / "metrics.jsonl").read_text() == metrics
+    assert json.loads((tmp_path / "w" / train.CONFIG_FILE).read_text())["config"]["epochs"] == 3
+    # Stopped after epoch 1 of 3: still a shrink of the run's schedule.
+    other = str(tmp_path / "o")
+    train.train_and_evaluate(dataclasses.replace(config, epochs=3), other, stop_after_epoch=1)
+    with pytest.raises(train.WorkdirError, match=r"epochs=3 \(1 done\), epochs=2 now"):
+        train.train_and_evaluate(dataclasses.replace(config, epochs=2), other)
+
+
 def test_workdir_without_config_or_with_bad_checkpoint_is_a_clear_error(tmp_path):
     workdir = tmp_path / "w"
     config = dataclasses.replace(TINY, checkpoint=True, time_split=False, epochs=2)
