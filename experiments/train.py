@@ -240,7 +240,8 @@ class TrainConfig:
         ``(seed, epoch, step)`` for the whole global batch, so it does not
         depend on the device or process count and resumes exactly.
       eval_examples: evaluate on the first this many test examples (quick
-        CPU runs; the metrics then describe that subset); None: all.
+        CPU runs; the metrics then describe that subset), at most the test
+        set's size (checked once the data is loaded); None: all.
       seed: parameter init and data order.
       progress: show a tqdm bar per epoch.
       checkpoint: save an orbax checkpoint after every epoch and resume from
@@ -2022,6 +2023,13 @@ def train_and_evaluate(
     if error is not None:
         _invalid(f"dataset={c.dataset!r} (--data_dir): {error}")
     _validate_data(c, len(dataset.train_y), dataset.train_x.shape[1:], n_dev)
+    num_test = len(dataset.test_y)
+    if c.eval_examples is not None and c.eval_examples > num_test:
+        # Clamped, the run would claim a subset it does not evaluate on.
+        _invalid(
+            f"eval_examples={c.eval_examples} (--eval_examples) exceeds the {num_test} test "
+            f"examples of dataset={c.dataset!r}; use at most {num_test}, or unset for all"
+        )
     _check_workdir(c, workdir, n_dev, overwrite, _data_record(dataset))
     spe = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
     num_features = int(np.prod(dataset.train_x.shape[1:]))

@@ -555,7 +555,7 @@ def test_main_missing_cifar_names_the_flags(tmp_path):
 
 def test_unreadable_cifar_is_an_invalid_config_before_the_workdir(tmp_path):
     archive = tmp_path / "cifar-10-python.tar.gz"
-    _write_tiny_cifar(archive)  # 20 training images
+    files = _write_tiny_cifar(archive)  # 20 training images
     blob = archive.read_bytes()
     garbage, truncated = tmp_path / "garbage.tar.gz", tmp_path / "truncated.tar.gz"
     garbage.write_bytes(b"not an archive" * 100)
@@ -588,6 +588,22 @@ def test_unreadable_cifar_is_an_invalid_config_before_the_workdir(tmp_path):
     with pytest.raises(train.ConfigError, match="batch_size=32 .* the 20 training examples"):
         train.train_and_evaluate(config, str(tmp_path / "run_big_batch"))
     assert not (tmp_path / "run_big_batch").exists()
+    # More evaluation examples than the test set holds: refused (clamped, the
+    # run claimed a subset it did not evaluate on); the whole set is accepted.
+    num_test = len(files["test_batch"][b"labels"])
+    small = dataclasses.replace(base, data_dir=str(archive), batch_size=4)
+    with pytest.raises(
+        train.ConfigError, match=f"eval_examples={num_test + 1} .* the {num_test} test examples"
+    ):
+        train.train_and_evaluate(
+            dataclasses.replace(small, eval_examples=num_test + 1), str(tmp_path / "run_eval")
+        )
+    assert not (tmp_path / "run_eval").exists()
+    whole = train.train_and_evaluate(small, str(tmp_path / "run_all"))["final"]
+    exact = train.train_and_evaluate(
+        dataclasses.replace(small, eval_examples=num_test), str(tmp_path / "run_exact")
+    )["final"]
+    assert exact["test_accuracy"] == whole["test_accuracy"]
     # Through the command line: one line, no traceback, nothing written.
     proc = _run_main(
         f"--workdir={tmp_path / 'run_main'}", "--dataset=cifar10", f"--data_dir={garbage}"
