@@ -191,6 +191,9 @@ def setup_config(name: str, **overrides):
       are moved to the same fractions of the new run (``round(m * epochs /
       setup_epochs)``), dropping those outside ``[1, epochs)`` and
       duplicates, so a shortened run keeps the schedule's shape.
+    - ``schedule`` overridden to another than ``"step"``: the setup's
+      ``lr_milestones`` and ``lr_decay`` are dropped (those of the step
+      schedule) unless overridden too.
 
     Args:
       name: a key of ``SETUPS``.
@@ -230,5 +233,10 @@ def setup_config(name: str, **overrides):
         epochs, base = overrides["epochs"], setup.config["epochs"]
         scaled = (round(m * epochs / base) for m in setup.config.get("lr_milestones", ()))
         values["lr_milestones"] = tuple(sorted({m for m in scaled if 1 <= m < epochs}))
+    if overrides.get("schedule", "step") != "step":
+        # The step schedule's settings mean nothing to another schedule (and
+        # validation refuses them): those the user did not set follow it.
+        for name in ("lr_milestones", "lr_decay"):
+            values[name] = getattr(defaults, name)
     values.update(overrides)
     return train.TrainConfig(**values)

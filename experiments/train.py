@@ -23,9 +23,10 @@ Outputs in ``workdir``:
   with ``norm="batch"`` the BatchNorm running averages, and the epoch, which
   is the whole data-order and augmentation state); a rerun with the same
   workdir resumes from the latest one.
-- ``config.json``: the resolved configuration, written before training. A
-  run refuses (``ValueError``) a workdir whose checkpoints or metrics belong
-  to another configuration, unless told to overwrite them.
+- ``config.json``: the resolved configuration and what identifies the data
+  (sizes, image shape, a fingerprint), written before training. A run
+  refuses (``ValueError``) a workdir whose checkpoints or metrics belong to
+  another configuration or other data, unless told to overwrite them.
 - ``merge_plan.json``: with ``merge`` set, the DLGS merge plan (groups of
   leaf paths, the profile and cost model it came from, the predicted
   iteration time of every planner); a rerun with the same configuration
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -238,7 +240,8 @@ class TrainConfig:
         ``(seed, epoch, step)`` for the whole global batch, so it does not
         depend on the device or process count and resumes exactly.
       eval_examples: evaluate on the first this many test examples (quick
-        CPU runs; the metrics then describe that subset); None: all.
+        CPU runs; the metrics then describe that subset), at most the test
+        set's size (checked once the data is loaded); None: all.
       seed: parameter init and data order.
       progress: show a tqdm bar per epoch.
       checkpoint: save an orbax checkpoint after every epoch and resume from
@@ -1503,8 +1506,8 @@ class WorkdirError(ValueError):
 CONFIG_FILE = "config.json"
 _CONFIG_FORMAT = 1
 # Fields that change neither the trained parameters nor what the metrics
-# mean: a run may resume with other values. ``epochs`` may also change
-# (to train longer) when both schedules are "constant"; with "cosine" the
+# mean: a run may resume with other values. ``epochs`` may also grow (to
+# train longer, never shrink) when both schedules are "constant"; with "cosine" the
 # schedule of the epochs already done depends on it.
 RESUMABLE_FIELDS = (
     "progress",
@@ -1543,6 +1546,27 @@ _ADDED_FIELD_DEFAULTS = {
     "norm": "group",
     "augment": False,
 }
+
+
+def _data_record(dataset) -> dict:
+    """What identifies the data a run trains and tests on, for ``config.json``.
+
+    ``data_dir`` may change on resuming (the same files moved), so the data
+    themselves are recorded: their sizes, image shape and a cheap fingerprint
+    (every label and 16 evenly spaced images of each split).
+    """
+    digest = hashlib.sha256()
+    for x, y in ((dataset.train_x, dataset.train_y), (dataset.test_x, dataset.test_y)):
+        picks = np.unique(np.linspace(0, len(y) - 1, 16).astype(np.int64))
+        digest.update(np.ascontiguousarray(np.asarray(y, np.int64)).tobytes())
+        digest.update(np.ascontiguousarray(np.asarray(x[picks], np.float32)).tobytes())
+    return {
+        "train_examples": len(dataset.train_y),
+        "test_examples": len(dataset.test_y),
+        "image_shape": [int(d) for d in dataset.train_x.shape[1:]],
+        "num_classes": int(dataset.num_classes),
+        "fingerprint": digest.hexdigest()[:16],
+    }
 
 
 def _config_differences(stored: dict, current: dict) -> list:
@@ -1596,13 +1620,19 @@ def _clear_workdir(workdir: str) -> None:
             os.remove(path)
 
 
-def _check_workdir(config: TrainConfig, workdir: str, num_devices: int, overwrite: bool) -> None:
+def _check_workdir(
+    config: TrainConfig, workdir: str, num_devices: int, overwrite: bool, data: dict | None = None
+) -> None:
     """Refuses a workdir holding another configuration's run; writes ``config.json``.
 
     Runs before any training, so a resumed run can only continue its own
-    checkpoints and metrics.
+    checkpoints and metrics. ``data`` (:func:`_data_record`) is recorded and
+    must match the stored record; a ``config.json`` without one (written
+    before it was recorded) is accepted, its data unknown.
     """
     record = _config_record(config, num_devices)
+    if data is not None:
+        record["data"] = data
     path = os.path.join(workdir, CONFIG_FILE)
     primary = jax.process_index() == 0
     if overwrite:
@@ -1635,6 +1665,38 @@ def _check_workdir(config: TrainConfig, workdir: str, num_devices: int, overwrit
                 f"workdir {workdir} holds a run with another configuration "
                 f"({'; '.join(diffs)}), refusing to resume from it{_OVERWRITE}"
             )
+        if not stored_config.get("checkpoint", True):
+            # The run there saved no checkpoint: this one would start over and
+            # truncate its metrics (finished or not) without a word.
+            raise WorkdirError(
+                f"workdir {workdir} holds a run with checkpoint=False (--checkpoint=false), "
+                f"which left no checkpoint to resume from; a rerun would start over and "
+                f"rewrite its metrics{_OVERWRITE}"
+            )
+        stored_epochs, epochs = stored_config.get("epochs"), record["config"]["epochs"]
+        if isinstance(stored_epochs, int) and epochs < stored_epochs:
+            # Only growing is resuming: a shrunk rerun would train nothing past
+            # the epochs done and leave config.json claiming fewer than it holds.
+            done = len(_read_records(os.path.join(workdir, "metrics.jsonl"), math.inf))
+            raise WorkdirError(
+                f"workdir {workdir} holds a run of epochs={stored_epochs} ({done} done), "
+                f"epochs={epochs} now: epochs may only grow (--epochs>={stored_epochs}) on "
+                f"resuming{_OVERWRITE}"
+            )
+        stored_data = stored.get("data")
+        if data is not None and isinstance(stored_data, dict):
+            changed = [
+                f"{k}={stored_data.get(k)!r} there, {v!r} now"
+                for k, v in data.items()
+                if stored_data.get(k) != v
+            ]
+            if changed:
+                # data_dir may change on resuming, the data may not: the epochs
+                # done and those to come would train (and test) on two datasets.
+                raise WorkdirError(
+                    f"workdir {workdir} holds a run on other data ({'; '.join(changed)}; "
+                    f"--data_dir={config.data_dir!r} now), refusing to resume from it{_OVERWRITE}"
+                )
         if not config.checkpoint:
             # Without checkpoints the run starts over: it would rewrite the
             # metrics of the run there, and a later resume would mix the two.
@@ -1900,7 +1962,9 @@ def train_and_evaluate(
       workdir: output directory (created); resumes from its checkpoints. Its
         ``config.json`` (the resolved configuration, written before training)
         must match ``config`` except for ``RESUMABLE_FIELDS`` (and ``epochs``
-        with constant schedules) whenever it holds checkpoints or metrics.
+        with constant schedules), and its record of the data (sizes, image
+        shape, fingerprint; absent from older ones) the data loaded,
+        whenever it holds checkpoints or metrics.
         With several processes it must be one directory all of them share
         (orbax's primary process creates the checkpoint directories; separate
         per-process directories make the other processes wait and time out).
@@ -1959,7 +2023,14 @@ def train_and_evaluate(
     if error is not None:
         _invalid(f"dataset={c.dataset!r} (--data_dir): {error}")
     _validate_data(c, len(dataset.train_y), dataset.train_x.shape[1:], n_dev)
-    _check_workdir(c, workdir, n_dev, overwrite)
+    num_test = len(dataset.test_y)
+    if c.eval_examples is not None and c.eval_examples > num_test:
+        # Clamped, the run would claim a subset it does not evaluate on.
+        _invalid(
+            f"eval_examples={c.eval_examples} (--eval_examples) exceeds the {num_test} test "
+            f"examples of dataset={c.dataset!r}; use at most {num_test}, or unset for all"
+        )
+    _check_workdir(c, workdir, n_dev, overwrite, _data_record(dataset))
     spe = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
     num_features = int(np.prod(dataset.train_x.shape[1:]))
     if c.max_steps_per_epoch is not None:

@@ -309,6 +309,22 @@ def test_setup_flag_applies_the_setup_and_explicit_flags_override():
     assert (over.ratio, over.warmup_epochs, over.momentum_correction) == (None, 0, None)
     assert over.lr_milestones == (5, 7) and over.weight_decay == 5e-4
     assert parse("--setup=dlgs_vgg16_cifar10", "--lr_milestones=3,4").lr_milestones == (3, 4)
+    # Another schedule drops the step schedule's milestones (validation named
+    # --lr_milestones, a flag never passed); given explicitly they stay, refused.
+    for schedule in ("cosine", "constant"):
+        other = parse("--setup=resnet20_cifar10", f"--schedule={schedule}")
+        expect = dataclasses.replace(
+            setups.setup_config("resnet20_cifar10"),
+            schedule=schedule,
+            lr_milestones=train.TrainConfig().lr_milestones,
+            lr_decay=train.TrainConfig().lr_decay,
+        )
+        assert other == expect and other.lr_milestones == ()
+        train.validate_config(other)
+    with pytest.raises(ValueError, match="lr_milestones"):
+        train.validate_config(
+            parse("--setup=resnet20_cifar10", "--schedule=cosine", "--lr_milestones=3")
+        )
     for name in setups.SETUPS:  # every setup, with the compressors the notebook compares
         for compressor in ("dense", "ldte_bs", "qsgd", "powersgd"):
             train.validate_config(setups.setup_config(name, compressor=compressor))

@@ -151,8 +151,8 @@ def _pickled(obj) -> bytes:
     return pickle.dumps(obj, protocol=2)
 
 
-def _write_tiny_cifar(path, n_train=4, n_test=3):
-    rng = np.random.default_rng(0)
+def _write_tiny_cifar(path, n_train=4, n_test=3, seed=0):
+    rng = np.random.default_rng(seed)
 
     def batch(n, key):
         return {
@@ -369,6 +369,20 @@ def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
         train.train_and_evaluate(no_checkpoint, workdir)
     assert (tmp_path / "w" / "metrics.jsonl").read_text() == metrics
 
+    # The reverse: a finished checkpoint=False run (its metrics, no checkpoint)
+    # rerun with checkpoints on would start over and truncate its records.
+    no_checkpoint_dir = str(tmp_path / "n")
+    two = dataclasses.replace(no_checkpoint, epochs=2)
+    done = train.train_and_evaluate(two, no_checkpoint_dir)
+    saved = (tmp_path / "n" / "metrics.jsonl").read_text()
+    assert [json.loads(line)["epoch"] for line in saved.splitlines()] == [1, 2]
+    for rerun in (dataclasses.replace(dense, epochs=1), dataclasses.replace(dense, epochs=2)):
+        with pytest.raises(train.WorkdirError, match="holds a run with checkpoint=False") as info:
+            train.train_and_evaluate(rerun, no_checkpoint_dir)
+        assert "another --workdir" in str(info.value)
+        assert (tmp_path / "n" / "metrics.jsonl").read_text() == saved
+    assert done["records"] == [json.loads(line) for line in saved.splitlines()]
+
     new = train.train_and_evaluate(top_k, workdir, overwrite=True)
     # Resuming the dense epoch-1 checkpoint would train nothing and report the
     # dense record (density -1); the new run trained top_k's epoch.
@@ -379,6 +393,26 @@ def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
     assert new["final"]["bytes_per_step_per_device"] < dense_bytes / 5
     stored = json.loads((tmp_path / "w" / train.CONFIG_FILE).read_text())["config"]
     assert stored["compressor"] == "top_k" and stored["ratio"] == 0.05
+
+
+def test_epochs_grow_on_resuming_and_a_shrink_is_refused(tmp_path):
+    workdir = str(tmp_path / "w")
+    config = dataclasses.replace(TINY, checkpoint=True, time_split=False)  # constant schedule
+    train.train_and_evaluate(config, workdir)
+    longer = train.train_and_evaluate(dataclasses.replace(config, epochs=3), workdir)
+    assert [r["epoch"] for r in longer["records"]] == [1, 2, 3]  # grown: epochs 2, 3 trained
+    metrics = (tmp_path / "w" / "metrics.jsonl").read_text()
+    for epochs in (1, 2):
+        # Shrunk, the rerun trained nothing and config.json claimed fewer epochs than held.
+        with pytest.raises(train.WorkdirError, match=rf"epochs=3 \(3 done\), epochs={epochs} now"):
+            train.train_and_evaluate(dataclasses.replace(config, epochs=epochs), workdir)
+    assert (tmp_path / "w" / "metrics.jsonl").read_text() == metrics
+    assert json.loads((tmp_path / "w" / train.CONFIG_FILE).read_text())["config"]["epochs"] == 3
+    # Stopped after epoch 1 of 3: still a shrink of the run's schedule.
+    other = str(tmp_path / "o")
+    train.train_and_evaluate(dataclasses.replace(config, epochs=3), other, stop_after_epoch=1)
+    with pytest.raises(train.WorkdirError, match=r"epochs=3 \(1 done\), epochs=2 now"):
+        train.train_and_evaluate(dataclasses.replace(config, epochs=2), other)
 
 
 def test_workdir_without_config_or_with_bad_checkpoint_is_a_clear_error(tmp_path):
@@ -413,6 +447,49 @@ def test_workdir_without_config_or_with_bad_checkpoint_is_a_clear_error(tmp_path
     refused(config, "cannot restore the epoch-1 checkpoint")
     (workdir / train.CONFIG_FILE).write_text("{not json")
     refused(config, "not a valid run configuration")
+
+
+def test_resume_on_other_data_is_refused_and_the_same_data_elsewhere_resumes(tmp_path):
+    # data_dir may change on resuming (the files moved), the data may not: a
+    # run resumed on another CIFAR trained epoch 1 on one set and epoch 2 on another.
+    a, bigger, other = (tmp_path / f"{n}.tar.gz" for n in ("a", "bigger", "other"))
+    _write_tiny_cifar(a)
+    _write_tiny_cifar(bigger, n_train=8, n_test=5, seed=1)
+    _write_tiny_cifar(other, seed=1)  # the same sizes, other pixels and labels
+    workdir = str(tmp_path / "w")
+    config = dataclasses.replace(
+        TINY, dataset="cifar10", data_dir=str(a), batch_size=4, epochs=2, checkpoint=True,
+        time_split=False,
+    )  # fmt: skip
+    train.train_and_evaluate(config, workdir, stop_after_epoch=1)
+    metrics = (tmp_path / "w" / "metrics.jsonl").read_text()
+    stored = json.loads((tmp_path / "w" / train.CONFIG_FILE).read_text())["data"]
+    assert stored["train_examples"] == 5 * 4 and stored["test_examples"] == 3
+    assert stored["image_shape"] == [32, 32, 3]
+    with pytest.raises(train.WorkdirError, match="train_examples=20 there, 40 now") as info:
+        train.train_and_evaluate(dataclasses.replace(config, data_dir=str(bigger)), workdir)
+    assert "test_examples=3 there, 5 now" in str(info.value) and "--overwrite" in str(info.value)
+    with pytest.raises(train.WorkdirError, match="fingerprint="):
+        train.train_and_evaluate(dataclasses.replace(config, data_dir=str(other)), workdir)
+    assert (tmp_path / "w" / "metrics.jsonl").read_text() == metrics  # untouched
+    # The same archive extracted elsewhere is the same data: it resumes.
+    with tarfile.open(a) as tar:
+        tar.extractall(tmp_path / "moved", filter="data")
+    moved = dataclasses.replace(config, data_dir=str(tmp_path / "moved"))
+    result = train.train_and_evaluate(moved, workdir)
+    assert [r["epoch"] for r in result["records"]] == [1, 2]
+    # A config.json written before the data were recorded: unknown, accepted
+    # (and recorded from then on).
+    path = tmp_path / "w" / train.CONFIG_FILE
+    record = json.loads(path.read_text())
+    del record["data"]
+    path.write_text(json.dumps(record))
+    train._check_workdir(
+        train.resolve_config(moved), workdir, 2, False, train._data_record(
+            data_lib.load_cifar("cifar10", str(other))
+        ),
+    )  # fmt: skip
+    assert json.loads(path.read_text())["data"]["fingerprint"] != stored["fingerprint"]
 
 
 # Issue 8 items 4 and 15 through the command line: clean errors, quiet logs.
@@ -478,7 +555,7 @@ def test_main_missing_cifar_names_the_flags(tmp_path):
 
 def test_unreadable_cifar_is_an_invalid_config_before_the_workdir(tmp_path):
     archive = tmp_path / "cifar-10-python.tar.gz"
-    _write_tiny_cifar(archive)  # 20 training images
+    files = _write_tiny_cifar(archive)  # 20 training images
     blob = archive.read_bytes()
     garbage, truncated = tmp_path / "garbage.tar.gz", tmp_path / "truncated.tar.gz"
     garbage.write_bytes(b"not an archive" * 100)
@@ -511,6 +588,22 @@ def test_unreadable_cifar_is_an_invalid_config_before_the_workdir(tmp_path):
     with pytest.raises(train.ConfigError, match="batch_size=32 .* the 20 training examples"):
         train.train_and_evaluate(config, str(tmp_path / "run_big_batch"))
     assert not (tmp_path / "run_big_batch").exists()
+    # More evaluation examples than the test set holds: refused (clamped, the
+    # run claimed a subset it did not evaluate on); the whole set is accepted.
+    num_test = len(files["test_batch"][b"labels"])
+    small = dataclasses.replace(base, data_dir=str(archive), batch_size=4)
+    with pytest.raises(
+        train.ConfigError, match=f"eval_examples={num_test + 1} .* the {num_test} test examples"
+    ):
+        train.train_and_evaluate(
+            dataclasses.replace(small, eval_examples=num_test + 1), str(tmp_path / "run_eval")
+        )
+    assert not (tmp_path / "run_eval").exists()
+    whole = train.train_and_evaluate(small, str(tmp_path / "run_all"))["final"]
+    exact = train.train_and_evaluate(
+        dataclasses.replace(small, eval_examples=num_test), str(tmp_path / "run_exact")
+    )["final"]
+    assert exact["test_accuracy"] == whole["test_accuracy"]
     # Through the command line: one line, no traceback, nothing written.
     proc = _run_main(
         f"--workdir={tmp_path / 'run_main'}", "--dataset=cifar10", f"--data_dir={garbage}"
