@@ -388,11 +388,10 @@ def main(argv=None) -> dict:
         progress=args.progress,
         checkpoint=False,
     )
-    try:
-        validate_runs(base, rows_spec)
-    except train.ConfigError as err:  # one line, as experiments.main says it
-        parser.error(f"invalid config: {err}")
-    results = run_configs(base, rows_spec, args.outdir)
+    try:  # a bad setting in one line, as experiments.main says it
+        results = run_configs(base, rows_spec, args.outdir)
+    except train.ConfigError as err:  # raised before the run it concerns trains
+        parser.error(str(err))
     table, rows = format_table(results, args.target)
     print(table)
     with open(os.path.join(args.outdir, "comparison.json"), "w") as f:

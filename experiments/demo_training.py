@@ -73,10 +73,9 @@ def main(argv=None) -> dict:
     # (they apply a global top of the summed messages: the accuracy effect).
     runs.update({f"ldte_bs_{e}": {"compressor": "ldte_bs", "exchange": e} for e in args.exchanges})
     try:
-        compare.validate_runs(base, runs)
-    except train.ConfigError as err:
-        parser.error(f"invalid config: {err}")
-    results = compare.run_configs(base, runs, args.outdir)
+        results = compare.run_configs(base, runs, args.outdir)
+    except train.ConfigError as err:  # raised before the run it concerns trains
+        parser.error(str(err))
     table, rows = compare.format_table(results, target=0.95)
     n_params = results["dense"]["num_params"]
     print(

@@ -137,13 +137,15 @@ def test_compare_and_demos_reject_bad_settings_in_one_line(capsys):
     for main, bad in (
         (compare.main, ["--ratio=2"]),
         (compare.main, ["--epochs=0"]),
-        (compare.main, ["--batch_size=7"]),
+        (compare.main, ["--schedule=bogus"]),
         (demo_training.main, ["--epochs=0"]),
         (demo.main, ["--size=0"]),
         (demo.main, ["--ratio=0"]),
     ):
+        # --num_devices=0: keep JAX's device count (already initialised here).
+        argv = bad if main is demo.main else [*bad, "--num_devices=0", "--outdir=/nonexistent/x"]
         with pytest.raises(SystemExit) as exit_info:
-            main([*bad, "--outdir=/nonexistent/x"] if main is not demo.main else bad)
+            main(argv)
         assert exit_info.value.code == 2, bad
         err = capsys.readouterr().err
         assert "Traceback" not in err and ("invalid config" in err or "must be" in err), bad
