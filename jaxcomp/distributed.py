@@ -939,24 +939,33 @@ def init_opt_state(
     return jax.jit(init_fn)(params)
 
 
-def _check_stacked_state(opt_state, mesh: Mesh, layout: _Layout) -> None:
-    """Raises unless every state leaf is stacked for this mesh's data-axis devices.
+def _check_stacked_state(
+    opt_state,
+    mesh: Mesh,
+    layout: _Layout,
+    who: str = "make_train_step",
+    name: str = "opt_state",
+    init: str = "jaxcomp.distributed.init_opt_state(tx, params, mesh)",
+) -> None:
+    """Raises unless every leaf of ``opt_state`` is stacked for this mesh's data-axis devices.
 
     The step splits the state's leading axis over the devices and each reads
     its first row: a state stacked for another device count would run, every
     device reading one row of its block, and the other rows (what those
-    devices owed, their residuals) would be silently dropped.
+    devices owed, their residuals) would be silently dropped. ``who``,
+    ``name`` and ``init``: the step, the field and the initialiser the
+    message names.
     """
     n_data = math.prod(mesh.shape[a] for a in layout.data_axes)
     for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
         rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
         if rows != n_data:
+            where = f" leaf {jax.tree_util.keystr(path)}" if path else ""
             raise ValueError(
-                f"make_train_step: opt_state leaf {jax.tree_util.keystr(path) or '<root>'} has "
-                f"shape {jnp.shape(leaf)}, but the state must be stacked for the mesh's "
-                f"{n_data} devices along {layout.data_axes} (leading axis {n_data}). Create "
-                "it with jaxcomp.distributed.init_opt_state(tx, params, mesh); to move a state "
-                "saved on another device count without losing its residuals, use "
+                f"{who}: {name}{where} has shape {jnp.shape(leaf)}, but the state must be "
+                f"stacked for the mesh's {n_data} devices along {layout.data_axes} (leading "
+                f"axis {n_data}). Create it with {init}; to move a state saved on another "
+                "device count without losing its residuals, use "
                 "jaxcomp.elastic.resize_opt_state."
             )
 

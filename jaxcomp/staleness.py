@@ -293,20 +293,8 @@ def _check_stacked(who: str, init: str, state, mesh: Mesh, axis_name, per_device
     devices owed: their residuals, or their pulled parameters).
     """
     layout = _layout(mesh, axis_name, state.params, None)
-    try:
-        _check_stacked_state(state.opt_state, mesh, layout)
-    except ValueError as e:
-        msg = str(e).removeprefix("make_train_step: ")
-        raise ValueError(f"{who}: state.{msg} (the initial state: {init})") from None
-    n_dev = _mesh_size(mesh, axis_name)
-    for name, tree in per_device.items():
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != n_dev:
-                raise ValueError(
-                    f"{who}: state.{name}{jax.tree_util.keystr(path)} has shape "
-                    f"{jnp.shape(leaf)}, but it must be stacked for the mesh's {n_dev} devices "
-                    f"along {axis_name!r} (leading axis {n_dev}); the initial state: {init}"
-                )
+    for name, tree in {"opt_state": state.opt_state, **per_device}.items():
+        _check_stacked_state(tree, mesh, layout, who, f"state.{name}", init)
 
 
 def make_stale_train_step(
