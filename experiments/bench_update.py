@@ -1,7 +1,8 @@
 """The full update, as a training step runs it: the donated single-device ``tx.update``.
 
-For each compressor (``ldte_bs``, ``top_k``, optionally ``gaussian_k``) at
-``ratio = 1e-3`` and each size (default ``2^22`` and ``2^24`` float32
+For each compressor (``ldte_bs``, ``ldte_bs`` with ``defer_residual=True``
+(``ldte_bs_deferred``), ``top_k``, optionally ``gaussian_k`` and
+``top_k_deferred``) at ``ratio = 1e-3`` and each size (default ``2^22`` and ``2^24`` float32
 elements), it times exactly what a one-device training step pays for the
 compressor::
 
@@ -69,13 +70,14 @@ Ratios (``speedup_vs_top_k``, ``floors``) come from medians measured in the
 same run. Writes ``<out>/bench_update.json`` and ``<out>/bench_update.png``.
 
 Run: ``python -m experiments.bench_update [--sizes 22,24]
-[--methods ldte_bs,top_k] [--repeats 15] [--warm_steps 20] [--no_stages]
+[--methods ldte_bs,ldte_bs_deferred,top_k] [--repeats 15] [--warm_steps 20] [--no_stages]
 [--no_profile] [--no_modes] [--malloc default|hugetlb] [--out results]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -100,6 +102,15 @@ METHODS = {
     "ldte_bs": (jaxcomp.ldte_bs, selectors.ldte_bs),
     "top_k": (jaxcomp.top_k, selectors.exact_top_k),
     "gaussian_k": (jaxcomp.gaussian_k, selectors.gaussian_k),
+    # defer_residual=True: the next step clears the message (jaxcomp.SparsifyState).
+    "ldte_bs_deferred": (
+        functools.partial(jaxcomp.ldte_bs, defer_residual=True),
+        selectors.ldte_bs,
+    ),
+    "top_k_deferred": (
+        functools.partial(jaxcomp.top_k, defer_residual=True),
+        selectors.exact_top_k,
+    ),
 }
 STAGES = ("check", "accumulate", "select")
 STEP_LR = 0.1  # the SGD learning rate of the timed training steps
@@ -740,7 +751,9 @@ def plot(results, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="22,24", help="log2 sizes")
-    parser.add_argument("--methods", default="ldte_bs,top_k", help=f"among {sorted(METHODS)}")
+    parser.add_argument(
+        "--methods", default="ldte_bs,ldte_bs_deferred,top_k", help=f"among {sorted(METHODS)}"
+    )
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warm_steps", type=int, default=20)
     parser.add_argument("--no_stages", action="store_true", help="skip the stage breakdown")

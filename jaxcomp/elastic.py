@@ -14,7 +14,11 @@ field (by the type and field name of the jaxcomp state that holds a leaf):
 rule              fields, and what device ``j`` of ``M`` gets
 ================  ==========================================================
 ``"fold"``        ``residual``, ``velocity`` (per-device owed mass; 1-bit and
-                  0/1 Adam's error feedback too).
+                  0/1 Adam's error feedback too); with
+                  ``defer_residual=True`` a sparsifier's ``accumulator``,
+                  after :meth:`SparsifyState.settled` wrote its residual
+                  out (``sent_threshold`` and ``sent_limit`` are then
+                  replicated).
                   Shrinking (``M < N``): old device ``i`` is assigned to
                   ``i mod M`` and ``new_j = (M/N) * sum_{i mod M = j} old_i``.
                   Growing (``M > N``): old device ``i`` is split evenly over
@@ -159,6 +163,11 @@ FIELD_RULES: Mapping[type, Mapping[str, str]] = types.MappingProxyType(
                 "message_bytes": "copy",
                 "wire_bytes": "copy",
                 "nonfinite_steps": "sum",
+                # defer_residual=True: settled first (SparsifyState.settled),
+                # the accumulator is then the residual, nothing is pending.
+                "accumulator": "fold",
+                "sent_threshold": "replicated",
+                "sent_limit": "replicated",
             }
         ),
         QuantizeState: types.MappingProxyType(
@@ -540,6 +549,7 @@ def resize_opt_state(
         raise ValueError("resize_opt_state: opt_state has no array leaves")
     if m != n:
         _check_no_owned_slices(opt_state)
+        opt_state = _settled(opt_state, n)
 
     def leaf_fn(path, x, rule):
         a = _host(path, x, n)
@@ -556,8 +566,10 @@ def owed_updates(opt_state, *, rules: Mapping[type, Mapping[str, str]] | None = 
 
     Returns:
       ``{path: float64 array}`` for every ``"fold"`` leaf (``residual``,
-      ``velocity``), path as ``jax.tree_util.keystr`` prints it; the mean is
-      over the leading device axis. :func:`resize_opt_state` keeps these.
+      ``velocity``; with ``defer_residual=True`` the settled
+      ``accumulator``, i.e. the residual), path as ``jax.tree_util.keystr``
+      prints it; the mean is over the leading device axis.
+      :func:`resize_opt_state` keeps these.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jaxcomp
@@ -577,8 +589,28 @@ def owed_updates(opt_state, *, rules: Mapping[type, Mapping[str, str]] | None = 
             found[jax.tree_util.keystr(path)] = a.astype(np.float64).mean(axis=0)
         return x
 
-    _walk(opt_state, merged, leaf_fn)
+    _walk(_settled(opt_state, None), merged, leaf_fn)
     return found
+
+
+def _settled(opt_state, n):
+    """``opt_state`` with every :class:`SparsifyState` settled (on the host if ``n`` is given).
+
+    With ``defer_residual=True`` a sparsifier leaves its last message in
+    ``accumulator`` (see SparsifyState); settled, ``accumulator`` is the
+    residual, which is what the devices owe and what folds.
+    """
+
+    def settle(path, node):
+        if not isinstance(node, SparsifyState) or node.accumulator is None:
+            return node
+        if n is not None:
+            node = jax.tree_util.tree_map_with_path(lambda p, x: _host((*path, *p), x, n), node)
+        return node.settled()
+
+    return jax.tree_util.tree_map_with_path(
+        settle, opt_state, is_leaf=lambda x: isinstance(x, SparsifyState)
+    )
 
 
 def _check_mesh(mesh: Mesh, axis_name, m: int | None, what: str) -> int:

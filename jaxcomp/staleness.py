@@ -583,6 +583,8 @@ def _push_bytes(state, updates) -> jax.Array:
             # sees, which are its residual's (optax.masked and multi_transform
             # give it MaskedNode, no leaf, for the others: pushed dense).
             residual = getattr(node, "residual", None)
+            if residual is None:  # defer_residual=True: the accumulator's leaves
+                residual = getattr(node, "accumulator", None)
             if residual is None:
                 covered = all_paths
             else:

@@ -20,6 +20,7 @@ from jaxcomp.transforms.quantizers import (
     signum,
     terngrad,
 )
+from jaxcomp.transforms.residuals import residuals
 from jaxcomp.transforms.sparsifiers import (
     binary_search,
     dgc,
@@ -56,6 +57,7 @@ __all__ = [
     "qsvrg",
     "quantize",
     "random_k",
+    "residuals",
     "sign_sgd",
     "signum",
     "sparsify",

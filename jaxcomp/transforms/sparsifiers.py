@@ -6,7 +6,7 @@ so ``optax.inject_hyperparams`` can bind them): ``axis_name``,
 ``min_dense_size``, ``residual_dtype``, ``capacity_factor``, ``momentum``,
 ``momentum_masking``, ``warmup_ratios``, ``steps_per_epoch``,
 ``granularity``, ``groups``, ``reuse_period``, ``nonfinite``, ``exchange``,
-``low_pass``, ``seed``.
+``low_pass``, ``defer_residual``, ``seed``.
 
 ``reuse_period=s`` is DLGS's threshold reuse (the selector runs every ``s``
 steps, the stored threshold is applied in between) and ``groups=`` DLGS's
@@ -85,6 +85,7 @@ def _common(
     nonfinite,
     exchange,
     low_pass,
+    defer_residual,
     seed,
 ) -> dict:
     return dict(
@@ -102,6 +103,7 @@ def _common(
         nonfinite=nonfinite,
         exchange=exchange,
         low_pass=low_pass,
+        defer_residual=defer_residual,
         seed=seed,
     )
 
@@ -124,6 +126,7 @@ def top_k(
     nonfinite: str = "skip",
     exchange: str = "auto",
     low_pass: _Float | None = None,
+    defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Exact top-k sparsification with error feedback (residual gradient compression).
@@ -147,7 +150,7 @@ def top_k(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, seed,
+        low_pass, defer_residual, seed,
     )  # fmt: skip
     return sparsify("top_k" if method == "top_k" else "sort_top_k", ratio, **common)
 
@@ -179,6 +182,7 @@ def ldte_bs(
     nonfinite: str = "skip",
     exchange: str = "auto",
     low_pass: _Float | None = None,
+    defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """LDTE-BS: Laplacian threshold estimate with a binary-search correction.
@@ -262,7 +266,7 @@ def ldte_bs(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, seed,
+        low_pass, defer_residual, seed,
     )  # fmt: skip
     return sparsify("ldte_bs", ratio, selector_options=opts, **common)
 
@@ -295,6 +299,7 @@ def binary_search(
     nonfinite: str = "skip",
     exchange: str = "auto",
     low_pass: _Float | None = None,
+    defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """RedSync's binary search on the threshold, without a distribution estimate.
@@ -330,7 +335,7 @@ def binary_search(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, seed,
+        low_pass, defer_residual, seed,
     )  # fmt: skip
     return sparsify("binary_search", ratio, selector_options=opts, **common)
 
@@ -356,6 +361,7 @@ def dgc(
     nonfinite: str = "skip",
     exchange: str = "auto",
     low_pass: _Float | None = None,
+    defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """DGC's sampled hierarchical top-k selection (add ``momentum=0.9`` for DGC's recipe).
@@ -389,7 +395,7 @@ def dgc(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, seed,
+        low_pass, defer_residual, seed,
     )  # fmt: skip
     return sparsify("dgc", ratio, selector_options=opts, **common)
 
@@ -413,6 +419,7 @@ def trimmed_top_k(
     nonfinite: str = "skip",
     exchange: str = "auto",
     low_pass: _Float | None = None,
+    defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """RedSync's trimmed top-k: ``mean + r (max - mean)`` prefilter, then exact top-k.
@@ -437,7 +444,7 @@ def trimmed_top_k(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, seed,
+        low_pass, defer_residual, seed,
     )  # fmt: skip
     return sparsify("trimmed_top_k", ratio, selector_options=opts, **common)
 
@@ -460,6 +467,7 @@ def gaussian_k(
     nonfinite: str = "skip",
     exchange: str = "auto",
     low_pass: _Float | None = None,
+    defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Gaussian-k (Shi et al.): Gaussian-fit threshold with up to 3 corrections.
@@ -482,7 +490,7 @@ def gaussian_k(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, seed,
+        low_pass, defer_residual, seed,
     )  # fmt: skip
     return sparsify("gaussian_k", ratio, selector_options=dict(corrections=corrections), **common)
 
@@ -504,6 +512,7 @@ def random_k(
     nonfinite: str = "skip",
     exchange: str = "auto",
     low_pass: _Float | None = None,
+    defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """k coordinates uniformly at random each step (unscaled, with error feedback).
@@ -529,7 +538,7 @@ def random_k(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, seed,
+        low_pass, defer_residual, seed,
     )  # fmt: skip
     return sparsify("random_k", ratio, **common)
 
@@ -552,6 +561,7 @@ def threshold(
     nonfinite: str = "skip",
     exchange: str = "auto",
     low_pass: _Float | None = None,
+    defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Fixed threshold ("fixed-v"): send ``|R| > threshold``.
@@ -577,6 +587,6 @@ def threshold(
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
         warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, seed,
+        low_pass, defer_residual, seed,
     )  # fmt: skip
     return sparsify("threshold", ratio, selector_options=dict(threshold=threshold), **common)

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -85,7 +86,8 @@ class SparsifyState(NamedTuple):
       step: int32, number of updates so far (drives the warm-up schedule and
         the threshold-reuse period).
       residual: the error-feedback memory, a pytree like the gradients in the
-        residual dtype (per device under ``shard_map``).
+        residual dtype (per device under ``shard_map``); None with
+        ``defer_residual=True`` (then ``accumulator`` holds it).
       velocity: DGC momentum-correction velocity ``u`` (like ``residual``), or
         ``None`` when ``momentum == 0``.
       key: raw uint32 PRNG key data (random selectors), advanced by folding in
@@ -104,6 +106,17 @@ class SparsifyState(NamedTuple):
       wire_bytes: float32, bytes this device put on the wire in the last step
         (from the collective's shapes; 0 with ``axis_name=None``).
       nonfinite_steps: int32, steps whose gradients held NaN or Inf.
+      accumulator: with ``defer_residual=True`` (else None): the memory as
+        the last step left it, the residual plus the elements of the last
+        message, which the next step clears as it accumulates. Read the
+        residual with :func:`jaxcomp.residuals` (or :meth:`settled`).
+      sent_threshold: with ``defer_residual=True`` (else None), float32 per
+        leaf (whatever the ``granularity``): the elements of ``accumulator``
+        whose float32 magnitude is above it, at flat indices up to
+        ``sent_limit``, were sent by the last step; ``inf`` when nothing is
+        pending.
+      sent_limit: with ``defer_residual=True`` (else None), int32 per leaf:
+        the last flat index of the leaf the last message may hold.
     """
 
     step: jax.Array
@@ -116,6 +129,53 @@ class SparsifyState(NamedTuple):
     message_bytes: Any
     wire_bytes: jax.Array
     nonfinite_steps: jax.Array
+    accumulator: Any = None
+    sent_threshold: Any = None
+    sent_limit: Any = None
+
+    def settled(self) -> SparsifyState:
+        """The same state with nothing pending (``defer_residual=True``; else itself).
+
+        ``accumulator`` becomes the residual, ``sent_threshold`` ``inf`` (and
+        ``sent_limit`` 0): the form whose ``accumulator`` can be read, folded
+        or replaced directly. numpy states stay numpy (see :func:`clear_sent`).
+        """
+        if self.accumulator is None:
+            return self
+        pending = jax.tree.map(clear_sent, self.accumulator, self.sent_threshold, self.sent_limit)
+        leaves = jax.tree.leaves(self.sent_threshold)
+        xp = np if all(isinstance(t, np.ndarray | np.generic) for t in leaves) else jnp
+        return self._replace(
+            accumulator=pending,
+            sent_threshold=jax.tree.map(
+                lambda t: xp.full(np.shape(t), np.inf, np.float32), self.sent_threshold
+            ),
+            sent_limit=jax.tree.map(lambda x: xp.zeros(np.shape(x), np.int32), self.sent_limit),
+        )
+
+
+def clear_sent(accumulator: Any, sent_threshold: Any, sent_limit: Any) -> Any:
+    """One leaf's residual: ``accumulator`` with the pending message's elements set to +0.
+
+    An element was sent when its float32 magnitude is above ``sent_threshold``
+    and its flat index is at most ``sent_limit`` (the comparison the step's
+    mask made, so the result is bit for bit the residual an immediate write
+    gives). Leading axes of ``sent_threshold`` (a state stacked per device)
+    are leading axes of ``accumulator``; the flat index runs over the rest.
+    numpy in, numpy out (on the host, in the accumulator's dtype whatever
+    ``jax_enable_x64`` says); anything else goes through ``jax.numpy``.
+    """
+    host = all(isinstance(v, np.ndarray | np.generic) for v in (accumulator, sent_threshold))
+    xp = np if host else jnp
+    a = xp.asarray(accumulator)
+    t = xp.asarray(sent_threshold, np.float32)
+    limit = xp.asarray(sent_limit, np.int32)
+    lead = t.ndim
+    flat = a.reshape(*a.shape[:lead], -1)
+    shape = (1,) * (flat.ndim - 1) + (flat.shape[-1],)
+    index = xp.arange(flat.shape[-1], dtype=np.int32).reshape(shape)
+    sent = (xp.abs(flat.astype(np.float32)) > t[..., None]) & (index <= limit[..., None])
+    return xp.where(sent, xp.zeros((), a.dtype), flat).reshape(a.shape)
 
 
 # ---------------------------------------------------------------------------
@@ -146,6 +206,7 @@ class _Config:
     groups: Any  # None, or a validated groups spec (see resolve_groups)
     reuse_period: int
     low_pass: Any  # float in (0, 1], or a JAX array (an injected hyperparameter)
+    defer_residual: bool  # one device: the next step clears the message (SparsifyState)
 
 
 class _StepContext(NamedTuple):
@@ -177,6 +238,9 @@ class _FlatOut(NamedTuple):
     threshold: jax.Array
     iterations: jax.Array
     wire_bytes: jax.Array
+    # Deferred clearing (one device): ``residual`` is the accumulator and the
+    # message is {|acc| > threshold, index <= sent_limit}; None: written out.
+    sent_limit: jax.Array | None = None
 
 
 class _GroupOut(NamedTuple):
@@ -192,6 +256,10 @@ class _GroupOut(NamedTuple):
     message_bytes: jax.Array
     leaf_bytes: list
     wire_bytes: jax.Array
+    # Deferred clearing: per leaf, the pending message's threshold and last
+    # flat index (``residuals`` then holds the accumulators); None: nothing pending.
+    sent_thresholds: list | None = None
+    sent_limits: list | None = None
 
 
 def _capacity(k: int, n: int, capacity_factor: float) -> int:
@@ -352,6 +420,7 @@ def sparsify(
     nonfinite: str = "skip",
     exchange: str = "auto",
     low_pass: float | jax.Array | None = None,
+    defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """A sparsifying compressor with error feedback around any selector.
@@ -477,6 +546,20 @@ def sparsify(
         formula is recomputed as ``acc - increment`` (which spares XLA a copy),
         so results match it to a rounding of the accumulator. May be traced (under
         ``optax.inject_hyperparams``). None: 1, plain error feedback.
+      defer_residual: one device only (``axis_name=None``): keep the
+        accumulator and the mask of the message in the state and clear the
+        sent elements at the next step, in the pass that adds the gradient,
+        instead of writing the residual now. The update is the same, bit for
+        bit, and so is the residual it implies; the step saves a copy and
+        two dense passes (XLA:CPU cannot write a buffer in place after the
+        selector's ``while_loop`` read it): ``ldte_bs``'s update at 2^22
+        makes 5 n-sized reads and 2 writes instead of 8 and 4. The state
+        then has no ``residual`` field value (None): it holds
+        ``accumulator``, ``sent_threshold`` and ``sent_limit``; read the
+        residual with :func:`jaxcomp.residuals`. Leaves whose update is
+        rounded (a bf16 leaf with a float32 residual) and a ``low_pass``
+        filter write the residual out into ``accumulator`` (nothing pending).
+        Default False: the state's ``residual`` is the residual.
       seed: seed of the PRNG stream of random selectors (``random_k``), an
         int32; only ``init`` reads it, so it may be traced.
 
@@ -521,6 +604,7 @@ def sparsify(
         nonfinite=nonfinite,
         exchange=exchange,
         low_pass=low_pass,
+        defer_residual=defer_residual,
     )
     seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
 
@@ -555,7 +639,9 @@ def sparsify(
             return _update(cfg, updates, state, include, scatter=_scatter_leaves(updates, scatter))
         # Leaves split over explicit mesh axes (jit outside shard_map): each
         # leaf compressed whole, as on one device (see jaxcomp._sharding).
-        return _sharding.whole_leaves(functools.partial(_update, cfg))(updates, state, include)
+        return _sharding.whole_leaves(
+            functools.partial(_update, cfg), fields=("residual", "accumulator", "velocity")
+        )(updates, state, include)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -579,6 +665,7 @@ def _make_config(
     nonfinite,
     exchange,
     low_pass,
+    defer_residual,
 ) -> _Config:
     """Validates :func:`sparsify`'s arguments (each error names its argument)."""
     # Static options default to None (the documented value) so that
@@ -606,6 +693,13 @@ def _make_config(
         allow_traced=True,
     )
     momentum_masking = V.check_bool("momentum_masking", momentum_masking)
+    defer_residual = V.check_bool("defer_residual", defer_residual)
+    if defer_residual and axis_name is not None:
+        raise ValueError(
+            "defer_residual=True applies to one device (axis_name=None): with an exchange the "
+            f"residual is updated by a k-sized scatter and nothing is deferred; got "
+            f"axis_name={axis_name!r}"
+        )
     low_pass = V.check_real(
         "low_pass", 1.0 if low_pass is None else low_pass, 0.0, 1.0, low_open=True,
         allow_traced=True,
@@ -696,6 +790,7 @@ def _make_config(
         groups=groups,
         reuse_period=reuse_period,
         low_pass=low_pass,
+        defer_residual=defer_residual,
     )
 
 
@@ -725,9 +820,10 @@ def _init(cfg: _Config, seed, params) -> SparsifyState:
     def stat(dtype):
         return jax.tree.map(lambda _: jnp.zeros([], dtype), stats_like)
 
+    defer = cfg.defer_residual
     return SparsifyState(
         step=jnp.zeros([], jnp.int32),
-        residual=zeros(),
+        residual=None if defer else zeros(),
         velocity=zeros() if cfg.use_velocity else None,
         key=jax.random.key_data(jax.random.key(seed)),
         sent_count=stat(jnp.int32),
@@ -736,6 +832,11 @@ def _init(cfg: _Config, seed, params) -> SparsifyState:
         message_bytes=stat(jnp.int32),
         wire_bytes=jnp.zeros([], jnp.float32),
         nonfinite_steps=jnp.zeros([], jnp.int32),
+        accumulator=zeros() if defer else None,
+        sent_threshold=(
+            jax.tree.map(lambda _: jnp.full([], jnp.inf, jnp.float32), params) if defer else None
+        ),
+        sent_limit=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params) if defer else None,
     )
 
 
@@ -759,7 +860,15 @@ class _StepInputs(NamedTuple):
 
 def _check_updates(cfg: _Config, updates, state: SparsifyState) -> None:
     V.check_gradient_leaves(updates, "jaxcomp.sparsify")
-    V.check_tree_like(updates, state.residual, "jaxcomp.sparsify")
+    if cfg.defer_residual != (state.accumulator is not None):
+        raise ValueError(
+            f"jaxcomp.sparsify: a state of a transform with defer_residual="
+            f"{not cfg.defer_residual} passed to one with defer_residual={cfg.defer_residual}; "
+            "initialise the state with this transform's init (or convert it: see "
+            "SparsifyState.settled)"
+        )
+    memory = state.accumulator if cfg.defer_residual else state.residual
+    V.check_tree_like(updates, memory, "jaxcomp.sparsify")
     check_per_device(updates, cfg.axis_name, "jaxcomp.sparsify")
 
 
@@ -770,7 +879,20 @@ def _step_inputs(cfg: _Config, tree, state: SparsifyState) -> _StepInputs:
         key = jax.random.fold_in(key, lax.axis_index(cfg.axis_name))
     layout = _layout(cfg, tree)
     treedef = jax.tree.structure(tree)
-    r_leaves = treedef.flatten_up_to(state.residual)
+    if not cfg.defer_residual:
+        r_leaves = treedef.flatten_up_to(state.residual)
+    else:
+        # The last step's message, cleared here: XLA fuses it into the
+        # accumulation's pass (see SparsifyState).
+        r_leaves = [
+            clear_sent(a, t, lim)
+            for a, t, lim in zip(
+                treedef.flatten_up_to(state.accumulator),
+                treedef.flatten_up_to(state.sent_threshold),
+                treedef.flatten_up_to(state.sent_limit),
+                strict=True,
+            )
+        ]
     v_leaves = None if state.velocity is None else treedef.flatten_up_to(state.velocity)
     stored = treedef.flatten_up_to(state.threshold) if layout.per_leaf else None
     groups = tuple(
@@ -839,11 +961,15 @@ def _finish(cfg: _Config, state: SparsifyState, inputs: _StepInputs, outs, finit
     """``(updates, new_state)`` from the groups' results, scattered back to leaf order."""
     layout, treedef = inputs.layout, inputs.treedef
     n = treedef.num_leaves
-    fields = {name: [None] * n for name in ("upd", "res", "vel", "cnt", "thr", "its", "mb")}
+    names = ("upd", "res", "sth", "slim", "vel", "cnt", "thr", "its", "mb")
+    fields = {name: [None] * n for name in names}
     for gi, o in zip(inputs.groups, outs, strict=True):
         for j, i in enumerate(gi.members):
             fields["upd"][i] = o.updates[j]
             fields["res"][i] = o.residuals[j]
+            deferred = o.sent_limits is not None
+            fields["sth"][i] = o.sent_thresholds[j] if deferred else jnp.float32(jnp.inf)
+            fields["slim"][i] = o.sent_limits[j] if deferred else jnp.int32(0)
             fields["vel"][i] = None if o.velocities is None else o.velocities[j]
             fields["cnt"][i] = o.leaf_counts[j]
             fields["thr"][i] = o.threshold
@@ -866,7 +992,15 @@ def _finish(cfg: _Config, state: SparsifyState, inputs: _StepInputs, outs, finit
         }
     new_state = state._replace(
         step=state.step + 1,
-        residual=treedef.unflatten(fields["res"]),
+        **(
+            dict(
+                accumulator=treedef.unflatten(fields["res"]),
+                sent_threshold=treedef.unflatten(fields["sth"]),
+                sent_limit=treedef.unflatten(fields["slim"]),
+            )
+            if cfg.defer_residual
+            else dict(residual=treedef.unflatten(fields["res"]))
+        ),
         velocity=None if state.velocity is None else treedef.unflatten(fields["vel"]),
         wire_bytes=sum((o.wire_bytes for o in outs), jnp.float32(0)),
         nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
@@ -892,7 +1026,16 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
     flat_r = _concat([r.reshape(-1) for r in rs], rdt)
     flat_v = None if vs is None else _concat([v.reshape(-1) for v in vs], rdt)
     segments = tuple(sizes) if per_leaf and len(gs) > 1 else None
-    o = _compress_flat(cfg, flat_g, flat_r, flat_v, stored, key, ctx, segments)
+    # One device defers clearing the message from the accumulator (see
+    # SparsifyState) when the update is the accumulator's values themselves:
+    # no leaf-dtype rounding to keep, no low-pass filter on the residual.
+    defer = (
+        cfg.defer_residual
+        and cfg.axis_name is None
+        and not _low_pass_on(cfg)
+        and all(jnp.dtype(g.dtype) == rdt for g in gs)
+    )
+    o = _compress_flat(cfg, flat_g, flat_r, flat_v, stored, key, ctx, segments, defer=defer)
 
     def split(flat):
         if len(sizes) == 1:
@@ -922,6 +1065,12 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
         before = split(_residual_from_accumulator(cfg, flat_g, flat_r, flat_v, ctx.send_ok))
         residuals = [_low_pass(cfg, b, r) for b, r in zip(before, residuals, strict=True)]
     velocities = None if o.velocity is None else split(o.velocity)
+    sent_thresholds = sent_limits = None
+    if o.sent_limit is not None:
+        # Each leaf's share of the group's message: its own flat indices.
+        starts = [0, *itertools.accumulate(sizes)][:-1]
+        sent_thresholds = [o.threshold] * len(gs)
+        sent_limits = [o.sent_limit - lo for lo in starts]
 
     n = flat_g.shape[0]
     item = jnp.dtype(wire).itemsize
@@ -940,11 +1089,19 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
         message_bytes=o.count * per_element,
         leaf_bytes=[c * per_element for c in leaf_counts],
         wire_bytes=o.wire_bytes,
+        sent_thresholds=sent_thresholds,
+        sent_limits=sent_limits,
     )
 
 
-def _compress_flat(cfg: _Config, g, residual, velocity, stored, key, ctx, segments) -> _FlatOut:
-    """One 1-D buffer: accumulate, select (or reuse) per warm-up phase, send."""
+def _compress_flat(
+    cfg: _Config, g, residual, velocity, stored, key, ctx, segments, *, defer=False
+) -> _FlatOut:
+    """One 1-D buffer: accumulate, select (or reuse) per warm-up phase, send.
+
+    ``defer``: a masked send may leave the message in the accumulator (see
+    SparsifyState); the output's ``sent_limit`` then says it did.
+    """
     n = g.shape[0]
     acc, u = _accumulate(cfg, g, residual, velocity, ctx.send_ok)
     if n == 0 or n <= cfg.min_dense_size:
@@ -955,7 +1112,19 @@ def _compress_flat(cfg: _Config, g, residual, velocity, stored, key, ctx, segmen
         k = selectors.target_count(ratio, n)
         cap = _capacity(k, n, cfg.capacity_factor)
         return functools.partial(
-            _select_and_send, cfg, acc, u, k, cap, g.dtype, key, ctx, stored, refresh, segments
+            _select_and_send,
+            cfg,
+            acc,
+            u,
+            k,
+            cap,
+            g.dtype,
+            key,
+            ctx,
+            stored,
+            refresh,
+            segments,
+            defer=defer,
         )
 
     branches = [phase(r) for r in cfg.phase_ratios]
@@ -1081,7 +1250,7 @@ def _select(cfg: _Config, acc, k, key, stored, refresh, *, count_needed) -> sele
 
 
 def _select_and_send(
-    cfg: _Config, acc, u, k, cap, out_dtype, key, ctx, stored, refresh, segments
+    cfg: _Config, acc, u, k, cap, out_dtype, key, ctx, stored, refresh, segments, *, defer=False
 ) -> _FlatOut:
     # A left-out backup worker selects nothing: its message is absent from
     # the mean and everything stays in its residual (nothing lost; with low_pass < 1
@@ -1090,21 +1259,24 @@ def _select_and_send(
     n = acc.shape[0]
     masked = cfg.axis_name is None
     x = None
-    if masked and cfg.select_fn not in (selectors.exact_top_k, selectors.sort_top_k):
-        # One device: the selector and the overflow cond of _send_masked read
-        # their own copy of the accumulator, equal bit for bit (x + (-0.0) ==
-        # x, NaN stays NaN; the barrier keeps XLA from folding the add or
-        # merging the copy into acc). XLA:CPU cannot update an n-sized value
-        # in place once it has been read inside a conditional or while loop
-        # (the selector's search, the overflow cond), and the step has two
-        # n-sized outputs for one donated buffer: an `acc` read there needed
-        # a fresh n-sized temporary on every call (page faults). With the
-        # copy, acc and the update reuse the donated residual's buffer and
-        # the copy and the new residual share the one fresh output buffer:
-        # one extra pass, one fresh buffer fewer (ldte_bs at 2^24: 96-101 vs
-        # 121-124 ms, experiments/bench_update.py). Not for top-k and sort:
-        # they materialise |x| for lax.top_k / the sort anyway and have no
-        # control flow over x, so the copy would be a third n-sized buffer.
+    if masked and not defer and cfg.select_fn not in (selectors.exact_top_k, selectors.sort_top_k):
+        # One device, writing the residual now (not deferred): the selector
+        # and the overflow cond of _send_masked read their own copy of the
+        # accumulator, equal bit for bit (x + (-0.0) == x, NaN stays NaN; the
+        # barrier keeps XLA from folding the add or merging the copy into
+        # acc). XLA:CPU cannot update an n-sized value in place once it has
+        # been read inside a conditional or while loop (the selector's search,
+        # the overflow cond), and the step has two n-sized outputs for one
+        # donated buffer: an `acc` read there needed a fresh n-sized temporary
+        # on every call (page faults). With the copy, acc and the update reuse
+        # the donated residual's buffer and the copy and the new residual
+        # share the one fresh output buffer: one extra pass, one fresh buffer
+        # fewer (ldte_bs at 2^24: 96-101 vs 121-124 ms,
+        # experiments/bench_update.py). Not for top-k and sort: they
+        # materialise |x| for lax.top_k / the sort anyway and have no control
+        # flow over x, so the copy would be a third n-sized buffer. Deferred
+        # (defer_residual=True), acc is an output as it is, never written
+        # after the selector read it: no copy needed.
         x = acc + lax.optimization_barrier(jnp.array(-0.0, acc.dtype))
     if cfg.hint_previous:
         # The state's threshold starts at 0: no previous threshold before step 0.
@@ -1118,7 +1290,7 @@ def _select_and_send(
         indices=None if sel.indices is None else jnp.where(send_ok, sel.indices, n),
     )
     if sel.indices is None and masked:
-        return _send_masked(cfg, acc, u, sel, cap, out_dtype, segments, x)
+        return _send_masked(cfg, acc, u, sel, cap, out_dtype, segments, x, defer=defer)
     return _send_extracted(cfg, acc, u, sel, cap, out_dtype, ctx, segments)
 
 
@@ -1161,7 +1333,9 @@ def _bounds(segments):
     return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
-def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) -> _FlatOut:
+def _send_masked(
+    cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None, *, defer=False
+) -> _FlatOut:
     """One device: a dense mask is enough, no stream compaction.
 
     On overflow (count > capacity: ties, fixed or reused thresholds) the
@@ -1171,6 +1345,12 @@ def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) ->
     (XLA:CPU runs conditional branches unfused). ``x`` (default ``acc``) is
     what the cond reads: the selector's copy of ``acc``, equal to it bit for
     bit, so that ``acc`` stays out of control flow (see _select_and_send).
+
+    ``defer`` (the update in ``acc``'s own dtype): the output's residual is
+    ``acc`` itself and ``sent_limit`` the mask's index bound; the next step
+    clears the message (see SparsifyState). ``acc`` is then only read after
+    the selector, so XLA accumulates in place and needs neither the copy nor
+    a residual pass: 5 n-sized reads and 2 writes instead of 8 and 4.
     """
     n = acc.shape[0]
     copied = x is not None
@@ -1188,7 +1368,11 @@ def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) ->
     iota = lax.iota(jnp.int32, n)
     mask = above & (iota <= limit)
     sent_out = _to_wire(jnp.where(mask, acc, 0), out_dtype)
-    residual = _keep_rest(acc, mask, sent_out)
+    seg = None
+    if segments is not None:
+        seg = tuple(jnp.sum(mask[lo:hi], dtype=jnp.int32) for lo, hi in _bounds(segments))
+    # Deferred: the accumulator, message included (cleared by the next step).
+    residual = acc if defer else _keep_rest(acc, mask, sent_out)
     if copied and sent_out.dtype == acc.dtype:
         # The same update, read off the residual (here where(mask, +0, acc)):
         # the bits of acc and-not those of the residual are acc's where sent
@@ -1208,9 +1392,6 @@ def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) ->
         bits = jnp.dtype(f"uint{8 * acc.dtype.itemsize}")
         sent_bits = lax.bitcast_convert_type(acc, bits) & ~lax.bitcast_convert_type(residual, bits)
         sent_out = lax.bitcast_convert_type(sent_bits, acc.dtype)
-    seg = None
-    if segments is not None:
-        seg = tuple(jnp.sum(mask[lo:hi], dtype=jnp.int32) for lo, hi in _bounds(segments))
     return _FlatOut(
         update=sent_out,
         residual=residual,
@@ -1220,6 +1401,7 @@ def _send_masked(cfg: _Config, acc, u, sel, cap, out_dtype, segments, x=None) ->
         threshold=sel.threshold,
         iterations=sel.iterations,
         wire_bytes=jnp.float32(0),
+        sent_limit=limit if defer else None,
     )
 
 

@@ -1,0 +1,291 @@
+"""``defer_residual=True``: the one-device sparsifiers clear their message a step late.
+
+The step keeps the accumulator and the mask of its message (``sent_threshold``,
+``sent_limit``) and the next step clears the message as it accumulates. Two
+references: the same transform without the option (the residual written out
+by the default code path), and the deferred state settled after every step
+(nothing pending). Updates and residuals must agree bit for bit, over steps
+that cut the message at the capacity (ties), reuse a threshold, switch
+warm-up phases, merge leaves into one group or carry DGC momentum.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from jaxcomp import elastic
+from jaxcomp.transforms.sparsify import clear_sent
+
+
+def _bits(x):
+    a = np.asarray(x)
+    return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}"))
+
+
+def _grads(kind, step):
+    rng = np.random.default_rng(step)
+    shapes = {"w": (40, 30), "b": (30,), "v": (257,)}
+    if kind == "ties":  # all ones: no threshold splits them, the capacity cuts the message
+        return {k: jnp.ones(s, jnp.float32) for k, s in shapes.items()}
+    if kind == "zeros":
+        return {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+    return {k: jnp.asarray(rng.laplace(size=s).astype(np.float32)) for k, s in shapes.items()}
+
+
+CASES = {
+    "ldte_bs": lambda **kw: jaxcomp.ldte_bs(0.01, min_dense_size=0, **kw),
+    "top_k": lambda **kw: jaxcomp.top_k(0.01, min_dense_size=0, **kw),
+    "gaussian_k": lambda **kw: jaxcomp.gaussian_k(0.01, min_dense_size=0, **kw),
+    "binary_search": lambda **kw: jaxcomp.binary_search(0.01, min_dense_size=0, **kw),
+    "trimmed_top_k": lambda **kw: jaxcomp.trimmed_top_k(0.01, min_dense_size=0, **kw),
+    "threshold": lambda **kw: jaxcomp.threshold(0.01, threshold=1.5, min_dense_size=0, **kw),
+    # All-ones gradients meet this threshold exactly: not sent (|x| > t only).
+    "threshold_tie": lambda **kw: jaxcomp.threshold(0.01, threshold=1.0, min_dense_size=0, **kw),
+    "dgc_momentum": lambda **kw: jaxcomp.dgc(0.01, momentum=0.9, min_dense_size=0, **kw),
+    "global": lambda **kw: jaxcomp.ldte_bs(0.01, granularity="global", min_dense_size=0, **kw),
+    "groups": lambda **kw: jaxcomp.ldte_bs(
+        0.01, groups=[["['b']", "['v']"]], min_dense_size=0, **kw
+    ),
+    "reuse": lambda **kw: jaxcomp.ldte_bs(0.01, reuse_period=3, min_dense_size=0, **kw),
+    "warmup": lambda **kw: jaxcomp.ldte_bs(
+        0.01, warmup_ratios=(0.25, 0.05), steps_per_epoch=2, min_dense_size=0, **kw
+    ),
+    "min_dense_size": lambda **kw: jaxcomp.ldte_bs(0.01, min_dense_size=300, **kw),
+}
+
+
+@pytest.mark.parametrize("kind", ["laplace", "ties", "zeros"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_deferred_matches_the_written_out_residual(name, kind):
+    deferred_tx = CASES[name](defer_residual=True)
+    plain_tx = CASES[name]()
+    d_step, p_step = jax.jit(deferred_tx.update), jax.jit(plain_tx.update)
+    g0 = _grads(kind, 0)
+    deferred, settled, plain = deferred_tx.init(g0), deferred_tx.init(g0), plain_tx.init(g0)
+    assert deferred.residual is None and plain.accumulator is None
+    pending = 0
+    for i in range(6):
+        g = _grads(kind, i)
+        u_d, new_d = d_step(g, deferred)
+        u_s, new_s = d_step(g, settled.settled())
+        u_p, new_p = p_step(g, plain)
+        res_d = jaxcomp.residuals(new_d)
+        for k in g:
+            for u in (u_s, u_p):
+                np.testing.assert_array_equal(_bits(u_d[k]), _bits(u[k]), err_msg=f"{k} {i}")
+            np.testing.assert_array_equal(_bits(res_d[k]), _bits(new_p.residual[k]))
+            np.testing.assert_array_equal(_bits(res_d[k]), _bits(new_s.settled().accumulator[k]))
+            if new_d.velocity is not None:
+                np.testing.assert_array_equal(_bits(new_d.velocity[k]), _bits(new_p.velocity[k]))
+        pending += sum(np.isfinite(np.asarray(t)) for t in jax.tree.leaves(new_d.sent_threshold))
+        deferred, settled, plain = new_d, new_s, new_p
+    if kind != "zeros" and name != "min_dense_size":
+        assert pending > 0  # the deferred path ran, not only the written-out one
+
+
+def test_nothing_lost_bit_for_bit():
+    tx = jaxcomp.ldte_bs(0.01, min_dense_size=0, defer_residual=True)
+    state = tx.init(_grads("laplace", 0))
+    for i in range(4):
+        g = _grads("laplace", i)
+        old = jaxcomp.residuals(state)
+        u, state = jax.jit(tx.update)(g, state)
+        new = jaxcomp.residuals(state)
+        for k in g:
+            total = np.asarray(u[k]) + np.asarray(new[k])
+            np.testing.assert_array_equal(total, np.asarray(old[k]) + np.asarray(g[k]))
+
+
+def test_capacity_cut_is_per_leaf_in_a_merged_group():
+    # All ones in one merged group: the message is the first `capacity` ones
+    # of the concatenated group in index order, so the cut falls inside a leaf.
+    tx = jaxcomp.ldte_bs(0.01, granularity="global", min_dense_size=0, defer_residual=True)
+    g = {"a": jnp.ones(300), "b": jnp.ones(500), "c": jnp.ones(200)}  # flattened a, b, c
+    u, state = jax.jit(tx.update)(g, tx.init(g))
+    flat_u = np.concatenate([np.asarray(u[k]) for k in "abc"])
+    sent = int(state.sent_count)
+    assert 10 <= sent < 1000
+    np.testing.assert_array_equal(flat_u, (np.arange(1000) < sent).astype(np.float32))
+    limits = {k: int(state.sent_limit[k]) for k in "abc"}
+    assert limits == {"a": sent - 1, "b": sent - 1 - 300, "c": sent - 1 - 800}
+    res = jaxcomp.residuals(state)
+    for k in "abc":  # the accumulator still holds the message; the residual does not
+        np.testing.assert_array_equal(np.asarray(state.accumulator[k]), 1.0)
+        np.testing.assert_array_equal(np.asarray(res[k]), 1.0 - np.asarray(u[k]))
+    # The next step sends the ones the cut kept back first.
+    u2, _ = jax.jit(tx.update)(g, state)
+    flat_u2 = np.concatenate([np.asarray(u2[k]) for k in "abc"])
+    assert np.all(flat_u2[sent : 2 * sent] == 2.0) and np.all(flat_u2[:sent] == 0.0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxcomp.ldte_bs(0.01, min_dense_size=0, low_pass=0.5, defer_residual=True),
+        lambda: jaxcomp.random_k(0.01, min_dense_size=0, defer_residual=True),
+    ],
+    ids=["low_pass", "random_k"],
+)
+def test_paths_that_write_the_residual_out(make):
+    tx = make()
+    g = _grads("laplace", 0)
+    _, state = jax.jit(tx.update)(g, tx.init(g))
+    assert all(np.isinf(np.asarray(t)) for t in jax.tree.leaves(state.sent_threshold))
+    for k in g:
+        np.testing.assert_array_equal(jaxcomp.residuals(state)[k], state.accumulator[k])
+
+
+def test_bf16_leaf_writes_its_residual_out_float32_leaf_defers():
+    tx = jaxcomp.ldte_bs(0.01, min_dense_size=0, defer_residual=True)
+    g = {
+        "h": jnp.asarray(np.random.default_rng(0).laplace(size=3000)).astype(jnp.bfloat16),
+        "f": jnp.asarray(np.random.default_rng(1).laplace(size=3000).astype(np.float32)),
+    }
+    u, state = jax.jit(tx.update)(g, tx.init(g))
+    assert np.isinf(float(state.sent_threshold["h"]))  # the bf16 message rounds: written out
+    assert np.isfinite(float(state.sent_threshold["f"]))
+    res = jaxcomp.residuals(state)
+    for k in g:
+        total = np.asarray(u[k], np.float32) + np.asarray(res[k])
+        np.testing.assert_array_equal(total, np.asarray(g[k], np.float32))
+
+
+def test_x64_float64_leaf_defers_bit_for_bit():
+    with jax.enable_x64(True):
+        tx = jaxcomp.ldte_bs(0.01, min_dense_size=0, defer_residual=True)
+        g = {"w": jnp.asarray(np.random.default_rng(2).laplace(size=5000))}
+        assert g["w"].dtype == jnp.float64
+        state = tx.init(g)
+        for _ in range(3):
+            old = np.asarray(jaxcomp.residuals(state)["w"])
+            u, state = jax.jit(tx.update)(g, state)
+            assert state.accumulator["w"].dtype == jnp.float64
+            assert np.isfinite(float(state.sent_threshold["w"]))
+            total = np.asarray(u["w"]) + np.asarray(jaxcomp.residuals(state)["w"])
+            np.testing.assert_array_equal(total, old + np.asarray(g["w"]))
+
+
+def test_clear_sent_numpy_and_stacked():
+    acc = np.array([[3.0, -1.0, 5.0, 0.5], [2.0, 2.0, 2.0, 2.0]], np.float32)
+    t = np.array([1.0, 1.0], np.float32)
+    limit = np.array([3, 1], np.int32)  # device 1: only indices 0 and 1 were sent
+    out = clear_sent(acc, t, limit)
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_array_equal(out, [[0.0, -1.0, 0.0, 0.5], [0.0, 0.0, 2.0, 2.0]])
+    np.testing.assert_array_equal(clear_sent(jnp.asarray(acc), jnp.asarray(t), limit), out)
+    # float64 on the host stays float64 whatever jax_enable_x64 says.
+    assert clear_sent(acc.astype(np.float64), t, limit).dtype == np.float64
+    # -0.0 where sent is +0.0, like the immediate write; NaN is never sent.
+    nan = clear_sent(np.array([np.nan, -7.0], np.float32), np.float32(1.0), np.int32(5))
+    assert np.isnan(nan[0]) and _bits(nan)[1] == 0
+
+
+def test_state_fields_and_errors():
+    tx = jaxcomp.ldte_bs(0.01, min_dense_size=0, defer_residual=True)
+    g = _grads("laplace", 0)
+    _, state = jax.jit(tx.update)(g, tx.init(g))
+    assert state.residual is None
+    chain = optax.chain(tx, optax.sgd(0.1))
+    _, cstate = jax.jit(chain.update)(g, chain.init(g))
+    assert optax.tree.get(cstate, "residual") is None  # documented: use jaxcomp.residuals
+    acc = optax.tree.get(cstate, "accumulator")
+    res = jaxcomp.residuals(cstate)
+    assert any(not np.array_equal(res[k], acc[k]) for k in g)  # the message is pending
+    settled = state.settled()
+    for k in g:
+        np.testing.assert_array_equal(settled.accumulator[k], jaxcomp.residuals(state)[k])
+        assert np.isinf(float(settled.sent_threshold[k])) and int(settled.sent_limit[k]) == 0
+    plain = jaxcomp.ldte_bs(0.01, min_dense_size=0)
+    plain_state = plain.init(g)
+    assert plain_state.settled() is plain_state  # nothing to settle without the option
+    with pytest.raises(ValueError, match="defer_residual=True passed to one with defer_resi"):
+        plain.update(g, state)
+    with pytest.raises(ValueError, match="defer_residual=False passed to one with defer_resi"):
+        tx.update(g, plain_state)
+    with pytest.raises(ValueError, match="defer_residual=True applies to one device"):
+        jaxcomp.ldte_bs(0.01, axis_name="data", defer_residual=True)
+    with pytest.raises(ValueError, match="defer_residual"):
+        jaxcomp.ldte_bs(0.01, defer_residual="yes")
+
+
+WRAPPERS = {
+    "masked": lambda tx: optax.masked(tx, {"w": True, "b": False, "v": True}),
+    "multi_transform": lambda tx: optax.multi_transform(
+        {"c": tx, "s": optax.sgd(0.1)}, {"w": "c", "b": "s", "v": "c"}
+    ),
+    "MultiSteps": lambda tx: optax.MultiSteps(tx, every_k_schedule=1),
+    "apply_if_finite": lambda tx: optax.apply_if_finite(tx, max_consecutive_errors=2),
+    "chain": lambda tx: optax.chain(optax.clip(10.0), tx, optax.sgd(0.1)),
+}
+
+
+@pytest.mark.parametrize("wrap", sorted(WRAPPERS))
+def test_residuals_through_optax_wrappers(wrap):
+    inner = jaxcomp.ldte_bs(0.01, min_dense_size=0, defer_residual=True)
+    plain = jaxcomp.ldte_bs(0.01, min_dense_size=0)
+    tx = WRAPPERS[wrap](inner)
+    g = _grads("laplace", 0)
+    state = tx.init(g)
+    u, state = jax.jit(tx.update)(g, state, g)
+    res = jaxcomp.residuals(state)
+    # Independent: the lone compressor, without the option, on the same (clipped) gradient.
+    gc = jax.tree.map(lambda x: jnp.clip(x, -10.0, 10.0), g) if wrap == "chain" else g
+    sub = {k: gc[k] for k in ("w", "v")} if wrap in ("masked", "multi_transform") else gc
+    _, ref = jax.jit(plain.update)(sub, plain.init(sub))
+    for k in sub:
+        np.testing.assert_array_equal(np.asarray(res[k]), np.asarray(ref.residual[k]))
+    assert np.isfinite(float(optax.tree.get(state, "sent_threshold")["w"]))
+
+
+def test_residuals_inject_hyperparams_and_errors():
+    tx = optax.inject_hyperparams(
+        jaxcomp.ldte_bs, static_args=("ratio", "min_dense_size", "defer_residual")
+    )(ratio=0.01, min_dense_size=0, delta=0.0, defer_residual=True)
+    g = _grads("laplace", 1)
+    _, state = jax.jit(tx.update)(g, tx.init(g))
+    ref_tx = jaxcomp.ldte_bs(0.01, min_dense_size=0)
+    _, ref = jax.jit(ref_tx.update)(g, ref_tx.init(g))
+    for k in g:
+        np.testing.assert_array_equal(jaxcomp.residuals(state)[k], ref.residual[k])
+    with pytest.raises(ValueError, match="no error-feedback residual"):
+        jaxcomp.residuals(optax.sgd(0.1).init(g))
+    with pytest.raises(ValueError, match="no error-feedback residual"):
+        jaxcomp.residuals(jaxcomp.qsgd(4, error_feedback=False).init(g))
+    two = optax.chain(jaxcomp.top_k(0.1), jaxcomp.ldte_bs(0.1, defer_residual=True))
+    with pytest.raises(ValueError, match="2 residuals"):
+        jaxcomp.residuals(two.init(g))
+    q = jaxcomp.qsgd(4, error_feedback=True)
+    qs = q.init(g)
+    assert jaxcomp.residuals(qs) is qs.residual
+
+
+def test_elastic_settles_pending_states_before_folding():
+    # Two one-device states with pending messages, stacked as two devices.
+    tx = jaxcomp.ldte_bs(0.05, min_dense_size=0, defer_residual=True)
+    states = []
+    for seed in (0, 1):
+        s = tx.init(_grads("laplace", seed))
+        for i in range(2):
+            _, s = jax.jit(tx.update)(_grads("laplace", seed + 10 * i), s)
+        states.append(jax.tree.map(np.asarray, s))
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
+    assert np.all(np.isfinite(stacked.sent_threshold["w"]))
+    res = [jaxcomp.residuals(s) for s in states]
+    owed = {k: np.mean([np.asarray(r[k], np.float64) for r in res], 0) for k in "wbv"}
+    got = elastic.owed_updates(stacked)
+    for k in "wbv":
+        np.testing.assert_allclose(got[f".accumulator['{k}']"], owed[k], rtol=1e-6, atol=1e-7)
+        # The stacked state: each device's own message cleared.
+        for d in range(2):
+            np.testing.assert_array_equal(jaxcomp.residuals(stacked)[k][d], res[d][k])
+    for m in (1, 3):
+        new = elastic.resize_opt_state(stacked, 2, m)
+        assert np.all(np.isinf(new.sent_threshold["w"]))
+        for k in "wbv":
+            mean = np.asarray(new.accumulator[k], np.float64).mean(0)
+            np.testing.assert_allclose(mean, owed[k], rtol=1e-6, atol=1e-7)
+    same = elastic.resize_opt_state(stacked, 2, 2)  # nothing moves: bit for bit
+    np.testing.assert_array_equal(same.sent_threshold["w"], stacked.sent_threshold["w"])
