@@ -675,8 +675,14 @@ def plot(results, path):
 
     names = list(results[0]["methods"])
     ncol = 1 + len(names)
+    # The bar chart gets a column per two methods (five bars each).
+    wide = max(1.0, len(names) / 2)
     fig, axes = plt.subplots(
-        len(results), ncol, figsize=(5.2 * ncol, 4.4 * len(results)), squeeze=False
+        len(results),
+        ncol,
+        figsize=(5.2 * (ncol - 1 + wide), 4.4 * len(results)),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [wide] + [1] * (ncol - 1)},
     )
     for axrow, row in zip(axes, results, strict=True):
         ax = axrow[0]
@@ -717,7 +723,7 @@ def plot(results, path):
             row["contract_floors"], color="k", ls=":", lw=1.5, label="contract (no selection)"
         )
         ax.set_ylim(0, 1.3 * max(floors + [TARGET_FLOORS, row["contract_floors"]]))
-        ax.set_xticks(range(len(names)), names)
+        ax.set_xticks(range(len(names)), names, rotation=15)
         ax.set_ylabel("one-pass floors (sum |x|)")
         ax.set_title(
             f"n = 2^{row['log2_n']}: floors and speedup vs top_k (floor {row['floor_ms']:.2f} ms)",
