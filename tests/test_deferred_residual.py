@@ -314,3 +314,54 @@ def test_elastic_settles_pending_states_before_folding():
             np.testing.assert_allclose(mean, owed[k], rtol=1e-6, atol=1e-7)
     same = elastic.resize_opt_state(stacked, 2, 2)  # nothing moves: bit for bit
     np.testing.assert_array_equal(same.sent_threshold["w"], stacked.sent_threshold["w"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("factory", [jaxcomp.top_k, jaxcomp.ldte_bs, jaxcomp.dgc])
+def test_residual_narrower_than_float32_is_written_out(factory, dtype):
+    # XLA:CPU compares the fused sum unrounded; a stored bf16 accumulator
+    # compared again next step could disagree (an element sent and kept).
+    txs = [factory(0.1, residual_dtype=dtype, defer_residual=d) for d in (False, True)]
+    params = {"w": jnp.zeros(64, dtype)}
+    states = [tx.init(params) for tx in txs]
+    steps = [jax.jit(tx.update) for tx in txs]
+    for i in range(8):
+        g = {"w": jnp.asarray(np.random.default_rng(i).normal(size=64) * 3).astype(dtype)}
+        outs = [step(g, s) for step, s in zip(steps, states, strict=True)]
+        states = [o[1] for o in outs]
+        np.testing.assert_array_equal(_bits(outs[0][0]["w"]), _bits(outs[1][0]["w"]))
+        np.testing.assert_array_equal(
+            _bits(states[0].residual["w"]), _bits(jaxcomp.residuals(states[1])["w"])
+        )
+        assert np.isinf(float(states[1].sent_threshold["w"]))
+
+
+def test_host_settling_treats_subnormals_as_the_device_does():
+    # XLA compares float32 subnormals as 0: a zero threshold never sent them.
+    acc = np.array([1e-40, 0.5, -1e-42, 0.0, 2e-38], np.float32)
+    host = clear_sent(acc, np.float32(0.0), np.int32(10))
+    device = clear_sent(jnp.asarray(acc), jnp.float32(0.0), jnp.int32(10))
+    np.testing.assert_array_equal(_bits(host), _bits(device))
+    np.testing.assert_array_equal(host, np.where(np.abs(acc) < 1e-38, acc, 0))
+
+
+def test_residuals_of_explicitly_sharded_leaves():
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(3)
+    grads = {"w": rng.laplace(size=(5, 16)).astype(np.float32), "b": rng.laplace(size=(8,))}
+    grads = jax.tree.map(lambda x: np.asarray(x, np.float32), grads)
+    specs = {"w": jax.sharding.PartitionSpec(None, "data"), "b": jax.sharding.PartitionSpec()}
+    tx = jaxcomp.ldte_bs(0.1, min_dense_size=0, defer_residual=True)
+    ref_tx = jaxcomp.ldte_bs(0.1, min_dense_size=0)
+    _, ref = jax.jit(ref_tx.update)(grads, ref_tx.init(grads))
+    with jax.set_mesh(mesh):
+        sharded = jax.tree.map(
+            lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)), grads, specs
+        )
+        _, state = jax.jit(tx.update)(sharded, jax.jit(tx.init)(sharded))
+        res = jaxcomp.residuals(state)
+        settled = state.settled()
+    assert state.accumulator["w"].sharding.spec == specs["w"]
+    for k in grads:
+        np.testing.assert_array_equal(np.asarray(res[k]), np.asarray(ref.residual[k]))
+        np.testing.assert_array_equal(np.asarray(settled.accumulator[k]), np.asarray(res[k]))

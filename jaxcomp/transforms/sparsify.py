@@ -116,7 +116,10 @@ class SparsifyState(NamedTuple):
         ``sent_limit``, were sent by the last step; ``inf`` when nothing is
         pending.
       sent_limit: with ``defer_residual=True`` (else None), int32 per leaf:
-        the last flat index of the leaf the last message may hold.
+        the message holds the elements above ``sent_threshold`` at flat
+        indices up to it: the leaf's size or more when the capacity did not
+        cut the message; in a group of merged leaves, the group's cut minus
+        the leaf's offset (negative when the cut fell before the leaf).
     """
 
     step: jax.Array
@@ -163,19 +166,24 @@ def clear_sent(accumulator: Any, sent_threshold: Any, sent_limit: Any) -> Any:
     gives). Leading axes of ``sent_threshold`` (a state stacked per device)
     are leading axes of ``accumulator``; the flat index runs over the rest.
     numpy in, numpy out (on the host, in the accumulator's dtype whatever
-    ``jax_enable_x64`` says); anything else goes through ``jax.numpy``.
+    ``jax_enable_x64`` says); anything else goes through ``jax.numpy``
+    (sharded leaves keep their sharding: no reshape).
     """
     host = all(isinstance(v, np.ndarray | np.generic) for v in (accumulator, sent_threshold))
     xp = np if host else jnp
     a = xp.asarray(accumulator)
     t = xp.asarray(sent_threshold, np.float32)
     limit = xp.asarray(sent_limit, np.int32)
-    lead = t.ndim
-    flat = a.reshape(*a.shape[:lead], -1)
-    shape = (1,) * (flat.ndim - 1) + (flat.shape[-1],)
-    index = xp.arange(flat.shape[-1], dtype=np.int32).reshape(shape)
-    sent = (xp.abs(flat.astype(np.float32)) > t[..., None]) & (index <= limit[..., None])
-    return xp.where(sent, xp.zeros((), a.dtype), flat).reshape(a.shape)
+    tail = a.shape[t.ndim :]
+    index = xp.arange(math.prod(tail), dtype=np.int32).reshape(tail)
+    expand = (..., *([None] * len(tail)))
+    magnitude = xp.abs(a.astype(np.float32))
+    if host:
+        # XLA compares float32 subnormals as zero (CPU and GPU flush them):
+        # the device's mask never sent one, so the host must not clear one.
+        magnitude = np.where(magnitude < np.finfo(np.float32).tiny, np.float32(0), magnitude)
+    sent = (magnitude > t[expand]) & (index <= limit[expand])
+    return xp.where(sent, xp.zeros((), a.dtype), a)
 
 
 # ---------------------------------------------------------------------------
@@ -557,9 +565,13 @@ def sparsify(
         then has no ``residual`` field value (None): it holds
         ``accumulator``, ``sent_threshold`` and ``sent_limit``; read the
         residual with :func:`jaxcomp.residuals`. Leaves whose update is
-        rounded (a bf16 leaf with a float32 residual) and a ``low_pass``
-        filter write the residual out into ``accumulator`` (nothing pending).
-        Default False: the state's ``residual`` is the residual.
+        rounded (a bf16 leaf with a float32 residual), residual dtypes
+        narrower than float32, index-based selectors (``random_k``) and a
+        ``low_pass`` filter write the residual out into ``accumulator``
+        (nothing pending). The selection is the same; the selector reads the
+        accumulator rather than a copy, so on sharded leaves XLA may order
+        its reductions differently (a threshold that differs in its last
+        bits). Default False: the state's ``residual`` is the residual.
       seed: seed of the PRNG stream of random selectors (``random_k``), an
         int32; only ``init`` reads it, so it may be traced.
 
@@ -1028,12 +1040,17 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
     segments = tuple(sizes) if per_leaf and len(gs) > 1 else None
     # One device defers clearing the message from the accumulator (see
     # SparsifyState) when the update is the accumulator's values themselves:
-    # no leaf-dtype rounding to keep, no low-pass filter on the residual.
+    # no leaf-dtype rounding to keep, no low-pass filter on the residual, and
+    # the stored accumulator is what the mask compared.
     defer = (
         cfg.defer_residual
         and cfg.axis_name is None
         and not _low_pass_on(cfg)
         and all(jnp.dtype(g.dtype) == rdt for g in gs)
+        # A residual narrower than float32: XLA:CPU compares the fused sum
+        # unrounded, so the next step's mask, on the stored (rounded) value,
+        # could disagree with this step's.
+        and jnp.dtype(rdt).itemsize >= 4
     )
     o = _compress_flat(cfg, flat_g, flat_r, flat_v, stored, key, ctx, segments, defer=defer)
 
