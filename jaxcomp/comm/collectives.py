@@ -186,8 +186,10 @@ def _divides_first(dtype, n_dev: int) -> bool:
 
     Adding before dividing by ``N`` (a dense all-reduce; gTop-k, Ok-Topk,
     SparCML, ScaleCom) overflows float16 (65504) where the mean fits; divided
-    first, the sum is the mean (exact for ``N`` a power of two, short of
-    underflow). Other dtypes keep the one rounding of the sum's division.
+    first, the sum is the mean (each division exact for ``N`` a power of two,
+    short of underflow; the sum of the ``N`` float16 terms is still rounded
+    to float16, and no residual keeps that rounding). Other dtypes keep the
+    one rounding of the sum's division.
     """
     return n_dev > 1 and jnp.dtype(dtype) == jnp.float16
 

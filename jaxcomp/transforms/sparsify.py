@@ -1068,13 +1068,23 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
         wide = [o.update.reshape(g.shape[0] // n_dev, *g.shape[1:])]
     else:
         wide = split(o.update)
-    updates = [u.astype(g.dtype) for u, g in zip(wide, gs, strict=True)]
+    # A leaf narrower than the group's message (float16 beside float32 leaves)
+    # gets its share saturated at its largest finite value, not inf.
+    updates = [_to_wire(u, g.dtype) for u, g in zip(wide, gs, strict=True)]
     residuals = split(o.residual)
     if cfg.axis_name is None:
-        # Casting a leaf's share of the message to its own dtype rounds it:
-        # keep that rounding in the residual too (exact, as for one leaf).
+        # Casting a leaf's share of the message to its own dtype rounds it
+        # (or saturates it): keep that in the residual too (exact, as for one leaf).
         residuals = [
             r if u.dtype == uw.dtype else r + (uw.astype(rdt) - u.astype(rdt))
+            for r, uw, u in zip(residuals, wide, updates, strict=True)
+        ]
+    else:
+        # What saturation cut off the exchanged update is the same on every
+        # device: each keeps it, so the residuals together keep N times what
+        # the update could not hold (the rounding to the leaf dtype is not kept).
+        residuals = [
+            r if u.dtype == uw.dtype else r + _saturated_excess(uw, u.dtype).astype(rdt)
             for r, uw, u in zip(residuals, wide, updates, strict=True)
         ]
     if _low_pass_on(cfg):
@@ -1462,6 +1472,13 @@ def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) ->
         update, wire = ex.update, ex.wire_bytes
         if ex.returned_indices is not None:
             # What the exchange left out of the update stays in a residual.
+            if jnp.finfo(new_res.dtype).max < jnp.finfo(jnp.float32).max:
+                raise ValueError(
+                    f"exchange={cfg.exchange!r} returns sums over devices of the pairs it "
+                    "drops to one device's residual, and a float16 residual cannot hold "
+                    "them (65504 at most: inf, then inf updates); use a float32 residual "
+                    "(residual_dtype=None, the default for float16 gradients)"
+                )
             back = ex.returned_values.astype(new_res.dtype)
             new_res = new_res.at[ex.returned_indices].add(back, mode="drop")
     seg = None
@@ -1493,6 +1510,14 @@ def _to_wire(values, out_dtype):
         if big < float(jnp.finfo(values.dtype).max):
             values = jnp.clip(values, -big, big)
     return values.astype(out_dtype)
+
+
+def _saturated_excess(values, out_dtype):
+    """``values`` minus their saturation at ``out_dtype``'s largest finite value (else 0)."""
+    big = float(jnp.finfo(out_dtype).max)
+    if big >= float(jnp.finfo(values.dtype).max):
+        return jnp.zeros_like(values)
+    return jnp.where(jnp.abs(values) > big, values - jnp.clip(values, -big, big), 0)
 
 
 def _keep_rest(acc, mask, sent_out):
