@@ -21,6 +21,7 @@ from jaxcomp import (
 from jaxcomp.distributed import apply_if_finite, dense_exchange
 from jaxcomp.transforms import (
     DGC_WARMUP,
+    DeferredSparsifyState,
     Quantizer,
     QuantizeState,
     SparsifyState,
@@ -54,6 +55,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DGC_WARMUP",
+    "DeferredSparsifyState",
     "QuantizeState",
     "Quantizer",
     "SparsifyState",

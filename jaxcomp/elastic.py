@@ -16,9 +16,9 @@ rule              fields, and what device ``j`` of ``M`` gets
 ``"fold"``        ``residual``, ``velocity`` (per-device owed mass; 1-bit and
                   0/1 Adam's error feedback too); with
                   ``defer_residual=True`` a sparsifier's ``accumulator``,
-                  after :meth:`SparsifyState.settled` wrote its residual
-                  out (``sent_threshold`` and ``sent_limit`` are then
-                  replicated).
+                  after :meth:`DeferredSparsifyState.settled` wrote its
+                  residual out (``sent_threshold`` and ``sent_limit`` are
+                  then replicated).
                   Shrinking (``M < N``): old device ``i`` is assigned to
                   ``i mod M`` and ``new_j = (M/N) * sum_{i mod M = j} old_i``.
                   Growing (``M > N``): old device ``i`` is split evenly over
@@ -130,7 +130,7 @@ from jaxcomp import aggregation, cssgd, distributed
 from jaxcomp.transforms.adam import OnebitAdamState, ZeroOneAdamState
 from jaxcomp.transforms.powersgd import PowerSGDState
 from jaxcomp.transforms.quantize import MomentumQuantizeState, QuantizeState
-from jaxcomp.transforms.sparsify import SparsifyState
+from jaxcomp.transforms.sparsify import DeferredSparsifyState, SparsifyState
 
 __all__ = [
     "FIELD_RULES",
@@ -163,11 +163,24 @@ FIELD_RULES: Mapping[type, Mapping[str, str]] = types.MappingProxyType(
                 "message_bytes": "copy",
                 "wire_bytes": "copy",
                 "nonfinite_steps": "sum",
-                # defer_residual=True: settled first (SparsifyState.settled),
-                # the accumulator is then the residual, nothing is pending.
+            }
+        ),
+        DeferredSparsifyState: types.MappingProxyType(
+            {
+                "step": "replicated",
+                # Settled first (DeferredSparsifyState.settled): the
+                # accumulator is then the residual, nothing is pending.
                 "accumulator": "fold",
                 "sent_threshold": "replicated",
                 "sent_limit": "replicated",
+                "velocity": "fold",
+                "key": "replicated",
+                "sent_count": "copy",
+                "threshold": "reselect",
+                "search_iterations": "copy",
+                "message_bytes": "copy",
+                "wire_bytes": "copy",
+                "nonfinite_steps": "sum",
             }
         ),
         QuantizeState: types.MappingProxyType(
@@ -594,22 +607,22 @@ def owed_updates(opt_state, *, rules: Mapping[type, Mapping[str, str]] | None = 
 
 
 def _settled(opt_state, n):
-    """``opt_state`` with every :class:`SparsifyState` settled (on the host if ``n`` is given).
+    """``opt_state`` with every :class:`DeferredSparsifyState` settled (on the host if ``n``).
 
     With ``defer_residual=True`` a sparsifier leaves its last message in
-    ``accumulator`` (see SparsifyState); settled, ``accumulator`` is the
-    residual, which is what the devices owe and what folds.
+    ``accumulator``; settled, ``accumulator`` is the residual, which is what
+    the devices owe and what folds.
     """
 
     def settle(path, node):
-        if not isinstance(node, SparsifyState) or node.accumulator is None:
+        if not isinstance(node, DeferredSparsifyState):
             return node
         if n is not None:
             node = jax.tree_util.tree_map_with_path(lambda p, x: _host((*path, *p), x, n), node)
         return node.settled()
 
     return jax.tree_util.tree_map_with_path(
-        settle, opt_state, is_leaf=lambda x: isinstance(x, SparsifyState)
+        settle, opt_state, is_leaf=lambda x: isinstance(x, DeferredSparsifyState)
     )
 
 

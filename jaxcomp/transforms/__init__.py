@@ -31,10 +31,16 @@ from jaxcomp.transforms.sparsifiers import (
     top_k,
     trimmed_top_k,
 )
-from jaxcomp.transforms.sparsify import DGC_WARMUP, SparsifyState, sparsify
+from jaxcomp.transforms.sparsify import (
+    DGC_WARMUP,
+    DeferredSparsifyState,
+    SparsifyState,
+    sparsify,
+)
 
 __all__ = [
     "DGC_WARMUP",
+    "DeferredSparsifyState",
     "MomentumQuantizeState",
     "OnebitAdamState",
     "PowerSGDState",

@@ -6,18 +6,18 @@ from typing import Any
 
 import jax
 
-from jaxcomp.transforms.sparsify import SparsifyState
+from jaxcomp.transforms.sparsify import DeferredSparsifyState
 
 __all__ = ["residuals"]
 
 
 def _holds_residual(node: Any) -> bool:
     fields = getattr(type(node), "_fields", None)
-    return fields is not None and "residual" in fields
+    return isinstance(node, DeferredSparsifyState) or (fields is not None and "residual" in fields)
 
 
 def _residual_of(node: Any) -> Any:
-    if isinstance(node, SparsifyState) and node.accumulator is not None:
+    if isinstance(node, DeferredSparsifyState):
         return node.settled().accumulator  # defer_residual=True: the message cleared
     return node.residual
 
@@ -29,10 +29,12 @@ def residuals(opt_state: Any) -> Any:
     ``multi_transform``, ``MultiSteps``, ``inject_hyperparams``, ...) and on
     states stacked per device. It is the state's ``residual`` field (what
     ``optax.tree.get(opt_state, "residual")`` finds), except for a
-    sparsifier with ``defer_residual=True``, whose state keeps the
-    accumulator and its last message's mask instead (``residual`` is None):
-    this returns the accumulator with the message cleared, bit for bit the
-    residual (see :class:`jaxcomp.SparsifyState`).
+    sparsifier with ``defer_residual=True``, whose
+    :class:`jaxcomp.DeferredSparsifyState` keeps the accumulator and its last
+    message's mask instead: this returns the accumulator with the message
+    cleared, bit for bit the residual. 1-bit and 0/1 Adam's two-stage
+    exchange keep a second memory, ``server_residual``, which this does not
+    return (read it with ``optax.tree.get``).
 
     Args:
       opt_state: an optax state holding exactly one jaxcomp compressor state

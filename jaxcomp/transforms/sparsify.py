@@ -58,6 +58,7 @@ from jaxcomp.selection import selectors
 
 __all__ = [
     "DGC_WARMUP",
+    "DeferredSparsifyState",
     "SparsifyState",
     "resolve_groups",
     "sparsify",
@@ -86,8 +87,7 @@ class SparsifyState(NamedTuple):
       step: int32, number of updates so far (drives the warm-up schedule and
         the threshold-reuse period).
       residual: the error-feedback memory, a pytree like the gradients in the
-        residual dtype (per device under ``shard_map``); None with
-        ``defer_residual=True`` (then ``accumulator`` holds it).
+        residual dtype (per device under ``shard_map``).
       velocity: DGC momentum-correction velocity ``u`` (like ``residual``), or
         ``None`` when ``momentum == 0``.
       key: raw uint32 PRNG key data (random selectors), advanced by folding in
@@ -106,20 +106,6 @@ class SparsifyState(NamedTuple):
       wire_bytes: float32, bytes this device put on the wire in the last step
         (from the collective's shapes; 0 with ``axis_name=None``).
       nonfinite_steps: int32, steps whose gradients held NaN or Inf.
-      accumulator: with ``defer_residual=True`` (else None): the memory as
-        the last step left it, the residual plus the elements of the last
-        message, which the next step clears as it accumulates. Read the
-        residual with :func:`jaxcomp.residuals` (or :meth:`settled`).
-      sent_threshold: with ``defer_residual=True`` (else None), float32 per
-        leaf (whatever the ``granularity``): the elements of ``accumulator``
-        whose float32 magnitude is above it, at flat indices up to
-        ``sent_limit``, were sent by the last step; ``inf`` when nothing is
-        pending.
-      sent_limit: with ``defer_residual=True`` (else None), int32 per leaf:
-        the message holds the elements above ``sent_threshold`` at flat
-        indices up to it: the leaf's size or more when the capacity did not
-        cut the message; in a group of merged leaves, the group's cut minus
-        the leaf's offset (negative when the cut fell before the leaf).
     """
 
     step: jax.Array
@@ -132,19 +118,59 @@ class SparsifyState(NamedTuple):
     message_bytes: Any
     wire_bytes: jax.Array
     nonfinite_steps: jax.Array
-    accumulator: Any = None
-    sent_threshold: Any = None
-    sent_limit: Any = None
 
-    def settled(self) -> SparsifyState:
-        """The same state with nothing pending (``defer_residual=True``; else itself).
 
-        ``accumulator`` becomes the residual, ``sent_threshold`` ``inf`` (and
-        ``sent_limit`` 0): the form whose ``accumulator`` can be read, folded
+class DeferredSparsifyState(NamedTuple):
+    """State of :func:`sparsify` with ``defer_residual=True`` (one device).
+
+    :class:`SparsifyState` with the error-feedback memory kept as the last
+    step left it: ``accumulator`` (the residual plus the last message) and
+    the message's mask (``sent_threshold``, ``sent_limit``), which the next
+    step clears as it accumulates. A type of its own, so that
+    ``SparsifyState`` (its checkpoints, jaxcomp.elastic's rules) keeps its
+    layout, and so that reading ``state.residual`` here fails loudly: read
+    the residual with :func:`jaxcomp.residuals` or :meth:`settled`. The
+    other fields are :class:`SparsifyState`'s.
+
+    Attributes:
+      step: as in :class:`SparsifyState`.
+      accumulator: a pytree like the gradients in the residual dtype: the
+        residual plus the elements of the last message.
+      sent_threshold: float32 per leaf (whatever the ``granularity``): the
+        elements of ``accumulator`` whose float32 magnitude is above it, at
+        flat indices up to ``sent_limit``, were sent by the last step;
+        ``inf`` when nothing is pending (a leaf that writes its residual
+        out: see ``defer_residual`` in :func:`sparsify`).
+      sent_limit: int32 per leaf: the message holds the elements above
+        ``sent_threshold`` at flat indices up to it: the leaf's size or more
+        when the capacity did not cut the message; in a group of merged
+        leaves, the group's cut minus the leaf's offset (negative when the
+        cut fell before the leaf).
+      velocity, key, sent_count, threshold, search_iterations,
+        message_bytes, wire_bytes, nonfinite_steps: as in
+        :class:`SparsifyState`.
+    """
+
+    step: jax.Array
+    accumulator: Any
+    sent_threshold: Any
+    sent_limit: Any
+    velocity: Any
+    key: jax.Array
+    sent_count: Any
+    threshold: Any
+    search_iterations: Any
+    message_bytes: Any
+    wire_bytes: jax.Array
+    nonfinite_steps: jax.Array
+
+    def settled(self) -> DeferredSparsifyState:
+        """The same state with nothing pending.
+
+        ``accumulator`` becomes the residual, ``sent_threshold`` ``inf`` and
+        ``sent_limit`` 0: the form whose ``accumulator`` can be read, folded
         or replaced directly. numpy states stay numpy (see :func:`clear_sent`).
         """
-        if self.accumulator is None:
-            return self
         pending = jax.tree.map(clear_sent, self.accumulator, self.sent_threshold, self.sent_limit)
         leaves = jax.tree.leaves(self.sent_threshold)
         xp = np if all(isinstance(t, np.ndarray | np.generic) for t in leaves) else jnp
@@ -214,7 +240,7 @@ class _Config:
     groups: Any  # None, or a validated groups spec (see resolve_groups)
     reuse_period: int
     low_pass: Any  # float in (0, 1], or a JAX array (an injected hyperparameter)
-    defer_residual: bool  # one device: the next step clears the message (SparsifyState)
+    defer_residual: bool  # one device: the next step clears the message (DeferredSparsifyState)
 
 
 class _StepContext(NamedTuple):
@@ -557,21 +583,21 @@ def sparsify(
       defer_residual: one device only (``axis_name=None``): keep the
         accumulator and the mask of the message in the state and clear the
         sent elements at the next step, in the pass that adds the gradient,
-        instead of writing the residual now. The update is the same, bit for
-        bit, and so is the residual it implies; the step saves a copy and
-        two dense passes (XLA:CPU cannot write a buffer in place after the
-        selector's ``while_loop`` read it): ``ldte_bs``'s update at 2^22
-        makes 5 n-sized reads and 2 writes instead of 8 and 4. The state
-        then has no ``residual`` field value (None): it holds
-        ``accumulator``, ``sent_threshold`` and ``sent_limit``; read the
-        residual with :func:`jaxcomp.residuals`. Leaves whose update is
-        rounded (a bf16 leaf with a float32 residual), residual dtypes
-        narrower than float32, index-based selectors (``random_k``) and a
-        ``low_pass`` filter write the residual out into ``accumulator``
-        (nothing pending). The selection is the same; the selector reads the
-        accumulator rather than a copy, so on sharded leaves XLA may order
-        its reductions differently (a threshold that differs in its last
-        bits). Default False: the state's ``residual`` is the residual.
+        instead of writing the residual now. The same algorithm (the tests
+        find the updates and residuals equal to the default's bit for bit);
+        the step saves a copy and two dense passes (XLA:CPU cannot write a
+        buffer in place after the selector's ``while_loop`` read it):
+        ``ldte_bs``'s update makes 5 n-sized reads and 2 writes instead of 8
+        and 4. The state is then a :class:`DeferredSparsifyState`, which has
+        ``accumulator``, ``sent_threshold`` and ``sent_limit`` and no
+        ``residual``: read the residual with :func:`jaxcomp.residuals`.
+        Leaves whose update is rounded (a bf16 leaf with a float32 residual),
+        residual dtypes narrower than float32, index-based selectors
+        (``random_k``) and a ``low_pass`` filter write the residual out into
+        ``accumulator`` (nothing pending). The selector reads the accumulator
+        rather than a copy, so on sharded leaves XLA may order its reductions
+        differently (a threshold that differs in its last bits). Default
+        False: a :class:`SparsifyState`, whose ``residual`` is the residual.
       seed: seed of the PRNG stream of random selectors (``random_k``), an
         int32; only ``init`` reads it, so it may be traced.
 
@@ -582,7 +608,8 @@ def sparsify(
     tree unlike the one ``init`` saw, raise a ``ValueError`` naming the leaf.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with :class:`SparsifyState`.
+      An ``optax.GradientTransformationExtraArgs`` with :class:`SparsifyState`
+      (:class:`DeferredSparsifyState` with ``defer_residual=True``).
 
     Raises:
       ValueError: for a ratio outside (0, 1], an unknown selector, negative or
@@ -811,7 +838,7 @@ def _make_config(
 # ---------------------------------------------------------------------------
 
 
-def _init(cfg: _Config, seed, params) -> SparsifyState:
+def _init(cfg: _Config, seed, params) -> SparsifyState | DeferredSparsifyState:
     V.check_gradient_leaves(params, "jaxcomp.sparsify.init", "parameter")
     layout = _layout(cfg, params)
     leaves, treedef = jax.tree.flatten(params)
@@ -832,10 +859,8 @@ def _init(cfg: _Config, seed, params) -> SparsifyState:
     def stat(dtype):
         return jax.tree.map(lambda _: jnp.zeros([], dtype), stats_like)
 
-    defer = cfg.defer_residual
-    return SparsifyState(
+    common = dict(
         step=jnp.zeros([], jnp.int32),
-        residual=None if defer else zeros(),
         velocity=zeros() if cfg.use_velocity else None,
         key=jax.random.key_data(jax.random.key(seed)),
         sent_count=stat(jnp.int32),
@@ -844,12 +869,15 @@ def _init(cfg: _Config, seed, params) -> SparsifyState:
         message_bytes=stat(jnp.int32),
         wire_bytes=jnp.zeros([], jnp.float32),
         nonfinite_steps=jnp.zeros([], jnp.int32),
-        accumulator=zeros() if defer else None,
-        sent_threshold=(
-            jax.tree.map(lambda _: jnp.full([], jnp.inf, jnp.float32), params) if defer else None
-        ),
-        sent_limit=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params) if defer else None,
     )
+    if cfg.defer_residual:
+        return DeferredSparsifyState(
+            accumulator=zeros(),
+            sent_threshold=jax.tree.map(lambda _: jnp.full([], jnp.inf, jnp.float32), params),
+            sent_limit=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params),
+            **common,
+        )
+    return SparsifyState(residual=zeros(), **common)
 
 
 class _GroupInput(NamedTuple):
@@ -870,21 +898,21 @@ class _StepInputs(NamedTuple):
     groups: tuple[_GroupInput, ...]
 
 
-def _check_updates(cfg: _Config, updates, state: SparsifyState) -> None:
+def _check_updates(cfg: _Config, updates, state) -> None:
     V.check_gradient_leaves(updates, "jaxcomp.sparsify")
-    if cfg.defer_residual != (state.accumulator is not None):
+    if cfg.defer_residual != isinstance(state, DeferredSparsifyState):
         raise ValueError(
             f"jaxcomp.sparsify: a state of a transform with defer_residual="
-            f"{not cfg.defer_residual} passed to one with defer_residual={cfg.defer_residual}; "
-            "initialise the state with this transform's init (or convert it: see "
-            "SparsifyState.settled)"
+            f"{not cfg.defer_residual} ({type(state).__name__}) passed to one with "
+            f"defer_residual={cfg.defer_residual}; initialise the state with this "
+            "transform's init"
         )
     memory = state.accumulator if cfg.defer_residual else state.residual
     V.check_tree_like(updates, memory, "jaxcomp.sparsify")
     check_per_device(updates, cfg.axis_name, "jaxcomp.sparsify")
 
 
-def _step_inputs(cfg: _Config, tree, state: SparsifyState) -> _StepInputs:
+def _step_inputs(cfg: _Config, tree, state) -> _StepInputs:
     """Groups the state's per-leaf arrays the way this step compresses ``tree``."""
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     if cfg.axis_name is not None and cfg.needs_key:
@@ -895,7 +923,7 @@ def _step_inputs(cfg: _Config, tree, state: SparsifyState) -> _StepInputs:
         r_leaves = treedef.flatten_up_to(state.residual)
     else:
         # The last step's message, cleared here: XLA fuses it into the
-        # accumulation's pass (see SparsifyState).
+        # accumulation's pass (see DeferredSparsifyState).
         r_leaves = [
             clear_sent(a, t, lim)
             for a, t, lim in zip(
@@ -937,7 +965,7 @@ def _scatter_leaves(updates, scatter) -> tuple:
     return tuple(bool(f) for f in flags)
 
 
-def _update(cfg: _Config, updates, state: SparsifyState, include, scatter=None):
+def _update(cfg: _Config, updates, state, include, scatter=None):
     _check_updates(cfg, updates, state)
     grads, finite, send_ok = apply_nonfinite_policy(updates, cfg.nonfinite)
     if include is not None:
@@ -969,7 +997,7 @@ def _leaf_exchange(cfg: _Config, scatter, members) -> _Config:
     return cfg if scatter[i] else dataclasses.replace(cfg, exchange="auto")
 
 
-def _finish(cfg: _Config, state: SparsifyState, inputs: _StepInputs, outs, finite):
+def _finish(cfg: _Config, state, inputs: _StepInputs, outs, finite):
     """``(updates, new_state)`` from the groups' results, scattered back to leaf order."""
     layout, treedef = inputs.layout, inputs.treedef
     n = treedef.num_leaves
@@ -1039,7 +1067,7 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
     flat_v = None if vs is None else _concat([v.reshape(-1) for v in vs], rdt)
     segments = tuple(sizes) if per_leaf and len(gs) > 1 else None
     # One device defers clearing the message from the accumulator (see
-    # SparsifyState) when the update is the accumulator's values themselves:
+    # DeferredSparsifyState) when the update is the accumulator's values themselves:
     # no leaf-dtype rounding to keep, no low-pass filter on the residual, and
     # the stored accumulator is what the mask compared.
     defer = (
@@ -1127,7 +1155,7 @@ def _compress_flat(
     """One 1-D buffer: accumulate, select (or reuse) per warm-up phase, send.
 
     ``defer``: a masked send may leave the message in the accumulator (see
-    SparsifyState); the output's ``sent_limit`` then says it did.
+    DeferredSparsifyState); the output's ``sent_limit`` then says it did.
     """
     n = g.shape[0]
     acc, u = _accumulate(cfg, g, residual, velocity, ctx.send_ok)
@@ -1375,7 +1403,7 @@ def _send_masked(
 
     ``defer`` (the update in ``acc``'s own dtype): the output's residual is
     ``acc`` itself and ``sent_limit`` the mask's index bound; the next step
-    clears the message (see SparsifyState). ``acc`` is then only read after
+    clears the message (see DeferredSparsifyState). ``acc`` is then only read after
     the selector, so XLA accumulates in place and needs neither the copy nor
     a residual pass: 5 n-sized reads and 2 writes instead of 8 and 4.
     """
@@ -1472,7 +1500,7 @@ def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) ->
         update, wire = ex.update, ex.wire_bytes
         if ex.returned_indices is not None:
             # What the exchange left out of the update stays in a residual.
-            if jnp.finfo(new_res.dtype).max < jnp.finfo(jnp.float32).max:
+            if jnp.finfo(new_res.dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16
                 raise ValueError(
                     f"exchange={cfg.exchange!r} returns sums over devices of the pairs it "
                     "drops to one device's residual, and a float16 residual cannot hold "
