@@ -83,3 +83,20 @@ def test_float16_residual_with_a_summing_exchange_is_refused(exchange):
     g = _on_devices({"w": jnp.ones((2, 16), jnp.float16)}, mesh)
     with pytest.raises(ValueError, match="float16 residual cannot hold"):
         mesh_update(tx, mesh)(g, _on_devices(jax.vmap(tx.init)(g), mesh))
+
+
+@pytest.mark.parametrize("exchange", ["gtopk", "oktopk"])
+def test_bfloat16_residual_with_a_summing_exchange_runs(exchange):
+    # bfloat16 has float32's range: nothing to refuse.
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    tx = jaxcomp.top_k(
+        0.25, axis_name="data", exchange=exchange, residual_dtype=jnp.bfloat16, min_dense_size=0
+    )
+    g = np.arange(32, dtype=np.float32).reshape(2, 16) - 15.0
+    g = _on_devices({"w": jnp.asarray(g, jnp.bfloat16)}, mesh)
+    state = _on_devices(jax.vmap(tx.init)(g), mesh)
+    u, new = mesh_update(tx, mesh)(g, state)
+    upd = np.asarray(u["w"], np.float64)
+    assert np.all(upd == upd[0]) and np.any(upd != 0)
+    got = np.asarray(new.residual["w"], np.float64).sum(0) + 2 * upd[0]
+    np.testing.assert_array_equal(got, np.asarray(g["w"], np.float64).sum(0))
