@@ -146,41 +146,33 @@ __all__ = [
 # How resize_opt_state treats a state field (the table in the module docstring).
 RULES = ("fold", "replicated", "copy", "sum", "reselect", "empty")
 
+_SPARSIFY_RULES = {
+    "step": "replicated",
+    "residual": "fold",
+    "velocity": "fold",
+    "key": "replicated",
+    "sent_count": "copy",
+    "threshold": "reselect",
+    "search_iterations": "copy",
+    "message_bytes": "copy",
+    "wire_bytes": "copy",
+    "nonfinite_steps": "sum",
+}
+
 # The rule of every field of every jaxcomp state type (module docstring). A field
 # added to one of these types later must be given a rule here, else
 # resize_opt_state raises rather than guessing.
 FIELD_RULES: Mapping[type, Mapping[str, str]] = types.MappingProxyType(
     {
-        SparsifyState: types.MappingProxyType(
-            {
-                "step": "replicated",
-                "residual": "fold",
-                "velocity": "fold",
-                "key": "replicated",
-                "sent_count": "copy",
-                "threshold": "reselect",
-                "search_iterations": "copy",
-                "message_bytes": "copy",
-                "wire_bytes": "copy",
-                "nonfinite_steps": "sum",
-            }
-        ),
+        SparsifyState: types.MappingProxyType(_SPARSIFY_RULES),
+        # Settled first (DeferredSparsifyState.settled): the accumulator is
+        # then the residual, and nothing is pending.
         DeferredSparsifyState: types.MappingProxyType(
             {
-                "step": "replicated",
-                # Settled first (DeferredSparsifyState.settled): the
-                # accumulator is then the residual, nothing is pending.
+                **{f: r for f, r in _SPARSIFY_RULES.items() if f != "residual"},
                 "accumulator": "fold",
                 "sent_threshold": "replicated",
                 "sent_limit": "replicated",
-                "velocity": "fold",
-                "key": "replicated",
-                "sent_count": "copy",
-                "threshold": "reselect",
-                "search_iterations": "copy",
-                "message_bytes": "copy",
-                "wire_bytes": "copy",
-                "nonfinite_steps": "sum",
             }
         ),
         QuantizeState: types.MappingProxyType(
