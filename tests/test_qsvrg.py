@@ -25,6 +25,13 @@ def mesh():
     return jax.make_mesh((N,), ("data",))
 
 
+def _on_mesh(mesh, run, *args):
+    """``run`` under ``shard_map`` on ``(array, spec)`` pairs; per-device outputs stacked."""
+    specs = tuple(spec for _, spec in args)
+    f = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=P("data"), check_vma=False))
+    return np.asarray(f(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in args)))
+
+
 def test_step_is_lr_times_variance_reduced_gradient():
     tx = qsvrg(0.3, levels=FINE)
     rng = np.random.default_rng(0)
@@ -49,17 +56,7 @@ def test_mesh_step_is_the_mean_over_devices(mesh):
         u, _ = tx.update(g[0], state, snapshot_grads=gs[0], full_grad=h)
         return u[None]
 
-    sh = NamedSharding(mesh, P("data"))
-    f = jax.jit(
-        jax.shard_map(
-            run,
-            mesh=mesh,
-            in_specs=(P("data"), P("data"), P()),
-            out_specs=P("data"),
-            check_vma=False,
-        )
-    )
-    u = np.asarray(f(jax.device_put(g, sh), jax.device_put(gs, sh), h))
+    u = _on_mesh(mesh, run, (g, P("data")), (gs, P("data")), (h, P()))
     expected = -0.5 * np.mean(g - gs + h, axis=0)
     for i in range(N):
         assert np.array_equal(u[i], u[0])  # the same on every device
@@ -79,17 +76,7 @@ def test_include_leaves_backup_workers_out_of_the_mean(mesh):
         u, _ = tx.update(g[0], tx.init(g[0]), snapshot_grads=gs[0], full_grad=h, include=inc[0])
         return u[None]
 
-    sh = NamedSharding(mesh, P("data"))
-    f = jax.jit(
-        jax.shard_map(
-            run,
-            mesh=mesh,
-            in_specs=(P("data"), P("data"), P(), P("data")),
-            out_specs=P("data"),
-            check_vma=False,
-        )
-    )
-    u = np.asarray(f(*(jax.device_put(x, sh) for x in (g, gs)), h, jax.device_put(inc, sh)))
+    u = _on_mesh(mesh, run, (g, P("data")), (gs, P("data")), (h, P()), (inc, P("data")))
     expected = -0.5 * np.mean((g - gs + h)[inc], axis=0)
     for i in range(N):
         assert np.array_equal(u[i], u[0])

@@ -171,16 +171,40 @@ class DeferredSparsifyState(NamedTuple):
         ``sent_limit`` 0: the form whose ``accumulator`` can be read, folded
         or replaced directly. numpy states stay numpy (see :func:`clear_sent`).
         """
-        pending = jax.tree.map(clear_sent, self.accumulator, self.sent_threshold, self.sent_limit)
+        residual = jax.tree.map(clear_sent, self.accumulator, self.sent_threshold, self.sent_limit)
         leaves = jax.tree.leaves(self.sent_threshold)
         xp = np if all(isinstance(t, np.ndarray | np.generic) for t in leaves) else jnp
         return self._replace(
-            accumulator=pending,
+            accumulator=residual,
             sent_threshold=jax.tree.map(
                 lambda t: xp.full(np.shape(t), np.inf, np.float32), self.sent_threshold
             ),
             sent_limit=jax.tree.map(lambda x: xp.zeros(np.shape(x), np.int32), self.sent_limit),
         )
+
+
+def _sent_mask(xp, a, threshold, limit):
+    """The message's mask: float32 ``|a| > threshold`` at flat indices ``<= limit``.
+
+    The one definition the one-device send (:func:`_send_masked`) and the
+    deferred clearing (:func:`clear_sent`) share, so they agree bit for bit.
+    Compared in float32 like the selector's counts and extract(): a float64
+    accumulator compared in float64 could select more than counted (values
+    that round down to the threshold). Leading axes of ``threshold`` (a state
+    stacked per device) are leading axes of ``a``; the flat index runs over
+    the rest, without a reshape (sharded leaves keep their sharding).
+    """
+    t = xp.asarray(threshold, np.float32)
+    limit = xp.asarray(limit, np.int32)
+    tail = a.shape[t.ndim :]
+    index = xp.arange(math.prod(tail), dtype=np.int32).reshape(tail)
+    expand = (..., *([None] * len(tail)))
+    magnitude = xp.abs(a.astype(np.float32))
+    if xp is np:
+        # XLA compares float32 subnormals as zero (CPU and GPU flush them):
+        # the device's mask never sent one, so the host must not clear one.
+        magnitude = np.where(magnitude < np.finfo(np.float32).tiny, np.float32(0), magnitude)
+    return (magnitude > t[expand]) & (index <= limit[expand])
 
 
 def clear_sent(accumulator: Any, sent_threshold: Any, sent_limit: Any) -> Any:
@@ -198,17 +222,7 @@ def clear_sent(accumulator: Any, sent_threshold: Any, sent_limit: Any) -> Any:
     host = all(isinstance(v, np.ndarray | np.generic) for v in (accumulator, sent_threshold))
     xp = np if host else jnp
     a = xp.asarray(accumulator)
-    t = xp.asarray(sent_threshold, np.float32)
-    limit = xp.asarray(sent_limit, np.int32)
-    tail = a.shape[t.ndim :]
-    index = xp.arange(math.prod(tail), dtype=np.int32).reshape(tail)
-    expand = (..., *([None] * len(tail)))
-    magnitude = xp.abs(a.astype(np.float32))
-    if host:
-        # XLA compares float32 subnormals as zero (CPU and GPU flush them):
-        # the device's mask never sent one, so the host must not clear one.
-        magnitude = np.where(magnitude < np.finfo(np.float32).tiny, np.float32(0), magnitude)
-    sent = (magnitude > t[expand]) & (index <= limit[expand])
+    sent = _sent_mask(xp, a, sent_threshold, sent_limit)
     return xp.where(sent, xp.zeros((), a.dtype), a)
 
 
@@ -1416,12 +1430,7 @@ def _send_masked(
         lambda _: varying_like(jnp.int32(n), acc),
         None,
     )
-    # Compared in float32 like the selector's counts and extract(): a float64
-    # accumulator compared in float64 could select more than counted (values
-    # that round down to the threshold).
-    above = jnp.abs(acc.astype(jnp.float32)) > sel.threshold
-    iota = lax.iota(jnp.int32, n)
-    mask = above & (iota <= limit)
+    mask = _sent_mask(jnp, acc, sel.threshold, limit)
     sent_out = _to_wire(jnp.where(mask, acc, 0), out_dtype)
     seg = None
     if segments is not None:
