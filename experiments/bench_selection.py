@@ -130,6 +130,8 @@ def make_data(kind: str, n: int, seed: int = 0) -> np.ndarray:
     if kind == "zeros99":
         lap = rng.laplace(0.0, 5e-3 / math.sqrt(2), n)
         return np.where(rng.random(n) < 0.99, 0.0, lap).astype(np.float32)
+    if kind == "ties":  # small integers: every top-k tie group is far over any capacity
+        return (1e-3 * rng.integers(-3, 4, n)).astype(np.float32)
     raise ValueError(f"unknown data kind {kind!r}")
 
 

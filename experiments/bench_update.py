@@ -9,7 +9,10 @@ compressor::
     step = jax.jit(lambda g, s: tx.update(g, s), donate_argnums=1)
     u, s = step(g, s)  # the state threaded from call to call, as in a training loop
 
-with ``g`` a fixed Laplacian gradient (``bench_selection.make_data``), after
+with ``g`` a fixed Laplacian gradient (``bench_selection.make_data``; with
+``--data ties`` small integers, so that every step's selection passes far
+more than the capacity and the capacity cut runs: the step's overflow
+cost), after
 ``--warm_steps`` steps, as medians of ``--repeats`` rounds that interleave
 every program of a size (one call each per round), so that the load of a
 shared machine drifts over all of them alike. In the same rounds it times:
@@ -67,11 +70,13 @@ first write of the fresh 64 MiB output from ~35 to ~9 ms here. The
 environment's allocator settings are recorded in the JSON (``malloc_env``).
 
 Ratios (``speedup_vs_top_k``, ``floors``) come from medians measured in the
-same run. Writes ``<out>/bench_update.json`` and ``<out>/bench_update.png``.
+same run. Writes ``<out>/bench_update.json`` and ``<out>/bench_update.png``
+(``bench_update_ties.*`` with ``--data ties``).
 
 Run: ``python -m experiments.bench_update [--sizes 22,24]
 [--methods ldte_bs,ldte_bs_deferred,top_k] [--repeats 15] [--warm_steps 20] [--no_stages]
-[--no_profile] [--no_modes] [--malloc default|hugetlb] [--out results]``.
+[--no_profile] [--no_modes] [--malloc default|hugetlb] [--data laplace|ties]
+[--out results]``.
 """
 
 from __future__ import annotations
@@ -443,6 +448,7 @@ def run(
     stages=True,
     profile=True,
     modes=True,
+    data="laplace",
 ):
     """Times every method's donated update at every size; returns the result rows.
 
@@ -460,7 +466,7 @@ def run(
     for lg in sizes_log2:
         n = 2**lg
         k = selectors.target_count(ETA, n)
-        g = jnp.asarray(make_data("laplace", n))
+        g = jnp.asarray(make_data(data, n))
         progs = {"floor": {"fn": jax.jit(lambda v: jnp.sum(jnp.abs(v))), "kind": "plain"}}
         progs["floor"]["args"] = (g,)
         hlo, sel_out, kernel_ms = {}, {}, {}
@@ -589,6 +595,7 @@ def run(
         results.append(row)
         _print_row(row)
     meta = {
+        "data": data,
         "eta": ETA,
         "repeats": repeats,
         "warm_steps": warm_steps,
@@ -599,10 +606,11 @@ def run(
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(MALLOC_ENV)},
     }
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "bench_update.json")
+    name = "bench_update" if data == "laplace" else f"bench_update_{data}"
+    path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
         jsonio.dump({"meta": meta, "results": results}, f, indent=1)
-    png = plot(results, os.path.join(out_dir, "bench_update.png"))
+    png = plot(results, os.path.join(out_dir, f"{name}.png"))
     print(f"wrote {path} and {png}")
     return results
 
@@ -771,6 +779,12 @@ def main(argv=None):
     )
     parser.add_argument("--out", default="results")
     parser.add_argument(
+        "--data",
+        choices=("laplace", "ties"),
+        default="laplace",
+        help="ties: small-integer gradients, every step over the capacity (its cut's cost)",
+    )
+    parser.add_argument(
         "--malloc",
         choices=("default", "hugetlb"),
         default="default",
@@ -795,6 +809,7 @@ def main(argv=None):
         stages=not args.no_stages,
         profile=not args.no_profile,
         modes=not args.no_modes,
+        data=args.data,
     )
 
 

@@ -323,8 +323,14 @@ def ref_threshold(acc, k: int) -> np.float32:
 
 
 def expected_sent(acc, t, cap) -> np.ndarray:
-    """Indices of ``|acc| > t``, the first ``cap`` in index order."""
-    return np.flatnonzero(abs32(acc) > np.float32(t))[:cap]
+    """Ascending indices of ``|acc| > t``; over ``cap`` of them, the ``cap``
+    largest magnitudes, ties to the lower index (a stable sort, as ``lax.top_k``)."""
+    mags = abs32(acc).reshape(-1)
+    above = np.flatnonzero(mags > np.float32(t))
+    if len(above) <= cap:
+        return above
+    order = np.argsort(-mags[above], kind="stable")
+    return np.sort(above[order[:cap]])
 
 
 def check_step(acc, sent, new_res, t, cap, count):

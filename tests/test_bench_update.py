@@ -68,6 +68,28 @@ def test_bench_update_writes_json_and_png(tmp_path):
                 )
 
 
+def test_bench_update_ties_data_runs_the_capacity_cut(tmp_path):
+    """--data ties: every step passes far more than the capacity, so the update sends
+    exactly the capacity (the cut ran); written beside, not over, bench_update.json."""
+    rows = bench_update.run(
+        [12],
+        ["ldte_bs_deferred"],
+        repeats=3,
+        out_dir=str(tmp_path),
+        warm_steps=2,
+        stages=False,
+        profile=False,
+        modes=False,
+        data="ties",
+    )
+    data = json.loads((tmp_path / "bench_update_ties.json").read_text())
+    assert data["meta"]["data"] == "ties" and not (tmp_path / "bench_update.json").exists()
+    (row,) = rows
+    cap = math.ceil(1.5 * row["k"])
+    for m in row["methods"].values():
+        assert m["sent_count"] == cap
+
+
 def test_hlo_passes_counts_a_known_program():
     n = 4096
     r, g = jnp.zeros(n), jnp.ones(n)

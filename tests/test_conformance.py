@@ -813,6 +813,11 @@ def test_liveness_every_step_sends_at_least_k(name):
             if step == 0 and kind in ("ones", "constant") and name != "random_k":
                 # Overflow (all n tie): the first `cap` in index order, on the mask path.
                 np.testing.assert_array_equal(np.flatnonzero(sent), np.arange(cap))
+            if step == 0 and kind == "ties_few_larger" and name != "random_k":
+                # Overflow with larger values last in index order: the cap
+                # largest are sent, ties to the lower index, not the first cap.
+                want = [*range(min(cap, np.count_nonzero(sent)) - 3), *range(LIVE_N - 3, LIVE_N)]
+                np.testing.assert_array_equal(np.flatnonzero(sent), want)
         # Bounded residual: an element waits at most ~n / k steps for its turn
         # (the bug this guards against: nothing sent, |residual| = steps * |g|).
         # random_k's draws ignore the values: bounded in expectation only.
@@ -824,7 +829,8 @@ def test_liveness_every_step_sends_at_least_k(name):
 
 @pytest.mark.parametrize("name", ["ldte_bs"])
 def test_liveness_under_shard_map_sparse_exchange(name):
-    """The extract path (axis_name, exchange="sparse"): per device >= k, first `cap` on overflow."""
+    """The extract path (axis_name, exchange="sparse"): per device >= k; on overflow the
+    ``cap`` largest, ties to the lower index."""
     mesh = jax.make_mesh((N_DEV,), ("data",))
     tx = FACTORIES[name](LIVE_RATIO, axis_name="data", exchange="sparse")
     k = k_of(LIVE_RATIO, LIVE_N)
@@ -840,8 +846,8 @@ def test_liveness_under_shard_map_sparse_exchange(name):
         )
     )
     sharding = NamedSharding(mesh, P("data"))
-    # Devices 0-3 see all ones, devices 4-7 random signs.
-    kinds = ["ones"] * 4 + ["signs"] * 4
+    # Devices 0-1 see all ones, 2-3 ones and three 5s last, devices 4-7 random signs.
+    kinds = ["ones"] * 2 + ["ties_few_larger"] * 2 + ["signs"] * 4
     state = jax.device_put(_stack(tx.init({"w": jnp.zeros((LIVE_N,), jnp.float32)})), sharding)
     for t in range(LIVE_STEPS // 2):  # > n / capacity: a full round of the ties
         g = np.stack([_live_grad(kinds[d], t, device=d) for d in range(N_DEV)])
@@ -855,6 +861,9 @@ def test_liveness_under_shard_map_sparse_exchange(name):
             _check_live_step(name, old[d] + g[d], sent[d], int(counts[d]), k, cap)
             if t == 0 and kinds[d] == "ones":
                 np.testing.assert_array_equal(np.flatnonzero(sent[d]), np.arange(cap))
+            if t == 0 and kinds[d] == "ties_few_larger":
+                want = [*range(cap - 3), *range(LIVE_N - 3, LIVE_N)]
+                np.testing.assert_array_equal(np.flatnonzero(sent[d]), want)
         np.testing.assert_allclose(np.asarray(upd["w"])[0], sent.mean(axis=0), rtol=1e-6, atol=1e-6)
         state = new
     assert float(np.abs(np.asarray(state.residual["w"])).max()) <= math.ceil(LIVE_N / k) + 2

@@ -195,12 +195,14 @@ def test_x64_float64_leaf_defers_bit_for_bit():
 
 
 def test_clear_sent_numpy_and_stacked():
-    acc = np.array([[3.0, -1.0, 5.0, 0.5], [2.0, 2.0, 2.0, 2.0]], np.float32)
-    t = np.array([1.0, 1.0], np.float32)
-    limit = np.array([3, 1], np.int32)  # device 1: only indices 0 and 1 were sent
+    acc = np.array([[3.0, -1.0, 5.0, 0.5], [2.0, 2.0, 3.0, 2.0]], np.float32)
+    # Device 1: a capacity cut of 2 (capacity_cut's form: just below the tie
+    # value 2.0, and the last tie sent): the 3.0 and the tie at index 0.
+    t = np.array([1.0, np.nextafter(np.float32(2.0), np.float32(0))], np.float32)
+    limit = np.array([1, 0], np.int32)  # device 0: a cut below 1.0's successor changes nothing
     out = clear_sent(acc, t, limit)
     assert isinstance(out, np.ndarray)
-    np.testing.assert_array_equal(out, [[0.0, -1.0, 0.0, 0.5], [0.0, 0.0, 2.0, 2.0]])
+    np.testing.assert_array_equal(out, [[0.0, -1.0, 0.0, 0.5], [0.0, 2.0, 0.0, 2.0]])
     np.testing.assert_array_equal(clear_sent(jnp.asarray(acc), jnp.asarray(t), limit), out)
     # float64 on the host stays float64 whatever jax_enable_x64 says.
     assert clear_sent(acc.astype(np.float64), t, limit).dtype == np.float64

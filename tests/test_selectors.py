@@ -13,6 +13,7 @@ from helpers import (
     DATA,
     abs32,
     count_above,
+    expected_sent,
     jit_selector,
     k_of,
     laplacian,
@@ -440,12 +441,13 @@ def test_dgc_may_end_below_k_and_reports_it():
 
 
 @pytest.mark.parametrize("t", [-1.0, 0.0, 0.5, 5.0])
-def test_one_device_send_is_first_cap_above_t_bit_for_bit(t):
+def test_one_device_send_is_cap_largest_above_t_bit_for_bit(t):
     """sparsify on one device, with any threshold selector (here a custom one that may
-    return a negative t): the update holds the first ``cap`` elements with |acc| > t in
-    index order and the residual the rest, bit for bit, signed zeros included, with and
-    without overflow. (The selector reads a copy of the accumulator and the update is
-    read off the residual: sparsify._select_and_send, _send_masked.)"""
+    return a negative t): the update holds the elements with |acc| > t, over ``cap`` of
+    them the ``cap`` largest (ties to the lower index), and the residual the rest, bit
+    for bit, signed zeros included, with and without overflow. (The selector reads a
+    copy of the accumulator and the update is read off the residual:
+    sparsify._select_and_send, _send_masked.)"""
     import jaxcomp  # noqa: PLC0415
 
     n, ratio, cap = 1000, 0.01, 15  # k = 10, capacity ceil(1.5 k)
@@ -467,10 +469,9 @@ def test_one_device_send_is_first_cap_above_t_bit_for_bit(t):
     for _ in range(3):
         upd, state = step(jnp.asarray(g), state)
         acc = r + g
-        above = np.abs(acc) > np.float32(t)
-        idx = np.flatnonzero(above)
-        limit = idx[cap - 1] if idx.size > cap else n
-        mask = above & (np.arange(n) <= limit)
+        idx = np.flatnonzero(np.abs(acc) > np.float32(t))
+        mask = np.zeros(n, bool)
+        mask[expected_sent(acc, t, cap)] = True
         ref_u = np.where(mask, acc, np.float32(0))
         r = np.where(mask, np.float32(0), acc)
         np.testing.assert_array_equal(np.asarray(upd).view(np.uint32), ref_u.view(np.uint32))
@@ -679,3 +680,71 @@ def test_selectors_reject_input_that_is_not_1d(name):
         select(jnp.ones((20, 10)), 10, **options.get(name, {}))
     one_d = select(jnp.arange(200.0), 10, **options.get(name, {}))
     assert int(one_d.count) >= 10 or name == "threshold"
+
+
+def _cut_reference(x, t, cap):
+    """numpy: ascending indices of the ``cap`` largest float32 magnitudes above ``t``,
+    ties to the lower index (a stable sort, as ``lax.top_k`` breaks them)."""
+    mags = abs32(x)
+    above = np.flatnonzero(mags > np.float32(t))
+    return np.sort(above[np.argsort(-mags[above], kind="stable")[:cap]])
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["few_larger_last", "small_ints", "sparse_ties", "inf", "smallest_normal", "f64", "bf16"],
+)
+@pytest.mark.parametrize("n,cap", [(64, 6), (5000, 20), (5000, 400)])
+def test_capacity_cut_is_the_cap_largest_ties_to_lower_index(kind, n, cap):
+    """capacity_cut (both paths: survivors within 4 cap compacted, else bisection) and
+    cut_message against a stable numpy sort, and _sent_mask on device and host agree."""
+    from jaxcomp.transforms.sparsify import _sent_mask  # noqa: PLC0415
+
+    rng = np.random.default_rng([n, cap, len(kind)])
+    dtype = {"f64": np.float64, "bf16": jnp.bfloat16}.get(kind, np.float32)
+    t = np.float32(0.5)
+    x = np.zeros(n, np.float32)
+    if kind == "few_larger_last":  # the case the first-in-index-order cut got wrong
+        x[: 2 * cap] = 1.0
+        x[-3:] = 5.0
+    elif kind in ("small_ints", "bf16"):
+        x = rng.integers(-4, 5, n).astype(np.float32)
+    elif kind == "f64":  # distinct in float64, ties in float32 (compared there)
+        x = rng.integers(-4, 5, n) * (1 + 1e-10 * rng.random(n))
+    elif kind == "sparse_ties":  # survivors within 4 cap: the compacting path
+        pos = rng.choice(n, min(n, 3 * cap), replace=False)
+        x[pos] = rng.integers(1, 4, pos.size) * rng.choice([-1.0, 1.0], pos.size)
+    elif kind == "inf":
+        x = rng.integers(-2, 3, n).astype(np.float32)
+        x[rng.choice(n, cap // 2 + 1, replace=False)] = rng.choice([-np.inf, np.inf], cap // 2 + 1)
+        x[0] = np.nan  # never selected
+    elif kind == "smallest_normal":  # the cut's float32 below v is subnormal
+        t = np.float32(0)
+        tiny = np.finfo(np.float32).tiny
+        x[rng.choice(n, 2 * cap, replace=False)] = tiny
+        x[-1] = 2 * tiny
+    with jax.enable_x64(kind == "f64"):
+        xd = jnp.asarray(x, dtype)
+        xh = np.asarray(xd)  # the values the device holds
+        count = int(np.sum(abs32(xh) > t))
+        assert count > cap
+        cut, limit = jax.jit(sel.selectors.capacity_cut, static_argnums=3)(
+            xd, jnp.float32(t), jnp.int32(count), cap
+        )
+        want = _cut_reference(xh, t, cap)
+        idx, vals = jax.jit(sel.selectors.cut_message, static_argnums=3)(xd, cut, limit, cap)
+        np.testing.assert_array_equal(np.asarray(idx), want)
+        assert np.asarray(vals).dtype == xh.dtype
+        np.testing.assert_array_equal(np.asarray(vals), xh[want])
+        for xp, a in ((jnp, xd), (np, xh)):
+            mask = np.asarray(_sent_mask(xp, a, np.asarray(cut), np.asarray(limit)))
+            np.testing.assert_array_equal(np.flatnonzero(mask), want)
+
+
+def test_capacity_cut_extract_upper_selects_the_tie_group():
+    x = jnp.asarray([3.0, -2.0, 2.0, 1.0, 2.0, -2.0, 4.0], jnp.float32)
+    below = np.nextafter(np.float32(2), np.float32(0))
+    idx, vals, total = sel.selectors.kernels.extract(x, below, 2, upper=2.0)
+    assert int(total) == 4  # |x| == 2 at 1, 2, 4, 5
+    np.testing.assert_array_equal(np.asarray(idx), [1, 2])
+    np.testing.assert_array_equal(np.asarray(vals), [-2.0, 2.0])

@@ -341,8 +341,12 @@ def extract(
     capacity: int,
     *,
     block_size: int | None = None,
+    upper: jax.Array | float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Indices and values of the first ``capacity`` elements with ``|x| > t``.
+
+    With ``upper``, of those with ``t < |x| <= upper`` (a tie group: ``t``
+    just below ``upper``); the per-block counts then take a second pass.
 
     Two-level stream compaction (2.2-2.5 floors measured, vs ~55-60 floors for
     ``jnp.nonzero(mask, size=capacity)`` and ~19 ms / 30 floors for a blockwise
@@ -374,6 +378,7 @@ def extract(
         capacity: static number of output slots, >= 1.
         block_size: static block size; ``None`` picks one from the density
             (:func:`extract_block_size`).
+        upper: optional scalar bound, compared in float32 like ``t``.
 
     Returns:
         ``(indices, values, count)``: int32[capacity] ascending indices,
@@ -385,6 +390,9 @@ def extract(
     bsz = extract_block_size(n, capacity) if block_size is None else block_size
     t = jnp.asarray(t, jnp.float32)
     counts = _block_counts(x, t, bsz)
+    if upper is not None:
+        upper = jnp.asarray(upper, jnp.float32)
+        counts = counts - _block_counts(x, upper, bsz)
     nb = counts.shape[0]
     incl = jnp.cumsum(counts, dtype=jnp.int32)
     total = incl[-1]
@@ -395,6 +403,8 @@ def extract(
     pos = blk[:, None] * bsz + jnp.arange(bsz, dtype=jnp.int32)[None, :]
     rows = x.at[pos].get(mode="fill", fill_value=0)
     sel = (jnp.abs(_f32(rows)) > t) & (pos < n)
+    if upper is not None:
+        sel = sel & ~(jnp.abs(_f32(rows)) > upper)
     tri = jnp.triu(jnp.ones((bsz, bsz), jnp.float32))
     csum = jnp.dot(sel.astype(jnp.float32), tri, precision=lax.Precision.HIGHEST)
     j = jnp.sum(csum <= rank[:, None].astype(jnp.float32), axis=1, dtype=jnp.int32)

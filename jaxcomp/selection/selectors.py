@@ -522,8 +522,9 @@ def ldte_bs(
     (refined to the exact top-k among its survivors if the bracket did not
     close), or 0 (all nonzeros) when fewer than ``k`` are nonzero. ``count``
     may then exceed the capacity ``ceil(upper * k)``: the sparsifier sends the
-    first ``capacity`` selected elements in index order and keeps the rest in
-    the residual, so every step sends at least ``min(k, nnz)`` elements.
+    ``capacity`` largest selected elements, ties to the lower index
+    (:func:`capacity_cut`), and keeps the rest in the residual, so every step
+    sends at least ``min(k, nnz)`` elements.
 
     Args:
       x: 1-D array (the residual).
@@ -737,31 +738,47 @@ def binary_search(
 # ---------------------------------------------------------------------------
 
 
-def _kth_largest_above(x: jax.Array, t: jax.Array, count: jax.Array, k: int) -> jax.Array:
+_SEARCH_PROBES = 8
+
+
+def _kth_largest_above(
+    x: jax.Array, t: jax.Array, count: jax.Array, k: int, *, top: jax.Array | None = None
+) -> jax.Array:
     """The k-th largest of ``where(|x| > t, |x|, 0)`` in float32, ``count = #{|x| > t}``.
 
     That is the k-th largest ``|x|`` when ``count >= k``, else 0.
 
-    A bisection on float32 bit patterns (non-negative floats order as their
-    int32 bits), one count pass per probe, at most 31: it allocates nothing
-    n-sized. ``lax.top_k`` on the masked array needed an n-sized temporary,
-    and XLA:CPU allocates the temporaries of every branch on every call, taken
-    or not: in a training step that temporary pushed the step's temporaries
-    past glibc's mmap threshold, so the gradient was page-faulted in anew on
-    every call (ldte_bs step at 2^22: 19-21 vs 12 ms without it,
-    experiments/bench_update.py). Invariant (when ``count >= k``):
-    ``count(lo) >= k > count(hi)``;
-    the k-th largest value is the smallest ``v`` with ``count(v) < k``.
+    A search on float32 bit patterns (non-negative floats order as their
+    int32 bits) with ``_SEARCH_PROBES`` evenly spaced probes counted in one
+    pass (``kernels.count_above_many``: 8 cost about 1.7 single counts), so
+    each pass cuts the bracket 9-fold: at most 10 passes where a bisection
+    made 31. It allocates nothing n-sized: ``lax.top_k`` on the masked array
+    needed an n-sized temporary, and XLA:CPU allocates the temporaries of
+    every branch on every call, taken or not: in a training step that
+    temporary pushed the step's temporaries past glibc's mmap threshold, so
+    the gradient was page-faulted in anew on every call (ldte_bs step at
+    2^22: 19-21 vs 12 ms without it, experiments/bench_update.py).
+    Invariant (when ``count >= k``): ``count(lo) >= k > count(hi)``; the
+    k-th largest value is the smallest ``v`` with ``count(v) < k``.
+    ``top``: an upper bound on ``|x|`` (float32) instead of ``max|x|``, which
+    costs a pass and, inside a conditional, an n-sized ``|x|`` temporary on
+    XLA:CPU (its reduce kernel does not fuse the ``abs``).
     """
     # (t = -0.0 has negative bits: counted as +0.0, which counts the same.)
     lo = jnp.maximum(lax.bitcast_convert_type(jnp.asarray(t, jnp.float32), jnp.int32), 0)
-    hi = lax.bitcast_convert_type(jnp.max(_abs32(x)), jnp.int32)
+    hi = jnp.max(_abs32(x)) if top is None else jnp.asarray(top, jnp.float32)
+    hi = lax.bitcast_convert_type(hi, jnp.int32)
+
+    j = jnp.arange(1, _SEARCH_PROBES + 1, dtype=jnp.int32)
 
     def body(s):
         lo, hi = s
-        mid = lo + (hi - lo) // 2
-        many = _count(x, lax.bitcast_convert_type(mid, jnp.float32)) >= k
-        return jnp.where(many, mid, lo), jnp.where(many, hi, mid)
+        # Probes spread over (lo, hi], the first strictly inside (hi - lo >= 2),
+        # without int32 overflow; counts fall as the probe rises.
+        q, r = jnp.divmod(hi - lo, _SEARCH_PROBES + 1)
+        probes = lo + q * j + jnp.minimum(j, r)
+        many = _count_many(x, lax.bitcast_convert_type(probes, jnp.float32)) >= k
+        return jnp.max(jnp.where(many, probes, lo)), jnp.min(jnp.where(many, hi, probes))
 
     _, hi = lax.while_loop(lambda s: s[1] - s[0] > 1, body, varying_like((lo, hi), x))
     return jnp.where(count >= k, lax.bitcast_convert_type(hi, jnp.float32), jnp.float32(0))
@@ -790,6 +807,93 @@ def _top_k_above(x: jax.Array, t: jax.Array, count: jax.Array, k: int, buffer: i
         kth = lax.cond(count <= buffer, small, large, None)
     t2 = _just_below(kth)
     return t2, _count(x, t2)
+
+
+def float32_above(t: jax.Array) -> jax.Array:
+    """The next float32 above a non-negative float32 ``t``, by its bits.
+
+    Integer arithmetic on the bit pattern, not ``nextafter``: XLA:CPU treats
+    a subnormal operand of float arithmetic as 0, so ``nextafter`` of the
+    largest subnormal would not give the smallest normal.
+    """
+    bits = lax.bitcast_convert_type(jnp.asarray(t, jnp.float32), jnp.int32)
+    return lax.bitcast_convert_type(bits + 1, jnp.float32)
+
+
+def capacity_cut(
+    x: jax.Array, t: jax.Array, count: jax.Array, capacity: int
+) -> tuple[jax.Array, jax.Array]:
+    """The ``capacity`` largest of the ``count > capacity`` elements with ``|x| > t``.
+
+    Ties at the ``capacity``-th magnitude ``v`` go to the lower index, as in
+    ``lax.top_k``. Returned as ``(cut, limit)``: the message is
+    ``{i: |x_i| > cut and (|x_i| > float32_above(cut) or i <= limit)}``, where
+    ``cut`` is the float32 just below ``v`` (so the first term is
+    ``|x_i| >= v`` and ``|x_i| > float32_above(cut)`` is ``|x_i| > v``) and
+    ``limit`` the index of the last tie sent. Without a cut, ``(t, n)``
+    describes ``{|x| > t}`` in the same form.
+
+    When the survivors fit ``4 * capacity`` slots they are compacted (one
+    counting pass) and searched there; otherwise the search on float32 bit
+    patterns runs on ``x`` (:func:`_kth_largest_above`, up to 10 counting
+    passes, nothing n-sized allocated) and a second compaction finds the
+    ties. Magnitudes compare in float32. ``count`` must be exact
+    (:class:`Selection`'s contract): it picks the path, and the compacting
+    one sees only the first ``4 * capacity`` survivors.
+    """
+    n = x.shape[0]
+    buffer = min(n, 4 * capacity)
+
+    def small(_):
+        idx, vals, _ = kernels.extract(x, t, buffer)
+        mags = _abs32(vals)  # padding: 0, at index n
+        # The same search on the buffer (lax.top_k there took 1.4 ms at 2^22).
+        v = _kth_largest_above(mags, t, count, capacity)
+        ties_so_far = jnp.cumsum((mags == v) & (idx < n), dtype=jnp.int32)
+        wanted = capacity - jnp.sum(mags > v, dtype=jnp.int32)  # >= 1
+        # The wanted-th tie's slot: the count of slots before it (no argmax,
+        # whose variadic reduce GPU lowerings would not share with the CPU's).
+        last = jnp.sum(ties_so_far < wanted, dtype=jnp.int32)
+        return v, idx[last]
+
+    def large(_):
+        v = _kth_largest_above(x, t, count, capacity, top=jnp.float32(jnp.inf))
+        below = _float32_below(v)
+        ties, _, _ = kernels.extract(x, below, capacity, upper=v)
+        wanted = capacity - _count(x, v)
+        return v, ties[wanted - 1]
+
+    if buffer == n:
+        v, limit = small(None)
+    else:
+        v, limit = lax.cond(count <= buffer, small, large, None)
+    return _float32_below(v), limit
+
+
+def _float32_below(v: jax.Array) -> jax.Array:
+    """The float32 just below a positive float32 ``v`` (bits, see :func:`float32_above`)."""
+    bits = lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.int32)
+    return lax.bitcast_convert_type(jnp.maximum(bits - 1, 0), jnp.float32)
+
+
+def cut_message(
+    x: jax.Array, cut: jax.Array, limit: jax.Array, capacity: int
+) -> tuple[jax.Array, jax.Array]:
+    """Ascending indices and values of the message :func:`capacity_cut` described.
+
+    Two compactions, the elements above ``v = float32_above(cut)`` and the
+    ties at ``v`` up to ``limit``, merged by index; ``capacity`` slots, the
+    unused ones padding (index ``n``, value 0) as in ``kernels.extract``.
+    """
+    n = x.shape[0]
+    v = float32_above(cut)
+    above, above_vals, _ = kernels.extract(x, v, capacity)
+    ties, tie_vals, _ = kernels.extract(x, cut, capacity, upper=v)
+    kept = ties <= limit
+    idx = jnp.concatenate([above, jnp.where(kept, ties, n)])
+    vals = jnp.concatenate([above_vals, jnp.where(kept, tie_vals, jnp.zeros((), x.dtype))])
+    idx, vals = lax.sort((idx, vals), num_keys=1)
+    return idx[:capacity], vals[:capacity]
 
 
 @_flat_input

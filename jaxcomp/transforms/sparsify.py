@@ -137,15 +137,16 @@ class DeferredSparsifyState(NamedTuple):
       accumulator: a pytree like the gradients in the residual dtype: the
         residual plus the elements of the last message.
       sent_threshold: float32 per leaf (whatever the ``granularity``): the
-        elements of ``accumulator`` whose float32 magnitude is above it, at
-        flat indices up to ``sent_limit``, were sent by the last step;
-        ``inf`` when nothing is pending (a leaf that writes its residual
-        out: see ``defer_residual`` in :func:`sparsify`).
-      sent_limit: int32 per leaf: the message holds the elements above
-        ``sent_threshold`` at flat indices up to it: the leaf's size or more
-        when the capacity did not cut the message; in a group of merged
-        leaves, the group's cut minus the leaf's offset (negative when the
-        cut fell before the leaf).
+        elements of ``accumulator`` whose float32 magnitude is above it were
+        sent by the last step, those equal to the next float32 above it
+        only at flat indices up to ``sent_limit`` (a capacity cut's tie
+        group, see :func:`jaxcomp.selection.capacity_cut`); ``inf`` when
+        nothing is pending (a leaf that writes its residual out: see
+        ``defer_residual`` in :func:`sparsify`).
+      sent_limit: int32 per leaf: the flat index of the last tie sent: the
+        leaf's size or more when the capacity did not cut the message; in a
+        group of merged leaves, the group's cut minus the leaf's offset
+        (negative when the cut fell before the leaf).
       velocity, key, sent_count, threshold, search_iterations,
         message_bytes, wire_bytes, nonfinite_steps: as in
         :class:`SparsifyState`.
@@ -184,7 +185,12 @@ class DeferredSparsifyState(NamedTuple):
 
 
 def _sent_mask(xp, a, threshold, limit):
-    """The message's mask: float32 ``|a| > threshold`` at flat indices ``<= limit``.
+    """The message's mask: float32 ``|a| > threshold``, the elements equal to the
+    next float32 above ``threshold`` only at flat indices ``<= limit``.
+
+    That is :func:`jaxcomp.selection.capacity_cut`'s form: the ``capacity``
+    largest magnitudes, ties to the lower index, when the capacity cut the
+    message; ``{|a| > threshold}`` when ``limit`` is the size or more.
 
     The one definition the one-device send (:func:`_send_masked`) and the
     deferred clearing (:func:`clear_sent`) share, so they agree bit for bit.
@@ -196,6 +202,10 @@ def _sent_mask(xp, a, threshold, limit):
     """
     t = xp.asarray(threshold, np.float32)
     limit = xp.asarray(limit, np.int32)
+    if xp is np:
+        above = (t.view(np.int32) + np.int32(1)).view(np.float32)  # as float32_above
+    else:
+        above = selectors.float32_above(t)
     tail = a.shape[t.ndim :]
     index = xp.arange(math.prod(tail), dtype=np.int32).reshape(tail)
     expand = (..., *([None] * len(tail)))
@@ -204,17 +214,18 @@ def _sent_mask(xp, a, threshold, limit):
         # XLA compares float32 subnormals as zero (CPU and GPU flush them):
         # the device's mask never sent one, so the host must not clear one.
         magnitude = np.where(magnitude < np.finfo(np.float32).tiny, np.float32(0), magnitude)
-    return (magnitude > t[expand]) & (index <= limit[expand])
+    return (magnitude > t[expand]) & ((magnitude > above[expand]) | (index <= limit[expand]))
 
 
 def clear_sent(accumulator: Any, sent_threshold: Any, sent_limit: Any) -> Any:
     """One leaf's residual: ``accumulator`` with the pending message's elements set to +0.
 
     An element was sent when its float32 magnitude is above ``sent_threshold``
-    and its flat index is at most ``sent_limit`` (the comparison the step's
-    mask made, so the result is bit for bit the residual an immediate write
-    gives). Leading axes of ``sent_threshold`` (a state stacked per device)
-    are leading axes of ``accumulator``; the flat index runs over the rest.
+    and, if it equals the next float32 above it, its flat index is at most
+    ``sent_limit`` (the comparison the step's mask made, so the result is
+    bit for bit the residual an immediate write gives). Leading axes of
+    ``sent_threshold`` (a state stacked per device) are leading axes of
+    ``accumulator``; the flat index runs over the rest.
     numpy in, numpy out (on the host, in the accumulator's dtype whatever
     ``jax_enable_x64`` says); anything else goes through ``jax.numpy``
     (sharded leaves keep their sharding: no reshape).
@@ -287,7 +298,8 @@ class _FlatOut(NamedTuple):
     iterations: jax.Array
     wire_bytes: jax.Array
     # Deferred clearing (one device): ``residual`` is the accumulator and the
-    # message is {|acc| > threshold, index <= sent_limit}; None: written out.
+    # message is _sent_mask(acc, sent_threshold, sent_limit); None: written out.
+    sent_threshold: jax.Array | None = None
     sent_limit: jax.Array | None = None
 
 
@@ -498,7 +510,8 @@ def sparsify(
         magnitudes in float32 either way.
       capacity_factor: messages hold at most ``ceil(capacity_factor * k)``
         pairs; selected elements beyond that (ties, a fixed or reused
-        threshold) stay in the residual, first in index order sent first.
+        threshold) stay in the residual: the message holds the largest,
+        ties to the lower index (``lax.top_k``'s order).
         None: 1.5.
       momentum: DGC momentum correction factor ``m`` in [0, 1); then use plain
         SGD after the compressor. None: no momentum correction (no velocity).
@@ -539,7 +552,7 @@ def sparsify(
         the threshold is stored per leaf (per group) in ``state.threshold``.
         On the other steps the stored threshold is applied, ``|R| > H``,
         without running the selector, still capped at the message capacity
-        (first in index order). One compilation: ``lax.cond`` on the step.
+        (the largest first). One compilation: ``lax.cond`` on the step.
         Needs a threshold selector (not ``random_k``). None: 1 (select every
         step).
       nonfinite: policy for NaN/Inf gradients. ``"skip"`` (default): if any
@@ -1138,7 +1151,7 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
     if o.sent_limit is not None:
         # Each leaf's share of the group's message: its own flat indices.
         starts = [0, *itertools.accumulate(sizes)][:-1]
-        sent_thresholds = [o.threshold] * len(gs)
+        sent_thresholds = [o.sent_threshold] * len(gs)
         sent_limits = [o.sent_limit - lo for lo in starts]
 
     n = flat_g.shape[0]
@@ -1267,8 +1280,8 @@ def _refresh_due(cfg: _Config, step, stored):
     if cfg.reuse_period == 1:
         return None
     # inf: the last step sent nothing. 0: it found fewer than k nonzero
-    # magnitudes; applied again, it would send any nonzero up to capacity in
-    # index order, not the largest.
+    # magnitudes; applied again, it would pass every nonzero and leave the
+    # choice to the capacity cut on every step.
     due = (step % cfg.reuse_period == 0) | ~jnp.isfinite(stored) | (stored <= 0)
     if len(cfg.phase_ratios) > 1:  # the first step of every warm-up phase
         spe = cfg.steps_per_epoch
@@ -1408,15 +1421,15 @@ def _send_masked(
     """One device: a dense mask is enough, no stream compaction.
 
     On overflow (count > capacity: ties, fixed or reused thresholds) the
-    message holds the first ``cap`` selected elements in index order, i.e.
-    the selected ones up to the index of the cap-th; only then is that index
-    extracted. The cond returns a scalar: the dense work stays outside it
+    message holds the ``cap`` largest selected elements, ties to the lower
+    index (:func:`selectors.capacity_cut`); only then is the cut searched.
+    The cond returns two scalars: the dense work stays outside it
     (XLA:CPU runs conditional branches unfused). ``x`` (default ``acc``) is
     what the cond reads: the selector's copy of ``acc``, equal to it bit for
     bit, so that ``acc`` stays out of control flow (see _select_and_send).
 
     ``defer`` (the update in ``acc``'s own dtype): the output's residual is
-    ``acc`` itself and ``sent_limit`` the mask's index bound; the next step
+    ``acc`` itself and ``sent_threshold``, ``sent_limit`` the mask; the next step
     clears the message (see DeferredSparsifyState). ``acc`` is then only read after
     the selector, so XLA accumulates in place and needs neither the copy nor
     a residual pass: 5 n-sized reads and 2 writes instead of 8 and 4.
@@ -1424,13 +1437,13 @@ def _send_masked(
     n = acc.shape[0]
     copied = x is not None
     x = acc if x is None else x
-    limit = lax.cond(
+    cut, limit = lax.cond(
         sel.count > cap,
-        lambda _: kernels.extract(x, sel.threshold, cap)[0][cap - 1],
-        lambda _: varying_like(jnp.int32(n), acc),
+        lambda _: selectors.capacity_cut(x, sel.threshold, sel.count, cap),
+        lambda _: varying_like((jnp.asarray(sel.threshold, jnp.float32), jnp.int32(n)), acc),
         None,
     )
-    mask = _sent_mask(jnp, acc, sel.threshold, limit)
+    mask = _sent_mask(jnp, acc, cut, limit)
     sent_out = _to_wire(jnp.where(mask, acc, 0), out_dtype)
     seg = None
     if segments is not None:
@@ -1465,6 +1478,7 @@ def _send_masked(
         threshold=sel.threshold,
         iterations=sel.iterations,
         wire_bytes=jnp.float32(0),
+        sent_threshold=cut if defer else None,
         sent_limit=limit if defer else None,
     )
 
@@ -1479,6 +1493,12 @@ def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) ->
     else:
         idx, vals, count = kernels.extract(acc, sel.threshold, cap)
         sent = jnp.minimum(count, cap)
+
+        def largest(_):  # over capacity: the cap largest, not the first in index order
+            cut, limit = selectors.capacity_cut(acc, sel.threshold, count, cap)
+            return selectors.cut_message(acc, cut, limit, cap)
+
+        idx, vals = lax.cond(count > cap, largest, lambda _: (idx, vals), None)
     if cfg.axis_name is not None and cfg.exchange == "scalecom":
         if ctx.include is not None:
             raise ValueError("exchange='scalecom' does not take include= (backup workers)")
