@@ -35,6 +35,8 @@ __all__ = [
     "Selection",
     "SELECTORS",
     "binary_search",
+    "capacity_cut",
+    "cut_message",
     "dgc_sample",
     "exact_top_k",
     "fixed_threshold",
@@ -124,9 +126,13 @@ def _count_many(x: jax.Array, ts: jax.Array) -> jax.Array:
 def _just_below(v: jax.Array) -> jax.Array:
     """Largest float32 below ``v`` (so that ``a > result`` iff ``a >= v``), never < 0.
 
-    Selecting zeros sends nothing, so a k-th value of 0 gives threshold 0.
+    Selecting zeros sends nothing, so a k-th value of 0 (or NaN) gives
+    threshold 0. By the bit pattern, as :func:`float32_above`: below the
+    smallest normal it gives the largest subnormal.
     """
-    return jnp.where(v > 0, jnp.nextafter(v, jnp.float32(-jnp.inf)), jnp.float32(0))
+    bits = lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.int32)
+    below = lax.bitcast_convert_type(bits - 1, jnp.float32)
+    return jnp.where(v > 0, below, jnp.float32(0))
 
 
 def _selection(t, count, iterations=0) -> Selection:
@@ -840,6 +846,16 @@ def capacity_cut(
     ties. Magnitudes compare in float32. ``count`` must be exact
     (:class:`Selection`'s contract): it picks the path, and the compacting
     one sees only the first ``4 * capacity`` survivors.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.zeros(64).at[:10].set(1.0).at[63].set(5.0)  # ten ties, one larger
+      >>> cut, limit = capacity_cut(x, jnp.float32(0.5), jnp.int32(11), 6)
+      >>> int(limit)  # the last tie sent: ties 0-4 and the 5.0
+      4
+      >>> idx, vals = cut_message(x, cut, limit, 6)
+      >>> idx.tolist(), vals.tolist()
+      ([0, 1, 2, 3, 4, 63], [1.0, 1.0, 1.0, 1.0, 1.0, 5.0])
     """
     n = x.shape[0]
     buffer = min(n, 4 * capacity)
@@ -858,7 +874,7 @@ def capacity_cut(
 
     def large(_):
         v = _kth_largest_above(x, t, count, capacity, top=jnp.float32(jnp.inf))
-        below = _float32_below(v)
+        below = _just_below(v)
         ties, _, _ = kernels.extract(x, below, capacity, upper=v)
         wanted = capacity - _count(x, v)
         return v, ties[wanted - 1]
@@ -867,13 +883,7 @@ def capacity_cut(
         v, limit = small(None)
     else:
         v, limit = lax.cond(count <= buffer, small, large, None)
-    return _float32_below(v), limit
-
-
-def _float32_below(v: jax.Array) -> jax.Array:
-    """The float32 just below a positive float32 ``v`` (bits, see :func:`float32_above`)."""
-    bits = lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.int32)
-    return lax.bitcast_convert_type(jnp.maximum(bits - 1, 0), jnp.float32)
+    return _just_below(v), limit
 
 
 def cut_message(
@@ -884,6 +894,14 @@ def cut_message(
     Two compactions, the elements above ``v = float32_above(cut)`` and the
     ties at ``v`` up to ``limit``, merged by index; ``capacity`` slots, the
     unused ones padding (index ``n``, value 0) as in ``kernels.extract``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.array([2.0, -3.0, 2.0, 2.0, 0.0])
+      >>> cut = jnp.nextafter(jnp.float32(2.0), jnp.float32(0))  # just below the tie value 2
+      >>> idx, vals = cut_message(x, cut, jnp.int32(2), 3)  # ties up to index 2
+      >>> idx.tolist(), vals.tolist()
+      ([0, 1, 2], [2.0, -3.0, 2.0])
     """
     n = x.shape[0]
     v = float32_above(cut)
