@@ -1,5 +1,6 @@
 """Top-k threshold selection kernels (pure, jit-able, O(n), static shapes)."""
 
+from jaxcomp.selection import segmented
 from jaxcomp.selection.selectors import (
     SELECTORS,
     Selection,
@@ -33,6 +34,7 @@ __all__ = [
     "laplace_threshold",
     "ldte_bs",
     "random_k",
+    "segmented",
     "sort_top_k",
     "target_count",
     "trimmed_top_k",

@@ -54,7 +54,7 @@ from jaxcomp import _validation as V
 from jaxcomp._vma import check_per_device, varying_like
 from jaxcomp.comm import collectives, sparse_allreduce
 from jaxcomp.selection import _kernels as kernels
-from jaxcomp.selection import selectors
+from jaxcomp.selection import segmented, selectors
 
 __all__ = [
     "DGC_WARMUP",
@@ -1000,20 +1000,138 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
     ctx = _StepContext(state.step, send_ok, include)
     inputs = _step_inputs(cfg, grads, state)
     g_leaves = inputs.treedef.flatten_up_to(grads)
-    outs = [
-        _compress_group(
+    per_leaf = inputs.layout.per_leaf
+    outs: list[Any] = [None] * len(inputs.groups)
+    packed = _packed_selector(cfg) if include is None and scatter is None else None
+    buckets: dict[tuple, list] = {}
+    for j, gi in enumerate(inputs.groups):
+        gs = [g_leaves[i] for i in gi.members]
+        n = sum(g.size for g in gs)
+        if packed is not None and 0 < n and n > cfg.min_dense_size:
+            # Selected together with the bucket's other groups (one buffer).
+            flat = _flatten_group(cfg, gs, gi.residuals, gi.velocities)
+            bucket = (jnp.dtype(flat.r.dtype), jnp.dtype(flat.wire), flat.defer)
+            buckets.setdefault(bucket, []).append((j, gi, gs, flat))
+            continue
+        outs[j] = _compress_group(
             _leaf_exchange(cfg, scatter, gi.members),
-            [g_leaves[i] for i in gi.members],
+            gs,
             gi.residuals,
             gi.velocities,
             gi.stored,
             gi.key,
             ctx,
-            per_leaf=inputs.layout.per_leaf,
+            per_leaf=per_leaf,
         )
-        for gi in inputs.groups
-    ]
+    for items in buckets.values():
+        for (j, *_), o in zip(
+            items, _compress_packed(cfg, packed, items, ctx, per_leaf), strict=True
+        ):
+            outs[j] = o
     return _finish(cfg, state, inputs, outs, finite)
+
+
+# ---------------------------------------------------------------------------
+# Many groups in one buffer (jaxcomp.selection.segmented).
+# ---------------------------------------------------------------------------
+
+
+def _packed_selector(cfg: _Config):
+    """``(segmented selector, options)`` when this step can select every group
+    together in one packed buffer, else None (each group alone).
+
+    Today: one device (``axis_name=None``), a selector with a segmented form
+    (``top_k``, ``ldte_bs`` with the moments estimator, ``dgc``), no threshold
+    reuse and no low-pass filter.
+    """
+    select = segmented.SEGMENTED.get(cfg.select_fn)
+    if select is None or cfg.axis_name is not None or cfg.reuse_period != 1:
+        return None
+    if _low_pass_on(cfg):
+        return None
+    options = dict(cfg.options)
+    if cfg.select_fn is selectors.ldte_bs:
+        if options.pop("estimator", "moments") != "moments":
+            return None
+        sample = options.get("moment_sample", selectors.DEFAULT_MOMENT_SAMPLE)
+        options["probes"] = options.get("search", "interpolate") == "interpolate" and (
+            sample is not None
+        )
+    return select, options
+
+
+def _compress_packed(cfg: _Config, packed, items, ctx, per_leaf: bool) -> list[_GroupOut]:
+    """One device: the groups of ``items`` selected, cut and sent together.
+
+    Each group is a segment of one packed buffer (one residual and wire dtype);
+    its result is what :func:`_compress_group` gives it alone: the same
+    accumulation, the segment's own selection (see
+    :mod:`jaxcomp.selection.segmented`), the capacity cut per segment, the
+    mask, then the same split into leaves.
+    """
+    select, options = packed
+    flats = [flat for *_, flat in items]
+    sizes = tuple(int(f.g.shape[0]) for f in flats)
+    layout = segmented.SegmentLayout(sizes)
+    rdt, wire, defer = flats[0].r.dtype, flats[0].wire, flats[0].defer
+    g = layout.pack([f.g for f in flats], wire)
+    r = layout.pack([f.r for f in flats], rdt)
+    v = None if flats[0].v is None else layout.pack([f.v for f in flats], rdt)
+    acc, u = _accumulate(cfg, g, r, v, ctx.send_ok)
+    table = np.asarray([[selectors.target_count(q, n) for n in sizes] for q in cfg.phase_ratios])
+    phase = None
+    if len(cfg.phase_ratios) > 1:
+        phase = jnp.minimum(ctx.step // cfg.steps_per_epoch, len(cfg.phase_ratios) - 1)
+    targets = segmented.Targets(table, phase)
+    extra = {}
+    if cfg.hint_previous:
+        stored = jnp.stack([gi.stored for _, gi, _, _ in items]).astype(jnp.float32)
+        # No previous threshold before step 0 (the state's starts at 0).
+        extra["hint"] = jnp.where(ctx.step == 0, jnp.float32(jnp.inf), stored)
+    sel = select(layout, acc, targets, **options, **extra)
+    # A skipped (non-finite) step selects nothing.
+    t = jnp.where(ctx.sends, sel.threshold, jnp.inf)
+    count = jnp.where(ctx.sends, sel.count, 0)
+    caps = np.vectorize(lambda k, n: _capacity(int(k), int(n), cfg.capacity_factor))(
+        table, np.asarray(sizes)[None, :]
+    )
+    cap = targets.pick(caps.astype(np.int32))
+    n_seg = jnp.asarray(np.asarray(sizes, np.int32))
+    cut, limit = lax.cond(
+        jnp.any(count > cap),
+        lambda: segmented.capacity_cut(layout, acc, t, count, cap),
+        lambda: varying_like((t, n_seg), acc),
+    )
+    mask = segmented.sent_mask(layout, acc, cut, limit)
+    sent_out = _to_wire(jnp.where(mask, acc, 0), wire)
+    residual = acc if defer else _keep_rest(acc, mask, sent_out)
+    new_u = _mask_velocity(cfg, u, mask)
+    sent = jnp.minimum(count, cap)
+    updates, residuals = layout.unpack(sent_out), layout.unpack(residual)
+    masks = layout.unpack(mask)
+    velocities = [None] * len(items) if new_u is None else layout.unpack(new_u)
+    outs = []
+    for j, (_, _, gs, flat) in enumerate(items):
+        segment_counts = None
+        if per_leaf and len(gs) > 1:
+            segment_counts = tuple(
+                jnp.sum(masks[j][lo:hi], dtype=jnp.int32)
+                for lo, hi in _bounds([x.size for x in gs])
+            )
+        o = _FlatOut(
+            update=updates[j],
+            residual=residuals[j],
+            velocity=velocities[j],
+            count=sent[j],
+            segment_counts=segment_counts,
+            threshold=t[j],
+            iterations=sel.iterations[j],
+            wire_bytes=jnp.float32(0),
+            sent_threshold=cut[j] if defer else None,
+            sent_limit=limit[j] if defer else None,
+        )
+        outs.append(_split_group(cfg, gs, flat, o, ctx))
+    return outs
 
 
 def _leaf_exchange(cfg: _Config, scatter, members) -> _Config:
@@ -1083,7 +1201,23 @@ def _finish(cfg: _Config, state, inputs: _StepInputs, outs, finite):
 
 def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> _GroupOut:
     """Compresses a group of leaves as one buffer (a one-leaf group: the leaf itself)."""
-    sizes = [g.size for g in gs]
+    flat = _flatten_group(cfg, gs, rs, vs)
+    segments = tuple(g.size for g in gs) if per_leaf and len(gs) > 1 else None
+    o = _compress_flat(cfg, flat.g, flat.r, flat.v, stored, key, ctx, segments, defer=flat.defer)
+    return _split_group(cfg, gs, flat, o, ctx)
+
+
+class _FlatGroup(NamedTuple):
+    """A group's leaves flattened into one buffer each (see :func:`_flatten_group`)."""
+
+    g: jax.Array  # the gradients, in the wire dtype
+    r: jax.Array  # the residuals, in the residual dtype
+    v: jax.Array | None  # the velocities
+    wire: Any  # the message's dtype
+    defer: bool  # one device may leave the message in the accumulator
+
+
+def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
     # init gave every leaf of a group the group's residual dtype.
     rdt = rs[0].dtype if rs else resolve_residual_dtype(cfg.residual_dtype, [])
     dtypes = {jnp.dtype(g.dtype) for g in gs}
@@ -1092,7 +1226,6 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
     flat_g = _concat([g.reshape(-1).astype(wire) for g in gs], wire)
     flat_r = _concat([r.reshape(-1) for r in rs], rdt)
     flat_v = None if vs is None else _concat([v.reshape(-1) for v in vs], rdt)
-    segments = tuple(sizes) if per_leaf and len(gs) > 1 else None
     # One device defers clearing the message from the accumulator (see
     # DeferredSparsifyState) when the update is the accumulator's values themselves:
     # no leaf-dtype rounding to keep, no low-pass filter on the residual, and
@@ -1107,7 +1240,14 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
         # could disagree with this step's.
         and jnp.dtype(rdt).itemsize >= 4
     )
-    o = _compress_flat(cfg, flat_g, flat_r, flat_v, stored, key, ctx, segments, defer=defer)
+    return _FlatGroup(flat_g, flat_r, flat_v, wire, defer)
+
+
+def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> _GroupOut:
+    """One group's compressed buffer split back into its leaves."""
+    sizes = [g.size for g in gs]
+    flat_g, flat_r, flat_v, wire = flat.g, flat.r, flat.v, flat.wire
+    rdt = flat_r.dtype
 
     def split(flat):
         if len(sizes) == 1:

@@ -1,0 +1,727 @@
+"""Selection for many tensors at once: one buffer, one loop, a threshold per segment.
+
+A model's gradients are tens to hundreds of leaves. Selecting each leaf on
+its own makes one program piece per leaf (every ``while_loop``, every
+conditional and every counting pass again), so compile time and, on a GPU,
+kernel launches grow with the leaf count. Here the leaves (the *segments*)
+are packed into one 2-D buffer of rows of :data:`ROW` elements, each segment
+starting on a row of its own and padded with zeros to whole rows::
+
+    segment:   0 0 0 0 0 | 1 1 1 1 1 | 1 1 . . . | 2 2 2 . . |     (ROW = 5)
+    row:           0           1           2           3
+
+and every selector decides all segments together: one counting pass counts
+every segment against its own threshold (a per-row threshold, the row counts
+summed per segment), one ``while_loop`` iterates until every segment's
+search has converged (a converged segment stays fixed while the others go
+on). A segment's result depends on its own elements only: each row holds one
+segment, the per-row reductions see one segment's elements, and the
+row-to-segment sums run in row order. So a leaf selected with a hundred others
+gets the threshold it gets alone (tested bit for bit).
+
+Padding zeros never pass a threshold (``|0| > t`` is false for ``t >= 0``,
+and every threshold here is ``>= 0``) and never raise a maximum; sums that
+padding would change (the moments) mask it out.
+
+``k`` is an int32 array (one per segment) and may be traced: a warm-up
+schedule picks a row of a static table by the step, and the one compiled
+selector serves every phase.
+
+Selectors with a segmented form are in :data:`SEGMENTED` (by the 1-D
+selector they stand for): ``exact_top_k`` (the same threshold and count bit
+for bit: the k-th largest magnitude found by a search on float32 bit
+patterns instead of ``lax.top_k``), ``ldte_bs`` and ``dgc_sample`` (the same
+algorithm per segment; see each for what differs from the 1-D form).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcomp._vma import varying_like
+from jaxcomp.selection import selectors as S1
+
+__all__ = [
+    "ROW",
+    "SEGMENTED",
+    "SegmentLayout",
+    "SegmentSelection",
+    "Targets",
+    "capacity_cut",
+    "count_above",
+    "count_above_many",
+    "dgc_sample",
+    "exact_top_k",
+    "kth_largest_above",
+    "ldte_bs",
+    "segment_max",
+]
+
+# Row width: a segment is padded to whole rows (at most ROW - 1 zeros each);
+# 256 keeps a ResNet-20's padding near 5% (65 leaves, many of 16-64
+# elements), and counts over rows of 256 run as fast as flat ones on XLA:CPU.
+ROW = 256
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SegmentLayout:
+    """Where each segment lives in the packed ``(num_rows, ROW)`` buffer.
+
+    Attributes:
+      sizes: elements per segment.
+      row: the row width.
+    """
+
+    sizes: tuple[int, ...]
+    row: int = ROW
+
+    @functools.cached_property
+    def rows(self) -> np.ndarray:
+        """Rows per segment (0 for an empty one)."""
+        return np.asarray([-(-n // self.row) for n in self.sizes], np.int64)
+
+    @functools.cached_property
+    def starts(self) -> np.ndarray:
+        """First row of each segment."""
+        return np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.sum())
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.sizes)
+
+    @functools.cached_property
+    def row_segment(self) -> np.ndarray:
+        """The segment of each row (int32)."""
+        return np.repeat(np.arange(len(self.sizes), dtype=np.int32), self.rows)
+
+    @functools.cached_property
+    def row_offset(self) -> np.ndarray:
+        """Flat index, within its segment, of each row's first element (int32)."""
+        off = np.arange(self.num_rows, dtype=np.int64) - self.starts[self.row_segment]
+        return (off * self.row).astype(np.int32)
+
+    def pack(self, parts: Sequence[jax.Array], dtype) -> jax.Array:
+        """The ``(num_rows, row)`` buffer of the 1-D ``parts`` (one per segment)."""
+        pieces = []
+        for p, n, r in zip(parts, self.sizes, self.rows, strict=True):
+            p = jnp.ravel(p).astype(dtype)
+            pad = int(r) * self.row - n
+            pieces.append(p)
+            if pad:
+                pieces.append(jnp.zeros((pad,), dtype))
+        if not pieces:
+            return jnp.zeros((0, self.row), dtype)
+        flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+        return flat.reshape(self.num_rows, self.row)
+
+    def unpack(self, buf: jax.Array) -> list[jax.Array]:
+        """The 1-D segments of a packed buffer (the padding dropped)."""
+        flat = buf.reshape(-1)
+        return [
+            flat[int(s) * self.row : int(s) * self.row + n]
+            for s, n in zip(self.starts, self.sizes, strict=True)
+        ]
+
+    def per_row(self, values: jax.Array) -> jax.Array:
+        """A per-segment array broadcast to rows (leading axis segments -> rows)."""
+        return jnp.asarray(values)[self.row_segment]
+
+    def segment_sum(self, per_row: jax.Array) -> jax.Array:
+        """Per-segment sums of a per-row array, in row order (0 for an empty segment)."""
+        return jax.ops.segment_sum(
+            per_row, self.row_segment, self.num_segments, indices_are_sorted=True
+        )
+
+    def valid(self) -> jax.Array:
+        """bool ``(num_rows, row)``: which slots hold a segment's element (not padding)."""
+        size = np.asarray(self.sizes, np.int64)[self.row_segment] if self.sizes else np.zeros(0)
+        left = (size - self.row_offset).astype(np.int32)  # elements of the segment from here on
+        return lax.broadcasted_iota(jnp.int32, (self.num_rows, self.row), 1) < left[:, None]
+
+
+class SegmentSelection(NamedTuple):
+    """A selector's decision for every segment (arrays of shape ``(segments,)``).
+
+    As :class:`jaxcomp.selection.Selection`, per segment: segment ``s`` sends
+    ``{i: |x_i| > threshold[s]}``, ``count[s]`` elements.
+    """
+
+    threshold: jax.Array
+    count: jax.Array
+    iterations: jax.Array
+
+
+class Targets(NamedTuple):
+    """Per-segment target counts, static per warm-up phase, and the phase.
+
+    ``table[p, s]`` is segment ``s``'s ``k`` in phase ``p``; ``phase`` is
+    None (one phase) or a traced int32 scalar. Derived integer tables (the
+    window's upper end, sample sizes) are computed in Python from ``table``
+    and picked by the same phase, so they are exact.
+    """
+
+    table: np.ndarray  # int64 (phases, segments)
+    phase: Any = None
+
+    def pick(self, table) -> jax.Array:
+        """Row ``phase`` of a ``(phases, segments)`` numpy table, as an array."""
+        table = np.asarray(table)
+        if self.phase is None or table.shape[0] == 1:
+            return jnp.asarray(table[0])
+        return jnp.asarray(table)[self.phase]
+
+    @property
+    def k(self) -> jax.Array:
+        return self.pick(self.table.astype(np.int32))
+
+
+# ---------------------------------------------------------------------------
+# Kernels: one pass over the buffer for every segment.
+# ---------------------------------------------------------------------------
+
+
+def _add_all(acc, val):
+    return [a + v for a, v in zip(acc, val, strict=True)]
+
+
+def _abs32(x):
+    return jnp.abs(x.astype(jnp.float32))
+
+
+def _row_counts_many(a: jax.Array, ts: list[jax.Array]) -> list[jax.Array]:
+    """Per-row int32 counts of ``a > t`` for per-row thresholds ``t`` (each ``(rows, 1)``)."""
+
+    def cpu(a, *ts):
+        # XLA:CPU's fast exact count: a variadic int32 row reduce with two or
+        # more live outputs (see jaxcomp.selection._kernels); the barrier
+        # keeps equal thresholds distinct outputs.
+        tl = list(lax.optimization_barrier(tuple(ts)))
+        if len(tl) == 1:
+            tl = [tl[0], lax.optimization_barrier(tl[0])]
+            c0, c1 = lax.reduce(
+                [(a > t).astype(jnp.int32) for t in tl], [jnp.int32(0)] * 2, _add_all, (1,)
+            )
+            return [jnp.minimum(c0, c1)]
+        ops = [(a > t).astype(jnp.int32) for t in tl]
+        return list(lax.reduce(ops, [jnp.int32(0)] * len(tl), _add_all, (1,)))
+
+    def other(a, *ts):
+        return [jnp.sum(a > t, axis=1, dtype=jnp.int32) for t in ts]
+
+    return lax.platform_dependent(a, *ts, cpu=cpu, default=other)
+
+
+def count_above(layout: SegmentLayout, x: jax.Array, t: jax.Array) -> jax.Array:
+    """int32 ``#{|x| > t[s]}`` per segment (float32 compare), one pass."""
+    if layout.num_rows == 0:
+        return jnp.zeros((layout.num_segments,), jnp.int32)
+    x, t = lax.optimization_barrier((x, jnp.asarray(t, jnp.float32)))
+    (rc,) = _row_counts_many(_abs32(x), [layout.per_row(t)[:, None]])
+    return layout.segment_sum(rc)
+
+
+def count_above_many(layout: SegmentLayout, x: jax.Array, ts: jax.Array) -> jax.Array:
+    """int32 ``#{|x| > ts[s, j]}``, shape ``(segments, m)``, in one pass."""
+    m = ts.shape[1]
+    if layout.num_rows == 0:
+        return jnp.zeros((layout.num_segments, m), jnp.int32)
+    x, ts = lax.optimization_barrier((x, jnp.asarray(ts, jnp.float32)))
+    tr = layout.per_row(ts)
+    rcs = _row_counts_many(_abs32(x), [tr[:, j : j + 1] for j in range(m)])
+    return layout.segment_sum(jnp.stack(rcs, axis=1))
+
+
+def segment_max(layout: SegmentLayout, x: jax.Array) -> jax.Array:
+    """float32 ``max|x|`` per segment (0 for an empty one)."""
+    if layout.num_rows == 0:
+        return jnp.zeros((layout.num_segments,), jnp.float32)
+    m = jax.ops.segment_max(
+        jnp.max(_abs32(x), axis=1), layout.row_segment, layout.num_segments,
+        indices_are_sorted=True,
+    )  # fmt: skip
+    return jnp.maximum(m, 0.0)  # empty segments: -inf
+
+
+def _bits(t):
+    return lax.bitcast_convert_type(jnp.asarray(t, jnp.float32), jnp.int32)
+
+
+def _float(b):
+    return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _just_below(v):
+    return jnp.where(v > 0, _float(_bits(v) - 1), jnp.float32(0))
+
+
+def float32_above(t):
+    return _float(_bits(t) + 1)
+
+
+_PROBES = 8
+
+
+def kth_largest_above(
+    layout: SegmentLayout,
+    x: jax.Array,
+    t: jax.Array,
+    count: jax.Array,
+    k: jax.Array,
+    *,
+    top: jax.Array,
+    active: jax.Array | None = None,
+) -> jax.Array:
+    """Per segment, the k-th largest float32 ``|x|`` above ``t`` (0 if ``count < k``).
+
+    :func:`jaxcomp.selection.selectors._kth_largest_above` for every segment
+    at once: a search on float32 bit patterns with 8 probes per segment
+    counted in one pass, at most 10 passes; ``top`` bounds ``|x|`` from above
+    (``inf`` is always safe). Segments not ``active`` take no part (their
+    result is meaningless).
+    """
+    lo = jnp.maximum(_bits(t), 0)
+    hi = _bits(top)
+    if active is not None:
+        hi = jnp.where(active, hi, lo + 1)
+    j = jnp.arange(1, _PROBES + 1, dtype=jnp.int32)
+
+    def body(s):
+        lo, hi = s
+        q, r = jnp.divmod(hi - lo, _PROBES + 1)
+        probes = lo[:, None] + q[:, None] * j + jnp.minimum(j, r[:, None])
+        many = count_above_many(layout, x, _float(probes)) >= k[:, None]
+        run = (hi - lo) > 1
+        new_lo = jnp.max(jnp.where(many, probes, lo[:, None]), axis=1)
+        new_hi = jnp.min(jnp.where(many, hi[:, None], probes), axis=1)
+        return jnp.where(run, new_lo, lo), jnp.where(run, new_hi, hi)
+
+    _, hi = lax.while_loop(lambda s: jnp.any(s[1] - s[0] > 1), body, varying_like((lo, hi), x))
+    return jnp.where(count >= k, _float(hi), jnp.float32(0))
+
+
+def _strided_layout(layout: SegmentLayout, size: Callable[[int], int]):
+    """The layout of per-segment strided samples and each segment's stride.
+
+    Segment ``s`` keeps ``m = size(n)`` elements at a fixed odd stride, as
+    ``selectors._strided_sample`` takes them (all of it when ``n <= m``).
+    """
+    sizes, strides = [], []
+    for n in layout.sizes:
+        m = min(n, size(n))
+        stride = 1
+        if n > m:
+            stride = n // m
+            if stride % 2 == 0:
+                stride -= 1
+        sizes.append(m)
+        strides.append(stride)
+    return SegmentLayout(tuple(sizes), layout.row), np.asarray(strides, np.int64)
+
+
+def _sample(layout: SegmentLayout, x: jax.Array, sample: SegmentLayout, strides) -> jax.Array:
+    """The packed strided samples of every segment (x itself when nothing is strided)."""
+    if sample.sizes == layout.sizes:
+        return x
+    seg = sample.row_segment
+    base = layout.starts[seg] * layout.row  # segment start in x
+    stride = strides[seg]
+    ok = sample.valid()
+    if layout.num_rows * layout.row >= 2**31:
+        raise ValueError("segmented selection: buffers beyond 2^31 elements are not supported")
+    # Built in the program: as a constant the index table would be as large as the sample.
+    rows = (
+        jnp.asarray(base.astype(np.int32))[:, None]
+        + (lax.broadcasted_iota(jnp.int32, ok.shape, 1) + jnp.asarray(sample.row_offset)[:, None])
+        * jnp.asarray(stride.astype(np.int32))[:, None]
+    )
+    rows = jnp.where(ok, rows, 0)
+    picked = x.reshape(-1)[rows]
+    return jnp.where(ok, picked, jnp.zeros((), x.dtype))
+
+
+def moments(layout: SegmentLayout, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-segment float32 mean and population variance (around the first element).
+
+    As :func:`jaxcomp.selection._kernels.moments` per segment (shifted by the
+    segment's first element against cancellation), summed by rows.
+    """
+    x = x.astype(jnp.float32)
+    valid = layout.valid()
+    shift = x.reshape(-1)[jnp.asarray((layout.starts * layout.row).astype(np.int32))]
+    n = np.maximum(np.asarray(layout.sizes, np.float64), 1)
+    inv_n = jnp.asarray((1.0 / n).astype(np.float32))
+    total = layout.segment_sum(jnp.sum(jnp.where(valid, x, 0.0), axis=1))
+    d2 = jnp.square(x - layout.per_row(shift)[:, None])
+    sq = layout.segment_sum(jnp.sum(jnp.where(valid, d2, 0.0), axis=1))
+    mean = total * inv_n
+    d = mean - shift
+    var = jnp.maximum(sq * inv_n - d * d, 0.0)
+    return mean, var
+
+
+# ---------------------------------------------------------------------------
+# Selectors.
+# ---------------------------------------------------------------------------
+
+
+def _selection(t, c, it) -> SegmentSelection:
+    return SegmentSelection(
+        jnp.asarray(t, jnp.float32), jnp.asarray(c, jnp.int32), jnp.asarray(it, jnp.int32)
+    )
+
+
+def exact_top_k(layout: SegmentLayout, x: jax.Array, targets: Targets) -> SegmentSelection:
+    """Exact top-k of every segment: ``selectors.exact_top_k`` bit for bit.
+
+    The k-th largest magnitude comes from the bit-pattern search (at most 10
+    passes of 8 probes) instead of ``lax.top_k``: the same float32 value, so
+    the same threshold (the float just below it) and count.
+    """
+    k = targets.k
+    n = jnp.asarray(np.asarray(layout.sizes, np.int32))
+    kth = kth_largest_above(
+        layout, x, jnp.zeros_like(k, jnp.float32), n, k, top=segment_max(layout, x)
+    )
+    # lax.top_k's k-th value: the k-th largest |x| (0 when fewer than k are nonzero).
+    t = _just_below(kth)
+    return _selection(t, count_above(layout, x, t), jnp.zeros_like(k))
+
+
+def _top_k_above(layout, x, t, c, k, refine, top):
+    """Where ``refine``: the exact top-k threshold among ``{|x| > t}`` (``c >= k`` of them)."""
+    kth = kth_largest_above(layout, x, t, c, k, top=top, active=refine)
+    t2 = jnp.where(refine, _just_below(kth), t)
+    c2 = count_above(layout, x, t2)
+    return t2, jnp.where(refine, c2, c)
+
+
+def _log_cosh(z):
+    z = jnp.abs(z)
+    return z + jnp.log1p(jnp.exp(-2.0 * z)) - math.log(2.0)
+
+
+# Laplace-model probes counted with the estimate: thresholds whose expected
+# count is f * aim * k (t0 - b ln f), as ldte_bs's sample-quantile probes.
+_PROBE_FACTORS = (2.4, 1.16, 0.84, 0.4)
+
+
+def ldte_bs(
+    layout: SegmentLayout,
+    x: jax.Array,
+    targets: Targets,
+    *,
+    search: str = "interpolate",
+    aim: float = 1.25,
+    moment_sample: int | None = S1.DEFAULT_MOMENT_SAMPLE,
+    upper: float = 1.5,
+    max_iters: int = 40,
+    delta: float = 0.0,
+    exact_below: int = 0,
+    hint: jax.Array | None = None,
+    probes: bool = True,
+) -> SegmentSelection:
+    """LDTE-BS for every segment (``selectors.ldte_bs`` with ``estimator="moments"``).
+
+    Per segment: the Laplace fit of the (strided-sample) moments gives
+    ``t0 = b ln(cosh(mu/b) / eta)``; one pass counts ``t0``, the ``hint``
+    (the previous threshold) and, with ``probes``, four thresholds
+    ``t0 - b ln f`` whose expected counts under the fit are ``f`` times the
+    aim; the first in ``[k, upper k]`` is kept (the estimate, then the
+    hint, then the probe nearest the aim), else the search (bisection,
+    Fibonacci or interpolation on log counts) runs from the bracket they
+    leave, every segment in one ``while_loop``. Where no threshold fits the
+    window (ties, fewer than k nonzeros, the probe cap) the result is the
+    1-D selector's: the exact top-k among the "too many" end's survivors.
+
+    What differs from the 1-D selector: the moments are summed by rows (the
+    estimate can differ in its last bits), and the improved variant's probes
+    come from the Laplace fit rather than the sample's quantiles (no
+    per-segment ``top_k`` of the sample). ``probes=False, hint=None,
+    search="bisect", aim=1, moment_sample=None`` is the paper's algorithm.
+    """
+    k = targets.k
+    ktab = targets.table
+    sizes = np.asarray(layout.sizes, np.int64)
+    ub_tab = np.floor(upper * ktab).astype(np.int64)
+    ub = targets.pick(ub_tab.astype(np.int32))
+    cap = targets.pick(np.minimum(sizes, np.ceil(upper * ktab)).astype(np.int32))
+    n = jnp.asarray(sizes.astype(np.int32))
+    # The estimate.
+    if moment_sample is None:
+        mean, var = moments(layout, x)
+    else:
+        sl, strides = _strided_layout(layout, lambda _: moment_sample)
+        mean, var = moments(sl, _sample(layout, x, sl, strides))
+    b = jnp.sqrt(var / 2.0)
+    eta = targets.pick(np.minimum(1.0, aim * ktab / np.maximum(sizes, 1)).astype(np.float32))
+    safe_b = jnp.where(b > 0, b, 1.0)
+    t0 = safe_b * (_log_cosh(mean / safe_b) - jnp.log(eta))
+    t0 = jnp.maximum(jnp.where(b > 0, t0, 0.0), 0.0)
+    # The first pass: estimate, hint, probes.
+    cands = [t0]
+    if hint is not None:
+        h = jnp.asarray(hint, jnp.float32)
+        cands.append(jnp.where(jnp.isfinite(h) & (h >= 0), h, t0))
+    if probes:
+        cands += [jnp.maximum(t0 - b * math.log(f), 0.0) for f in _PROBE_FACTORS]
+    ts0 = jnp.stack(cands, axis=1)
+    cs0 = (
+        count_above_many(layout, x, ts0) if len(cands) > 1 else count_above(layout, x, t0)[:, None]
+    )
+    if hint is not None:
+        # A hint with nothing above it brackets no better than max|x|: drop it.
+        drop = (jnp.arange(ts0.shape[1]) == 1)[None, :] & (cs0 == 0)
+        ts0 = jnp.where(drop, t0[:, None], ts0)
+        cs0 = jnp.where(drop, cs0[:, :1], cs0)
+    preferred = 2 if hint is not None else 1
+    t, c = _choose(ts0, cs0, k, ub, aim, preferred)
+    lo, c_lo, hi, c_hi, hi_known = _bracket(ts0, cs0, k, ub, n)
+    hi = jnp.where(hi_known, hi, segment_max(layout, x))
+    c_hi = jnp.where(hi_known, c_hi, 0)
+    t, c, it, lo, c_lo, hi, lo_zero = _search(
+        layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo == 0,
+        upper=upper, search=search, max_iters=max_iters, delta=delta,
+    )  # fmt: skip
+    feasible = (c >= k) & (c <= ub)
+    # Fallback (see selectors._search): the "too many" end, refined to the
+    # exact top-k among its survivors when the bracket did not close.
+    c_lo_true = jnp.where(lo_zero, count_above(layout, x, lo), c_lo)
+    open_ = jnp.nextafter(lo, jnp.float32(jnp.inf)) < hi
+    refine = ~feasible & (c_lo_true > cap) & open_
+
+    def fallback(_):
+        t2, c2 = _top_k_above(layout, x, lo, c_lo_true, k, refine, hi)
+        return jnp.where(feasible, t, t2), jnp.where(feasible, c, c2)
+
+    def plain(_):
+        return jnp.where(feasible, t, lo), jnp.where(feasible, c, c_lo_true)
+
+    t, c = lax.cond(jnp.any(refine), fallback, plain, None)
+    if exact_below:
+        small = jnp.asarray(sizes < exact_below)
+        if bool(np.any(sizes < exact_below)):
+            ex = exact_top_k(layout, x, targets)
+            t = jnp.where(small, ex.threshold, t)
+            c = jnp.where(small, ex.count, c)
+            it = jnp.where(small, 0, it)
+    return _selection(t, c, it)
+
+
+def _choose(ts, cs, k, ub, aim, preferred):
+    """Per segment ``selectors._choose``: the first preferred candidate in the
+    window, else the one in it nearest ``aim * k``, else the first."""
+    in_window = (cs >= k[:, None]) & (cs <= ub[:, None])
+    target = jnp.log(aim * k.astype(jnp.float32))
+    miss = jnp.abs(jnp.log(cs.astype(jnp.float32) + 1.0) - target[:, None])
+    rank = jnp.where(jnp.arange(ts.shape[1])[None, :] < preferred, -1.0, miss)
+    first = jnp.argmin(jnp.where(in_window, rank, jnp.inf), axis=1)
+    first = jnp.where(jnp.any(in_window, axis=1), first, 0)
+    pick = jnp.take_along_axis
+    return pick(ts, first[:, None], 1)[:, 0], pick(cs, first[:, None], 1)[:, 0]
+
+
+def _bracket(ts, cs, k, ub, n):
+    """Per segment ``selectors._bracket``."""
+    many, few = cs > ub[:, None], cs < k[:, None]
+    any_many = jnp.any(many, axis=1)
+    lo = jnp.where(any_many, jnp.max(jnp.where(many, ts, -jnp.inf), axis=1), 0.0)
+    c_lo = jnp.where(any_many, jnp.min(jnp.where(many, cs, n[:, None]), axis=1), n)
+    hi_known = jnp.any(few, axis=1)
+    hi = jnp.where(hi_known, jnp.min(jnp.where(few, ts, jnp.inf), axis=1), ts[:, 0])
+    c_hi = jnp.where(hi_known, jnp.max(jnp.where(few, cs, -1), axis=1), cs[:, 0])
+    return lo, c_lo.astype(jnp.int32), hi, c_hi.astype(jnp.int32), hi_known
+
+
+def _search(layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo_zero, *, upper, search, max_iters,
+            delta):  # fmt: skip
+    """``selectors._search``'s loop for every segment at once.
+
+    Returns ``(t, c, iterations, lo, c_lo, hi, lo_zero)``; a segment stops
+    when its count is in ``[k, ub]``, its bracket no longer shrinks (or is
+    below ``delta``) or after ``max_iters`` probes; the loop runs while any
+    segment goes on.
+    """
+    kf = k.astype(jnp.float32)
+    target = jnp.log(jnp.sqrt(kf * jnp.maximum(ub.astype(jnp.float32), kf)) + 1.0)
+    fib = S1._fibonacci_fractions(max_iters)
+
+    def running(s):
+        lo, hi, _, _, _, c, it, _, _, _ = s
+        feasible = (c >= k) & (c <= ub)
+        mid = lo + (hi - lo) * 0.5
+        stuck = (mid <= lo) | (mid >= hi) | (hi - lo <= delta)
+        return ~feasible & ~stuck & (it < max_iters)
+
+    def body(s):
+        go = running(s)
+        lo, hi, c_lo, c_hi, t_old, c_old, it, last, repeat, lo_z = s
+        if search == "bisect":
+            frac = jnp.float32(0.5)
+        elif search == "fibonacci":
+            frac = fib[jnp.minimum(it, fib.shape[0] - 1)]
+        else:
+            f_lo = jnp.log(c_lo.astype(jnp.float32) + 1.0) - target
+            f_hi = jnp.log(c_hi.astype(jnp.float32) + 1.0) - target
+            interp = f_lo / jnp.maximum(f_lo - f_hi, 1e-6)
+            frac = jnp.where(repeat, 0.5, jnp.clip(interp, 0.02, 0.98))
+        t = jnp.clip(lo + (hi - lo) * frac, lo, hi)
+        c = count_above(layout, x, t)
+        too_many, too_few = c > ub, c < k
+        moved = jnp.where(too_many, 1, jnp.where(too_few, -1, 0)).astype(jnp.int32)
+        new = (
+            jnp.where(too_many, t, lo),
+            jnp.where(too_few, t, hi),
+            jnp.where(too_many, c, c_lo),
+            jnp.where(too_few, c, c_hi),
+            t,
+            c,
+            it + 1,
+            moved,
+            (moved != 0) & (moved == last),
+            lo_z & ~too_many,
+        )
+        return tuple(jnp.where(go, a, b) for a, b in zip(new, s, strict=True))
+
+    zeros = jnp.zeros_like(k)
+    init = (lo, hi, c_lo, c_hi, t, c, zeros, zeros, jnp.zeros_like(k, jnp.bool_), lo_zero)
+    init = varying_like(init, x)
+    s = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    lo, hi, c_lo, _, t, c, it, _, _, lo_zero = s
+    return t, c, it, lo, c_lo, hi, lo_zero
+
+
+def dgc_sample(
+    layout: SegmentLayout,
+    x: jax.Array,
+    targets: Targets,
+    *,
+    sample_ratio: float = 0.01,
+    upper: float = 1.3,
+    decay: float = 0.8,
+    max_adaptations: int = 10,
+) -> SegmentSelection:
+    """DGC's selection for every segment, as ``selectors.dgc_sample`` bit for bit.
+
+    The strided sample's threshold (its ``ks``-th largest magnitude, found by
+    the bit-pattern search: ``lax.top_k``'s value), the decay rounds in one
+    loop, and the exact top-k among the survivors where more than
+    ``ceil(upper k)`` pass.
+    """
+    k = targets.k
+    sizes = np.asarray(layout.sizes, np.int64)
+    sl, strides = _strided_layout(layout, lambda n: max(1, math.ceil(sample_ratio * n)))
+    m = np.asarray(sl.sizes, np.int64)
+    ks_tab = np.asarray(
+        [
+            [
+                S1.target_count(kk / n, mm) if n else 0
+                for kk, n, mm in zip(row, sizes, m, strict=True)
+            ]
+            for row in targets.table
+        ],
+        np.int32,
+    )
+    sample = _sample(layout, x, sl, strides)
+    ks = targets.pick(ks_tab)
+    kth = kth_largest_above(
+        sl, sample, jnp.zeros_like(k, jnp.float32), jnp.asarray(m.astype(np.int32)), ks,
+        top=segment_max(sl, sample),
+    )  # fmt: skip
+    t = _just_below(kth)
+    c = count_above(layout, x, t)
+
+    def running(s):
+        t, c, it = s
+        return (c < k) & (it < max_adaptations) & (t > 0)
+
+    def body(s):
+        go = running(s)
+        t, c, it = s
+        t2 = (t * decay).astype(jnp.float32)
+        c2 = count_above(layout, x, t2)
+        return jnp.where(go, t2, t), jnp.where(go, c2, c), jnp.where(go, it + 1, it)
+
+    init = varying_like((t, c, jnp.zeros_like(k)), x)
+    t, c, it = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    hi = targets.pick(np.ceil(upper * targets.table).astype(np.int32))
+    refine = c > hi
+    t, c = lax.cond(
+        jnp.any(refine),
+        lambda _: _top_k_above(layout, x, t, c, k, refine, jnp.full_like(t, jnp.inf)),
+        lambda _: (t, c),
+        None,
+    )
+    return _selection(t, c, it + refine.astype(jnp.int32))
+
+
+# ---------------------------------------------------------------------------
+# The capacity cut.
+# ---------------------------------------------------------------------------
+
+
+def capacity_cut(
+    layout: SegmentLayout, x: jax.Array, t: jax.Array, count: jax.Array, capacity: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Per segment ``selectors.capacity_cut``: ``(cut, limit)`` of the message.
+
+    Segment ``s`` sends ``{i: |x_i| > cut[s] and (|x_i| > float32_above(cut[s])
+    or i <= limit[s])}`` (``i`` its flat index within the segment): the
+    ``capacity[s]`` largest of ``{|x| > t[s]}``, ties to the lower index.
+    Segments with ``count <= capacity`` keep ``(t, size)``. The same message
+    as the 1-D ``capacity_cut`` (tested).
+    """
+    sizes = jnp.asarray(np.asarray(layout.sizes, np.int32))
+    over = count > capacity
+    v = kth_largest_above(layout, x, t, count, capacity, top=jnp.full_like(t, jnp.inf), active=over)
+    # How many ties at v are wanted: capacity - #{|x| > v} (>= 1 where over).
+    wanted = capacity - count_above(layout, x, v)
+    a = _abs32(x)
+    ties = (a == layout.per_row(v)[:, None]).astype(jnp.int32)
+    row_ties = jnp.sum(ties, axis=1, dtype=jnp.int32)
+    incl = jnp.cumsum(row_ties, dtype=jnp.int32)  # exact: integers
+    base = layout.per_row(jnp.concatenate([jnp.zeros((1,), jnp.int32), incl])[
+        jnp.asarray(layout.starts.astype(np.int32))])  # fmt: skip
+    local_incl = incl - base  # ties of the segment up to and including this row
+    before = local_incl < layout.per_row(wanted)
+    # The row holding the wanted-th tie: the segment's first row + rows before it.
+    r = jnp.asarray(layout.starts.astype(np.int32)) + layout.segment_sum(before.astype(jnp.int32))
+    r = jnp.clip(r, 0, max(layout.num_rows - 1, 0))
+    prior = jnp.where(
+        r > jnp.asarray(layout.starts.astype(np.int32)), local_incl[jnp.maximum(r - 1, 0)], 0
+    )
+    row_t = ties[r]  # (segments, row)
+    cum = jnp.cumsum(row_t, axis=1, dtype=jnp.int32)
+    col = jnp.sum(cum < (wanted - prior)[:, None], axis=1, dtype=jnp.int32)
+    limit = jnp.asarray(layout.row_offset)[r] + col
+    cut = jnp.where(over, _just_below(v), t)
+    return cut, jnp.where(over, limit, sizes)
+
+
+def sent_mask(layout: SegmentLayout, x: jax.Array, cut: jax.Array, limit: jax.Array) -> jax.Array:
+    """The messages' mask in the packed buffer (see :func:`capacity_cut`)."""
+    a = _abs32(x)
+    c = layout.per_row(cut)[:, None]
+    above = layout.per_row(float32_above(cut))[:, None]
+    index = jnp.asarray(layout.row_offset)[:, None] + lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return (a > c) & ((a > above) | (index <= layout.per_row(limit)[:, None]))
+
+
+# The selectors with a segmented form, by the 1-D selector they stand for.
+SEGMENTED: dict[Callable, Callable] = {
+    S1.exact_top_k: exact_top_k,
+    S1.ldte_bs: ldte_bs,
+    S1.dgc_sample: dgc_sample,
+}

@@ -1,0 +1,197 @@
+"""Selection of many leaves at once (``jaxcomp.selection.segmented``) keeps per-leaf results.
+
+Two references:
+
+- ``top_k`` and ``dgc``: today's per-leaf code path (the same 1-D selector
+  wrapped in a plain function, which has no segmented form and so runs leaf
+  by leaf, as every selector did before); updates, residuals, velocities and
+  statistics must agree bit for bit.
+- ``ldte_bs``: the segmented form sums its moments by rows and takes its
+  first-pass probes from the Laplace fit, so its thresholds can differ from the
+  1-D selector's in the last bits. The per-layer contract is that a leaf's
+  result depends on that leaf alone: the whole tree must give each leaf what
+  the leaf gets when it is compressed alone, bit for bit, and every leaf's
+  count must land in the window ``[k, 1.5 k]`` whenever the data allow.
+
+The segmented kernels themselves are checked against numpy and the 1-D
+selectors (``capacity_cut`` message, ``exact_top_k`` and ``dgc_sample``
+thresholds).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp
+from jaxcomp.selection import segmented as sg
+from jaxcomp.selection import selectors as S1
+
+
+def _bits(x):
+    a = np.asarray(x)
+    return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}"))
+
+
+def _tree(seed, kind="laplace"):
+    rng = np.random.default_rng(seed)
+    shapes = {"a": (40, 30), "b": (30,), "c": (257,), "d": (3, 3, 8, 16), "e": (5,)}
+    if kind == "ties":
+        g = {k: np.ones(s, np.float32) for k, s in shapes.items()}
+        g["c"][-1] = 5.0  # larger than the tie group, last in index order
+    else:
+        g = {k: rng.laplace(size=s).astype(np.float32) for k, s in shapes.items()}
+    if kind == "zeros":
+        g["b"][:] = 0.0
+    if kind == "nonfinite" and seed == 2:
+        g["a"][1, 2] = np.nan
+    return {k: jnp.asarray(v) for k, v in g.items()}
+
+
+def _per_leaf(select):
+    """The same selector as a plain function: no segmented form, leaf by leaf."""
+
+    def one(x, k, **options):
+        return select(x, k, **options)
+
+    return one
+
+
+def _run(tx, trees):
+    params = jax.tree.map(jnp.zeros_like, trees[0])
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    out = []
+    for g in trees:
+        u, state = step(g, state)
+        out.append((u, state))
+    return out
+
+
+def _assert_same(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(_bits(x), _bits(y))
+
+
+OPTIONS = {
+    "plain": {},
+    "warmup": {"warmup_ratios": (0.25, 0.05), "steps_per_epoch": 2},
+    "momentum": {"momentum": 0.9},
+    "defer": {"defer_residual": True},
+    "groups": {"groups": [["['a']", "['c']"]]},
+    "global": {"granularity": "global"},
+    "dense_small": {"min_dense_size": 30},
+}
+
+
+# Every option on Laplacian data; the degenerate data with the plain,
+# deferred and warm-up steps.
+EXACT_CASES = [(o, "laplace") for o in sorted(OPTIONS)] + [
+    (o, kind) for o in ("plain", "defer", "warmup") for kind in ("ties", "zeros", "nonfinite")
+]
+
+
+@pytest.mark.parametrize("option,kind", EXACT_CASES)
+@pytest.mark.parametrize("name,select", [("top_k", S1.exact_top_k), ("dgc", S1.dgc_sample)])
+def test_exact_selectors_match_the_per_leaf_path(name, select, option, kind):
+    trees = [_tree(s, kind) for s in range(5)]
+    kw = dict(OPTIONS[option])
+    new = getattr(jaxcomp, name)(0.02, **kw)
+    old = jaxcomp.sparsify(_per_leaf(select), 0.02, **kw)
+    for (u1, s1), (u2, s2) in zip(_run(new, trees), _run(old, trees), strict=True):
+        _assert_same(u1, u2)
+        _assert_same(s1, s2)
+
+
+@pytest.mark.parametrize("kind", ["laplace", "ties", "zeros"])
+@pytest.mark.parametrize("variant", ["improved", "paper"])
+def test_ldte_bs_tree_gives_each_leaf_its_own_result(variant, kind):
+    trees = [_tree(s, kind) for s in range(4)]
+    whole = _run(jaxcomp.ldte_bs(0.02, variant=variant), trees)
+    for name in trees[0]:
+        alone = _run(jaxcomp.ldte_bs(0.02, variant=variant), [{name: t[name]} for t in trees])
+        for (u1, s1), (u2, s2) in zip(whole, alone, strict=True):
+            np.testing.assert_array_equal(_bits(u1[name]), _bits(u2[name]))
+            for field in ("residual", "threshold", "sent_count", "search_iterations"):
+                a = getattr(s1, field)[name]
+                b = getattr(s2, field)[name]
+                np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_ldte_bs_counts_land_in_the_window():
+    rng = np.random.default_rng(0)
+    sizes = (300, 5000, 70_000, 1000)
+    parts = [rng.laplace(size=n).astype(np.float32) for n in sizes]
+    parts[3] = (rng.normal(size=1000) * 1e-3).astype(np.float32)
+    parts[3][:20] = rng.laplace(size=20)  # a mixture: the Laplace fit misses
+    layout = sg.SegmentLayout(sizes)
+    x = layout.pack([jnp.asarray(p) for p in parts], jnp.float32)
+    table = np.asarray([[S1.target_count(0.01, n) for n in sizes]])
+    for variant in ({}, {"search": "bisect", "aim": 1.0, "moment_sample": None, "probes": False}):
+        sel = jax.jit(lambda x, v=variant: sg.ldte_bs(layout, x, sg.Targets(table), **v))(x)
+        for s, p in enumerate(parts):
+            k = table[0, s]
+            t = np.float32(sel.threshold[s])
+            count = int(np.sum(np.abs(p) > t))
+            assert count == int(sel.count[s])
+            assert k <= count <= int(np.floor(1.5 * k)), (variant, s, count, k)
+
+
+def test_segmented_top_k_and_dgc_equal_the_1d_selectors():
+    rng = np.random.default_rng(1)
+    sizes = (5, 300, 1000, 70_000, 257, 16, 3000, 1)
+    parts = [rng.laplace(size=n).astype(np.float32) for n in sizes]
+    parts[2][:50] = 1.0  # ties at the top
+    parts[5][:] = 0.0  # fewer than k nonzeros
+    layout = sg.SegmentLayout(sizes)
+    x = layout.pack([jnp.asarray(p) for p in parts], jnp.float32)
+    table = np.asarray([[S1.target_count(0.01, n) for n in sizes]])
+    for seg, one in ((sg.exact_top_k, S1.exact_top_k), (sg.dgc_sample, S1.dgc_sample)):
+        sel = jax.jit(lambda x, seg=seg: seg(layout, x, sg.Targets(table)))(x)
+        for s, p in enumerate(parts):
+            ref = jax.jit(one, static_argnums=1)(jnp.asarray(p), int(table[0, s]))
+            assert _bits(sel.threshold[s]) == _bits(ref.threshold)
+            assert int(sel.count[s]) == int(ref.count)
+            assert int(sel.iterations[s]) == int(ref.iterations)
+
+
+def test_capacity_cut_sends_the_largest_ties_to_the_lower_index():
+    rng = np.random.default_rng(2)
+    sizes = (64, 600, 5, 1000)
+    parts = [rng.laplace(size=n).astype(np.float32) for n in sizes]
+    parts[0][:] = 0.0
+    parts[0][:10] = 1.0
+    parts[0][63] = 5.0  # larger than the ties, last in index order
+    parts[1][::3] = 2.0  # many ties, some below
+    layout = sg.SegmentLayout(sizes)
+    x = layout.pack([jnp.asarray(p) for p in parts], jnp.float32)
+    t = jnp.asarray([0.5, 0.1, 0.0, 0.0], jnp.float32)
+    count = sg.count_above(layout, x, t)
+    cap = jnp.asarray([6, 40, 2, 1000], jnp.int32)
+    cut, limit = jax.jit(lambda x: sg.capacity_cut(layout, x, t, count, cap))(x)
+    mask = layout.unpack(sg.sent_mask(layout, x, cut, limit))
+    for s, p in enumerate(parts):
+        a = np.abs(p)
+        selected = np.flatnonzero(a > np.float32(t[s]))
+        # numpy: the cap largest of the selected, ties to the lower index.
+        order = selected[np.lexsort((selected, -a[selected]))][: int(cap[s])]
+        expected = np.zeros(p.shape, bool)
+        expected[order] = True
+        np.testing.assert_array_equal(np.asarray(mask[s]), expected)
+    assert bool(np.asarray(mask[0])[63])
+
+
+def test_warmup_compiles_one_selector_and_counts_do_not_grow_with_leaves():
+    def loops(n_leaves, **kw):
+        params = {f"l{i}": jnp.zeros((100 + 37 * i,)) for i in range(n_leaves)}
+        tx = optax.chain(jaxcomp.ldte_bs(0.01, **kw), optax.sgd(0.1))
+        state = tx.init(params)
+        text = jax.jit(tx.update).lower(params, state).compile().as_text()
+        return text.count(" while(")
+
+    warm = {"warmup_ratios": jaxcomp.DGC_WARMUP, "steps_per_epoch": 10}
+    assert loops(2) == loops(12)
+    assert loops(3, **warm) == loops(3)
