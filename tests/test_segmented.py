@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp.selection import segmented as sg
@@ -195,3 +197,62 @@ def test_warmup_compiles_one_selector_and_counts_do_not_grow_with_leaves():
     warm = {"warmup_ratios": jaxcomp.DGC_WARMUP, "steps_per_epoch": 10}
     assert loops(2) == loops(12)
     assert loops(3, **warm) == loops(3)
+
+
+def _mesh_run(tx, trees, n_dev):
+    """``tx.update`` inside shard_map on ``n_dev`` devices, each its own gradients."""
+    mesh = jax.make_mesh((n_dev,), ("data",))
+    spec = P("data")
+    params = jax.tree.map(jnp.zeros_like, trees[0][0])
+    state = jax.tree.map(lambda a: jnp.stack([a] * n_dev), tx.init(params))
+
+    def run(grads, state):
+        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+        upd, new = tx.update(first(grads), first(state))
+        return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
+
+    step = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec))
+    put = lambda t: jax.device_put(t, NamedSharding(mesh, spec))  # noqa: E731
+    state = put(state)
+    out = []
+    for per_device in trees:
+        g = put(jax.tree.map(lambda *a: jnp.stack(a), *per_device))
+        u, state = step(g, state)
+        out.append((u, state))
+    return out
+
+
+@pytest.mark.parametrize("exchange", ["sparse", "dense", "auto"])
+@pytest.mark.parametrize("option", ["plain", "warmup", "momentum"])
+def test_exchanges_match_the_per_leaf_path(exchange, option):
+    n_dev = 4
+    trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(4)]
+    kw = dict(OPTIONS[option], axis_name="data", exchange=exchange)
+    new = jaxcomp.top_k(0.02, **kw)
+    old = jaxcomp.sparsify(_per_leaf(S1.exact_top_k), 0.02, **kw)
+    for (u1, s1), (u2, s2) in zip(
+        _mesh_run(new, trees, n_dev), _mesh_run(old, trees, n_dev), strict=True
+    ):
+        _assert_same(u1, u2)
+        _assert_same(s1, s2)
+
+
+def test_one_collective_per_kind_whatever_the_leaf_count():
+    def collectives(n_leaves):
+        mesh = jax.make_mesh((4,), ("data",))
+        params = {f"l{i}": jnp.zeros((100 + 37 * i,)) for i in range(n_leaves)}
+        tx = jaxcomp.ldte_bs(0.01, axis_name="data", exchange="sparse")
+        state = jax.tree.map(lambda a: jnp.stack([a] * 4), tx.init(params))
+        grads = jax.tree.map(lambda a: jnp.stack([a] * 4), params)
+
+        def run(g, s):
+            u, s = tx.update(jax.tree.map(lambda a: a[0], g), jax.tree.map(lambda a: a[0], s))
+            return u
+
+        f = jax.shard_map(run, mesh=mesh, in_specs=P("data"), out_specs=P())
+        put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))  # noqa: E731
+        text = jax.jit(f).lower(put(grads), put(state)).compile().as_text()
+        ops = ("all-gather", "all-gather-start", "all-reduce", "all-reduce-start")
+        return sum(text.count(f" {op}(") for op in ops)
+
+    assert collectives(2) == collectives(12) <= 2

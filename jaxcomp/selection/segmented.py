@@ -57,10 +57,13 @@ __all__ = [
     "SegmentSelection",
     "Targets",
     "capacity_cut",
+    "compact",
     "count_above",
     "count_above_many",
     "dgc_sample",
     "exact_top_k",
+    "expand",
+    "extract",
     "kth_largest_above",
     "ldte_bs",
     "segment_max",
@@ -114,18 +117,25 @@ class SegmentLayout:
         return (off * self.row).astype(np.int32)
 
     def pack(self, parts: Sequence[jax.Array], dtype) -> jax.Array:
-        """The ``(num_rows, row)`` buffer of the 1-D ``parts`` (one per segment)."""
-        pieces = []
-        for p, n, r in zip(parts, self.sizes, self.rows, strict=True):
-            p = jnp.ravel(p).astype(dtype)
-            pad = int(r) * self.row - n
-            pieces.append(p)
-            if pad:
-                pieces.append(jnp.zeros((pad,), dtype))
-        if not pieces:
+        """The ``(num_rows, row)`` buffer of the 1-D ``parts`` (one per segment).
+
+        One concatenation and one gather into the padded rows: padding each
+        part on its own made a kernel per part (a zero fill), and compile
+        time grows with the kernel count.
+        """
+        if self.num_rows == 0:
             return jnp.zeros((0, self.row), dtype)
-        flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-        return flat.reshape(self.num_rows, self.row)
+        flat = [jnp.ravel(p).astype(dtype) for p in parts]
+        flat = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+        if int(self.rows.sum()) * self.row == flat.shape[0]:  # no padding
+            return flat.reshape(self.num_rows, self.row)
+        # Row r's first element in the concatenation, and how many it holds.
+        src = (np.concatenate([[0], np.cumsum(self.sizes)[:-1]])[self.row_segment]
+               + self.row_offset).astype(np.int32)  # fmt: skip
+        col = lax.broadcasted_iota(jnp.int32, (self.num_rows, self.row), 1)
+        ok = self.valid()
+        index = jnp.where(ok, jnp.asarray(src)[:, None] + col, 0)
+        return jnp.where(ok, flat[index], jnp.zeros((), dtype))
 
     def unpack(self, buf: jax.Array) -> list[jax.Array]:
         """The 1-D segments of a packed buffer (the padding dropped)."""
@@ -717,6 +727,79 @@ def sent_mask(layout: SegmentLayout, x: jax.Array, cut: jax.Array, limit: jax.Ar
     above = layout.per_row(float32_above(cut))[:, None]
     index = jnp.asarray(layout.row_offset)[:, None] + lax.broadcasted_iota(jnp.int32, x.shape, 1)
     return (a > c) & ((a > above) | (index <= layout.per_row(limit)[:, None]))
+
+
+def _valid_positions(layout: SegmentLayout, segments: Sequence[int]) -> jax.Array:
+    """int32 flat positions in the packed buffer of the given segments' elements, in order."""
+    parts = [
+        (int(layout.starts[s]) * layout.row, layout.sizes[s]) for s in segments if layout.sizes[s]
+    ]
+    if not parts:
+        return jnp.zeros((0,), jnp.int32)
+    # One iota per run, concatenated: a constant table would be as large as the buffer.
+    return jnp.concatenate([start + jnp.arange(n, dtype=jnp.int32) for start, n in parts])
+
+
+def compact(layout: SegmentLayout, buf: jax.Array, segments: Sequence[int]) -> jax.Array:
+    """The elements of ``segments`` (ascending) as one 1-D array, padding dropped."""
+    return buf.reshape(-1)[_valid_positions(layout, segments)]
+
+
+def expand(layout: SegmentLayout, flat: jax.Array, segments: Sequence[int], out: jax.Array):
+    """``out`` (packed) with the elements of ``segments`` replaced by ``flat``."""
+    pos = _valid_positions(layout, segments)
+    return out.reshape(-1).at[pos].set(flat, unique_indices=True).reshape(out.shape)
+
+
+_BLOCK = 64
+
+
+def extract(
+    layout: SegmentLayout, x: jax.Array, mask: jax.Array, capacities: Sequence[int]
+) -> tuple[jax.Array, jax.Array]:
+    """Flat packed indices and values of the elements ``mask`` marks, segment by segment.
+
+    Segment ``s`` fills ``capacities[s]`` slots (static; 0 leaves it out) with
+    its marked elements in ascending index order, at most as many as it has
+    slots (the capacity cut has made sure of that); unused slots are padding
+    (index ``num_rows * row``, value 0). The two-level compaction of
+    :func:`jaxcomp.selection._kernels.extract` over all segments at once:
+    counts per block of 64 elements, their cumulative sum, a search for each
+    slot's block, and the rank inside the block by a 0/1 matmul.
+    """
+    size = layout.num_rows * layout.row
+    caps = np.asarray(capacities, np.int64)
+    total = int(caps.sum())
+    if total == 0 or size == 0:
+        return jnp.full((total,), size, jnp.int32), jnp.zeros((total,), x.dtype)
+    blocks_per_row = layout.row // _BLOCK
+    m = mask.reshape(-1, _BLOCK)
+    counts = jnp.sum(m, axis=1, dtype=jnp.int32)
+    incl = jnp.cumsum(counts, dtype=jnp.int32)
+    excl_rows = jnp.concatenate([jnp.zeros((1,), jnp.int32), incl])
+    # Each slot's segment and rank in it (static), and the marks before the segment.
+    slot_seg = np.repeat(np.arange(len(caps)), caps).astype(np.int32)
+    slot_rank = (np.arange(total) - np.repeat(np.cumsum(caps) - caps, caps)).astype(np.int32)
+    first_block = (layout.starts * blocks_per_row).astype(np.int32)
+    last_block = ((layout.starts + layout.rows) * blocks_per_row).astype(np.int32)
+    base = excl_rows[jnp.asarray(first_block)]
+    marked = excl_rows[jnp.asarray(last_block)] - base
+    target = base[slot_seg] + jnp.asarray(slot_rank)
+    valid = jnp.asarray(slot_rank) < marked[slot_seg]
+    nb = counts.shape[0]
+    blk = jnp.minimum(jnp.searchsorted(incl, target, side="right").astype(jnp.int32), nb - 1)
+    rank = target - (incl[blk] - counts[blk])
+    pos = blk[:, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)[None, :]
+    xf = x.reshape(-1)
+    rows = xf[pos]
+    sel = mask.reshape(-1)[pos]
+    tri = jnp.triu(jnp.ones((_BLOCK, _BLOCK), jnp.float32))
+    csum = jnp.dot(sel.astype(jnp.float32), tri, precision=lax.Precision.HIGHEST)
+    j = jnp.minimum(jnp.sum(csum <= rank[:, None].astype(jnp.float32), axis=1, dtype=jnp.int32),
+                    _BLOCK - 1)  # fmt: skip
+    idx = jnp.where(valid, blk * _BLOCK + j, size)
+    picked = jnp.take_along_axis(rows, j[:, None], axis=1)[:, 0]
+    return idx, jnp.where(valid, picked, jnp.zeros((), x.dtype))
 
 
 # The selectors with a segmented form, by the 1-D selector they stand for.

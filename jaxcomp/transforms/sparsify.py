@@ -994,16 +994,15 @@ def _scatter_leaves(updates, scatter) -> tuple:
 
 def _update(cfg: _Config, updates, state, include, scatter=None):
     _check_updates(cfg, updates, state)
-    grads, finite, send_ok = apply_nonfinite_policy(updates, cfg.nonfinite)
+    raw = jax.tree.map(jnp.asarray, updates)
     if include is not None:
         include = jnp.asarray(include, jnp.bool_)
-    ctx = _StepContext(state.step, send_ok, include)
-    inputs = _step_inputs(cfg, grads, state)
-    g_leaves = inputs.treedef.flatten_up_to(grads)
+    inputs = _step_inputs(cfg, raw, state)
+    g_leaves = inputs.treedef.flatten_up_to(raw)
     per_leaf = inputs.layout.per_leaf
-    outs: list[Any] = [None] * len(inputs.groups)
     packed = _packed_selector(cfg) if include is None and scatter is None else None
     buckets: dict[tuple, list] = {}
+    alone = []
     for j, gi in enumerate(inputs.groups):
         gs = [g_leaves[i] for i in gi.members]
         n = sum(g.size for g in gs)
@@ -1012,10 +1011,26 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
             flat = _flatten_group(cfg, gs, gi.residuals, gi.velocities)
             bucket = (jnp.dtype(flat.r.dtype), jnp.dtype(flat.wire), flat.defer)
             buckets.setdefault(bucket, []).append((j, gi, gs, flat))
-            continue
+        else:
+            alone.append(j)
+    packs = [_pack(items) for items in buckets.values()]
+    # The non-finite policy over the packed buffers and the other leaves: a
+    # packed bucket's finiteness is one reduction, not one per leaf.
+    alone_leaves = [i for j in alone for i in inputs.groups[j].members]
+    arrays, finite, send_ok = apply_nonfinite_policy(
+        [p.g for p in packs] + [g_leaves[i] for i in alone_leaves], cfg.nonfinite
+    )
+    packs = [p._replace(g=g) for p, g in zip(packs, arrays, strict=False)]
+    g_leaves = list(g_leaves)
+    for i, g in zip(alone_leaves, arrays[len(packs) :], strict=True):
+        g_leaves[i] = g
+    ctx = _StepContext(state.step, send_ok, include)
+    outs: list[Any] = [None] * len(inputs.groups)
+    for j in alone:
+        gi = inputs.groups[j]
         outs[j] = _compress_group(
             _leaf_exchange(cfg, scatter, gi.members),
-            gs,
+            [g_leaves[i] for i in gi.members],
             gi.residuals,
             gi.velocities,
             gi.stored,
@@ -1023,10 +1038,9 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
             ctx,
             per_leaf=per_leaf,
         )
-    for items in buckets.values():
-        for (j, *_), o in zip(
-            items, _compress_packed(cfg, packed, items, ctx, per_leaf), strict=True
-        ):
+    for pack in packs:
+        results = _compress_packed(cfg, packed, pack, ctx, per_leaf)
+        for (j, *_), o in zip(pack.items, results, strict=True):
             outs[j] = o
     return _finish(cfg, state, inputs, outs, finite)
 
@@ -1036,16 +1050,23 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
 # ---------------------------------------------------------------------------
 
 
+# The exchanges a packed step runs as one collective each (sparse all-gather,
+# dense all-reduce) for all its groups; "auto" picks one of the two per group.
+_PACKED_EXCHANGES = ("sparse", "dense", "auto")
+
+
 def _packed_selector(cfg: _Config):
     """``(segmented selector, options)`` when this step can select every group
     together in one packed buffer, else None (each group alone).
 
-    Today: one device (``axis_name=None``), a selector with a segmented form
-    (``top_k``, ``ldte_bs`` with the moments estimator, ``dgc``), no threshold
-    reuse and no low-pass filter.
+    Today: a selector with a segmented form (``top_k``, ``ldte_bs`` with the
+    moments estimator, ``dgc``), one device or one of the exchanges of
+    :data:`_PACKED_EXCHANGES`, no threshold reuse and no low-pass filter.
     """
     select = segmented.SEGMENTED.get(cfg.select_fn)
-    if select is None or cfg.axis_name is not None or cfg.reuse_period != 1:
+    if select is None or cfg.reuse_period != 1:
+        return None
+    if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES:
         return None
     if _low_pass_on(cfg):
         return None
@@ -1060,7 +1081,30 @@ def _packed_selector(cfg: _Config):
     return select, options
 
 
-def _compress_packed(cfg: _Config, packed, items, ctx, per_leaf: bool) -> list[_GroupOut]:
+class _Pack(NamedTuple):
+    """A bucket of groups (one residual and wire dtype) packed as segments of one buffer."""
+
+    items: list  # (group index, _GroupInput, gradient leaves, _FlatGroup) per group
+    layout: segmented.SegmentLayout
+    g: jax.Array  # (rows, row) gradients, wire dtype
+    r: jax.Array  # residuals
+    v: jax.Array | None  # velocities
+
+
+def _pack(items) -> _Pack:
+    flats = [flat for *_, flat in items]
+    layout = segmented.SegmentLayout(tuple(int(f.g.shape[0]) for f in flats))
+    rdt = flats[0].r.dtype
+    return _Pack(
+        items=items,
+        layout=layout,
+        g=layout.pack([f.g for f in flats], flats[0].wire),
+        r=layout.pack([f.r for f in flats], rdt),
+        v=None if flats[0].v is None else layout.pack([f.v for f in flats], rdt),
+    )
+
+
+def _compress_packed(cfg: _Config, packed, pack: _Pack, ctx, per_leaf: bool) -> list[_GroupOut]:
     """One device: the groups of ``items`` selected, cut and sent together.
 
     Each group is a segment of one packed buffer (one residual and wire dtype);
@@ -1070,14 +1114,10 @@ def _compress_packed(cfg: _Config, packed, items, ctx, per_leaf: bool) -> list[_
     mask, then the same split into leaves.
     """
     select, options = packed
-    flats = [flat for *_, flat in items]
-    sizes = tuple(int(f.g.shape[0]) for f in flats)
-    layout = segmented.SegmentLayout(sizes)
-    rdt, wire, defer = flats[0].r.dtype, flats[0].wire, flats[0].defer
-    g = layout.pack([f.g for f in flats], wire)
-    r = layout.pack([f.r for f in flats], rdt)
-    v = None if flats[0].v is None else layout.pack([f.v for f in flats], rdt)
-    acc, u = _accumulate(cfg, g, r, v, ctx.send_ok)
+    items, layout = pack.items, pack.layout
+    sizes = layout.sizes
+    wire, defer = items[0][3].wire, items[0][3].defer
+    acc, u = _accumulate(cfg, pack.g, pack.r, pack.v, ctx.send_ok)
     table = np.asarray([[selectors.target_count(q, n) for n in sizes] for q in cfg.phase_ratios])
     phase = None
     if len(cfg.phase_ratios) > 1:
@@ -1107,7 +1147,11 @@ def _compress_packed(cfg: _Config, packed, items, ctx, per_leaf: bool) -> list[_
     residual = acc if defer else _keep_rest(acc, mask, sent_out)
     new_u = _mask_velocity(cfg, u, mask)
     sent = jnp.minimum(count, cap)
-    updates, residuals = layout.unpack(sent_out), layout.unpack(residual)
+    if cfg.axis_name is None:
+        update, wires = sent_out, jnp.zeros((len(sizes),), jnp.float32)
+    else:
+        update, wires = _exchange_packed(cfg, layout, mask, sent_out, caps, phase)
+    updates, residuals = layout.unpack(update), layout.unpack(residual)
     masks = layout.unpack(mask)
     velocities = [None] * len(items) if new_u is None else layout.unpack(new_u)
     outs = []
@@ -1126,7 +1170,7 @@ def _compress_packed(cfg: _Config, packed, items, ctx, per_leaf: bool) -> list[_
             segment_counts=segment_counts,
             threshold=t[j],
             iterations=sel.iterations[j],
-            wire_bytes=jnp.float32(0),
+            wire_bytes=wires[j],
             sent_threshold=cut[j] if defer else None,
             sent_limit=limit[j] if defer else None,
         )
@@ -1241,6 +1285,53 @@ def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
         and jnp.dtype(rdt).itemsize >= 4
     )
     return _FlatGroup(flat_g, flat_r, flat_v, wire, defer)
+
+
+def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase):
+    """The packed messages' mean over ``cfg.axis_name``: one all-gather of the
+    (index, value) pairs of every sparse-sent segment and one all-reduce of
+    every dense-sent one (``"auto"``: per segment and warm-up phase, as
+    :func:`jaxcomp.comm.sparse_allreduce.choose_exchange` picks for the
+    group alone). Returns the packed update and each segment's wire bytes,
+    the formula its own exchange would report (so the step's total is the
+    per-group sum, in the same order).
+    """
+    n_dev = collectives.axis_size(cfg.axis_name)
+    item = jnp.dtype(sent_out.dtype).itemsize
+    sizes = layout.sizes
+
+    def branch(p):
+        kinds = [
+            sparse_allreduce.choose_exchange(cfg.exchange, int(c), n, item, n_dev)
+            for c, n in zip(caps[p], sizes, strict=True)
+        ]
+        sparse = [s for s, kind in enumerate(kinds) if kind == "sparse"]
+        dense = [s for s, kind in enumerate(kinds) if kind != "sparse"]
+        update = jnp.zeros(sent_out.shape, sent_out.dtype)
+        if dense:
+            flat = segmented.compact(layout, sent_out, dense)
+            mean, _ = collectives.dense_mean(flat, cfg.axis_name)
+            update = segmented.expand(layout, mean, dense, update)
+        if sparse:
+            slots = [int(caps[p][s]) if s in sparse else 0 for s in range(len(sizes))]
+            idx, vals = segmented.extract(layout, sent_out, mask, slots)
+            mean, _ = collectives.sparse_mean(idx, vals, update.size, cfg.axis_name)
+            mean = mean.reshape(update.shape)
+            if dense:
+                rows = np.isin(layout.row_segment, sparse)[:, None]
+                mean = jnp.where(jnp.asarray(rows), mean, update)
+            update = mean
+        wires = [
+            collectives.allgather_bytes(int(c) * (4 + item), n_dev)
+            if kind == "sparse"
+            else collectives.allreduce_bytes(n * item, n_dev)
+            for c, n, kind in zip(caps[p], sizes, kinds, strict=True)
+        ]
+        return update, jnp.asarray(np.asarray(wires, np.float32))
+
+    if phase is None:
+        return branch(0)
+    return lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])])
 
 
 def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> _GroupOut:
