@@ -86,13 +86,17 @@ OPTIONS = {
     "groups": {"groups": [["['a']", "['c']"]]},
     "global": {"granularity": "global"},
     "dense_small": {"min_dense_size": 30},
+    "reuse": {"reuse_period": 2},
+    "reuse_warmup": {"reuse_period": 3, "warmup_ratios": (0.25,), "steps_per_epoch": 2},
 }
 
 
 # Every option on Laplacian data; the degenerate data with the plain,
 # deferred and warm-up steps.
 EXACT_CASES = [(o, "laplace") for o in sorted(OPTIONS)] + [
-    (o, kind) for o in ("plain", "defer", "warmup") for kind in ("ties", "zeros", "nonfinite")
+    (o, kind)
+    for o in ("plain", "defer", "warmup", "reuse")
+    for kind in ("ties", "zeros", "nonfinite")
 ]
 
 
@@ -223,7 +227,7 @@ def _mesh_run(tx, trees, n_dev):
 
 
 @pytest.mark.parametrize("exchange", ["sparse", "dense", "auto"])
-@pytest.mark.parametrize("option", ["plain", "warmup", "momentum"])
+@pytest.mark.parametrize("option", ["plain", "warmup", "momentum", "reuse"])
 def test_exchanges_match_the_per_leaf_path(exchange, option):
     n_dev = 4
     trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(4)]

@@ -1061,10 +1061,10 @@ def _packed_selector(cfg: _Config):
 
     Today: a selector with a segmented form (``top_k``, ``ldte_bs`` with the
     moments estimator, ``dgc``), one device or one of the exchanges of
-    :data:`_PACKED_EXCHANGES`, no threshold reuse and no low-pass filter.
+    :data:`_PACKED_EXCHANGES`, no low-pass filter.
     """
     select = segmented.SEGMENTED.get(cfg.select_fn)
-    if select is None or cfg.reuse_period != 1:
+    if select is None:
         return None
     if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES:
         return None
@@ -1124,11 +1124,27 @@ def _compress_packed(cfg: _Config, packed, pack: _Pack, ctx, per_leaf: bool) -> 
         phase = jnp.minimum(ctx.step // cfg.steps_per_epoch, len(cfg.phase_ratios) - 1)
     targets = segmented.Targets(table, phase)
     extra = {}
+    stored = jnp.stack([gi.stored for _, gi, _, _ in items]).astype(jnp.float32)
     if cfg.hint_previous:
-        stored = jnp.stack([gi.stored for _, gi, _, _ in items]).astype(jnp.float32)
         # No previous threshold before step 0 (the state's starts at 0).
         extra["hint"] = jnp.where(ctx.step == 0, jnp.float32(jnp.inf), stored)
-    sel = select(layout, acc, targets, **options, **extra)
+    refresh = _refresh_due(cfg, ctx.step, stored)
+    if refresh is None:
+        sel = select(layout, acc, targets, **options, **extra)
+    else:
+        # DLGS reuse: the selector runs when any segment is due (its results
+        # kept for those), the others apply their stored threshold.
+        zeros = jnp.zeros(stored.shape, jnp.int32)
+        sel = lax.cond(
+            jnp.any(refresh),
+            lambda: varying_like(select(layout, acc, targets, **options, **extra), acc),
+            lambda: varying_like(segmented.SegmentSelection(stored, zeros, zeros), acc),
+        )
+        sel = segmented.SegmentSelection(
+            jnp.where(refresh, sel.threshold, stored),
+            jnp.where(refresh, sel.count, segmented.count_above(layout, acc, stored)),
+            jnp.where(refresh, sel.iterations, 0),
+        )
     # A skipped (non-finite) step selects nothing.
     t = jnp.where(ctx.sends, sel.threshold, jnp.inf)
     count = jnp.where(ctx.sends, sel.count, 0)
