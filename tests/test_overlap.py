@@ -72,6 +72,26 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+def assert_states_equal(a, b):
+    """Every field bit for bit but ``threshold``, equal to within 8 float32 ulps.
+
+    The one documented difference: ``ldte_bs``'s Laplace estimate (a few float
+    operations per group) is compiled into the backward pass with overlap and
+    into the packed step without it, and can round differently in its last
+    bit; the sent sets, residuals and parameters are the same (checked here).
+    """
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree_util.tree_flatten_with_path(b)
+    assert ta == tb
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        if "threshold" in jax.tree_util.keystr(path):
+            xi = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
+            yi = np.asarray(y, np.float32).view(np.int32).astype(np.int64)
+            assert np.all(np.abs(xi - yi) <= 8), (path, x, y)
+        else:
+            np.testing.assert_array_equal(x, y)
+
+
 CONFIGS = {
     "ldte_bs_momentum_reuse": lambda: jaxcomp.ldte_bs(
         ratio=0.1, axis_name="data", momentum=0.9, reuse_period=2
@@ -102,7 +122,7 @@ def test_overlap_matches_compress_after_backward(mesh, name):
     ref = run(mesh, tx, 3, overlap=False)
     got = run(mesh, tx, 3, overlap=True)
     assert_trees_equal(got[0], ref[0])  # parameters
-    assert_trees_equal(got[1], ref[1])  # every state field, residuals and counters
+    assert_states_equal(got[1], ref[1])  # every state field, residuals and counters
     for a, b in zip(got[2], ref[2], strict=True):
         assert_trees_equal(a, b)  # loss and wire bytes
     # Not vacuous: the parameters moved and something was sent.
@@ -116,7 +136,7 @@ def test_overlap_bf16_params(mesh):
     ref = run(mesh, tx, 2, overlap=False, params=params)
     got = run(mesh, tx, 2, overlap=True, params=params)
     assert_trees_equal(got[0], ref[0])
-    assert_trees_equal(got[1], ref[1])
+    assert_states_equal(got[1], ref[1])
 
 
 def test_overlap_nan_skips_only_the_groups_that_hold_it(mesh):
@@ -277,8 +297,11 @@ def test_last_layer_exchange_waits_for_first_layer_gradient_only_without_overlap
     # The first layer's weight gradient: the dot producing f32[24,40] (or its
     # transposed layout) from the batch; the last layer's weight message: the
     # all-gathers of l2.w's capacity (56 * 12 = 672 elements, k = 68, 1.5k = 102).
+    # Without overlap the step is packed: one all-gather of every layer's slots
+    # (indices and values), which waits for every gradient.
     first_grad = [n for n, t in text.items() if re.match(r"f32\[(24,40|40,24)\]\{1,0\} dot\(", t)]
-    last_exchange = [n for n, t in text.items() if re.match(r"\w32\[4,102\].* all-gather\(", t)]
+    shape = r"\w32\[4,102\]" if overlap else r"\w32\[4,\d+\]"
+    last_exchange = [n for n, t in text.items() if re.match(shape + r".* all-gather\(", t)]
     assert len(first_grad) == 1, first_grad
     assert len(last_exchange) == 2, last_exchange  # indices and values
     waits = [first_grad[0] in _ancestors(deps, n) for n in last_exchange]
@@ -339,9 +362,10 @@ def test_program_issues_last_layer_exchange_before_first_layer_gradient(mesh, ov
         i for i, line in enumerate(lines)
         if "dot_general" in line and re.search(r"-> tensor<(24x40|40x24)xf32>", line)
     ]  # fmt: skip
+    shape = r"-> tensor<4x102x(i32|f32)>" if overlap else r"-> tensor<4x\d+x(i32|f32)>"
     last_exchange = [
         i for i, line in enumerate(lines)
-        if "all_gather" in line and re.search(r"-> tensor<4x102x(i32|f32)>", line)
+        if "all_gather" in line and re.search(shape, line)
     ]  # fmt: skip
     assert len(first_grad) == 1 and len(last_exchange) == 2, (first_grad, last_exchange)
     before = [i < first_grad[0] for i in last_exchange]
@@ -377,7 +401,9 @@ def test_overlap_with_dropout_rng_and_model_state(mesh):
             )
             jax.block_until_ready(params)
         results[overlap] = jax.tree.map(np.asarray, (params, state, model_state, metrics))
-    assert_trees_equal(results[True], results[False])
+    (p1, s1, m1, x1), (p2, s2, m2, x2) = results[True], results[False]
+    assert_trees_equal((p1, m1, x1), (p2, m2, x2))
+    assert_states_equal(s1, s2)  # ldte_bs's thresholds: see assert_states_equal
     assert np.any(results[True][2]["mean"] != 0)
 
 

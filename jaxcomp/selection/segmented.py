@@ -265,6 +265,14 @@ def segment_max(layout: SegmentLayout, x: jax.Array) -> jax.Array:
     return jnp.maximum(m, 0.0)  # empty segments: -inf
 
 
+def _product(a, b):
+    """``a * b`` rounded on its own: never contracted with a following add
+    into one fused multiply-add, whose single rounding XLA applies or not
+    depending on the fusion around it (a group alone and in a packed step
+    must get the same bits)."""
+    return lax.optimization_barrier(a * b)
+
+
 def _bits(t):
     return lax.bitcast_convert_type(jnp.asarray(t, jnp.float32), jnp.int32)
 
@@ -376,9 +384,9 @@ def moments(layout: SegmentLayout, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     total = layout.segment_sum(jnp.sum(jnp.where(valid, x, 0.0), axis=1))
     d2 = jnp.square(x - layout.per_row(shift)[:, None])
     sq = layout.segment_sum(jnp.sum(jnp.where(valid, d2, 0.0), axis=1))
-    mean = total * inv_n
+    mean = _product(total, inv_n)
     d = mean - shift
-    var = jnp.maximum(sq * inv_n - d * d, 0.0)
+    var = jnp.maximum(_product(sq, inv_n) - _product(d, d), 0.0)
     return mean, var
 
 
@@ -462,6 +470,11 @@ def ldte_bs(
     per-segment ``top_k`` of the sample). ``probes=False, hint=None,
     search="bisect", aim=1, moment_sample=None`` is the paper's algorithm.
     """
+    # The estimate's float sums must not fuse with whatever produced x (the
+    # accumulation, a backward pass): their rounding would then depend on the
+    # program around the selector, and a group would not get the same
+    # threshold in a packed step and alone (the overlap path).
+    x = lax.optimization_barrier(x)
     k = targets.k
     ktab = targets.table
     sizes = np.asarray(layout.sizes, np.int64)
@@ -486,7 +499,7 @@ def ldte_bs(
         h = jnp.asarray(hint, jnp.float32)
         cands.append(jnp.where(jnp.isfinite(h) & (h >= 0), h, t0))
     if probes:
-        cands += [jnp.maximum(t0 - b * math.log(f), 0.0) for f in _PROBE_FACTORS]
+        cands += [jnp.maximum(t0 - _product(b, math.log(f)), 0.0) for f in _PROBE_FACTORS]
     ts0 = jnp.stack(cands, axis=1)
     cs0 = (
         count_above_many(layout, x, ts0) if len(cands) > 1 else count_above(layout, x, t0)[:, None]
@@ -571,7 +584,7 @@ def _search(layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo_zero, *, upper, searc
     def running(s):
         lo, hi, _, _, _, c, it, _, _, _ = s
         feasible = (c >= k) & (c <= ub)
-        mid = lo + (hi - lo) * 0.5
+        mid = lo + _product(hi - lo, 0.5)
         stuck = (mid <= lo) | (mid >= hi) | (hi - lo <= delta)
         return ~feasible & ~stuck & (it < max_iters)
 
@@ -587,7 +600,7 @@ def _search(layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo_zero, *, upper, searc
             f_hi = jnp.log(c_hi.astype(jnp.float32) + 1.0) - target
             interp = f_lo / jnp.maximum(f_lo - f_hi, 1e-6)
             frac = jnp.where(repeat, 0.5, jnp.clip(interp, 0.02, 0.98))
-        t = jnp.clip(lo + (hi - lo) * frac, lo, hi)
+        t = jnp.clip(lo + _product(hi - lo, frac), lo, hi)
         c = count_above(layout, x, t)
         too_many, too_few = c > ub, c < k
         moved = jnp.where(too_many, 1, jnp.where(too_few, -1, 0)).astype(jnp.int32)

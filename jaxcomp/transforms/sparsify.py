@@ -1262,6 +1262,14 @@ def _finish(cfg: _Config, state, inputs: _StepInputs, outs, finite):
 def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> _GroupOut:
     """Compresses a group of leaves as one buffer (a one-leaf group: the leaf itself)."""
     flat = _flatten_group(cfg, gs, rs, vs)
+    packed = _packed_selector(cfg) if ctx.include is None else None
+    if packed is not None and 0 < flat.g.shape[0] and flat.g.shape[0] > cfg.min_dense_size:
+        # A group alone (the overlap path's backward rules) goes through the
+        # packed engine too, as a one-segment pack: the result a packed step
+        # gives it (a segment's selection depends on its own elements only).
+        gi = _GroupInput(members=(), residuals=rs, velocities=vs, stored=stored, key=key)
+        (out,) = _compress_packed(cfg, packed, _pack([(0, gi, gs, flat)]), ctx, per_leaf)
+        return out
     segments = tuple(g.size for g in gs) if per_leaf and len(gs) > 1 else None
     o = _compress_flat(cfg, flat.g, flat.r, flat.v, stored, key, ctx, segments, defer=flat.defer)
     return _split_group(cfg, gs, flat, o, ctx)
