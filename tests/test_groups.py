@@ -239,15 +239,16 @@ def _stack(tree):
 @pytest.mark.parametrize(
     "exchange,per_group", [("dense", {"psum": 1}), ("sparse", {"all_gather": 2})]
 )
-def test_one_exchange_per_group(exchange, per_group):
-    """All-reduces (dense) or index + value all-gathers (sparse): per group, not per leaf."""
+def test_one_exchange_per_step(exchange, per_group):
+    """All-reduces (dense) or index + value all-gathers (sparse): one per step, not per
+    leaf or group (a packed step sends every group's message in one collective)."""
     mesh = jax.make_mesh((N_DEV,), ("data",))
     sharding = NamedSharding(mesh, P("data"))
     g = make_tree(np.random.default_rng(4), SHARD_SPEC)
     n_leaves = len(jax.tree.leaves(g))
     n_groups = len(ref_groups(g, GROUPS))
     assert (n_leaves, n_groups) == (5, 3)
-    for groups, expected in ((None, n_leaves), (GROUPS, n_groups)):
+    for groups, expected in ((None, 1), (GROUPS, 1)):
         tx = jaxcomp.ldte_bs(
             RATIO, axis_name="data", exchange=exchange, groups=groups, reuse_period=3
         )

@@ -57,16 +57,9 @@ __all__ = [
     "SegmentSelection",
     "Targets",
     "capacity_cut",
-    "compact",
-    "count_above",
-    "count_above_many",
     "dgc_sample",
     "exact_top_k",
-    "expand",
-    "extract",
-    "kth_largest_above",
     "ldte_bs",
-    "segment_max",
 ]
 
 # Row width: a segment is padded to whole rows (at most ROW - 1 zeros each);
@@ -82,6 +75,15 @@ class SegmentLayout:
     Attributes:
       sizes: elements per segment.
       row: the row width.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> layout = SegmentLayout((3, 5), row=4)  # rows: [a a a .] [b b b b] [b . . .]
+      >>> buf = layout.pack([jnp.arange(1.0, 4.0), jnp.arange(10.0, 15.0)], jnp.float32)
+      >>> buf.shape, layout.row_segment.tolist()
+      ((3, 4), [0, 1, 1])
+      >>> [p.tolist() for p in layout.unpack(buf)]
+      [[1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0, 14.0]]
     """
 
     sizes: tuple[int, ...]
@@ -167,6 +169,15 @@ class SegmentSelection(NamedTuple):
 
     As :class:`jaxcomp.selection.Selection`, per segment: segment ``s`` sends
     ``{i: |x_i| > threshold[s]}``, ``count[s]`` elements.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> layout = SegmentLayout((4, 3))
+      >>> x = layout.pack([jnp.array([1.0, -5.0, 2.0, 0.5]), jnp.array([3.0, 1.0, -4.0])],
+      ...                 jnp.float32)
+      >>> sel = exact_top_k(layout, x, Targets(np.array([[2, 1]])))
+      >>> sel.count.tolist()  # two of the first segment, one of the second
+      [2, 1]
     """
 
     threshold: jax.Array
@@ -181,6 +192,11 @@ class Targets(NamedTuple):
     None (one phase) or a traced int32 scalar. Derived integer tables (the
     window's upper end, sample sizes) are computed in Python from ``table``
     and picked by the same phase, so they are exact.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> Targets(np.array([[100, 10], [10, 1]]), phase=jnp.int32(1)).k.tolist()
+      [10, 1]
     """
 
     table: np.ndarray  # int64 (phases, segments)
@@ -407,6 +423,15 @@ def exact_top_k(layout: SegmentLayout, x: jax.Array, targets: Targets) -> Segmen
     The k-th largest magnitude comes from the bit-pattern search (at most 10
     passes of 8 probes) instead of ``lax.top_k``: the same float32 value, so
     the same threshold (the float just below it) and count.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jaxcomp.selection import selectors
+      >>> a, b = jnp.array([0.5, -4.0, 1.0, 3.0]), jnp.array([2.0, 1.0, 1.0, 1.0, 6.0])
+      >>> layout = SegmentLayout((4, 5))
+      >>> sel = exact_top_k(layout, layout.pack([a, b], jnp.float32), Targets(np.array([[2, 2]])))
+      >>> bool(sel.threshold[0] == selectors.exact_top_k(a, 2).threshold), sel.count.tolist()
+      (True, [2, 2])
     """
     k = targets.k
     n = jnp.asarray(np.asarray(layout.sizes, np.int32))
@@ -469,6 +494,14 @@ def ldte_bs(
     come from the Laplace fit rather than the sample's quantiles (no
     per-segment ``top_k`` of the sample). ``probes=False, hint=None,
     search="bisect", aim=1, moment_sample=None`` is the paper's algorithm.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> parts = [jax.random.laplace(jax.random.key(i), (n,)) for i, n in enumerate((5000, 800))]
+      >>> layout = SegmentLayout((5000, 800))
+      >>> sel = ldte_bs(layout, layout.pack(parts, jnp.float32), Targets(np.array([[50, 8]])))
+      >>> [bool(k <= int(c) <= 1.5 * k) for k, c in zip((50, 8), sel.count)]
+      [True, True]
     """
     # The estimate's float sums must not fuse with whatever produced x (the
     # accumulation, a backward pass): their rounding would then depend on the
@@ -642,6 +675,15 @@ def dgc_sample(
     the bit-pattern search: ``lax.top_k``'s value), the decay rounds in one
     loop, and the exact top-k among the survivors where more than
     ``ceil(upper k)`` pass.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jaxcomp.selection import selectors
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> layout = SegmentLayout((8,))
+      >>> sel = dgc_sample(layout, layout.pack([x], jnp.float32), Targets(np.array([[3]])))
+      >>> int(sel.count[0]), bool(sel.threshold[0] == selectors.dgc_sample(x, 3).threshold)
+      (3, True)
     """
     k = targets.k
     sizes = np.asarray(layout.sizes, np.int64)
@@ -705,6 +747,16 @@ def capacity_cut(
     ``capacity[s]`` largest of ``{|x| > t[s]}``, ties to the lower index.
     Segments with ``count <= capacity`` keep ``(t, size)``. The same message
     as the 1-D ``capacity_cut`` (tested).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.zeros(64).at[:10].set(1.0).at[63].set(5.0)  # ten ties, one larger
+      >>> layout = SegmentLayout((64,))
+      >>> buf = layout.pack([x], jnp.float32)
+      >>> t, count = jnp.array([0.5]), jnp.array([11], jnp.int32)
+      >>> cut, limit = capacity_cut(layout, buf, t, count, jnp.array([6], jnp.int32))
+      >>> int(limit[0])  # the last tie sent: ties 0-4 and the 5.0
+      4
     """
     sizes = jnp.asarray(np.asarray(layout.sizes, np.int32))
     over = count > capacity
