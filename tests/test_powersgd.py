@@ -17,6 +17,7 @@ device, dense leaves are the plain mean.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,17 @@ def _ref_orth(x, eps=0.0):
         for j in range(i + 1, x.shape[1]):
             x[:, j] -= np.dot(x[:, i], x[:, j]) * x[:, i]
     return x
+
+
+def _ref_orth_robust(x, rtol=1e-9):
+    """An orthonormal basis of ``x``'s column space (float64 numpy QR, ``R``'s diagonal made
+    >= 0); a column whose ``|R_ii|`` is at most ``rtol`` of the largest is rank deficiency
+    (rounding in float64) and is zeroed."""
+    q, r = np.linalg.qr(np.asarray(x, np.float64))
+    d = np.diag(r)
+    q = q * np.where(d < 0, -1.0, 1.0)
+    keep = np.abs(d) > rtol * np.max(np.abs(d))
+    return q * keep
 
 
 def _ref_step(mats, q_prev, sends=None, eps=0.0):
@@ -143,6 +155,42 @@ def test_orthogonalize_against_numpy():
     # Huge columns: the norm is computed scaled, no overflow to 0 or NaN.
     big = np.asarray(orthogonalize(jnp.asarray(x * np.float32(1e30))), np.float64)
     _close(big, ref, 1e-5)
+
+
+def test_orthogonalize_drops_the_rounding_noise_of_a_rank_deficient_matrix():
+    """Columns that are combinations of earlier ones come out zero, not normalised noise
+    (which would not be orthogonal to the others); a batch is orthogonalised per matrix."""
+    rng = np.random.default_rng(20)
+    base = rng.integers(-4, 5, size=(3, 40, 2)).astype(np.float32)
+    mix = rng.integers(-3, 4, size=(3, 2, 3)).astype(np.float32)
+    base[1, :, 1] = 0.0  # matrix 1: rank 1, its column 1 is zero
+    x = np.concatenate([base, base @ mix], axis=2)  # [3, 40, 5] of exact rank 2 (1)
+    got = np.asarray(jax.jit(orthogonalize)(jnp.asarray(x)), np.float64)
+    for b in range(3):
+        alone = np.asarray(orthogonalize(jnp.asarray(x[b])), np.float64)
+        np.testing.assert_allclose(got[b], alone, rtol=0, atol=1e-6)
+        norms = np.linalg.norm(got[b], axis=0)
+        live = norms > 0.5
+        assert live.sum() == (1 if b == 1 else 2), norms
+        np.testing.assert_allclose(norms[~live], 0.0, atol=0)  # dropped: exactly zero
+        basis = got[b][:, live]
+        np.testing.assert_allclose(basis.T @ basis, np.eye(live.sum()), atol=1e-6)
+        # The kept columns span x's columns: projecting x on them gives x back.
+        np.testing.assert_allclose(basis @ (basis.T @ x[b]), x[b], atol=1e-5 * np.abs(x[b]).max())
+
+
+def test_orthogonalization_program_does_not_grow_with_rank():
+    """The Gram-Schmidt loop is a ``fori_loop`` and ranks above 2 take a QR: the lowered
+    update is the same size at rank 8 and rank 48 (it grew quadratically when the
+    Gram-Schmidt projections were unrolled in Python: 72 kB and 1 MB of StableHLO)."""
+    g = {"w": jnp.zeros((256, 256), jnp.float32)}
+    sizes = {}
+    for r in (1, 2, 8, 48):
+        assert matrix_plan((256, 256), r) is not None  # compressed
+        tx = powersgd(r)
+        sizes[r] = len(jax.jit(tx.update).lower(g, tx.init(g)).as_text())
+    assert sizes[48] <= 1.02 * sizes[8], sizes
+    assert sizes[2] <= 1.02 * sizes[1], sizes
 
 
 # ---------------------------------------------------------------------------
@@ -237,6 +285,50 @@ def test_rank_r_gradient_recovered_exactly():
         _close(f32(upd["w"]), a @ b.T, 1e-5)
         # Nothing remains but float32 rounding of M - S.
         assert np.max(np.abs(np.asarray(state.residual["w"]))) <= 1e-5 * np.max(np.abs(a @ b.T))
+
+
+@pytest.mark.parametrize("rank,grad_rank", [(8, 2), (2, 1), (5, 3)])
+def test_rank_above_the_gradients_rank_is_an_exact_projection(rank, grad_rank):
+    """A Dense layer's gradient from a small batch has a rank below ``rank``: ``M Q`` then
+    has dependent columns. The update must still be ``P P^T M`` with ``P`` an orthonormal
+    basis of ``M Q``'s columns, here ``M`` itself (before: Gram-Schmidt normalised the
+    rounding noise of the dependent columns into columns that were not orthogonal, and
+    the update was off by 40-110% of max |M| here). ``M`` holds small integers, so it
+    is exactly of rank ``grad_rank`` in float32; the reference is float64 numpy, QR
+    with the dependent columns dropped."""
+    rng = np.random.default_rng(21)
+    a = rng.integers(-8, 9, size=(64, grad_rank))
+    b = rng.integers(-8, 9, size=(grad_rank, 32))
+    m64 = (a @ b).astype(np.float64)
+    assert np.linalg.matrix_rank(m64) == grad_rank
+    g = {"w": jnp.asarray(m64, jnp.float32)}
+    tx = powersgd(rank, error_feedback=False)
+    f = jax.jit(tx.update)
+    state = tx.init(g)
+    for t in range(3):
+        q_prev = np.asarray(state.q["w"], np.float64)
+        upd, state = f(g, state)
+        p = _ref_orth_robust(m64 @ _ref_orth_robust(q_prev))
+        ref = p @ (m64.T @ p).T
+        np.testing.assert_allclose(ref, m64, atol=1e-9 * np.abs(m64).max())  # P P^T M = M
+        _close(f32(upd["w"]), ref, REL, t)
+        assert np.all(np.isfinite(np.asarray(state.q["w"])))
+
+
+def test_rank_above_two_takes_a_qr_and_matches_the_reference():
+    """Rank 4 (the hook's QR path) on the one-device tree: the same update and ``Q`` as the
+    Gram-Schmidt reference (QR with ``R``'s diagonal >= 0 is Gram-Schmidt's ``Q``)."""
+    rank = 4
+    cx = Counted(powersgd(rank))
+    rng = np.random.default_rng(22)
+    state = cx.tx.init(_tree(rng))
+    assert state.q["w"].shape == (25, rank)
+    for _ in range(3):
+        g = _tree(rng)
+        upd, new = cx(g, state)
+        _check_single_step(g, state, upd, new, rank=rank)
+        state = new
+    assert cx.traces == 1
 
 
 POWER_SHAPE = (30, 20)
@@ -407,16 +499,71 @@ def test_zero_gradient_does_not_kill_the_warm_start():
     _close(f32(upd["w"]), ref_s)
 
 
-def test_overflow_in_the_products_sends_nothing():
-    """``P = M Q`` overflowing float32: no NaN anywhere, the residual keeps M, Q is kept."""
-    tx = powersgd(1)
+@pytest.mark.parametrize("rank", [1, 4])
+def test_overflow_in_the_products_sends_nothing(rank):
+    """``P = M Q`` overflowing float32: no NaN anywhere, the residual keeps M, Q is kept
+    (rank 4: the QR of an infinite ``P`` neither hangs nor leaks NaN)."""
+    tx = powersgd(rank)
     g = {"w": jnp.full((64, 64), 3e38, jnp.float32)}
     state = tx.init(g)
-    state = state._replace(q={"w": jnp.ones((64, 1), jnp.float32)})  # orth: 1/8 each
+    state = state._replace(q={"w": jnp.ones((64, rank), jnp.float32)})  # orth: 1/8 each
     upd, new = jax.jit(tx.update)(g, state)
     assert not np.any(np.asarray(upd["w"]))
     np.testing.assert_array_equal(np.asarray(new.residual["w"]), np.asarray(g["w"]))
     assert bits(new.q["w"]) == bits(state.q["w"])
+
+
+BATCH_TREE = {
+    "a": ((30, 20), jnp.float32),
+    "conv": ((8, 4, 3, 3), jnp.float32),  # 8 x 36
+    "b": ((30, 20), jnp.float32),  # same matrix as "a": one batch
+    "h16": ((30, 20), jnp.bfloat16),  # same matrix, computed in float32: same batch
+    "bias": ((20,), jnp.float32),
+    "c": ((30, 20), jnp.float32),
+    "d": ((12, 50), jnp.float32),
+    "conv2": ((8, 36), jnp.float32),  # the same 8 x 36 matrix as "conv"
+}
+
+
+def _leaf_state(state, leaf):
+    """The state of a one-leaf tree holding ``leaf`` of ``state``."""
+    return state._replace(
+        residual={leaf: state.residual[leaf]},
+        q={leaf: state.q[leaf]},
+        message_bytes={leaf: state.message_bytes[leaf]},
+    )
+
+
+@pytest.mark.parametrize("rank", [2, 4])
+def test_equal_shapes_batched_match_per_leaf_runs(rank):
+    """Leaves with the same ``(n, m, r)`` matrix are orthogonalised and multiplied as one
+    batch (the hook's ``batch_tensors_with_same_shape``): every leaf's update, residual and
+    ``Q`` are those of the leaf run alone (one-leaf tree, same state), up to float32
+    rounding (XLA:CPU picks another dot or reduction kernel for a batch: the bits
+    differ by an ulp or two; at rank 4, a QR, they were identical here)."""
+    tx = powersgd(rank)
+    f = jax.jit(tx.update)
+    rng = np.random.default_rng(23)
+    state = tx.init(_tree(rng, BATCH_TREE))
+    for _ in range(3):
+        g = _tree(rng, BATCH_TREE)
+        upd, new = f(g, state)
+        for leaf, (_, dt) in BATCH_TREE.items():
+            u1, n1 = f({leaf: g[leaf]}, _leaf_state(state, leaf))
+            # A few float32 ulps of the largest element; the update is then rounded to
+            # the gradient dtype (bfloat16: one of its ulps), and the residual keeps that.
+            tol = max(1e-6, 2 * float(jnp.finfo(dt).eps))
+            for got, alone, rel in [
+                (upd[leaf], u1[leaf], tol),
+                (new.residual[leaf], n1.residual[leaf], tol),
+                (new.q[leaf], n1.q[leaf], 1e-6),
+            ]:
+                if alone is None:
+                    assert got is None
+                    continue
+                _close(f32(got), f32(alone).astype(np.float64), rel, leaf)
+            assert int(new.message_bytes[leaf]) == int(n1.message_bytes[leaf])
+        state = new
 
 
 # ---------------------------------------------------------------------------
@@ -540,6 +687,7 @@ def test_state_readable_inside_chain():
 
 SHARD_TREE = {
     "w": ((40, 30), jnp.float32),
+    "w2": ((40, 30), jnp.float32),  # batched with "w"
     "conv": ((8, 4, 3, 3), jnp.float32),
     "h16": ((24, 16), jnp.bfloat16),
     "b": ((30,), jnp.float32),
@@ -694,3 +842,92 @@ def test_invariant_gradients_rejected_under_check_vma():
     f = jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P())
     with pytest.raises(ValueError, match="device-invariant"):
         jax.eval_shape(f, g)
+
+
+# ---------------------------------------------------------------------------
+# Collectives per step: one all-reduce for all P, one for all Q, whatever the leaf count.
+# ---------------------------------------------------------------------------
+
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+_HLO_ALL_REDUCE = re.compile(r"=\s*(.*?)\s+all-reduce(?:-start)?\(")
+_HLO_BRANCHES = re.compile(
+    r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=(%\S+?)[,\s])"
+)
+
+
+def _hlo_all_reduces(hlo: str):
+    """``[(computation, elements)]`` per all-reduce instruction of compiled HLO text (an
+    async start/done pair counted once), and the names of conditional branch computations."""
+    found, branches, comp = [], set(), None
+    for line in hlo.splitlines():
+        head = _HLO_COMPUTATION.match(line)
+        if head:
+            comp = head.group(1)
+            continue
+        for listed, single in _HLO_BRANCHES.findall(line):
+            branches.update(n.strip().lstrip("%") for n in (listed or single).split(",") if n)
+        ar = _HLO_ALL_REDUCE.search(line)
+        if ar:
+            shapes = re.findall(r"\w+\[([\d,]*)\]", ar.group(1))
+            elements = sum(math.prod(int(d) for d in s.split(",") if d) for s in shapes)
+            found.append((comp, elements))
+    return found, branches
+
+
+def _compiled_step(tx, tree, mesh):
+    """The compiled HLO text of ``tx.update`` inside ``shard_map`` over ``mesh``."""
+    state = tx.init(tree)
+
+    def step(g, s):
+        g, s = jax.tree.map(lambda x: x[0], (g, s))
+        u, s = tx.update(g, s)
+        return u, jax.tree.map(lambda x: x[None], s)
+
+    spec = P("data")
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=(P(), spec)))
+    args = jax.device_put((_stack(tree), _stack(state)), NamedSharding(mesh, spec))
+    return f.lower(*args).compile().as_text()
+
+
+def _layers(count):
+    """``count`` Dense layers (kernels of three shapes, so equal and different shapes) and
+    their biases."""
+    tree = {}
+    for i in range(count):
+        tree[f"k{i}"] = jnp.zeros((48 + 16 * (i % 3), 32), jnp.float32)
+        tree[f"b{i}"] = jnp.zeros((32,), jnp.float32)
+    return tree
+
+
+@pytest.mark.parametrize("start_iter", [0, 1])
+def test_all_reduces_per_step_do_not_grow_with_the_leaf_count(start_iter):
+    """Inside ``shard_map`` on 8 devices, a step over 2 layers and over 10 layers compiles
+    to the same number of all-reduces: every compressed leaf's ``P`` travels in one buffer,
+    every ``Q`` in another, the dense leaves in a third (the hook's contiguous buffers)."""
+    mesh = jax.make_mesh((N_DEV,), ("data",))
+    counts = {}
+    for layers in (2, 10):
+        tx = powersgd(RANK, axis_name="data", start_iter=start_iter)
+        found, _ = _hlo_all_reduces(_compiled_step(tx, _layers(layers), mesh))
+        counts[layers] = len(found)
+    # P (+ the NaN count), Q, dense leaves; with start_iter also the vanilla steps' dense
+    # exchange of the compressed leaves (XLA may combine independent ones into one).
+    assert counts[2] == counts[10], counts
+    assert 1 <= counts[10] <= (4 if start_iter else 3), counts
+
+
+def test_start_iter_exchanges_compressed_leaves_dense_only_in_vanilla_steps():
+    """With ``start_iter``, the dense all-reduce of the compressed leaves sits in the
+    conditional's vanilla branch; unconditionally the step all-reduces only the dense
+    leaves (before, every PowerSGD step all-reduced the compressed leaves whole too)."""
+    mesh = jax.make_mesh((N_DEV,), ("data",))
+    tree = _layers(3)
+    tx = powersgd(RANK, axis_name="data", start_iter=1)
+    found, branches = _hlo_all_reduces(_compiled_step(tx, tree, mesh))
+    assert branches
+    biases = sum(x.size for k, x in tree.items() if k.startswith("b"))
+    smallest = min(x.size for k, x in tree.items() if k.startswith("k"))
+    unconditional = [n for comp, n in found if comp not in branches]
+    assert sum(unconditional) <= biases, found
+    conditional = [n for comp, n in found if comp in branches]
+    assert max(conditional) >= 3 * smallest, found  # the vanilla branch: the kernels whole

@@ -14,16 +14,32 @@ rank ``r = min(n, m, rank)``:
     e_new  = M - S                      # each device's own M
     update = S
 
-``orth`` is the hook's modified Gram-Schmidt on the columns. Both exchanges
-are all-reduces (sums are linear), so the bytes per device are those of a
-ring all-reduce of ``(n + m) r`` values instead of ``n m``. A leaf is
-compressed only if ``(n + m) r * min_compression_rate < n m`` (the hook's
-test, counted in elements); scalars, 1-D leaves, empty leaves and leaves that
-fail the test are averaged dense, as the hook's "uncompressed tensors" are.
+``orth`` is the hook's ``_orthogonalize``: modified Gram-Schmidt on the
+columns (:func:`orthogonalize`) for ``r <= 2`` or a half-precision ``P``/``Q``,
+the ``Q`` factor of a QR factorisation otherwise (LAPACK on CPU, cuSOLVER on
+GPU; ``orthogonalization_epsilon`` is then unused, as in the hook). Both have
+a fixed program size whatever ``r`` (the Gram-Schmidt loop is a
+``lax.fori_loop``). Both exchanges are all-reduces (sums are linear), so the
+bytes per device are those of a ring all-reduce of ``(n + m) r`` values
+instead of ``n m``. A leaf is compressed only if ``(n + m) r *
+min_compression_rate < n m`` (the hook's test, counted in elements); scalars,
+1-D leaves, empty leaves and leaves that fail the test are averaged dense, as
+the hook's "uncompressed tensors" are.
+
+Leaves whose matrices have the same ``(n, m)`` (and compute dtype) are
+stacked and orthogonalised and multiplied as one batch (the hook's
+``batch_tensors_with_same_shape``), and the ``P`` of every compressed leaf
+travels in one flat buffer, their ``Q`` in another and the dense leaves in a
+third (the hook's contiguous ``p_memory``/``q_memory`` and uncompressed
+buffers; one buffer per dtype): the all-reduces per step do not grow with the
+number of leaves. A leaf gets the update it gets alone, up to float32 rounding
+(XLA picks other kernels for a batch).
 
 Contracts (tested): the update is identical on every device (typed
 device-invariant under ``shard_map``'s ``check_vma``, like the other jaxcomp
-exchanges); its rank per leaf is at most ``r``; nothing is lost per device:
+exchanges); its rank per leaf is at most ``r``; it is ``P P^T M`` (summed
+over the devices) with ``P`` orthonormal also when ``M`` has rank below
+``r`` (a gradient from a small batch); nothing is lost per device:
 ``e_new`` is the correctly rounded ``M - S`` with ``S`` the update as returned
 (cast back from the gradient dtype), so ``S + e_new == M`` up to that one
 rounding (``|S + e_new - M| <= ulp(M - S) / 2``), as for the quantizers:
@@ -32,18 +48,33 @@ representable ``M - S`` need not exist.
 
 Differences from the hook, each deliberate:
 
-- A zero column is left zero by ``orth`` (the hook divides by its zero norm
-  and returns NaN unless ``orthogonalization_epsilon > 0``), and a column of
-  the new ``Q`` that is exactly zero keeps its previous value (a zero
-  gradient would otherwise zero the warm-started ``Q`` for good: ``P = M Q``
-  stays 0 and the leaf is never sent again). Norms are computed scaled by the
-  column's largest magnitude, so they do not overflow.
+- A zero column is left zero by Gram-Schmidt (the hook divides by its zero
+  norm and returns NaN unless ``orthogonalization_epsilon > 0``), and so is a
+  column that the projections cancelled to ``sqrt(eps)`` of its norm or less
+  (the rounding noise left by a matrix of rank ``< r``; the hook normalises it
+  into a column that is not orthogonal to the others, and ``P (M^T P)^T`` is
+  then no projection of ``M``: off by 40-110% of ``max |M|`` in the tests, with
+  the hook's arithmetic). Norms
+  are computed scaled by the column's largest magnitude, so they do not
+  overflow.
+- A column of the new ``Q`` that is exactly zero keeps its previous value (a
+  zero gradient would otherwise zero the warm-started ``Q`` for good: ``P = M
+  Q`` stays 0 and the leaf is never sent again).
+- The QR's columns get the signs that make ``R``'s diagonal >= 0, so its ``Q``
+  is Gram-Schmidt's in exact arithmetic and the same on every platform (the
+  hook keeps the LAPACK/cuSOLVER signs). ``S`` does not depend on the signs;
+  the stored ``Q`` does.
+- ``P`` and ``Q`` travel in the residual dtype (float32, float64 under
+  ``jax_enable_x64`` for float64 leaves), also for bfloat16/float16 gradients
+  (the hook computes them in the gradient dtype, and so orthogonalises
+  half-precision gradients by Gram-Schmidt at every rank; here only a
+  ``residual_dtype`` of bfloat16/float16 does).
+- Leaves of the same matrix shape are always batched (the hook's
+  ``batch_tensors_with_same_shape`` defaults to False); the whole tree is one
+  bucket (the hook exchanges per DDP bucket).
 - Dense leaves keep only the rounding to the gradient dtype in their residual
   (jaxcomp's convention); the hook stores ``local - mean`` for them, which
   averages to zero over the devices, so the updates are the same.
-- ``P`` and ``Q`` travel in the residual dtype (float32, float64 under
-  ``jax_enable_x64`` for float64 leaves), also for bfloat16/float16 gradients
-  (the hook computes them in the gradient dtype).
 - Matrix products use ``Precision.HIGHEST`` (no TF32/bf16 passes on GPU/TPU).
 - ``start_iter`` defaults to 0 (the hook's 1000 and its ``> 1`` requirement
   come from DDP rebuilding its buckets after the first iteration).
@@ -119,41 +150,89 @@ def matrix_plan(
 
 
 def _scaled_norm(c: jax.Array) -> jax.Array:
-    """``||c||_2`` computed as ``a ||c / a||_2`` with ``a = max |c|`` (no overflow)."""
-    a = jnp.max(jnp.abs(c))
+    """``||c||_2`` over the last axis, as ``a ||c / a||_2`` with ``a = max |c|`` (no overflow)."""
+    a = jnp.max(jnp.abs(c), axis=-1, keepdims=True)
     live = a > 0
     s = jnp.where(live, a, 1)
-    return jnp.where(live, s * jnp.sqrt(jnp.sum(jnp.square(c / s))), 0)
+    norm = jnp.where(live, s * jnp.sqrt(jnp.sum(jnp.square(c / s), axis=-1, keepdims=True)), 0)
+    return norm[..., 0]
+
+
+def _drop_tolerance(dtype) -> float:
+    """Relative norm below which a projected column is rounding noise (see orthogonalize)."""
+    return float(jnp.finfo(dtype).eps) ** 0.5
 
 
 def orthogonalize(x: jax.Array, epsilon: float = 0.0) -> jax.Array:
-    """Modified Gram-Schmidt on the columns of ``x`` (``[k, r]``), as the hook's.
+    """Modified Gram-Schmidt on the columns of ``x`` (``[..., k, r]``), the hook's arithmetic.
 
     Column ``i`` is divided by ``||x_i|| + epsilon``, then its projection is
-    removed from the columns after it. A column whose norm (plus ``epsilon``)
-    is zero stays zero (the hook would divide by zero).
+    removed from the columns after it. One ``lax.fori_loop`` over the columns:
+    the program's size does not grow with ``r``. Leading axes are a batch of
+    independent matrices.
+
+    Two guards the hook does not have: a column whose norm (plus ``epsilon``) is
+    zero stays zero (the hook would divide by zero), and so does a column that
+    the projections cancelled to ``sqrt(eps)`` of its norm before them or less
+    (``eps`` of ``x``'s dtype; 3.5e-4 in float32). Such a column is rounding
+    noise: a matrix of rank ``< r`` (a gradient from a small batch) leaves it,
+    and normalised it would not be orthogonal to the columns before it (its
+    error relative to its own norm is about ``eps`` over that ratio), so
+    ``P (M^T P)^T`` would no longer be a projection of ``M``.
 
     Example:
       >>> import jax.numpy as jnp
       >>> (5 * orthogonalize(jnp.array([[3.0, 1.0], [4.0, 0.0]]))).round().tolist()
       [[3.0, 4.0], [4.0, -3.0]]
+      >>> orthogonalize(jnp.array([[1.0, 2.0], [1.0, 2.0]]))[:, 1].tolist()  # rank 1: dropped
+      [0.0, 0.0]
     """
-    k, r = x.shape
+    *batch, k, r = x.shape
     if k == 0 or r == 0:
         return x
-    cols = [x[:, i] for i in range(r)]
-    for i in range(r):
-        denom = _scaled_norm(cols[i]) + jnp.asarray(epsilon, x.dtype)
-        live = denom > 0
-        cols[i] = jnp.where(live, cols[i] / jnp.where(live, denom, 1), 0)
-        for j in range(i + 1, r):
-            cols[j] = cols[j] - jnp.sum(cols[i] * cols[j]) * cols[i]
-    return jnp.stack(cols, axis=1)
+    tol = jnp.asarray(_drop_tolerance(x.dtype), x.dtype)
+    eps = jnp.asarray(epsilon, x.dtype)
+    # [B, r, k]: a column is a contiguous row.
+    xt = jnp.swapaxes(x, -1, -2).reshape(math.prod(batch), r, k)
+    before = _scaled_norm(xt)  # [B, r]
+    later = jnp.arange(r)[:, None]
+
+    def body(i, xt):
+        c = lax.dynamic_index_in_dim(xt, i, axis=1, keepdims=False)  # [B, k]
+        norm = _scaled_norm(c)
+        denom = norm + eps
+        live = (denom > 0) & (norm > tol * lax.dynamic_index_in_dim(before, i, 1, False))
+        c = jnp.where(live[:, None], c / jnp.where(live, denom, 1)[:, None], 0)
+        dots = jnp.sum(c[:, None, :] * xt, axis=-1)  # [B, r]
+        xt = jnp.where(later > i, xt - dots[..., None] * c[:, None, :], xt)
+        return lax.dynamic_update_index_in_dim(xt, c, i, axis=1)
+
+    xt = lax.fori_loop(0, r, body, xt)
+    return jnp.swapaxes(xt.reshape(*batch, r, k), -1, -2)
 
 
-def _mm(a, b, contract):
-    """``a`` times ``b`` contracting the given dims, at full precision."""
-    return lax.dot_general(a, b, (contract, ((), ())), precision=lax.Precision.HIGHEST)
+def _qr_orthogonalize(x: jax.Array) -> jax.Array:
+    """The ``Q`` factor of a Householder QR of ``x`` (``[..., k, r]``, ``k >= r``), its
+    columns' signs chosen so that ``R``'s diagonal is >= 0 (Gram-Schmidt's ``Q`` in exact
+    arithmetic, whatever sign convention the LAPACK/cuSOLVER routine has)."""
+    q, rr = jnp.linalg.qr(x, mode="reduced")
+    sign = jnp.where(jnp.diagonal(rr, axis1=-2, axis2=-1) < 0, -1, 1).astype(q.dtype)
+    return q * sign[..., None, :]
+
+
+def _orth(x: jax.Array, epsilon) -> jax.Array:
+    """The hook's ``_orthogonalize``: Gram-Schmidt for ``r <= 2`` or a half-precision
+    dtype, a QR factorisation otherwise (``epsilon`` is then unused, as in the hook)."""
+    r = x.shape[-1]
+    if r <= 2 or jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+        return orthogonalize(x, epsilon)
+    return _qr_orthogonalize(x)
+
+
+def _bmm(a, b, contract):
+    """Batched ``a`` times ``b`` (axis 0 the batch), contracting the given dims, at full
+    precision."""
+    return lax.dot_general(a, b, (contract, ((0,), (0,))), precision=lax.Precision.HIGHEST)
 
 
 def _to_dtype(x: jax.Array, dtype) -> jax.Array:
@@ -170,7 +249,69 @@ def _to_dtype(x: jax.Array, dtype) -> jax.Array:
 
 
 def _finite(x: jax.Array) -> jax.Array:
-    return jnp.isfinite(jnp.sum(x - x)) if x.size else jnp.bool_(True)
+    """Per matrix of a ``[B, k, r]`` batch, whether all its elements are finite."""
+    return jnp.isfinite(jnp.sum(x - x, axis=(1, 2)))
+
+
+def _split(buf: jax.Array, like: list) -> list:
+    """The flat ``buf`` cut back into arrays shaped like ``like`` (in order)."""
+    out, start = [], 0
+    for x in like:
+        out.append(buf[start : start + x.size].reshape(x.shape))
+        start += x.size
+    return out
+
+
+def _by_dtype(xs: list) -> dict:
+    """Indices of ``xs`` per dtype, dtypes in order of first appearance."""
+    groups: dict = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(jnp.dtype(x.dtype), []).append(i)
+    return groups
+
+
+def _psum_flat(xs: list, axis_name, count=None):
+    """``(sums of xs over the devices, summed count)`` in one all-reduce per dtype.
+
+    Each dtype's arrays travel flattened in one buffer, so the number of
+    collectives does not grow with the number of leaves (the hook's contiguous
+    ``p_memory``/``q_memory``). ``count`` (a float32 scalar, or None) rides at
+    the end of the float32 buffer, or travels alone if there is none.
+    """
+    out: list = [None] * len(xs)
+    groups = _by_dtype(xs)
+    f32 = jnp.dtype(jnp.float32)
+    host = f32 if count is not None and f32 in groups else None
+    total = None if host is not None or count is None else lax.psum(count, axis_name)
+    for dt, idx in groups.items():
+        parts = [xs[i].reshape(-1) for i in idx]
+        if dt == host:
+            parts.append(count.astype(dt)[None])
+        buf = lax.psum(parts[0] if len(parts) == 1 else jnp.concatenate(parts), axis_name)
+        for i, s in zip(idx, _split(buf, [xs[i] for i in idx]), strict=True):
+            out[i] = s
+        if dt == host:
+            total = buf[-1].astype(jnp.float32)
+    return out, total
+
+
+def _dense_means(xs: list, axis_name) -> list:
+    """:func:`jaxcomp.comm.dense_mean` of each array, one all-reduce per dtype (the
+    hook's contiguous buffer of uncompressed tensors). Elementwise the same as one
+    ``dense_mean`` per array."""
+    out: list = [None] * len(xs)
+    for idx in _by_dtype(xs).values():
+        parts = [xs[i].reshape(-1) for i in idx]
+        buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        mean, _ = collectives.dense_mean(buf, axis_name)
+        for i, s in zip(idx, _split(mean, [xs[i] for i in idx]), strict=True):
+            out[i] = s
+    return out
+
+
+def _zeros(xs):
+    """Constant zeros like ``xs`` (device-invariant, as a psum is: cond branches type alike)."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), xs)
 
 
 def _draw_q(key, step, index, m, r, dtype):
@@ -221,12 +362,24 @@ class PowerSGDState(NamedTuple):
     nonfinite_steps: jax.Array
 
 
-class _Leaf(NamedTuple):
-    update: jax.Array
-    residual: Any
-    q: Any
-    message_bytes: jax.Array
-    wire_bytes: jax.Array
+class _Group(NamedTuple):
+    """Compressed leaves whose matrices share ``(n, m, r)`` and the compute dtype: one
+    batch (the hook's ``batch_tensors_with_same_shape``)."""
+
+    n: int
+    m: int
+    r: int
+    cdt: Any
+    leaves: tuple
+
+
+def _groups(plans: list, cdts: list) -> list:
+    """The batches of compressed leaves, in order of their first leaf."""
+    groups: dict = {}
+    for i, (pl, cdt) in enumerate(zip(plans, cdts, strict=True)):
+        if pl is not None:
+            groups.setdefault((*pl, jnp.dtype(cdt)), []).append(i)
+    return [_Group(*key, tuple(idx)) for key, idx in groups.items()]
 
 
 def powersgd(
@@ -254,16 +407,19 @@ def powersgd(
     Args:
       rank: the approximation rank ``r``, an int >= 1 (per leaf ``min(n, m,
         rank)``).
-      axis_name: mesh axis to average over inside ``shard_map``/``pmap``: two
-        all-reduces per compressed leaf (``P``, then ``Q``) and one per dense
-        leaf; every device gets the same update. ``None``: the local rank-r
-        approximation (one device).
+      axis_name: mesh axis to average over inside ``shard_map``/``pmap``: one
+        all-reduce for the ``P`` of every compressed leaf, then one for their
+        ``Q``, and one for the dense leaves (one buffer per dtype), whatever the
+        number of leaves; every device gets the same update. ``None``: the local
+        rank-r approximation (one device).
       start_iter: steps ``0 .. start_iter - 1`` average every leaf dense
         (vanilla all-reduce, as the hook; the residual stays zero); PowerSGD
         from step ``start_iter`` on (None: 0). One compilation: with ``start_iter > 0``
-        only the collectives sit in a ``lax.cond`` on the step, so vanilla
-        steps also compute the (unsent) low-rank products, and PowerSGD steps
-        cost what they cost without ``start_iter``.
+        only the collectives sit in a ``lax.cond`` on the step (the dense
+        all-reduce of the compressed leaves in one branch, ``P`` in the other;
+        then ``Q``), so vanilla steps also compute the (unsent) low-rank
+        products, and PowerSGD steps send what they send without
+        ``start_iter``.
       min_compression_rate: a leaf is compressed only if ``(n + m) r *
         min_compression_rate < n m`` (element counts), a real >= 0 (None:
         2, the hook's default).
@@ -276,7 +432,9 @@ def powersgd(
         fresh random draw every step; keeps ``Q`` in ``state.q``.
       orthogonalization_epsilon: added to each column norm in
         :func:`orthogonalize`, a real >= 0 (None: 0, the hook's default).
-        Only arithmetic uses it, so it may be traced
+        Unused where ``r > 2`` (a QR orthogonalises, as in the hook) unless
+        ``residual_dtype`` is bfloat16/float16. Only arithmetic uses it, so it
+        may be traced
         (``optax.inject_hyperparams``). ``start_iter``,
         ``min_compression_rate`` and ``min_dense_size`` fix the program
         (which leaves are compressed, the dense steps): pass them in
@@ -296,8 +454,8 @@ def powersgd(
         (divided by ``K``), each keeps ``e = M - S``, and the update is the
         mean of what every device sent, ``(K / N) S`` (the skipped device sent
         0), as for the sparsifiers: the update stays the average of the
-        devices' messages and nothing is lost on any device. One extra
-        all-reduce of a float32 count. ``"zero"``: non-finite elements are
+        devices' messages and nothing is lost on any device. One more float32
+        (the count) in ``P``'s all-reduce. ``"zero"``: non-finite elements are
         replaced by 0 and the rest is used (no count). Neither ever writes
         NaN/Inf into the residual or ``Q``. Also, should ``P`` or ``Q``
         overflow (values near float32's range), the leaf sends nothing that
@@ -367,87 +525,48 @@ def powersgd(
             0 if axis_name is None else collectives.allreduce_bytes(nbytes, n_devices())
         )
 
-    def dense_leaf(g, residual, sends, cdt) -> _Leaf:
-        """The leaf averaged whole; the residual keeps the rounding to its dtype."""
-        acc = g.astype(cdt) if residual is None else residual + g.astype(cdt)
-        sent = _to_dtype(jnp.where(sends, acc, 0), g.dtype)
-        if axis_name is None:
-            update = sent
-        else:
-            update, _ = collectives.dense_mean(sent, axis_name)
-        new_res = None if residual is None else jnp.where(sends, acc - sent.astype(cdt), residual)
-        nbytes = g.size * g.dtype.itemsize
-        return _Leaf(
-            update, new_res, None, jnp.where(sends, nbytes, 0).astype(jnp.int32), wire(nbytes)
-        )
+    def dense_means(xs):
+        return xs if axis_name is None else _dense_means(xs, axis_name)
 
-    def phase_sum(x, vanilla):
-        """Sum over devices; skipped (zeros, no communication) in a vanilla step."""
+    def exchange_p(vanilla, dense_msgs, p_locs, count):
+        """All-reduce 1: ``(means of dense_msgs, sums of p_locs, summed count, flag)``.
+
+        With ``start_iter`` (``vanilla`` a traced bool) the step is either a vanilla
+        step (the compressed leaves' ``dense_msgs`` averaged, zeros for ``P``) or a
+        PowerSGD step (``P`` summed, zeros for the dense means): one ``lax.cond``
+        around the collectives only (a cond around the whole step measured ~4x the
+        unconditional update on XLA:CPU, where operands crossing a cond cost copies).
+        The compressed leaves' dense messages do cross it, so that PowerSGD steps do
+        not all-reduce them too. ``flag`` is ``vanilla`` typed device-invariant (a
+        constant of the branch taken), so selecting the update with it keeps the
+        update invariant under ``shard_map``'s ``check_vma``.
+        """
         if axis_name is None:
-            return x
+            return dense_msgs, p_locs, count, vanilla
+
+        def power(msgs, p, c):
+            sums, total = _psum_flat(p, axis_name, c)
+            return _zeros(msgs), sums, total, jnp.bool_(False)
+
         if vanilla is None:
-            return lax.psum(x, axis_name)
-        # Constant zeros are device-invariant, as the psum is: the branches type alike.
-        return _vma.cond(
-            vanilla, lambda x: jnp.zeros(x.shape, x.dtype), lambda x: lax.psum(x, axis_name), x
-        )
+            return (*power(dense_msgs, p_locs, count)[:3], None)
 
-    def low_rank_leaf(g, residual, q_prev, key, step, index, sends, count, vanilla, pl, cdt):
-        """One compressed leaf; ``vanilla`` (a traced bool, or None without ``start_iter``)
-        turns the step into a dense all-reduce. Only the collectives are conditional: an
-        ``n x m`` operand crossing a ``lax.cond`` costs copies and fresh buffers on XLA:CPU
-        (a cond around the whole step measured ~4x the unconditional update)."""
-        n, m, r = pl
-        acc = g.astype(cdt) if residual is None else residual + g.astype(cdt)
-        mat = acc.reshape(n, m)
-        q0 = q_prev if warm_start else _draw_q(key, step, index, m, r, cdt)
-        q0 = orthogonalize(q0, orthogonalization_epsilon)
-        # A device that sends nothing contributes zeros: its M never reaches the sums.
-        p = phase_sum(jnp.where(sends, _mm(mat, q0, ((1,), (0,))), 0), vanilla)
-        p = orthogonalize(p, orthogonalization_epsilon)
-        # Q^T = P^T M, [r, m], kept in that layout until it is stored: XLA folds a
-        # transpose into the dot, and M^T P with M's rows contracted ran ~7x slower
-        # on XLA:CPU for r >= 2 (a strided walk over the big matrix).
-        qt_sum = phase_sum(jnp.where(sends, _mm(p, mat, ((0,), (0,))), 0), vanilla)
-        qt = qt_sum / jnp.maximum(count, 1).astype(cdt)
-        # Overflow in M Q or P^T M (values near the dtype's range): send nothing anywhere.
-        ok = _finite(p) & _finite(qt)
-        p, qt = jnp.where(ok, p, 0), jnp.where(ok, qt, 0)
-        approx = _mm(p, qt, ((1,), (0,)))  # P Q^T, identical on every device
-        sent = _to_dtype(approx, g.dtype)
-        if nonfinite == "skip":
-            # The mean of what the devices sent: K copies of S and N - K zeros.
-            # K == N gives a factor of exactly 1.0, hence the bits of `sent`.
-            frac = count.astype(cdt) / jnp.asarray(n_devices(), cdt)
-            update = _to_dtype(approx * frac, g.dtype)
-        else:
-            update = sent
-        update = update.reshape(g.shape)
-        sent = sent.reshape(g.shape)
-        nbytes = (n + m) * r * jnp.dtype(cdt).itemsize
-        msg, wire_b = jnp.where(sends, nbytes, 0).astype(jnp.int32), wire(nbytes)
-        new_q = None
-        if warm_start:
-            # A zero column (zero gradient, nobody sent) would stay zero forever.
-            live = jnp.any(qt != 0, axis=1)
-            new_q = jnp.where(live, qt.T, q_prev)
-        if vanilla is not None:
-            dense = dense_leaf(g, residual, sends, cdt)
-            if axis_name is None:
-                update = jnp.where(vanilla, dense.update, update)
-            else:
-                # A cond, not a where: the step is typed device-varying inside shard_map
-                # (per-device state) and would make the update look un-exchanged.
-                update = _vma.cond(vanilla, lambda d, u: d, lambda d, u: u, dense.update, update)
-            sent = jnp.where(vanilla, _to_dtype(jnp.where(sends, acc, 0), g.dtype), sent)
-            msg = jnp.where(vanilla, dense.message_bytes, msg)
-            wire_b = jnp.where(vanilla, dense.wire_bytes, wire_b)
-            if warm_start:
-                new_q = jnp.where(vanilla, q_prev, new_q)
-        new_res = None
-        if residual is not None:
-            new_res = jnp.where(sends, acc - sent.astype(cdt), residual)
-        return _Leaf(update, new_res, new_q, msg, wire_b)
+        def dense(msgs, p, c):
+            return _dense_means(msgs, axis_name), _zeros(p), _zeros(c), jnp.bool_(True)
+
+        return _vma.cond(vanilla, dense, power, dense_msgs, p_locs, count)
+
+    def exchange_q(flag, qt_locs):
+        """All-reduce 2: the sums of ``qt_locs`` (zeros in a vanilla step)."""
+        if axis_name is None:
+            return qt_locs
+
+        def power(q):
+            return _psum_flat(q, axis_name)[0]
+
+        if flag is None:
+            return power(qt_locs)
+        return _vma.cond(flag, _zeros, power, qt_locs)
 
     def init(params):
         V.check_gradient_leaves(params, f"{_WHO}.init", "parameter")
@@ -503,52 +622,126 @@ def powersgd(
             for g, r in zip(g_leaves, r_leaves, strict=True)
         ]
         plans = [plan(g.shape) for g in g_leaves]
-        low = [i for i, pl in enumerate(plans) if pl is not None]
-        outs: list[Any] = [None] * count_leaves
-        for i, pl in enumerate(plans):
-            if pl is None:
-                outs[i] = dense_leaf(g_leaves[i], r_leaves[i], sends, cdts[i])
+        groups = _groups(plans, cdts)
+        low = [i for grp in groups for i in grp.leaves]
+        accs = [
+            g.astype(c) if r is None else r + g.astype(c)
+            for g, r, c in zip(g_leaves, r_leaves, cdts, strict=True)
+        ]
+        # What a leaf sends dense: its accumulator in the gradient dtype (0 if skipped).
+        dense_sent = [
+            None if pl is not None else _to_dtype(jnp.where(sends, acc, 0), g.dtype)
+            for g, acc, pl in zip(g_leaves, accs, plans, strict=True)
+        ]
+        updates_out: list = [None] * count_leaves
+        sent: list = [None] * count_leaves
+        new_q: list = [None] * count_leaves
+        msg: list = [None] * count_leaves
+        wire_b: list = [None] * count_leaves
 
-        if low:
+        # Dense leaves: averaged whole, one all-reduce per gradient dtype; their residual
+        # keeps only the rounding to that dtype.
+        dense = [i for i, pl in enumerate(plans) if pl is None]
+        for i, mean in zip(dense, dense_means([dense_sent[i] for i in dense]), strict=True):
+            g = g_leaves[i]
+            nbytes = g.size * g.dtype.itemsize
+            updates_out[i], sent[i] = mean, dense_sent[i]
+            msg[i], wire_b[i] = jnp.where(sends, nbytes, 0).astype(jnp.int32), wire(nbytes)
+
+        if groups:
             vanilla = None if start_iter == 0 else state.step < start_iter
-            if nonfinite == "skip":
-                count = phase_sum(sends.astype(jnp.float32), vanilla)
-            else:
-                count = jnp.float32(n_devices())
             key = jax.random.wrap_key_data(state.key)
-            for i in low:
-                outs[i] = low_rank_leaf(
-                    g_leaves[i],
-                    r_leaves[i],
-                    q_leaves[i],
-                    key,
-                    state.step,
-                    i,
-                    sends,
-                    count,
-                    vanilla,
-                    plans[i],
-                    cdts[i],
-                )
-            if nonfinite == "skip" and axis_name is not None:  # the count's all-reduce
+            mats, p_locs = [], []
+            for grp in groups:
+                n, m, r, cdt = grp.n, grp.m, grp.r, grp.cdt
+                mat = jnp.stack([accs[i].reshape(n, m) for i in grp.leaves])  # [B, n, m]
+                if warm_start:
+                    q0 = jnp.stack([q_leaves[i] for i in grp.leaves])
+                else:
+                    q0 = jnp.stack([_draw_q(key, state.step, i, m, r, cdt) for i in grp.leaves])
+                q0 = _orth(q0, orthogonalization_epsilon)
+                mats.append(mat)
+                # A device that sends nothing contributes zeros: its M never reaches the sums.
+                p_locs.append(jnp.where(sends, _bmm(mat, q0, ((2,), (1,))), 0))
+            count = sends.astype(jnp.float32) if nonfinite == "skip" else None
+            # In a vanilla step (start_iter) the compressed leaves too are sent dense.
+            msgs = (
+                []
+                if vanilla is None
+                else [_to_dtype(jnp.where(sends, accs[i], 0), g_leaves[i].dtype) for i in low]
+            )
+            means, p_sums, count, flag = exchange_p(vanilla, msgs, p_locs, count)
+            if nonfinite != "skip":
+                count = jnp.float32(n_devices())
+            ps = [_orth(p, orthogonalization_epsilon) for p in p_sums]
+            # Q^T = P^T M, [B, r, m], kept in that layout until it is stored: XLA folds a
+            # transpose into the dot, and M^T P with M's rows contracted ran ~7x slower
+            # on XLA:CPU for r >= 2 (a strided walk over the big matrix).
+            qt_locs = [
+                jnp.where(sends, _bmm(p, mat, ((1,), (1,))), 0)
+                for p, mat in zip(ps, mats, strict=True)
+            ]
+            qt_sums = exchange_q(flag, qt_locs)
+            for grp, p, qt_sum in zip(groups, ps, qt_sums, strict=True):
+                n, m, r, cdt = grp.n, grp.m, grp.r, grp.cdt
+                qt = qt_sum / jnp.maximum(count, 1).astype(cdt)
+                # Overflow in M Q or P^T M (values near the dtype's range): that leaf sends
+                # nothing anywhere.
+                ok = (_finite(p) & _finite(qt))[:, None, None]
+                p, qt = jnp.where(ok, p, 0), jnp.where(ok, qt, 0)
+                approx = _bmm(p, qt, ((2,), (1,)))  # P Q^T, identical on every device
+                nbytes = (n + m) * r * jnp.dtype(cdt).itemsize
+                for b, i in enumerate(grp.leaves):
+                    g = g_leaves[i]
+                    sent[i] = _to_dtype(approx[b], g.dtype).reshape(g.shape)
+                    if nonfinite == "skip":
+                        # The mean of what the devices sent: K copies of S and N - K zeros.
+                        # K == N gives a factor of exactly 1.0, hence the bits of `sent`.
+                        frac = count.astype(cdt) / jnp.asarray(n_devices(), cdt)
+                        updates_out[i] = _to_dtype(approx[b] * frac, g.dtype).reshape(g.shape)
+                    else:
+                        updates_out[i] = sent[i]
+                    msg[i] = jnp.where(sends, nbytes, 0).astype(jnp.int32)
+                    wire_b[i] = wire(nbytes)
+                    if warm_start:
+                        # A zero column (zero gradient, nobody sent) would stay zero forever.
+                        live = jnp.any(qt[b] != 0, axis=1)
+                        new_q[i] = jnp.where(live, qt[b].T, q_leaves[i])
+            if vanilla is not None:
+                for j, i in enumerate(low):
+                    g = g_leaves[i]
+                    nbytes = g.size * g.dtype.itemsize
+                    updates_out[i] = jnp.where(flag, means[j], updates_out[i])
+                    sent[i] = jnp.where(vanilla, msgs[j], sent[i])
+                    msg[i] = jnp.where(vanilla, jnp.where(sends, nbytes, 0), msg[i]).astype(
+                        jnp.int32
+                    )
+                    wire_b[i] = jnp.where(vanilla, wire(nbytes), wire_b[i])
+                    if warm_start:
+                        new_q[i] = jnp.where(vanilla, q_leaves[i], new_q[i])
+            if nonfinite == "skip" and axis_name is not None:  # the count, in P's all-reduce
                 extra = jnp.float32(collectives.allreduce_bytes(4, n_devices()))
                 if vanilla is not None:
                     extra = jnp.where(vanilla, 0, extra)
-                i = low[0]
-                outs[i] = outs[i]._replace(wire_bytes=outs[i].wire_bytes + extra)
+                wire_b[low[0]] = wire_b[low[0]] + extra
 
-        def field(name):
-            return treedef.unflatten([getattr(o, name) for o in outs])
-
+        new_res = None
+        if error_feedback:
+            new_res = treedef.unflatten(
+                [
+                    jnp.where(sends, acc - s.astype(acc.dtype), res)
+                    for acc, s, res in zip(accs, sent, r_leaves, strict=True)
+                ]
+            )
         new_state = PowerSGDState(
             step=state.step + 1,
-            residual=field("residual") if error_feedback else None,
-            q=field("q") if warm_start else None,
+            residual=new_res,
+            q=treedef.unflatten(new_q) if warm_start else None,
             key=state.key,
-            message_bytes=field("message_bytes"),
-            wire_bytes=sum((o.wire_bytes for o in outs), jnp.float32(0)),
+            message_bytes=treedef.unflatten(msg),
+            wire_bytes=sum(wire_b, jnp.float32(0)),
             nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
         )
-        return field("update"), new_state
+        return treedef.unflatten(updates_out), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
