@@ -1063,12 +1063,17 @@ def _packed_selector(cfg: _Config):
     moments estimator, ``dgc``), one device or one of the exchanges of
     :data:`_PACKED_EXCHANGES`, no low-pass filter.
     """
-    select = segmented.SEGMENTED.get(cfg.select_fn)
-    if select is None:
-        return None
     if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES:
         return None
     if _low_pass_on(cfg):
+        return None
+    return _segmented_form(cfg)
+
+
+def _segmented_form(cfg: _Config):
+    """``(segmented selector, options)`` standing for ``cfg``'s selector, or None."""
+    select = segmented.SEGMENTED.get(cfg.select_fn)
+    if select is None:
         return None
     options = dict(cfg.options)
     if cfg.select_fn is selectors.ldte_bs:
@@ -1550,6 +1555,18 @@ def _refresh_due(cfg: _Config, step, stored):
 
 
 def _run_selector(cfg: _Config, acc, k, key, stored) -> selectors.Selection:
+    form = _segmented_form(cfg)
+    if form is not None:
+        # The segmented form on one segment: the threshold a packed step
+        # would give this group (ldte_bs's estimate is the segmented one's).
+        select, options = form
+        layout = segmented.SegmentLayout((acc.shape[0],))
+        extra = {"hint": jnp.asarray(stored, jnp.float32)[None]} if cfg.hint_previous else {}
+        sel = select(
+            layout, layout.pack([acc], acc.dtype), segmented.Targets(np.array([[k]])),
+            **options, **extra,
+        )  # fmt: skip
+        return selectors.Selection(sel.threshold[0], sel.count[0], sel.iterations[0])
     extra = {}
     if cfg.needs_key:
         extra["key"] = key
