@@ -765,12 +765,23 @@ def gossip_mean(
     from_left, from_right = ring_neighbours(x, axis_name)
     if axis_size(axis_name) == 1:
         return x, jnp.float32(0)
+    return _ring_mix(x, from_left, from_right, w), jnp.float32(2 * _nbytes(x))
+
+
+def _ring_mix(x, from_left, from_right, weights):
+    """``w_self x + w_left from_left + w_right from_right``, cast back to ``x``'s dtype.
+
+    :func:`gossip_mean`'s mix of what :func:`ring_neighbours` received, apart
+    so that an exchange that moves many tensors in one buffer can mix each
+    tensor on its own (the same kernels, so the same bits, as its own
+    ``gossip_mean``). ``weights``: as returned by :func:`check_gossip_weights`.
+    """
     # Mixed in float32 at least: bf16 weights of 1/3 would not sum to 1.
     wide = jnp.promote_types(x.dtype, jnp.float32)
-    w_self, w_left, w_right = (jnp.asarray(v, wide) for v in w)
+    w_self, w_left, w_right = (jnp.asarray(v, wide) for v in weights)
     mixed = w_self * x.astype(wide) + w_left * from_left.astype(wide)
     mixed = mixed + w_right * from_right.astype(wide)
-    return mixed.astype(x.dtype), jnp.float32(2 * _nbytes(x))
+    return mixed.astype(x.dtype)
 
 
 def gossip_sparse_mean(

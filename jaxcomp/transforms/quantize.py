@@ -29,6 +29,9 @@ to that one rounding of the difference (an exactly representable ``e_new``
 often does not exist): the residual is the correctly rounded ``R - S``, bit for
 bit, and ``|S + e_new - R| <= ulp(R - S) / 2``. Leaves sent dense keep the
 sparsifier's exact invariant.
+
+The exchange is per step, not per leaf: the messages of all leaves travel
+in one buffer per dtype, and one collective per buffer (see ``exchange``).
 """
 
 from __future__ import annotations
@@ -805,7 +808,8 @@ class QuantizeState(NamedTuple):
         leaves; 0 when nothing was sent).
       wire_bytes: float32, bytes this device put on the wire in the last step:
         ``(N - 1)`` times the gathered message bytes, a ring all-reduce's for
-        dense leaves (0 with ``axis_name=None``).
+        dense leaves (0 with ``axis_name=None``); with ``include=``, plus a
+        ring all-reduce's of the 4-byte device count per exchanged buffer.
       nonfinite_steps: int32, steps whose gradients held NaN or Inf.
       message: ``None`` unless ``keep_message=True``: then this device's last
         message per leaf, a ``(codes, scales)`` pair (``None`` for leaves sent
@@ -846,15 +850,6 @@ class MomentumQuantizeState(NamedTuple):
     velocity: Any = None
 
 
-class _LeafOut(NamedTuple):
-    update: jax.Array
-    residual: jax.Array
-    message_bytes: jax.Array
-    wire_bytes: jax.Array
-    message: Any
-    velocity: Any
-
-
 def _to_dtype(x: jax.Array, dtype) -> jax.Array:
     """Casts to ``dtype``, saturating at its largest finite value (float16).
 
@@ -869,6 +864,91 @@ def _to_dtype(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
+class _Encoded(NamedTuple):
+    """One leaf after its local, per-device half of a step (before the exchange).
+
+    ``sent`` is what this device contributes, flat in the gradient dtype (its
+    decoded message, or the dense values); ``message`` the ``(codes, scales)``
+    that travel, None for a leaf sent dense (``exchange="allreduce"``: the
+    ``N`` chunk messages, stacked).
+    """
+
+    shape: tuple
+    out_dtype: Any
+    acc: jax.Array  # the flat accumulator R, in the residual dtype
+    sent: jax.Array
+    message: Any
+    decoded: Any  # float32 decoded message (the gossip mix's own part)
+    key: Any  # this leaf's PRNG key (the all-reduce encodes its mean with it)
+    nbytes: jax.Array
+    velocity: Any
+
+
+class _Packing:
+    """Where each of a list of arrays sits in one flat buffer per dtype.
+
+    :meth:`pack` concatenates the arrays, flattened after their first
+    ``lead`` axes (shared by all), into one buffer per dtype, so that one
+    collective moves all of them; :meth:`unpack` cuts any array that carries
+    those buffers in its last axis (gathered: ``[N, total]``; one device's
+    row: ``[total]``) back into the arrays, with its other leading axes kept.
+    Buffers are a dict keyed by dtype name (a pytree ``lax.scan`` can slice).
+    """
+
+    def __init__(self, arrays, lead: int = 0):
+        self.lead = lead
+        self.slots = []  # per array: (dtype name, start, size, trailing shape)
+        self.sizes = {}  # per dtype name: the buffer's length
+        for a in arrays:
+            dt, shape = jnp.dtype(a.dtype).name, tuple(a.shape[lead:])
+            start = self.sizes.get(dt, 0)
+            self.slots.append((dt, start, math.prod(shape), shape))
+            self.sizes[dt] = start + math.prod(shape)
+
+    def pack(self, arrays) -> dict:
+        parts = {dt: [] for dt in self.sizes}
+        for a, (dt, _, size, _) in zip(arrays, self.slots, strict=True):
+            parts[dt].append(a.reshape(a.shape[: self.lead] + (size,)))
+        return {dt: p[0] if len(p) == 1 else jnp.concatenate(p, axis=-1) for dt, p in parts.items()}
+
+    def unpack(self, buffers) -> list:
+        out = []
+        for dt, start, size, shape in self.slots:
+            b = buffers[dt]
+            part = b if size == b.shape[-1] else b[..., start : start + size]
+            out.append(part.reshape(b.shape[:-1] + shape))
+        return out
+
+
+def _same_size(leaves) -> list:
+    """``[(n, [i, ...]), ...]``: the indices of the leaves of each size ``n``, first seen first."""
+    groups = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(leaf.sent.size, []).append(i)
+    return list(groups.items())
+
+
+def _over_leaves(fn, k: int):
+    """``fn`` mapped over ``k`` stacked leaves (a leading axis): vmapped, or one leaf alone.
+
+    Alone, a leaf gets the kernels of a per-leaf exchange: XLA:CPU at its
+    default optimisation compiled a vmap over one row to kernels that rounded
+    differently (FMAs contracted elsewhere) in the gossip mix and the cast.
+    """
+    if k > 1:
+        return jax.vmap(fn)
+    return lambda *args: jax.tree.map(lambda y: y[None], fn(*(x[0] for x in args)))
+
+
+def _ungroup(groups, stacked) -> list:
+    """Per leaf, its row of its size's stacked array (the inverse of :func:`_same_size`)."""
+    out = [None] * sum(len(idx) for _, idx in groups)
+    for (_, idx), rows in zip(groups, stacked, strict=True):
+        for k, i in enumerate(idx):
+            out[i] = rows[k]
+    return out
+
+
 def _nbytes(x) -> int:
     return x.size * jnp.dtype(x.dtype).itemsize
 
@@ -878,63 +958,89 @@ QUANTIZER_EXCHANGES = ("allgather", "allreduce", "server", "gossip")
 # Exchanges that aggregate by vote, for sign codecs only (``Quantizer.signs``).
 VOTE_EXCHANGES = ("majority",)
 
+# Whether quantize() exchanges all leaves of a step together (one buffer per
+# dtype) or each leaf on its own (one group per leaf: the per-leaf exchange
+# the merged one must reproduce bit for bit). Read when quantize() is called;
+# the tests switch it off to build the per-leaf reference.
+_MERGE_LEAVES = True
 
-def _mean_of_messages(decode_one, messages, denom, acc_dtype) -> jax.Array:
-    """Mean of ``decode_one(*messages[d])`` over the leading (device) axis, in device order.
 
-    A ``lax.scan`` that decodes one message per step into a running sum in
-    ``acc_dtype``: XLA:CPU reduces a stacked ``[N, n]`` array over its
-    leading axis ~50x slower than it adds rows, and this never materializes
-    it. At least float32: sum, then divide by ``denom``. Narrower (bfloat16,
-    float16): each message divided by ``denom`` first, as PyTorch DDP's fp16
-    hook divides before its all-reduce (no overflow; exact for a power-of-two
-    ``denom``, bar underflow), and every partial sum rounded to
-    ``acc_dtype`` (saturating), as an all-reduce in that dtype rounds.
+def _first_and_rest(messages):
+    return jax.tree.map(lambda m: m[0], messages), jax.tree.map(lambda m: m[1:], messages)
+
+
+def _mean_of_messages(decode, messages, denom, acc_dtype, split=None) -> list:
+    """Means of ``decode(messages[d])`` over the leading (device) axis, in device order.
+
+    ``messages`` is a pytree of arrays with a leading device axis, ``decode``
+    maps one device's slice of it to a list of decoded arrays (one per leaf,
+    or per stack of leaves: every leaf of a step is averaged in the same
+    loop), and the result is the list of their means, the sums first mapped
+    by ``split`` (stacks to leaves: each leaf divided on its own, as in a
+    per-leaf exchange, where XLA fuses the division into the leaf's next
+    operations and may rewrite it there, e.g. ``(t / N) / s`` as ``t * (1 /
+    (N s))``). A ``lax.scan`` that decodes one device's messages per
+    step into running sums in ``acc_dtype``: XLA:CPU reduces a stacked
+    ``[N, n]`` array over its leading axis ~50x slower than it adds rows, and
+    this never materializes it. At least float32: sum, then divide by
+    ``denom``. Narrower (bfloat16, float16): each message divided by
+    ``denom`` first, as PyTorch DDP's fp16 hook divides before its all-reduce
+    (no overflow; exact for a power-of-two ``denom``, bar underflow), and
+    every partial sum rounded to ``acc_dtype`` (saturating), as an all-reduce
+    in that dtype rounds.
     """
     narrow = jnp.finfo(acc_dtype).bits < 32
     denom = jnp.asarray(denom, jnp.float32)
 
     def term(message):
-        x = decode_one(*message)
-        return _to_dtype(x / denom, acc_dtype) if narrow else x.astype(acc_dtype)
+        def one(x):
+            return _to_dtype(x / denom, acc_dtype) if narrow else x.astype(acc_dtype)
 
-    def body(total, message):
-        total = total + term(message)
-        return (_to_dtype(total, acc_dtype) if narrow else total), None
+        return [one(x) for x in decode(message)]
+
+    def body(totals, message):
+        totals = [t + x for t, x in zip(totals, term(message), strict=True)]
+        return ([_to_dtype(t, acc_dtype) for t in totals] if narrow else totals), None
 
     # The first message starts the sum (it carries the messages' device-varying type).
-    first = jax.tree.map(lambda m: m[0], messages)
-    rest = jax.tree.map(lambda m: m[1:], messages)
-    total, _ = lax.scan(body, term(first), rest)
-    return total if narrow else total / denom.astype(acc_dtype)
+    first, rest = _first_and_rest(messages)
+    totals, _ = lax.scan(body, term(first), rest)
+    totals = totals if split is None else split(totals)
+    return totals if narrow else [t / denom.astype(acc_dtype) for t in totals]
 
 
-def _majority_of_messages(decode_one, messages, acc_dtype) -> jax.Array:
-    """Majority vote over the leading (device) axis of decoded sign messages.
+def _majority_of_messages(decode, messages, acc_dtype) -> list:
+    """Majority votes over the leading (device) axis of decoded sign messages.
 
     Each device votes ``sign(S_d)`` per coordinate (0: abstains, e.g. a device
     that sent nothing); the result is ``sign(sum_d sign(S_d))`` (a tie is 0)
     times the mean ``|S_d|`` of the devices that voted: exactly ``+-1`` or 0
     for unit signs (Signum), the devices' mean scale for scaled signs, and a
-    single device's own ``S``. One message decoded per scan step, as in
-    :func:`_mean_of_messages`.
+    single device's own ``S``. ``messages``, ``decode`` (a list of leaves) and
+    the loop as in :func:`_mean_of_messages`.
     """
 
     def term(message):
-        x = decode_one(*message)
-        vote = jnp.sign(x)  # integers: the tally is exact in float32 up to 2^24 devices
-        return vote, (vote != 0).astype(jnp.int32), _to_dtype(jnp.abs(x), acc_dtype)
+        def one(x):
+            vote = jnp.sign(x)  # integers: the tally is exact in float32 up to 2^24 devices
+            return vote, (vote != 0).astype(jnp.int32), _to_dtype(jnp.abs(x), acc_dtype)
+
+        return [one(x) for x in decode(message)]
 
     def body(carry, message):
-        tally, voters, size = carry
-        vote, voted, mag = term(message)
-        return (tally + vote, voters + voted, _to_dtype(size + mag, acc_dtype)), None
+        def add(c, t):
+            (tally, voters, size), (vote, voted, mag) = c, t
+            return tally + vote, voters + voted, _to_dtype(size + mag, acc_dtype)
 
-    first = jax.tree.map(lambda m: m[0], messages)
-    rest = jax.tree.map(lambda m: m[1:], messages)
-    (tally, voters, size), _ = lax.scan(body, term(first), rest)
-    mean_size = size / jnp.maximum(voters, 1).astype(acc_dtype)
-    return jnp.sign(tally).astype(acc_dtype) * mean_size
+        return [add(c, t) for c, t in zip(carry, term(message), strict=True)], None
+
+    def result(tally, voters, size):
+        mean_size = size / jnp.maximum(voters, 1).astype(acc_dtype)
+        return jnp.sign(tally).astype(acc_dtype) * mean_size
+
+    first, rest = _first_and_rest(messages)
+    carry, _ = lax.scan(body, term(first), rest)
+    return [result(*c) for c in carry]
 
 
 def quantize(
@@ -999,6 +1105,23 @@ def quantize(
         mean scale. Leaves sent dense (``min_dense_size``) are all-gathered
         and voted on the same way, with their full-precision values.
         ``include=`` works (a left-out device abstains).
+        Every exchange moves all leaves of a step together: the messages of
+        all leaves are concatenated into one buffer per dtype (the packed
+        codes, the scales), the leaves sent dense into one buffer per
+        dtype, and each buffer travels in one collective (the server's push
+        and pull: ``N - 1`` single-pair ppermutes per buffer; gossip: one
+        ppermute per buffer and direction; ``"allreduce"``: one all-to-all
+        and one all-gather per buffer, row ``j`` holding chunk ``j`` of
+        every leaf), so the collectives per step do not grow with the
+        number of leaves. The leaves are decoded from their slices (those of
+        one size together) and averaged (or voted on) in one loop over the
+        devices; the results are those of exchanging each leaf on its own,
+        bit for bit (compiled as the tests compile; at XLA:CPU's default
+        backend optimisation, which contracts ``a * b + c`` into FMAs kernel
+        by kernel, a gossip mix can round a few ulp apart: seen for a dense
+        scalar leaf and for the cast codec). With ``include=`` the
+        included-device count (a float32) is all-reduced once per buffer,
+        not once per leaf, and counted so in ``wire_bytes``.
       error_feedback: keep ``residual = R - decoded`` and add it to the next
         gradient (1-bit SGD, EF-signSGD). ``False``: send the quantized
         gradient itself (unbiased QSGD, signSGD); no residual is allocated
@@ -1091,7 +1214,10 @@ def quantize(
     use_velocity = with_momentum and (V.is_dynamic(momentum) or momentum > 0)
     State = MomentumQuantizeState if with_momentum else QuantizeState  # noqa: N806
 
-    def compress_leaf(g, residual, velocity, key, sends, send_ok, include) -> _LeafOut:
+    merge_leaves = _MERGE_LEAVES
+
+    def encode_leaf(g, residual, velocity, key, sends, send_ok) -> _Encoded:
+        """This device's half of a leaf's step: accumulate, encode, decode its own message."""
         shape, n = g.shape, g.size
         out_dtype = g.dtype
         if error_feedback:
@@ -1111,153 +1237,234 @@ def quantize(
             new_vel = v.reshape(shape)
         acc = residual.reshape(-1) + x if error_feedback else x
 
-        kept = None
         if n == 0 or n <= min_dense_size:
-            sent_out = jnp.where(sends, acc, 0).astype(out_dtype)
-            if axis_name is None:
-                update, wire = sent_out, jnp.float32(0)
-            elif exchange == "server":
-                update, wire = collectives.server_mean(sent_out, axis_name)
-            elif exchange == "gossip":
-                update, wire = collectives.gossip_mean(sent_out, axis_name)
-            elif exchange == "majority":
-                update, wire = _gather_vote_dense(sent_out)
-            else:
-                update, wire = collectives.dense_mean(sent_out, axis_name, include=include)
+            sent = jnp.where(sends, acc, 0).astype(out_dtype)
             nbytes = jnp.where(sends, n * out_dtype.itemsize, 0).astype(jnp.int32)
-        elif exchange == "allreduce" and axis_name is not None:
-            sent_out, update, wire, codes, scales = _allreduce(acc, key, sends, include, out_dtype)
-            nbytes = jnp.where(sends, _nbytes(codes) + _nbytes(scales), 0).astype(jnp.int32)
+            return _Encoded(shape, out_dtype, acc, sent, None, None, key, nbytes, new_vel)
+        if exchange == "allreduce" and axis_name is not None:
+            # N chunks, each its own message: chunk j goes to device j (see _allreduce).
+            n_dev = collectives.axis_size(axis_name)
+            c = -(-n // n_dev)
+            chunks = jnp.pad(acc, (0, n_dev * c - n)).reshape(n_dev, c)
+            keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n_dev))
+            codes, scales = jax.vmap(quantizer.encode)(chunks, keys)
+            scales = jnp.where(sends, scales, 0)
+            decoded = jax.vmap(functools.partial(quantizer.decode, n=c))(codes, scales)
+            decoded = decoded.reshape(-1)[:n]
         else:
             codes, scales = quantizer.encode(acc, key)
             # An unsent message still travels (static shapes): zero scales decode to 0.
             scales = jnp.where(sends, scales, 0)
             decoded = quantizer.decode(codes, scales, n)
-            sent_out = _to_dtype(decoded, out_dtype)
-            if axis_name is None:
-                update, wire = sent_out, jnp.float32(0)
-            elif exchange == "server":
-                update, wire = _server_mean(codes, scales, n, out_dtype)
-            elif exchange == "gossip":
-                update, wire = _gossip_mix(codes, scales, decoded, n, out_dtype)
+        nbytes = jnp.where(sends, _nbytes(codes) + _nbytes(scales), 0).astype(jnp.int32)
+        sent = _to_dtype(decoded, out_dtype)
+        return _Encoded(shape, out_dtype, acc, sent, (codes, scales), decoded, key, nbytes, new_vel)
+
+    def exchange_leaves(leaves, include):
+        """The exchanged updates (flat, gradient dtype) of ``leaves``, and the bytes sent.
+
+        All leaves sent dense travel in one buffer per dtype, all messages in
+        one buffer per dtype of their codes and scales: the collectives of a
+        step do not grow with the number of leaves.
+        """
+        if axis_name is None:
+            return [leaf.sent for leaf in leaves], jnp.float32(0)
+        dense = [j for j, leaf in enumerate(leaves) if leaf.message is None]
+        coded = [j for j, leaf in enumerate(leaves) if leaf.message is not None]
+        out, wire = [None] * len(leaves), jnp.float32(0)
+        for idx, run in ((dense, _exchange_dense), (coded, _exchange_messages)):
+            if idx:
+                updates, w = run([leaves[j] for j in idx], include)
+                for j, u in zip(idx, updates, strict=True):
+                    out[j] = u
+                wire = wire + w
+        return out, wire
+
+    def _exchange_dense(leaves, include):
+        values = [leaf.sent for leaf in leaves]
+        if exchange == "gossip":
+            return _gossip_dense(values)
+        packing = _Packing(values)
+        means, wire = {}, jnp.float32(0)
+        for dt, b in packing.pack(values).items():
+            if exchange == "server":
+                means[dt], w = collectives.server_mean(b, axis_name)
+            elif exchange == "majority":
+                means[dt], w = _gather_vote_dense(b)
             else:
-                update, wire = _gather_mean(codes, scales, n, out_dtype, include)
-            message = _nbytes(codes) + _nbytes(scales)
-            nbytes = jnp.where(sends, message, 0).astype(jnp.int32)
-            kept = (codes, scales) if keep_message else None
-        new_res = (acc - sent_out.astype(rdt)).reshape(shape) if error_feedback else None
-        return _LeafOut(update.reshape(shape), new_res, nbytes, wire, kept, new_vel)
+                means[dt], w = collectives.dense_mean(b, axis_name, include=include)
+            wire = wire + w
+        return packing.unpack(means), wire
 
-    def _gather_mean(codes, scales, n, out_dtype, include):
+    def _gossip_dense(values):
+        # collectives.gossip_mean's ring, one ppermute per buffer and direction,
+        # and its mix leaf by leaf, as each leaf's own gossip_mean mixed: XLA:CPU
+        # contracts w x + w' y into an FMA or not depending on the kernel, and a
+        # mix over the whole buffer rounded a leaf 1 ulp away. (At XLA's default
+        # backend optimisation a scalar's mix, fused differently, can still be.)
+        packing = _Packing(values)
+        from_left, from_right = collectives.ring_neighbours(packing.pack(values), axis_name)
+        if collectives.axis_size(axis_name) == 1:
+            return values, jnp.float32(0)
+        weights = collectives.check_gossip_weights(collectives.GOSSIP_WEIGHTS)
+        parts = zip(values, packing.unpack(from_left), packing.unpack(from_right), strict=True)
+        mixed = [collectives._ring_mix(x, left, right, weights) for x, left, right in parts]
+        return mixed, jnp.float32(2 * sum(_nbytes(x) for x in values))
+
+    def _exchange_messages(leaves, include):
+        # Leaves of one size are stacked and decoded by one vmapped decoder:
+        # a leaf's own decoder would read its own slice of the buffers, one
+        # kernel per leaf, where XLA compiles one per shape for the per-leaf
+        # exchange (it deduplicates identical kernels): ResNet-20's 65 leaves
+        # have 13 sizes. Decoders are elementwise: the same bits either way.
+        groups = _same_size(leaves)
+        if exchange == "allreduce":
+            return _allreduce(leaves, groups, include)
+        messages = [
+            jnp.stack([leaves[j].message[p] for j in idx]) for p in (0, 1) for _, idx in groups
+        ]
+        packing = _Packing(messages)
+        buffers = packing.pack(messages)
+        decode = _stacked_decoder(packing, [n for n, _ in groups])
+        push = sum(_nbytes(m) for m in messages)
+        split = functools.partial(_ungroup, groups)
+        if exchange == "server":
+            pull = sum(leaf.sent.size * jnp.dtype(leaf.out_dtype).itemsize for leaf in leaves)
+            means, wire = _server_mean(buffers, decode, split, push, pull)
+        elif exchange == "gossip":
+            means, wire = _gossip_mix(buffers, decode, split, leaves, push)
+        else:
+            means, wire = _gather_mean(buffers, decode, split, include, push)
+        return [_to_dtype(m, leaf.out_dtype) for m, leaf in zip(means, leaves, strict=True)], wire
+
+    def _stacked_decoder(packing, sizes):
+        """One device's row of the buffers -> per size, its leaves' decoded messages ``[k, n]``."""
+
+        def decode(row):
+            parts = packing.unpack(row)
+            codes, scales = parts[: len(sizes)], parts[len(sizes) :]
+            return [
+                _over_leaves(functools.partial(quantizer.decode, n=n), c.shape[0])(c, s)
+                for n, c, s in zip(sizes, codes, scales, strict=True)
+            ]
+
+        return decode
+
+    def _include_count(include):
+        """(The mean's denominator, bytes of the included-device count): one psum per call."""
         n_dev = collectives.axis_size(axis_name)
-        extra = 0.0
         if include is None or exchange == "majority":  # a vote needs no count
-            denom = jnp.float32(n_dev)
-        else:
-            include = jnp.asarray(include, jnp.bool_)
-            denom = jnp.maximum(lax.psum(include.astype(jnp.float32), axis_name), 1.0)
-            extra = collectives.allreduce_bytes(4, n_dev)
-        messages = (
-            collectives.all_gather_invariant(codes, axis_name),
-            collectives.all_gather_invariant(scales, axis_name),
-        )
-        decode_one = functools.partial(_decode_n, n=n)
+            return jnp.float32(n_dev), 0.0
+        count = lax.psum(jnp.asarray(include, jnp.float32), axis_name)
+        return jnp.maximum(count, 1.0), collectives.allreduce_bytes(4, n_dev)
+
+    def _gather_mean(buffers, decode, split, include, push):
+        n_dev = collectives.axis_size(axis_name)
+        denom, extra = _include_count(include)
+        gathered = {dt: collectives.all_gather_invariant(b, axis_name) for dt, b in buffers.items()}
         if exchange == "majority":
-            mean = _majority_of_messages(decode_one, messages, acc_dtype)
+            means = split(_majority_of_messages(decode, gathered, acc_dtype))
         else:
-            mean = _mean_of_messages(decode_one, messages, denom, acc_dtype)
-        wire = collectives.allgather_bytes(_nbytes(codes) + _nbytes(scales), n_dev) + extra
-        return _to_dtype(mean, out_dtype), jnp.float32(wire)
+            means = _mean_of_messages(decode, gathered, denom, acc_dtype, split)
+        return means, jnp.float32(collectives.allgather_bytes(push, n_dev) + extra)
 
-    def _decode_n(codes, scales, n):
-        return quantizer.decode(codes, scales, n)
-
-    def _allreduce(acc, key, sends, include, out_dtype):
+    def _allreduce(leaves, groups, include):
         """A compressed all-reduce: reduce-scatter by all-to-all, then all-gather.
 
-        The leaf is cut into ``N`` chunks, each encoded as its own message;
-        device ``j`` receives chunk ``j`` of every device (``all_to_all``),
-        decodes and averages them in the accumulation dtype, encodes that mean
-        chunk again and all-gathers it. Returns this device's sent values, the
-        update, the wire bytes and this device's ``N`` chunk messages.
+        Each leaf was cut into ``N`` chunks, each encoded as its own message
+        (:func:`encode_leaf`); device ``j`` receives chunk ``j`` of every
+        device (``all_to_all``), decodes and averages them in the accumulation
+        dtype, encodes that mean chunk again and all-gathers it. Every leaf's
+        chunks travel together: row ``j`` of the packed buffers holds chunk
+        ``j`` of all leaves (stacked by size, as in :func:`_exchange_messages`).
         """
-        n = acc.shape[0]
         n_dev = collectives.axis_size(axis_name)
-        c = -(-n // n_dev)
-        chunks = jnp.pad(acc, (0, n_dev * c - n)).reshape(n_dev, c)
-        keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(n_dev))
-        codes, scales = jax.vmap(quantizer.encode)(chunks, keys)
-        scales = jnp.where(sends, scales, 0)
-        decode = jax.vmap(functools.partial(_decode_n, n=c))
-        sent = decode(codes, scales).reshape(-1)[:n]
-        extra = 0.0
-        if include is None:
-            denom = jnp.float32(n_dev)
-        else:
-            denom = jnp.maximum(lax.psum(include.astype(jnp.float32), axis_name), 1.0)
-            extra = collectives.allreduce_bytes(4, n_dev)
-        # Row d of the result: device d's message for this device's chunk.
-        got_codes = lax.all_to_all(codes, axis_name, 0, 0)
-        got_scales = lax.all_to_all(scales, axis_name, 0, 0)
-        decode_one = functools.partial(_decode_n, n=c)
-        mean = _mean_of_messages(decode_one, (got_codes, got_scales), denom, acc_dtype)
-        m_codes, m_scales = quantizer.encode(
-            mean.astype(jnp.float32), jax.random.fold_in(key, n_dev)
+        chunks = [-(-n // n_dev) for n, _ in groups]
+        messages = [
+            jnp.stack([leaves[j].message[p] for j in idx], axis=1)
+            for p in (0, 1)
+            for _, idx in groups
+        ]  # [N, k, ...]
+        packing = _Packing(messages, lead=1)
+        denom, extra = _include_count(include)
+        # Row d of the result: device d's messages for this device's chunks.
+        got = {dt: lax.all_to_all(b, axis_name, 0, 0) for dt, b in packing.pack(messages).items()}
+        decode = _stacked_decoder(packing, chunks)
+        means = _mean_of_messages(
+            decode, got, denom, acc_dtype, functools.partial(_ungroup, groups)
         )
-        all_codes = collectives.all_gather_invariant(m_codes, axis_name)
-        all_scales = collectives.all_gather_invariant(m_scales, axis_name)
-        update = decode(all_codes, all_scales).reshape(-1)[:n]
-        chunk_message = _nbytes(m_codes) + _nbytes(m_scales)
-        wire = 2 * collectives.allgather_bytes(chunk_message, n_dev) + extra
-        return (
-            _to_dtype(sent, out_dtype),
-            _to_dtype(update, out_dtype),
-            jnp.float32(wire),
-            codes,
-            scales,
+        # Each mean chunk encoded again on its own, as in a per-leaf exchange: a
+        # codec's divisions and reductions batched over leaves compile to other
+        # HLO (XLA rewrote cast's (t / count) / scale into t * (1 / (count *
+        # scale)) for one leaf only), and the all-reduce's result must not change.
+        mean_messages = [
+            quantizer.encode(mean.astype(jnp.float32), jax.random.fold_in(leaf.key, n_dev))
+            for mean, leaf in zip(means, leaves, strict=True)
+        ]
+        mean_codes, mean_scales = (
+            [jnp.stack([mean_messages[j][p] for j in idx]) for _, idx in groups] for p in (0, 1)
         )
+        m_messages = mean_codes + mean_scales
+        m_packing = _Packing(m_messages)
+        gathered = m_packing.unpack(
+            {
+                dt: collectives.all_gather_invariant(b, axis_name)
+                for dt, b in m_packing.pack(m_messages).items()
+            }
+        )  # [N, k, ...]
+        updates = []
+        parts = zip(chunks, gathered[: len(groups)], gathered[len(groups) :], strict=True)
+        for c, codes, scales in parts:
+            decode = jax.vmap(functools.partial(quantizer.decode, n=c))  # over the N chunks
+            decoded = _over_leaves(decode, codes.shape[1])(
+                *(jnp.swapaxes(x, 0, 1) for x in (codes, scales))
+            )
+            updates.append(decoded)  # [k, N, c]: per leaf, its chunks in order
+        updates = _ungroup(groups, updates)
+        updates = [
+            _to_dtype(u.reshape(-1)[: leaf.sent.size], leaf.out_dtype)
+            for u, leaf in zip(updates, leaves, strict=True)
+        ]
+        wire = 2 * collectives.allgather_bytes(sum(_nbytes(m) for m in m_messages), n_dev) + extra
+        return updates, jnp.float32(wire)
 
     def _gather_vote_dense(values):
-        # A small leaf's full-precision values, all-gathered and voted on.
+        # Small leaves' full-precision values, all-gathered and voted on.
         n_dev = collectives.axis_size(axis_name)
         gathered = collectives.all_gather_invariant(values, axis_name)
-        as_f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
-        vote = _majority_of_messages(as_f32, (gathered,), acc_dtype)
+        as_f32 = lambda v: [v.astype(jnp.float32)]  # noqa: E731
+        (vote,) = _majority_of_messages(as_f32, gathered, acc_dtype)
         wire = collectives.allgather_bytes(_nbytes(values), n_dev)
         return _to_dtype(vote, values.dtype), jnp.float32(wire)
 
-    def _gossip_mix(codes, scales, decoded, n, out_dtype):
+    def _gossip_mix(buffers, decode, split, leaves, push):
         # This device's ring mix of its own and its two neighbours' decoded
         # messages (in the accumulation dtype, then cast once): decentralized,
-        # differs per device.
-        (l_codes, l_scales), (r_codes, r_scales) = collectives.ring_neighbours(
-            (codes, scales), axis_name
-        )
+        # differs per device. Mixed leaf by leaf, as the means are divided.
+        from_left, from_right = collectives.ring_neighbours(buffers, axis_name)
         if collectives.axis_size(axis_name) == 1:
-            return _to_dtype(decoded, out_dtype), jnp.float32(0)
+            return [leaf.decoded for leaf in leaves], jnp.float32(0)
         w_self, w_left, w_right = (jnp.asarray(w, acc_dtype) for w in collectives.GOSSIP_WEIGHTS)
-        parts = [
-            _to_dtype(p, acc_dtype)
-            for p in (
-                decoded,
-                quantizer.decode(l_codes, l_scales, n),
-                quantizer.decode(r_codes, r_scales, n),
-            )
-        ]
-        mixed = w_self * parts[0] + w_left * parts[1] + w_right * parts[2]
-        return _to_dtype(mixed, out_dtype), jnp.float32(2 * (_nbytes(codes) + _nbytes(scales)))
+        mixed = []
+        lefts, rights = split(decode(from_left)), split(decode(from_right))
+        for leaf, left, right in zip(leaves, lefts, rights, strict=True):
+            mine, left, right = (_to_dtype(p, acc_dtype) for p in (leaf.decoded, left, right))
+            mixed.append(w_self * mine + w_left * left + w_right * right)
+        return mixed, jnp.float32(2 * push)
 
-    def _server_mean(codes, scales, n, out_dtype):
+    def _server_mean(buffers, decode, split, push, pull):
         n_dev = collectives.axis_size(axis_name)
         # The root decodes the N messages it received, in device order.
-        all_codes = jnp.stack(collectives.push_to_root(codes, axis_name))
-        all_scales = jnp.stack(collectives.push_to_root(scales, axis_name))
-        decode_one = functools.partial(_decode_n, n=n)
-        mean = _mean_of_messages(decode_one, (all_codes, all_scales), n_dev, acc_dtype)
-        mean = collectives.pull_from_root(mean, axis_name)
-        push = _nbytes(codes) + _nbytes(scales)
-        link = collectives.server_link_bytes(push, n * jnp.dtype(out_dtype).itemsize, n_dev)
-        return _to_dtype(mean, out_dtype), jnp.float32(link["worker"])
+        pushed = {
+            dt: jnp.stack(collectives.push_to_root(b, axis_name)) for dt, b in buffers.items()
+        }
+        means = _mean_of_messages(decode, pushed, n_dev, acc_dtype, split)
+        packing = _Packing(means)
+        pulled = {
+            dt: collectives.pull_from_root(b, axis_name) for dt, b in packing.pack(means).items()
+        }
+        link = collectives.server_link_bytes(push, pull, n_dev)
+        return packing.unpack(pulled), jnp.float32(link["worker"])
 
     def init(params):
         V.check_gradient_leaves(params, "jaxcomp.quantize.init", "parameter")
@@ -1325,34 +1532,45 @@ def quantize(
         g_leaves, treedef = jax.tree.flatten(grads)
         r_leaves = treedef.flatten_up_to(state.residual) if error_feedback else None
         v_leaves = treedef.flatten_up_to(state.velocity) if use_velocity else None
-        outs = [
-            compress_leaf(
+        leaves = [
+            encode_leaf(
                 g,
                 None if r_leaves is None else r_leaves[i],
                 None if v_leaves is None else v_leaves[i],
                 jax.random.fold_in(key, i) if quantizer.randomized else key,
                 sends,
                 send_ok,
-                include,
             )
             for i, g in enumerate(g_leaves)
         ]
+        # Every leaf in one exchange; one exchange per leaf builds the tests' reference.
+        groups = [range(len(leaves))] if merge_leaves else [[i] for i in range(len(leaves))]
+        flat_updates, wire = [None] * len(leaves), jnp.float32(0)
+        for group in groups:
+            exchanged, w = exchange_leaves([leaves[i] for i in group], include)
+            for i, u in zip(group, exchanged, strict=True):
+                flat_updates[i] = u
+            wire = wire + w
 
-        def field(name):
-            return treedef.unflatten([getattr(o, name) for o in outs])
+        def field(values):
+            return treedef.unflatten(list(values))
+
+        def residual(leaf):  # in the residual dtype, one rounding
+            return (leaf.acc - leaf.sent.astype(leaf.acc.dtype)).reshape(leaf.shape)
 
         fields = dict(
             step=state.step + 1,
-            residual=field("residual") if error_feedback else None,
+            residual=field(map(residual, leaves)) if error_feedback else None,
             key=state.key,
-            message_bytes=field("message_bytes"),
-            wire_bytes=sum((o.wire_bytes for o in outs), jnp.float32(0)),
+            message_bytes=field(leaf.nbytes for leaf in leaves),
+            wire_bytes=wire,
             nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
-            message=field("message") if keep_message else None,
+            message=field(leaf.message for leaf in leaves) if keep_message else None,
         )
         if with_momentum:
-            fields["velocity"] = field("velocity") if use_velocity else None
-        return field("update"), State(**fields)
+            fields["velocity"] = field(leaf.velocity for leaf in leaves) if use_velocity else None
+        updates = (u.reshape(leaf.shape) for u, leaf in zip(flat_updates, leaves, strict=True))
+        return field(updates), State(**fields)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
