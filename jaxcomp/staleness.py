@@ -578,10 +578,11 @@ def _push_bytes(state, updates) -> jax.Array:
     total = jnp.float32(0)
     for _, field, node in _message_bytes_fields(state):
         leaves = jax.tree_util.tree_flatten_with_path(field)[0]
-        if len(leaves) == 1 and leaves[0][0] == () and len(flat) > 1:
-            # granularity="global": one count for the leaves the compressor
-            # sees, which are its residual's (optax.masked and multi_transform
-            # give it MaskedNode, no leaf, for the others: pushed dense).
+        if len(leaves) == 1 and leaves[0][0] == ():
+            # One array for the leaves the compressor sees (a sparsifier's
+            # per-leaf array, or granularity="global"'s one count): they are
+            # its residual's leaves (optax.masked and multi_transform give it
+            # MaskedNode, no leaf, for the others: pushed dense).
             residual = getattr(node, "residual", None)
             if residual is None:  # defer_residual=True: the accumulator's leaves
                 residual = getattr(node, "accumulator", None)
@@ -591,7 +592,9 @@ def _push_bytes(state, updates) -> jax.Array:
                 covered |= {path for path, _ in jax.tree_util.tree_flatten_with_path(residual)[0]}
         else:
             covered |= {path for path, _ in leaves}
-        total = total + sum((jnp.asarray(v, jnp.float32) for _, v in leaves), jnp.float32(0))
+        total = total + sum(
+            (jnp.sum(jnp.asarray(v, jnp.float32)) for _, v in leaves), jnp.float32(0)
+        )
     dense = sum(u.size * u.dtype.itemsize for path, u in flat if path not in covered)
     return total + jnp.float32(dense)
 

@@ -20,7 +20,7 @@ from jaxcomp.transforms.quantizers import (
     signum,
     terngrad,
 )
-from jaxcomp.transforms.residuals import residuals
+from jaxcomp.transforms.residuals import STATISTICS, residuals, statistics
 from jaxcomp.transforms.sparsifiers import (
     binary_search,
     dgc,
@@ -64,6 +64,7 @@ __all__ = [
     "quantize",
     "random_k",
     "residuals",
+    "statistics",
     "sign_sgd",
     "signum",
     "sparsify",

@@ -208,11 +208,11 @@ def _unpack(vec, updates, residuals, velocities):
         residuals=list(residuals),
         velocities=None if velocities is None else list(velocities),
         count=head["count"],
-        leaf_counts=counts,
+        leaf_counts=jnp.stack(counts),
         threshold=head["threshold"],
         iterations=head["iterations"],
         message_bytes=head["message_bytes"],
-        leaf_bytes=nbytes,
+        leaf_bytes=jnp.stack(nbytes),
         wire_bytes=head["wire_bytes"],
     )
     return out, head["finite"].astype(jnp.bool_)

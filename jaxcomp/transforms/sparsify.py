@@ -74,14 +74,18 @@ _GRANULARITY = ("layer", "global")
 class SparsifyState(NamedTuple):
     """State of :func:`sparsify`.
 
-    Per-leaf statistics are pytrees shaped like the gradients with one scalar
-    per leaf (one scalar in all for ``granularity="global"``); read them with
-    ``optax.tree.get(opt_state, "sent_count")`` even inside an
-    ``optax.chain``. With ``groups=``, a group of merged leaves shares one
-    selection: ``threshold`` and ``search_iterations`` hold the group's value
-    at every leaf of the group, while ``sent_count`` and ``message_bytes``
-    hold each leaf's share of the group's message (so their sum over the
-    leaves is still the total).
+    Per-leaf statistics are arrays with one entry per gradient leaf, in
+    ``jax.tree.leaves`` order (shape ``(num_leaves,)``; one scalar in all for
+    ``granularity="global"``): one output for all leaves, because on XLA a
+    scalar per leaf is a kernel per leaf to compile and launch. Read them
+    with ``optax.tree.get(opt_state, "sent_count")`` even inside an
+    ``optax.chain`` (``.sum()`` is the total over the leaves), or leaf by
+    leaf with ``jax.tree.unflatten(jax.tree.structure(grads), list(x))``.
+    With ``groups=``, a group of merged leaves shares one selection:
+    ``threshold`` and ``search_iterations`` hold the group's value at every
+    leaf of the group, while ``sent_count`` and ``message_bytes`` hold each
+    leaf's share of the group's message (so their sum over the leaves is
+    still the total).
 
     Attributes:
       step: int32, number of updates so far (drives the warm-up schedule and
@@ -93,7 +97,7 @@ class SparsifyState(NamedTuple):
       key: raw uint32 PRNG key data (random selectors), advanced by folding in
         the step, so checkpoints hold plain integers.
       sent_count: int32 per leaf, elements sent in the last step.
-      threshold: float32 per leaf (per group), the threshold of the last
+      threshold: float32 per leaf (the group's), the threshold of the last
         step: the selector's on a selection step, the stored one on a reuse
         step (``reuse_period > 1``: this is DLGS's ``H_l``, applied until the
         next refresh); ``inf`` after a step that sent nothing (non-finite
@@ -136,14 +140,16 @@ class DeferredSparsifyState(NamedTuple):
       step: as in :class:`SparsifyState`.
       accumulator: a pytree like the gradients in the residual dtype: the
         residual plus the elements of the last message.
-      sent_threshold: float32 per leaf (whatever the ``granularity``): the
+      sent_threshold: float32 per leaf, shape ``(num_leaves,)`` whatever the
+        ``granularity``: the
         elements of ``accumulator`` whose float32 magnitude is above it were
         sent by the last step, those equal to the next float32 above it
         only at flat indices up to ``sent_limit`` (a capacity cut's tie
         group, see :func:`jaxcomp.selection.capacity_cut`); ``inf`` when
         nothing is pending (a leaf that writes its residual out: see
         ``defer_residual`` in :func:`sparsify`).
-      sent_limit: int32 per leaf: the flat index of the last tie sent: the
+      sent_limit: int32 per leaf, shape ``(num_leaves,)``: the flat index of
+        the last tie sent: the
         leaf's size or more when the capacity did not cut the message; in a
         group of merged leaves, the group's cut minus the leaf's offset
         (negative when the cut fell before the leaf).
@@ -172,15 +178,20 @@ class DeferredSparsifyState(NamedTuple):
         ``sent_limit`` 0: the form whose ``accumulator`` can be read, folded
         or replaced directly. numpy states stay numpy (see :func:`clear_sent`).
         """
-        residual = jax.tree.map(clear_sent, self.accumulator, self.sent_threshold, self.sent_limit)
-        leaves = jax.tree.leaves(self.sent_threshold)
-        xp = np if all(isinstance(t, np.ndarray | np.generic) for t in leaves) else jnp
+        leaves, treedef = jax.tree.flatten(self.accumulator)
+        # The per-leaf arrays' last axis is the leaf (leading axes: devices).
+        residual = treedef.unflatten(
+            [
+                clear_sent(a, self.sent_threshold[..., i], self.sent_limit[..., i])
+                for i, a in enumerate(leaves)
+            ]
+        )
+        host = isinstance(self.sent_threshold, np.ndarray | np.generic)
+        xp = np if host else jnp
         return self._replace(
             accumulator=residual,
-            sent_threshold=jax.tree.map(
-                lambda t: xp.full(np.shape(t), np.inf, np.float32), self.sent_threshold
-            ),
-            sent_limit=jax.tree.map(lambda x: xp.zeros(np.shape(x), np.int32), self.sent_limit),
+            sent_threshold=xp.full(np.shape(self.sent_threshold), np.inf, np.float32),
+            sent_limit=xp.zeros(np.shape(self.sent_limit), np.int32),
         )
 
 
@@ -310,16 +321,46 @@ class _GroupOut(NamedTuple):
     residuals: list
     velocities: list | None
     count: jax.Array
-    leaf_counts: list  # per leaf (the group's count for a one-leaf group)
+    leaf_counts: jax.Array  # int32 per leaf (the group's count for a one-leaf group)
     threshold: jax.Array
     iterations: jax.Array
     message_bytes: jax.Array
-    leaf_bytes: list
+    leaf_bytes: jax.Array  # int32 per leaf
     wire_bytes: jax.Array
     # Deferred clearing: per leaf, the pending message's threshold and last
     # flat index (``residuals`` then holds the accumulators); None: nothing pending.
-    sent_thresholds: list | None = None
-    sent_limits: list | None = None
+    sent_thresholds: jax.Array | None = None
+    sent_limits: jax.Array | None = None
+
+
+class _LeafStats(NamedTuple):
+    """The per-leaf statistics of some leaves, one entry per leaf of ``members``.
+
+    A step gathers them from every group (or every packed bucket) into the
+    state's per-leaf arrays with one concatenation and one gather per field.
+    """
+
+    members: tuple[int, ...]  # leaf indices in jax.tree.flatten order
+    count: jax.Array  # int32
+    threshold: jax.Array  # float32
+    iterations: jax.Array  # int32
+    message_bytes: jax.Array  # int32
+    sent_threshold: jax.Array | None  # float32, deferred clearing; None: nothing pending
+    sent_limit: jax.Array | None  # int32
+
+
+def _group_stats(members, o: _GroupOut) -> _LeafStats:
+    """A group's per-leaf statistics (its threshold and iterations at every leaf)."""
+    m = len(members)
+    return _LeafStats(
+        members=tuple(members),
+        count=o.leaf_counts,
+        threshold=jnp.broadcast_to(o.threshold, (m,)),
+        iterations=jnp.broadcast_to(o.iterations, (m,)),
+        message_bytes=o.leaf_bytes,
+        sent_threshold=o.sent_thresholds,
+        sent_limit=o.sent_limits,
+    )
 
 
 def _capacity(k: int, n: int, capacity_factor: float) -> int:
@@ -881,10 +922,11 @@ def _init(cfg: _Config, seed, params) -> SparsifyState | DeferredSparsifyState:
             [jnp.zeros(jnp.shape(p), dt) for p, dt in zip(leaves, dtypes, strict=True)]
         )
 
-    stats_like = params if layout.per_leaf else 0
+    # One entry per leaf (see SparsifyState); "global": one scalar.
+    stats_shape = [len(leaves)] if layout.per_leaf else []
 
     def stat(dtype):
-        return jax.tree.map(lambda _: jnp.zeros([], dtype), stats_like)
+        return jnp.zeros(stats_shape, dtype)
 
     common = dict(
         step=jnp.zeros([], jnp.int32),
@@ -900,8 +942,8 @@ def _init(cfg: _Config, seed, params) -> SparsifyState | DeferredSparsifyState:
     if cfg.defer_residual:
         return DeferredSparsifyState(
             accumulator=zeros(),
-            sent_threshold=jax.tree.map(lambda _: jnp.full([], jnp.inf, jnp.float32), params),
-            sent_limit=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params),
+            sent_threshold=jnp.full([len(leaves)], jnp.inf, jnp.float32),
+            sent_limit=jnp.zeros([len(leaves)], jnp.int32),
             **common,
         )
     return SparsifyState(residual=zeros(), **common)
@@ -952,23 +994,17 @@ def _step_inputs(cfg: _Config, tree, state) -> _StepInputs:
         # The last step's message, cleared here: XLA fuses it into the
         # accumulation's pass (see DeferredSparsifyState).
         r_leaves = [
-            clear_sent(a, t, lim)
-            for a, t, lim in zip(
-                treedef.flatten_up_to(state.accumulator),
-                treedef.flatten_up_to(state.sent_threshold),
-                treedef.flatten_up_to(state.sent_limit),
-                strict=True,
-            )
+            clear_sent(a, state.sent_threshold[i], state.sent_limit[i])
+            for i, a in enumerate(treedef.flatten_up_to(state.accumulator))
         ]
     v_leaves = None if state.velocity is None else treedef.flatten_up_to(state.velocity)
-    stored = treedef.flatten_up_to(state.threshold) if layout.per_leaf else None
     groups = tuple(
         _GroupInput(
             members=members,
             residuals=[r_leaves[i] for i in members],
             velocities=None if v_leaves is None else [v_leaves[i] for i in members],
             # Per-leaf layouts: the group's values sit at each of its leaves.
-            stored=stored[members[0]] if layout.per_leaf else state.threshold,
+            stored=state.threshold[members[0]] if layout.per_leaf else state.threshold,
             key=jax.random.fold_in(key, members[0]) if layout.per_leaf else key,
         )
         for members in layout.groups
@@ -1013,7 +1049,13 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
             buckets.setdefault(bucket, []).append((j, gi, gs, flat))
         else:
             alone.append(j)
-    packs = [_pack(items) for items in buckets.values()]
+    packs = [
+        # Per-leaf layouts: each group's stored threshold sits at its first leaf.
+        _pack(items, state.threshold[np.asarray([gi.members[0] for _, gi, _, _ in items])])
+        if per_leaf
+        else _pack(items)
+        for items in buckets.values()
+    ]
     # The non-finite policy over the packed buffers and the other leaves: a
     # packed bucket's finiteness is one reduction, not one per leaf.
     alone_leaves = [i for j in alone for i in inputs.groups[j].members]
@@ -1038,11 +1080,13 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
             ctx,
             per_leaf=per_leaf,
         )
+    stats = [_group_stats(inputs.groups[j].members, outs[j]) for j in alone]
     for pack in packs:
-        results = _compress_packed(cfg, packed, pack, ctx, per_leaf)
+        results, pack_stats = _compress_packed(cfg, packed, pack, ctx, per_leaf)
         for (j, *_), o in zip(pack.items, results, strict=True):
             outs[j] = o
-    return _finish(cfg, state, inputs, outs, finite)
+        stats.append(pack_stats)
+    return _finish(cfg, state, inputs, outs, finite, stats)
 
 
 # ---------------------------------------------------------------------------
@@ -1094,9 +1138,10 @@ class _Pack(NamedTuple):
     g: jax.Array  # (rows, row) gradients, wire dtype
     r: jax.Array  # residuals
     v: jax.Array | None  # velocities
+    stored: jax.Array | None = None  # the groups' stored thresholds (None: from ``items``)
 
 
-def _pack(items) -> _Pack:
+def _pack(items, stored=None) -> _Pack:
     flats = [flat for *_, flat in items]
     layout = segmented.SegmentLayout(tuple(int(f.g.shape[0]) for f in flats))
     rdt = flats[0].r.dtype
@@ -1106,10 +1151,13 @@ def _pack(items) -> _Pack:
         g=layout.pack([f.g for f in flats], flats[0].wire),
         r=layout.pack([f.r for f in flats], rdt),
         v=None if flats[0].v is None else layout.pack([f.v for f in flats], rdt),
+        stored=stored,
     )
 
 
-def _compress_packed(cfg: _Config, packed, pack: _Pack, ctx, per_leaf: bool) -> list[_GroupOut]:
+def _compress_packed(
+    cfg: _Config, packed, pack: _Pack, ctx, per_leaf: bool
+) -> tuple[list[_GroupOut], _LeafStats]:
     """One device: the groups of ``items`` selected, cut and sent together.
 
     Each group is a segment of one packed buffer (one residual and wire dtype);
@@ -1129,7 +1177,9 @@ def _compress_packed(cfg: _Config, packed, pack: _Pack, ctx, per_leaf: bool) -> 
         phase = jnp.minimum(ctx.step // cfg.steps_per_epoch, len(cfg.phase_ratios) - 1)
     targets = segmented.Targets(table, phase)
     extra = {}
-    stored = jnp.stack([gi.stored for _, gi, _, _ in items]).astype(jnp.float32)
+    stored = pack.stored
+    if stored is None:
+        stored = jnp.stack([gi.stored for _, gi, _, _ in items]).astype(jnp.float32)
     if cfg.hint_previous:
         # No previous threshold before step 0 (the state's starts at 0).
         extra["hint"] = jnp.where(ctx.step == 0, jnp.float32(jnp.inf), stored)
@@ -1175,20 +1225,40 @@ def _compress_packed(cfg: _Config, packed, pack: _Pack, ctx, per_leaf: bool) -> 
     updates, residuals = layout.unpack(update), layout.unpack(residual)
     masks = layout.unpack(mask)
     velocities = [None] * len(items) if new_u is None else layout.unpack(new_u)
+    # The leaves' statistics as whole arrays (pack order: group by group).
+    leaf_sizes = [[x.size for x in gs] for _, _, gs, _ in items]
+    seg = np.repeat(np.arange(len(items)), [len(z) for z in leaf_sizes])
+    take = (lambda x: x) if len(seg) == len(items) else (lambda x: x[seg])  # noqa: E731
+    leaf_counts = take(sent)
+    shares = {}
+    if per_leaf and len(seg) > len(items):
+        # A merged group's leaves: each its share of the message.
+        for j, z in enumerate(leaf_sizes):
+            if len(z) > 1:
+                shares[j] = jnp.stack(
+                    [jnp.sum(masks[j][lo:hi], dtype=jnp.int32) for lo, hi in _bounds(z)]
+                )
+        pos = np.concatenate([np.flatnonzero(seg == j) for j in shares])
+        leaf_counts = leaf_counts.at[pos].set(jnp.concatenate(list(shares.values())))
+    offsets = np.concatenate([[0, *itertools.accumulate(z)][:-1] for z in leaf_sizes])
+    stats = _LeafStats(
+        members=tuple(i for _, gi, _, _ in items for i in gi.members),
+        count=leaf_counts,
+        threshold=take(t),
+        iterations=take(sel.iterations),
+        # Every packed group is sent as (int32 index, value) pairs.
+        message_bytes=leaf_counts * (4 + jnp.dtype(wire).itemsize),
+        sent_threshold=take(cut) if defer else None,
+        sent_limit=take(limit) - offsets.astype(np.int32) if defer else None,
+    )
     outs = []
     for j, (_, _, gs, flat) in enumerate(items):
-        segment_counts = None
-        if per_leaf and len(gs) > 1:
-            segment_counts = tuple(
-                jnp.sum(masks[j][lo:hi], dtype=jnp.int32)
-                for lo, hi in _bounds([x.size for x in gs])
-            )
         o = _FlatOut(
             update=updates[j],
             residual=residuals[j],
             velocity=velocities[j],
             count=sent[j],
-            segment_counts=segment_counts,
+            segment_counts=None if j not in shares else tuple(shares[j]),
             threshold=t[j],
             iterations=sel.iterations[j],
             wire_bytes=wires[j],
@@ -1196,7 +1266,7 @@ def _compress_packed(cfg: _Config, packed, pack: _Pack, ctx, per_leaf: bool) -> 
             sent_limit=limit[j] if defer else None,
         )
         outs.append(_split_group(cfg, gs, flat, o, ctx))
-    return outs
+    return outs, stats
 
 
 def _leaf_exchange(cfg: _Config, scatter, members) -> _Config:
@@ -1207,54 +1277,73 @@ def _leaf_exchange(cfg: _Config, scatter, members) -> _Config:
     return cfg if scatter[i] else dataclasses.replace(cfg, exchange="auto")
 
 
-def _finish(cfg: _Config, state, inputs: _StepInputs, outs, finite):
-    """``(updates, new_state)`` from the groups' results, scattered back to leaf order."""
+def _leaf_array(parts: list, order: np.ndarray | None) -> jax.Array:
+    """Per-leaf pieces concatenated, then put in leaf order (one gather)."""
+    x = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return x if order is None else x[order]
+
+
+def _finish(cfg: _Config, state, inputs: _StepInputs, outs, finite, stats=None):
+    """``(updates, new_state)`` from the groups' results, scattered back to leaf order.
+
+    ``stats``: the per-leaf statistics as :class:`_LeafStats` covering every
+    leaf once (a packed bucket gives its leaves' in one piece); None: each
+    group's own.
+    """
     layout, treedef = inputs.layout, inputs.treedef
     n = treedef.num_leaves
-    names = ("upd", "res", "sth", "slim", "vel", "cnt", "thr", "its", "mb")
-    fields = {name: [None] * n for name in names}
+    fields = {name: [None] * n for name in ("upd", "res", "vel")}
     for gi, o in zip(inputs.groups, outs, strict=True):
         for j, i in enumerate(gi.members):
             fields["upd"][i] = o.updates[j]
             fields["res"][i] = o.residuals[j]
-            deferred = o.sent_limits is not None
-            fields["sth"][i] = o.sent_thresholds[j] if deferred else jnp.float32(jnp.inf)
-            fields["slim"][i] = o.sent_limits[j] if deferred else jnp.int32(0)
             fields["vel"][i] = None if o.velocities is None else o.velocities[j]
-            fields["cnt"][i] = o.leaf_counts[j]
-            fields["thr"][i] = o.threshold
-            fields["its"][i] = o.iterations
-            fields["mb"][i] = o.leaf_bytes[j]
+    if stats is None:
+        stats = [_group_stats(gi.members, o) for gi, o in zip(inputs.groups, outs, strict=True)]
+    members = np.asarray([i for s in stats for i in s.members], np.int64)
+    order = None if np.array_equal(members, np.arange(n)) else np.argsort(members)
+
+    def leaf_array(name, dtype, pending=None):
+        if not n:
+            return jnp.zeros([0], dtype)
+        # pending: the value of a leaf with nothing pending (deferred fields).
+        parts = [
+            jnp.full((len(s.members),), pending, dtype) if p is None else p
+            for s in stats
+            for p in [getattr(s, name)]
+        ]
+        return _leaf_array(parts, order)
+
     if layout.per_leaf:
-        stats = {
-            "sent_count": treedef.unflatten(fields["cnt"]),
-            "threshold": treedef.unflatten(fields["thr"]),
-            "search_iterations": treedef.unflatten(fields["its"]),
-            "message_bytes": treedef.unflatten(fields["mb"]),
+        leaf_stats = {
+            "sent_count": leaf_array("count", jnp.int32),
+            "threshold": leaf_array("threshold", jnp.float32),
+            "search_iterations": leaf_array("iterations", jnp.int32),
+            "message_bytes": leaf_array("message_bytes", jnp.int32),
         }
     else:
         (o,) = outs
-        stats = {
+        leaf_stats = {
             "sent_count": o.count,
             "threshold": o.threshold,
             "search_iterations": o.iterations,
             "message_bytes": o.message_bytes,
         }
+    if cfg.defer_residual:
+        memory = dict(
+            accumulator=treedef.unflatten(fields["res"]),
+            sent_threshold=leaf_array("sent_threshold", jnp.float32, jnp.inf),
+            sent_limit=leaf_array("sent_limit", jnp.int32, 0),
+        )
+    else:
+        memory = dict(residual=treedef.unflatten(fields["res"]))
     new_state = state._replace(
         step=state.step + 1,
-        **(
-            dict(
-                accumulator=treedef.unflatten(fields["res"]),
-                sent_threshold=treedef.unflatten(fields["sth"]),
-                sent_limit=treedef.unflatten(fields["slim"]),
-            )
-            if cfg.defer_residual
-            else dict(residual=treedef.unflatten(fields["res"]))
-        ),
+        **memory,
         velocity=None if state.velocity is None else treedef.unflatten(fields["vel"]),
         wire_bytes=sum((o.wire_bytes for o in outs), jnp.float32(0)),
         nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
-        **stats,
+        **leaf_stats,
     )
     return treedef.unflatten(fields["upd"]), new_state
 
@@ -1273,7 +1362,7 @@ def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> 
         # packed engine too, as a one-segment pack: the result a packed step
         # gives it (a segment's selection depends on its own elements only).
         gi = _GroupInput(members=(), residuals=rs, velocities=vs, stored=stored, key=key)
-        (out,) = _compress_packed(cfg, packed, _pack([(0, gi, gs, flat)]), ctx, per_leaf)
+        (out,), _ = _compress_packed(cfg, packed, _pack([(0, gi, gs, flat)]), ctx, per_leaf)
         return out
     segments = tuple(g.size for g in gs) if per_leaf and len(gs) > 1 else None
     o = _compress_flat(cfg, flat.g, flat.r, flat.v, stored, key, ctx, segments, defer=flat.defer)
@@ -1410,16 +1499,19 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> _Group
     sent_thresholds = sent_limits = None
     if o.sent_limit is not None:
         # Each leaf's share of the group's message: its own flat indices.
-        starts = [0, *itertools.accumulate(sizes)][:-1]
-        sent_thresholds = [o.sent_threshold] * len(gs)
-        sent_limits = [o.sent_limit - lo for lo in starts]
+        starts = np.asarray([0, *itertools.accumulate(sizes)][:-1], np.int32)
+        sent_thresholds = jnp.broadcast_to(o.sent_threshold, (len(gs),))
+        sent_limits = o.sent_limit - starts
 
     n = flat_g.shape[0]
     item = jnp.dtype(wire).itemsize
     per_element = item if (n == 0 or n <= cfg.min_dense_size) else 4 + item
     # Per-leaf shares of a merged group's message; a one-leaf group's (and the
     # global layout's, which keeps only the group's totals) is the count.
-    leaf_counts = [o.count] * len(gs) if o.segment_counts is None else list(o.segment_counts)
+    if o.segment_counts is None:
+        leaf_counts = jnp.broadcast_to(o.count, (len(gs),))
+    else:
+        leaf_counts = jnp.stack(o.segment_counts)
     return _GroupOut(
         updates=updates,
         residuals=residuals,
@@ -1429,7 +1521,7 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> _Group
         threshold=o.threshold,
         iterations=o.iterations,
         message_bytes=o.count * per_element,
-        leaf_bytes=[c * per_element for c in leaf_counts],
+        leaf_bytes=leaf_counts * per_element,
         wire_bytes=o.wire_bytes,
         sent_thresholds=sent_thresholds,
         sent_limits=sent_limits,
