@@ -159,10 +159,9 @@ def bench_one(size: int, ratio: float, mesh, repeats: int) -> dict:
 
     row["sparse_ms"], sstate = run(jaxcomp.ldte_bs(ratio=ratio, axis_name=AXIS, exchange="sparse"))
     row["sparse_bytes"] = _wire_bytes(sstate)
-    row["sent_count_mean"] = float(np.mean(np.asarray(optax.tree.get(sstate, "sent_count")["g"])))
-    row["message_bytes_mean"] = float(
-        np.mean(np.asarray(optax.tree.get(sstate, "message_bytes")["g"]))
-    )
+    stats = jaxcomp.statistics(sstate)  # per device
+    row["sent_count_mean"] = float(np.mean(np.asarray(stats["sent_count"]["g"])))
+    row["message_bytes_mean"] = float(np.mean(np.asarray(stats["message_bytes"]["g"])))
 
     rng = np.random.default_rng(0)
     idx = np.stack([np.sort(rng.choice(size, capacity, replace=False)) for _ in range(N_DEVICES)])

@@ -102,8 +102,9 @@ def _drift(fn, state, grads, s: int, k: int, periods: int):
         for j in range(s):
             g = grads[i % len(grads)]
             _, new = fn(state, g)
-            sent[j].append(int(new.sent_count["g"]) / k)
-            above[j].append(int(above_fn(state.residual["g"], g, new.threshold["g"])) / k)
+            (count,), (t,) = new.sent_count, new.threshold  # the one leaf's entries
+            sent[j].append(int(count) / k)
+            above[j].append(int(above_fn(state.residual["g"], g, t)) / k)
             state = new
             i += 1
     density = {

@@ -545,9 +545,10 @@ def run(
                 "update_ms": med[m],
                 "floors": med[m] / floor,
                 "over_contract": med[m] / med["contract"],
-                "search_iterations": int(state.search_iterations),
-                "sent_count": int(state.sent_count),
-                "sent_over_k": int(state.sent_count) / k,
+                # The one leaf's entries of the per-leaf arrays.
+                "search_iterations": int(jnp.sum(state.search_iterations)),
+                "sent_count": int(jnp.sum(state.sent_count)),
+                "sent_over_k": int(jnp.sum(state.sent_count)) / k,
                 "hlo": hlo[m],
             }
             if m in kernel_ms:

@@ -68,12 +68,11 @@ def main(argv=None):
         step = jax.jit(lambda state, grads, tx=tx: tx.update(grads, state)[::-1], donate_argnums=0)
         ms = median_ms_threaded(step, tx.init(g), g, next_state=lambda out: out[0])
         new_state, _ = step(tx.init(g), g)
-        sent = int(new_state.sent_count["w"])
-        nbytes = int(new_state.message_bytes["w"])
+        (sent,), (nbytes,) = new_state.sent_count.tolist(), new_state.message_bytes.tolist()
         rows[name] = ms
         print(
             f"{name:<26}{sent:>8,}{sent / k:>8.2f}{nbytes:>11,}{4 * n / nbytes:>9.0f}x"
-            f"{int(new_state.search_iterations['w']):>6}{ms:>9.2f}{ms / floor:>9.1f}"
+            f"{int(new_state.search_iterations[0]):>6}{ms:>9.2f}{ms / floor:>9.1f}"
         )
     print(f"\nldte_bs step vs exact top_k step: {rows['top_k'] / rows['ldte_bs']:.1f}x faster")
 

@@ -1008,7 +1008,8 @@ def _step_stats(state, num_params: int):
     sent = _get(state, "sent_count")
 
     def total(tree):
-        return sum((jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)), jnp.float32(0))
+        # Per-leaf pytrees of scalars (quantizers) or one array per field (sparsifiers).
+        return sum((jnp.sum(jnp.asarray(x, jnp.float32)) for x in jax.tree.leaves(tree)), jnp.float32(0))
 
     return {
         "wire_bytes": jnp.float32(0) if wire is None else jnp.asarray(wire, jnp.float32),

@@ -540,7 +540,7 @@ def resize_opt_state(
       >>> state = jax.tree.map(lambda x: np.stack([x] * 3), one)
       >>> state = state._replace(residual={"w": np.array([[3.0], [6.0], [9.0]], np.float32)})
       >>> new = elastic.resize_opt_state(state, 3, 2)
-      >>> new.residual["w"].ravel().tolist(), float(new.threshold["w"][0])
+      >>> new.residual["w"].ravel().tolist(), float(new.threshold[0, 0])
       ([8.0, 4.0], inf)
     """
     n = V.check_int("old_devices", old_devices, 1)

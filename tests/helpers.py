@@ -80,6 +80,13 @@ def topk_set(x, k: int) -> np.ndarray:
     return a >= kth if kth > 0 else a > 0
 
 
+def per_leaf(like, x):
+    """A sparsifier's per-leaf array (last axis: the leaf, ``jax.tree.leaves``
+    order) as a pytree shaped like ``like``, one value (per device) per leaf."""
+    leaves, treedef = jax.tree.flatten(like)
+    return treedef.unflatten([x[..., i] for i in range(len(leaves))])
+
+
 def to_np(tree):
     return jax.tree.map(lambda a: np.asarray(a), tree)
 

@@ -114,12 +114,13 @@ def _check_message(name, g, upd, state, min_dense):
             assert int(state.message_bytes[leaf]) == expected, (leaf, gl.shape)
             assert np.all(np.isfinite(f32(upd[leaf]))), leaf
         return
+    stats = jaxcomp.statistics(state)  # the sparsifier's per-leaf arrays, leaf by leaf
     for leaf, gl in g.items():
         n = gl.size
         u = np.asarray(upd[leaf])
         nnz = int(np.count_nonzero(u))
         item = np.dtype(gl.dtype).itemsize
-        sent = int(state.sent_count[leaf])
+        sent = int(stats["sent_count"][leaf])
         if name == "random_k":
             # Index-based: a drawn index whose accumulator is exactly 0 (a
             # residual cancelled by the next gradient) is sent as a 0.
@@ -128,12 +129,12 @@ def _check_message(name, g, upd, state, min_dense):
             assert sent == nnz, (leaf, sent, nnz)
         if n <= min_dense:
             assert nnz == n, leaf  # Laplacian data: every element nonzero
-            assert int(state.message_bytes[leaf]) == n * item
+            assert int(stats["message_bytes"][leaf]) == n * item
             continue
         k = k_of(RATIO, n)
         cap = cap_of(k, n)
         assert nnz <= cap, (leaf, nnz, cap)
-        assert int(state.message_bytes[leaf]) == sent * (4 + item), leaf
+        assert int(stats["message_bytes"][leaf]) == sent * (4 + item), leaf
         picked = sent if name == "random_k" else nnz  # random_k: its draws, zeros too
         if name in AT_LEAST_K:
             assert picked >= k, (leaf, picked, k)
@@ -168,13 +169,23 @@ def test_lost_nothing_capacity_and_counts(name):
         for leaf, gl in g.items():
             assert upd[leaf].dtype == gl.dtype and upd[leaf].shape == gl.shape
             assert _res(new, g)[leaf].dtype == jnp.float32
-        fields = ("sent_count", "threshold", "search_iterations", "message_bytes")
-        if name not in SPARSIFIERS:
-            fields = ("message_bytes",)
-        for field in fields:
-            tree = getattr(new, field)
-            assert jax.tree.structure(tree) == jax.tree.structure(g), field
-            assert all(np.shape(v) == () for v in jax.tree.leaves(tree)), field
+        if name in SPARSIFIERS:
+            # One array per statistic, an entry per leaf in jax.tree.leaves order;
+            # jaxcomp.statistics reads them leaf by leaf, shaped like the gradients.
+            stats = jaxcomp.statistics(new)
+            for field in ("sent_count", "threshold", "search_iterations", "message_bytes"):
+                array = np.asarray(getattr(new, field))
+                assert array.shape == (len(jax.tree.leaves(g)),), field
+                tree = stats[field]
+                assert jax.tree.structure(tree) == jax.tree.structure(g), field
+                assert all(np.shape(v) == () for v in jax.tree.leaves(tree)), field
+                np.testing.assert_array_equal(
+                    [np.asarray(v) for v in jax.tree.leaves(tree)], array, err_msg=field
+                )
+        else:  # quantizers and low-rank: a pytree of message_bytes, a scalar per leaf
+            tree = new.message_bytes
+            assert jax.tree.structure(tree) == jax.tree.structure(g), "message_bytes"
+            assert all(np.shape(v) == () for v in jax.tree.leaves(tree)), "message_bytes"
         assert float(new.wire_bytes) == 0.0
         state = new
     assert int(state.step) == 6
@@ -277,11 +288,12 @@ def test_ratio_one_sends_everything(name):
         g = laplace_tree(spec, rng)
         g["a"] = g["a"].at[::5].set(0.0)  # zeros stay zero
         upd, new = cx(g, state)
+        sent_count = jaxcomp.statistics(new)["sent_count"]
         for leaf in g:
             acc = np.asarray(state.residual[leaf]) + f32(g[leaf])
             np.testing.assert_array_equal(np.asarray(upd[leaf]), acc)
             assert not np.any(np.asarray(new.residual[leaf]))
-            assert int(new.sent_count[leaf]) == np.count_nonzero(acc)
+            assert int(sent_count[leaf]) == np.count_nonzero(acc)
         state = new
 
 
@@ -304,7 +316,7 @@ def test_warmup_phases_and_single_compilation(name):
         _check_lost_nothing(g, state.residual, upd, new.residual)
         p = min(step // spe, len(phases) - 1)
         k = k_of(max(phases[p], WARM_RATIO), WARM_N)
-        c = int(new.sent_count["w"])
+        c = int(jaxcomp.statistics(new)["sent_count"]["w"])
         assert c == int(np.count_nonzero(np.asarray(upd["w"])))
         assert c <= cap_of(k, WARM_N), (step, c, k)
         if name in EXACTLY_K:
@@ -337,6 +349,19 @@ def test_state_readable_inside_chain(name):
     for r, p in zip(jax.tree.leaves(res), jax.tree.leaves(params), strict=True):
         assert r.shape == p.shape
     mb = optax.tree.get(state, "message_bytes")
+    if name in SPARSIFIERS:
+        # One array per statistic, an entry per leaf in jax.tree.leaves order
+        # (a, b.c); jaxcomp.statistics reads them leaf by leaf through the chain.
+        fields = ("sent_count", "threshold", "search_iterations", "message_bytes")
+        arrays = {field: np.asarray(optax.tree.get(state, field)) for field in fields}
+        stats = jaxcomp.statistics(state)
+        for field in fields:
+            assert arrays[field].shape == (2,), field
+            assert jax.tree.structure(stats[field]) == jax.tree.structure(params), field
+            np.testing.assert_array_equal(
+                [np.asarray(v) for v in jax.tree.leaves(stats[field])], arrays[field], field
+            )
+        mb = stats["message_bytes"]
     assert jax.tree.structure(mb) == jax.tree.structure(params)
     if name in QUANTIZERS:
         assert int(mb["b"]["c"]) == 8  # dense leaf
@@ -346,13 +371,11 @@ def test_state_readable_inside_chain(name):
         assert int(mb["b"]["c"]) == 8  # dense leaf
         assert int(mb["a"]) == low_rank_bytes(name, (30, 4), 4)
         return
-    sent = optax.tree.get(state, "sent_count")
+    sent = stats["sent_count"]
     assert int(sent["b"]["c"]) == 2 and int(mb["b"]["c"]) == 8
     assert int(mb["a"]) == int(sent["a"]) * 8
     # Sent where the residual was cleared (f32 leaf), sgd scales by -0.1.
     np.testing.assert_array_equal(np.asarray(upd["a"]) != 0, np.asarray(res["a"]) == 0)
-    for field in ("threshold", "search_iterations"):
-        assert jax.tree.structure(optax.tree.get(state, field)) == jax.tree.structure(params)
 
 
 # ---------------------------------------------------------------------------
@@ -430,7 +453,8 @@ def test_overflowing_accumulator_sends_inf_and_keeps_the_rest(name):
     sent = u != 0
     np.testing.assert_array_equal(np.where(sent, u, r), acc)  # nothing lost, nothing made up
     assert not np.any(r[sent])
-    assert 0 < np.sum(sent) <= 15 and int(new.sent_count["w"]) == np.sum(sent)
+    count = int(jaxcomp.statistics(new)["sent_count"]["w"])
+    assert 0 < np.sum(sent) <= 15 and count == np.sum(sent)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -575,17 +599,18 @@ def test_reuse_period_lost_nothing_and_single_compilation(name):
         g = laplace_tree(TREE, rng)
         upd, new = cx(g, state)
         _check_lost_nothing(g, state.residual, upd, new.residual)
+        before, stats = jaxcomp.statistics(state), jaxcomp.statistics(new)
         for leaf, gl in g.items():
             nnz = int(np.count_nonzero(f32(upd[leaf])))
-            assert int(new.sent_count[leaf]) == nnz, leaf
+            assert int(stats["sent_count"][leaf]) == nnz, leaf
             if gl.size <= MIN_DENSE:
                 continue
             cap = cap_of(k_of(RATIO, gl.size), gl.size)
             assert nnz <= cap, (leaf, nnz, cap)
             if step % s:  # reuse: the stored threshold, first `cap` in index order
-                t = np.float32(state.threshold[leaf])
-                assert np.float32(new.threshold[leaf]) == t, (step, leaf)
-                assert int(new.search_iterations[leaf]) == 0
+                t = np.float32(before["threshold"][leaf])
+                assert np.float32(stats["threshold"][leaf]) == t, (step, leaf)
+                assert int(stats["search_iterations"][leaf]) == 0
                 acc = np.asarray(state.residual[leaf]) + f32(gl)
                 np.testing.assert_array_equal(
                     np.flatnonzero(f32(upd[leaf])), expected_sent(acc, t, cap), err_msg=leaf
@@ -612,17 +637,19 @@ def test_groups_lost_nothing_per_leaf_and_single_compilation(name):
         g = laplace_tree(TREE, rng)
         upd, new = cx(g, state)
         _check_lost_nothing(g, state.residual, upd, new.residual)
+        stats = jaxcomp.statistics(new)
+        counts = stats["sent_count"]
         for leaf in g:
             nnz = int(np.count_nonzero(f32(upd[leaf])))
-            assert int(new.sent_count[leaf]) == nnz, leaf  # each leaf's share
+            assert int(counts[leaf]) == nnz, leaf  # each leaf's share
         for group in (("w", "b16"), ("empty", "h16")):
             size = sum(g[leaf].size for leaf in group)
-            sent = sum(int(new.sent_count[leaf]) for leaf in group)
+            sent = sum(int(counts[leaf]) for leaf in group)
             assert sent <= cap_of(k_of(RATIO, size), size), (group, sent)
-            thresholds = {float(new.threshold[leaf]) for leaf in group}
+            thresholds = {float(stats["threshold"][leaf]) for leaf in group}
             assert len(thresholds) == 1, (group, thresholds)  # one selection per group
         # The dense group (4 elements <= MIN_DENSE) sends everything.
-        assert int(new.sent_count["small"]) == 3 and int(new.sent_count["scalar"]) == 1
+        assert int(counts["small"]) == 3 and int(counts["scalar"]) == 1
         state = new
     assert cx.traces == 1
 
@@ -697,7 +724,8 @@ def test_shard_map_matches_mean_of_single_device_updates(name):
                 }
                 per_dev.append(sent)
                 if name == "random_k":
-                    assert int(new.sent_count["w"][d]) == k_of(RATIO, 1200)
+                    count = jaxcomp.statistics(new)["sent_count"]["w"][d]  # stacked: (N_DEV,)
+                    assert int(count) == k_of(RATIO, 1200)
             else:
                 u_d, s_d = ref(gd, _device(old, d))
                 per_dev.append({leaf: f32(v) for leaf, v in u_d.items()})
@@ -706,9 +734,12 @@ def test_shard_map_matches_mean_of_single_device_updates(name):
                         assert s_d.residual is None and new.residual is None
                     else:
                         assert bits(s_d.residual[leaf]) == bits(new.residual[leaf][d]), (d, leaf)
-                    count = "message_bytes" if name in QUANTIZERS else "sent_count"
-                    got_count = getattr(new, count)[leaf][d]
-                    assert int(getattr(s_d, count)[leaf]) == int(got_count)
+                    if name in QUANTIZERS:  # a pytree of message_bytes
+                        want_count, got_count = s_d.message_bytes[leaf], new.message_bytes[leaf][d]
+                    else:  # the sparsifier's per-leaf sent_count, leaf by leaf
+                        want_count = jaxcomp.statistics(s_d)["sent_count"][leaf]
+                        got_count = jaxcomp.statistics(new)["sent_count"][leaf][d]
+                    assert int(want_count) == int(got_count)
         for leaf in SHARD_TREE:
             stacked = np.stack([p[leaf] for p in per_dev])
             # A majority-vote exchange aggregates by vote: its premise is not a mean.
@@ -809,7 +840,8 @@ def test_liveness_every_step_sends_at_least_k(name):
             sent, res = np.asarray(upd["w"]), np.asarray(state.residual["w"])
             acc = old + g
             assert np.array_equal(sent + res, acc), (kind, step)  # nothing lost
-            _check_live_step(name, acc, sent, int(state.sent_count["w"]), k, cap)
+            count = int(jaxcomp.statistics(state)["sent_count"]["w"])
+            _check_live_step(name, acc, sent, count, k, cap)
             if step == 0 and kind in ("ones", "constant") and name != "random_k":
                 # Overflow (all n tie): the first `cap` in index order, on the mask path.
                 np.testing.assert_array_equal(np.flatnonzero(sent), np.arange(cap))
@@ -854,7 +886,8 @@ def test_liveness_under_shard_map_sparse_exchange(name):
         old = np.asarray(state.residual["w"])
         upd, new = f(jax.device_put({"w": jnp.asarray(g)}, sharding), state)
         jax.block_until_ready((upd, new))
-        res, counts = np.asarray(new.residual["w"]), np.asarray(new.sent_count["w"])
+        res = np.asarray(new.residual["w"])
+        counts = np.asarray(jaxcomp.statistics(new)["sent_count"]["w"])  # one per device
         sent = old + g - res  # what each device sent (exact: the residual keeps the rest)
         for d in range(N_DEV):
             assert np.array_equal(sent[d] + res[d], old[d] + g[d])
@@ -907,7 +940,7 @@ def test_x64_every_compressor_nothing_lost(name, dtype):
             if name in SPARSIFIERS:
                 n = 1200
                 nnz = int(np.count_nonzero(np.asarray(upd["v"])))
-                assert int(new.sent_count["v"]) == nnz
+                assert int(jaxcomp.statistics(new)["sent_count"]["v"]) == nnz
                 k = k_of(RATIO, n)
                 assert nnz <= cap_of(k, n)
                 if name in AT_LEAST_K:
@@ -932,7 +965,7 @@ def test_x64_float64_selection_matches_the_count(name):
         upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, tx.init({"w": jnp.asarray(g)}))
         sent = np.asarray(upd["w"])
         np.testing.assert_array_equal(np.flatnonzero(sent), np.arange(0, n, 10))
-        assert int(state.sent_count["w"]) == k
+        assert int(jaxcomp.statistics(state)["sent_count"]["w"]) == k
 
 
 def test_selector_errors_name_the_real_cause():

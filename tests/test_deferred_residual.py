@@ -18,6 +18,7 @@ import pytest
 import jaxcomp
 from jaxcomp import elastic
 from jaxcomp.transforms.sparsify import clear_sent
+from helpers import per_leaf
 
 
 def _bits(x):
@@ -103,7 +104,7 @@ def test_deferred_matches_the_written_out_residual(name, kind):
             np.testing.assert_array_equal(_bits(res_d[k]), _bits(new_s.settled().accumulator[k]))
             if new_d.velocity is not None:
                 np.testing.assert_array_equal(_bits(new_d.velocity[k]), _bits(new_p.velocity[k]))
-        pending += sum(np.isfinite(np.asarray(t)) for t in jax.tree.leaves(new_d.sent_threshold))
+        pending += int(np.isfinite(np.asarray(new_d.sent_threshold)).sum())
         deferred, settled, plain = new_d, new_s, new_p
     assert len(traces) == 1  # one compilation for every step (settled states alike)
     # Zeros send nothing; min_dense_size=300 sends these leaves dense; one global
@@ -135,7 +136,7 @@ def test_capacity_cut_is_per_leaf_in_a_merged_group():
     sent = int(state.sent_count)
     assert 10 <= sent < 1000
     np.testing.assert_array_equal(flat_u, (np.arange(1000) < sent).astype(np.float32))
-    limits = {k: int(state.sent_limit[k]) for k in "abc"}
+    limits = {k: int(v) for k, v in per_leaf(g, state.sent_limit).items()}
     assert limits == {"a": sent - 1, "b": sent - 1 - 300, "c": sent - 1 - 800}
     res = jaxcomp.residuals(state)
     for k in "abc":  # the accumulator still holds the message; the residual does not
@@ -159,7 +160,8 @@ def test_paths_that_write_the_residual_out(make):
     tx = make()
     g = _grads("laplace", 0)
     _, state = jax.jit(tx.update)(g, tx.init(g))
-    assert all(np.isinf(np.asarray(t)) for t in jax.tree.leaves(state.sent_threshold))
+    assert np.all(np.isinf(np.asarray(state.sent_threshold)))
+    assert state.sent_threshold.shape == (len(g),)  # one entry per leaf
     for k in g:
         np.testing.assert_array_equal(jaxcomp.residuals(state)[k], state.accumulator[k])
 
@@ -171,8 +173,9 @@ def test_bf16_leaf_writes_its_residual_out_float32_leaf_defers():
         "f": jnp.asarray(np.random.default_rng(1).laplace(size=3000).astype(np.float32)),
     }
     u, state = jax.jit(tx.update)(g, tx.init(g))
-    assert np.isinf(float(state.sent_threshold["h"]))  # the bf16 message rounds: written out
-    assert np.isfinite(float(state.sent_threshold["f"]))
+    sent_threshold = per_leaf(g, state.sent_threshold)
+    assert np.isinf(float(sent_threshold["h"]))  # the bf16 message rounds: written out
+    assert np.isfinite(float(sent_threshold["f"]))
     res = jaxcomp.residuals(state)
     for k in g:
         total = np.asarray(u[k], np.float32) + np.asarray(res[k])
@@ -189,7 +192,7 @@ def test_x64_float64_leaf_defers_bit_for_bit():
             old = np.asarray(jaxcomp.residuals(state)["w"])
             u, state = jax.jit(tx.update)(g, state)
             assert state.accumulator["w"].dtype == jnp.float64
-            assert np.isfinite(float(state.sent_threshold["w"]))
+            assert np.isfinite(float(state.sent_threshold[0]))
             total = np.asarray(u["w"]) + np.asarray(jaxcomp.residuals(state)["w"])
             np.testing.assert_array_equal(total, old + np.asarray(g["w"]))
 
@@ -226,7 +229,8 @@ def test_state_fields_and_errors():
     settled = state.settled()
     for k in g:
         np.testing.assert_array_equal(settled.accumulator[k], jaxcomp.residuals(state)[k])
-        assert np.isinf(float(settled.sent_threshold[k])) and int(settled.sent_limit[k]) == 0
+        sent_threshold = per_leaf(g, settled.sent_threshold)[k]
+        assert np.isinf(float(sent_threshold)) and int(per_leaf(g, settled.sent_limit)[k]) == 0
     plain = jaxcomp.ldte_bs(0.01, min_dense_size=0)
     plain_state = plain.init(g)
     # The default state keeps its layout (checkpoints from before the option restore).
@@ -270,7 +274,7 @@ def test_residuals_through_optax_wrappers(wrap):
     _, ref = jax.jit(plain.update)(sub, plain.init(sub))
     for k in sub:
         np.testing.assert_array_equal(np.asarray(res[k]), np.asarray(ref.residual[k]))
-    assert np.isfinite(float(optax.tree.get(state, "sent_threshold")["w"]))
+    assert np.isfinite(float(per_leaf(sub, optax.tree.get(state, "sent_threshold"))["w"]))
 
 
 def test_residuals_inject_hyperparams_and_errors():
@@ -305,7 +309,8 @@ def test_elastic_settles_pending_states_before_folding():
             _, s = jax.jit(tx.update)(_grads("laplace", seed + 10 * i), s)
         states.append(jax.tree.map(np.asarray, s))
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *states)
-    assert np.all(np.isfinite(stacked.sent_threshold["w"]))
+    leaf_w = sorted(_grads("laplace", 0)).index("w")  # leaf order: dict keys sorted
+    assert np.all(np.isfinite(stacked.sent_threshold[:, leaf_w]))
     res = [jaxcomp.residuals(s) for s in states]
     owed = {k: np.mean([np.asarray(r[k], np.float64) for r in res], 0) for k in "wbv"}
     got = elastic.owed_updates(stacked)
@@ -316,12 +321,12 @@ def test_elastic_settles_pending_states_before_folding():
             np.testing.assert_array_equal(jaxcomp.residuals(stacked)[k][d], res[d][k])
     for m in (1, 3):
         new = elastic.resize_opt_state(stacked, 2, m)
-        assert np.all(np.isinf(new.sent_threshold["w"]))
+        assert np.all(np.isinf(new.sent_threshold[:, leaf_w]))
         for k in "wbv":
             mean = np.asarray(new.accumulator[k], np.float64).mean(0)
             np.testing.assert_allclose(mean, owed[k], rtol=1e-6, atol=1e-7)
     same = elastic.resize_opt_state(stacked, 2, 2)  # nothing moves: bit for bit
-    np.testing.assert_array_equal(same.sent_threshold["w"], stacked.sent_threshold["w"])
+    np.testing.assert_array_equal(same.sent_threshold, stacked.sent_threshold)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -341,7 +346,7 @@ def test_residual_narrower_than_float32_is_written_out(factory, dtype):
         np.testing.assert_array_equal(
             _bits(states[0].residual["w"]), _bits(jaxcomp.residuals(states[1])["w"])
         )
-        assert np.isinf(float(states[1].sent_threshold["w"]))
+        assert np.isinf(float(states[1].sent_threshold[0]))
 
 
 def test_host_settling_treats_subnormals_as_the_device_does():

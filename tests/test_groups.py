@@ -22,6 +22,7 @@ from helpers import (
     expected_sent,
     f32,
     k_of,
+    per_leaf,
     ref_threshold,
 )
 from jax.extend import core as jex_core
@@ -63,7 +64,7 @@ def ref_groups(tree, groups) -> list[list[str]]:
 
 def _check_one_selection_per_group(state):
     """A merged group's leaves share its threshold."""
-    thresholds = by_path(state.threshold)
+    thresholds = by_path(per_leaf(state.residual, state.threshold))
     for group in GROUPS:
         ts = {float(np.asarray(thresholds[p])) for p in group}
         assert len(ts) == 1, group
@@ -72,8 +73,9 @@ def _check_one_selection_per_group(state):
 def check_groups_step(tree_g, old_res, upd, new, groups, *, ratio, stored=None):
     """One step against numpy; returns the group thresholds used (for reuse steps)."""
     g, res, u = by_path(tree_g), by_path(old_res), by_path(upd)
-    new_res, counts = by_path(new.residual), by_path(new.sent_count)
-    thresholds, mbytes = by_path(new.threshold), by_path(new.message_bytes)
+    new_res, counts = by_path(new.residual), by_path(per_leaf(new.residual, new.sent_count))
+    thresholds = by_path(per_leaf(new.residual, new.threshold))
+    mbytes = by_path(per_leaf(new.residual, new.message_bytes))
     used = {}
     for group in ref_groups(tree_g, groups):
         accs = [np.asarray(res[p]) + f32(g[p]) for p in group]
@@ -137,9 +139,9 @@ def test_group_forms_agree_and_global_is_one_group():
     ours, theirs = jax.tree.leaves((upd, state.residual)), jax.tree.leaves((one_upd, one.residual))
     for x, y in zip(ours, theirs, strict=True):
         assert bits(x) == bits(y)
-    assert int(state.sent_count) == sum(int(c) for c in jax.tree.leaves(one.sent_count))
-    assert int(state.message_bytes) == sum(int(c) for c in jax.tree.leaves(one.message_bytes))
-    assert {float(t) for t in jax.tree.leaves(one.threshold)} == {float(state.threshold)}
+    assert int(state.sent_count) == int(one.sent_count.sum())
+    assert int(state.message_bytes) == int(one.message_bytes.sum())
+    assert {float(t) for t in np.asarray(one.threshold)} == {float(state.threshold)}
 
 
 @pytest.mark.parametrize("masking", [pytest.param(False, marks=pytest.mark.default_codegen), True])

@@ -66,7 +66,10 @@ def test_readme_usage_sent_count_in_window(block):
         exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
     import optax
 
-    counts = optax.tree.get(namespace["opt_state"], "sent_count")
+    import jaxcomp
+
+    counts = jaxcomp.statistics(namespace["opt_state"])["sent_count"]
+    assert optax.tree.get(namespace["opt_state"], "sent_count").shape == (2,)  # per leaf
     k = math.ceil(0.01 * 512 * 256)
     assert int(counts["b"]) == 256 and k <= int(counts["w"]) <= int(1.5 * k)
 

@@ -230,7 +230,7 @@ def ldte_bs(
       >>> tx = optax.chain(jaxcomp.ldte_bs(ratio=1e-3), optax.sgd(0.1))
       >>> g = {"w": jax.random.laplace(jax.random.key(0), (100_000,))}
       >>> u, state = jax.jit(tx.update)(g, tx.init(g))
-      >>> bool(100 <= optax.tree.get(state, "sent_count")["w"] <= 150)
+      >>> bool(100 <= jaxcomp.statistics(state)["sent_count"]["w"] <= 150)
       True
     """
     variant = V.check_choice("variant", variant, tuple(LDTE_VARIANTS))
@@ -483,7 +483,7 @@ def gaussian_k(
       >>> tx = jaxcomp.gaussian_k(ratio=0.2)
       >>> g = {"w": jnp.arange(10.0)}
       >>> u, state = jax.jit(tx.update)(g, tx.init(g))
-      >>> u["w"].tolist(), int(optax.tree.get(state, "sent_count")["w"])
+      >>> u["w"].tolist(), int(jaxcomp.statistics(state)["sent_count"]["w"])
       ([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0, 9.0], 2)
     """
     corrections = V.check_int("corrections", 3 if corrections is None else corrections, 0)
