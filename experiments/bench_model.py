@@ -32,6 +32,10 @@ it runs with ``reshape="last"`` (Flax's ``(kh, kw, in, out)`` kernels as
 ``(kh kw in, out)`` matrices; with the default ``"first"`` every
 convolution would be sent dense).
 
+The ``*_defer`` compressors (``defer_residual=True``: the accumulator and
+the last message's mask instead of a written-out residual) exist on one
+device only (``ONE_DEVICE``) and are skipped on ``N`` devices.
+
 Devices (``--devices``): ``1``, the update alone on one device
 (``axis_name=None``: the local compressed update, no exchange); ``N > 1``,
 the same update inside ``jax.shard_map`` over a mesh axis ``"data"`` of
@@ -119,6 +123,7 @@ __all__ = [
     "COLLECTIVES",
     "COMPRESSORS",
     "LAYOUTS",
+    "ONE_DEVICE",
     "TREES",
     "count_hlo_ops",
     "define_flags",
@@ -151,7 +156,12 @@ COMPRESSORS = {
     # reshape="last": Flax kernels (kh, kw, in, out) as (kh kw in, out) matrices.
     "powersgd": ("powersgd", {"rank": 4, "reshape": "last"}),
     "ldte_bs_global": ("ldte_bs", {"ratio": RATIO, "granularity": "global"}),
+    # The accumulator plus the last message's mask instead of a written-out residual.
+    "ldte_bs_defer": ("ldte_bs", {"ratio": RATIO, "defer_residual": True}),
+    "top_k_defer": ("top_k", {"ratio": RATIO, "defer_residual": True}),
 }
+# Compressors for one device only (defer_residual has no exchange): skipped on N devices.
+ONE_DEVICE = ("ldte_bs_defer", "top_k_defer")
 # Compressors whose flat leaf is a matrix (FLAT_COLUMNS columns), not a vector.
 MATRIX_LEAF = ("powersgd",)
 LAYOUTS = ("tree", "flat")
@@ -529,6 +539,8 @@ def run(
             }
             for n_dev in devices:
                 for compressor in compressors:
+                    if n_dev > 1 and compressor in ONE_DEVICE:
+                        continue
                     for layout in layouts:
                         row = _measure(
                             tree, compressor, layout, n_dev, shapes,

@@ -1009,7 +1009,8 @@ def _step_stats(state, num_params: int):
 
     def total(tree):
         # Per-leaf pytrees of scalars (quantizers) or one array per field (sparsifiers).
-        return sum((jnp.sum(jnp.asarray(x, jnp.float32)) for x in jax.tree.leaves(tree)), jnp.float32(0))
+        leaves = jax.tree.leaves(tree)
+        return sum((jnp.sum(jnp.asarray(x, jnp.float32)) for x in leaves), jnp.float32(0))
 
     return {
         "wire_bytes": jnp.float32(0) if wire is None else jnp.asarray(wire, jnp.float32),

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import per_leaf
 
 import jaxcomp
 from jaxcomp import elastic
 from jaxcomp.transforms.sparsify import clear_sent
-from helpers import per_leaf
 
 
 def _bits(x):

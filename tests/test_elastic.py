@@ -116,9 +116,7 @@ def _check_sparsify_fold(old_state, new_state, m: int):
     src = np.arange(m) % n
     # One entry per leaf (the last axis), per device (the first).
     np.testing.assert_array_equal(new_state.sent_count, np.asarray(old_state.sent_count)[src])
-    np.testing.assert_array_equal(
-        new_state.message_bytes, np.asarray(old_state.message_bytes)[src]
-    )
+    np.testing.assert_array_equal(new_state.message_bytes, np.asarray(old_state.message_bytes)[src])
     assert np.asarray(new_state.threshold).shape == np.asarray(old_state.threshold)[src].shape
     assert np.all(np.isinf(np.asarray(new_state.threshold)))
     np.testing.assert_array_equal(new_state.wire_bytes, np.asarray(old_state.wire_bytes)[src])

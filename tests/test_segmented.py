@@ -18,6 +18,8 @@ selectors (``capacity_cut`` message, ``exact_top_k`` and ``dgc_sample``
 thresholds).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,3 +263,65 @@ def test_one_collective_per_kind_whatever_the_leaf_count():
         return sum(text.count(f" {op}(") for op in ops)
 
     assert collectives(2) == collectives(12) <= 2
+
+
+@pytest.mark.parametrize("wrap", ["chain", "masked", "multi_transform", "MultiSteps", "inject"])
+def test_per_leaf_statistics_are_one_array_read_leaf_by_leaf(wrap):
+    # The statistics of a step are one array per field, an entry per leaf in
+    # jax.tree.leaves order; jaxcomp.statistics gives them back leaf by leaf,
+    # through the optax wrappers. Reference: numpy on each leaf's update.
+    g = {k: v for k, v in _tree(3).items()}
+    g["e"] = jnp.arange(1.0, 6.0)  # 5 elements: sent dense (min_dense_size)
+    compressed = ["a", "b", "c", "d", "e"]
+    top_k = functools.partial(jaxcomp.top_k, min_dense_size=8)
+    if wrap == "chain":
+        tx = optax.chain(top_k(0.05), optax.sgd(-1.0))
+    elif wrap == "masked":
+        compressed = ["a", "c", "e"]
+        mask = {k: k in compressed for k in g}
+        tx = optax.chain(optax.masked(top_k(0.05), mask), optax.sgd(-1.0))
+    elif wrap == "multi_transform":
+        compressed = ["a", "c", "e"]
+        labels = {k: "c" if k in compressed else "d" for k in g}
+        tx = optax.chain(
+            optax.multi_transform({"c": top_k(0.05), "d": optax.identity()}, labels),
+            optax.sgd(-1.0),
+        )
+    elif wrap == "MultiSteps":
+        tx = optax.MultiSteps(optax.chain(top_k(0.05), optax.sgd(-1.0)), 1)
+    else:
+        injected = optax.inject_hyperparams(top_k, static_args=("ratio", "min_dense_size"))
+        tx = optax.chain(injected(ratio=0.05, momentum=0.5), optax.sgd(-1.0))
+    u, state = jax.jit(tx.update)(g, tx.init(g), g)
+    counts = np.asarray(optax.tree.get(state, "sent_count"))
+    assert counts.shape == (len(compressed),)  # one entry per compressed leaf
+    stats = jaxcomp.statistics(state)
+    for i, k in enumerate(sorted(compressed)):
+        x, sent = np.asarray(g[k]).ravel(), np.asarray(u[k]).ravel()
+        n_sent = np.count_nonzero(sent)
+        assert int(stats["sent_count"][k]) == int(counts[i]) == n_sent, k
+        dense = x.size <= 8  # min_dense_size: sent whole
+        item = 4 if dense else 8  # a float32 value, or an (int32 index, value) pair
+        assert int(stats["message_bytes"][k]) == item * n_sent, k
+        if not dense:  # everything sent is above the threshold, nothing kept is
+            t = float(stats["threshold"][k])
+            assert np.abs(x[sent != 0]).min() > t >= np.abs(x[sent == 0]).max(), k
+            assert n_sent == int(np.ceil(0.05 * x.size)), k
+
+
+def test_statistics_refuses_global_and_states_without_a_sparsifier():
+    g = _tree(0)
+    tx = jaxcomp.top_k(0.05, granularity="global")
+    _, state = tx.update(g, tx.init(g))
+    assert np.shape(state.sent_count) == ()  # one count for the tree
+    with pytest.raises(ValueError, match="granularity='global'"):
+        jaxcomp.statistics(state)
+    with pytest.raises(ValueError, match="holds 0 sparsifier states"):
+        jaxcomp.statistics(optax.sgd(0.1).init(g))
+    # Stacked per device: the leading axis is the device.
+    one = jaxcomp.top_k(0.05).init(g)
+    stacked = jax.tree.map(lambda x: np.stack([x, x, x]), one)
+    stacked = stacked._replace(sent_count=np.arange(15, dtype=np.int32).reshape(3, 5))
+    got = jaxcomp.statistics(stacked)["sent_count"]
+    for i, k in enumerate(sorted(g)):
+        np.testing.assert_array_equal(got[k], [i, 5 + i, 10 + i])

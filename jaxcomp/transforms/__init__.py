@@ -20,7 +20,7 @@ from jaxcomp.transforms.quantizers import (
     signum,
     terngrad,
 )
-from jaxcomp.transforms.residuals import STATISTICS, residuals, statistics
+from jaxcomp.transforms.residuals import residuals, statistics
 from jaxcomp.transforms.sparsifiers import (
     binary_search,
     dgc,
