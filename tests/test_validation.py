@@ -215,3 +215,44 @@ def test_ldte_paper_variant_rejects_contradicting_options(kwargs, arg):
     # Options that agree with the paper, and the improved variant's overrides, are fine.
     jaxcomp.ldte_bs(0.1, variant="paper", **PAPER)
     jaxcomp.ldte_bs(0.1, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Issue 34, item 10: a custom selector must return a Selection.
+# ---------------------------------------------------------------------------
+
+
+def threshold_only_selector(x, k):
+    """A custom selector's common mistake: it returns the bare threshold."""
+    return jnp.sort(jnp.abs(x))[-k]
+
+
+def good_selector(x, k):
+    t = jnp.sort(jnp.abs(x))[-k - 1]
+    return selectors.Selection(t, jnp.sum(jnp.abs(x) > t, dtype=jnp.int32), jnp.int32(0))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"reuse_period": 2}, {"axis_name": "data"}],
+    ids=["one_device", "reuse", "exchange"],
+)
+def test_custom_selector_returning_an_array_is_named(kwargs):
+    x = np.arange(1.0, 17.0) * (-1.0) ** np.arange(16)  # distinct magnitudes
+    g = {"w": jnp.asarray(x, jnp.float32)}
+
+    def run():  # reuse_period probes the selector at construction: named there
+        tx = jaxcomp.sparsify(threshold_only_selector, 0.25, min_dense_size=0, **kwargs)
+        if "axis_name" not in kwargs:
+            return tx.update(g, tx.init(g))
+        mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+        spec = jax.sharding.PartitionSpec()
+        f = jax.shard_map(tx.update, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return f(g, tx.init(g))
+
+    with pytest.raises(ValueError, match=r"selector threshold_only_selector returned .*Selection"):
+        run()
+    # The same selector returning a Selection works: the top 4 of |x| are sent (numpy).
+    tx = jaxcomp.sparsify(good_selector, 0.25, min_dense_size=0)
+    u, _ = tx.update(g, tx.init(g))
+    np.testing.assert_array_equal(np.asarray(u["w"]), np.where(np.abs(x) > 12, x, 0))

@@ -487,7 +487,9 @@ def sparsify(
 
     Args:
       selector: a name from ``jaxcomp.selection.SELECTORS`` or a function
-        ``selector(x, k, **selector_options) -> Selection``.
+        ``selector(x, k, **selector_options) -> Selection`` (anything else
+        returned, e.g. a bare threshold array, raises a ValueError naming
+        the selector).
       ratio: target density ``eta`` in (0, 1]; each leaf (group) of ``n``
         elements keeps ``k = max(1, ceil(eta * n))``.
       selector_options: keyword options passed to the selector.
@@ -826,7 +828,7 @@ def _make_config(
                 raise ValueError(f"selector_options {given} rejected: {e}") from None
     if options or hint_previous or reuse_period > 1:
         probe = jax.eval_shape(
-            lambda x: select_fn(x, 1, **options, **extra),
+            lambda x: _checked_selection(select_fn, select_fn(x, 1, **options, **extra)),
             jax.ShapeDtypeStruct((4,), jnp.float32),
         )
         if reuse_period > 1 and probe.indices is not None:
@@ -1572,7 +1574,19 @@ def _run_selector(cfg: _Config, acc, k, key, stored) -> selectors.Selection:
         extra["key"] = key
     if cfg.hint_previous:
         extra["hint"] = stored  # the previous step's threshold (inf at first)
-    return cfg.select_fn(acc, k, **cfg.options, **extra)
+    return _checked_selection(cfg.select_fn, cfg.select_fn(acc, k, **cfg.options, **extra))
+
+
+def _checked_selection(select_fn, sel) -> selectors.Selection:
+    """``sel`` if it is a ``Selection``; else a ValueError naming the selector (a custom one)."""
+    if isinstance(sel, selectors.Selection):
+        return sel
+    name = getattr(select_fn, "__qualname__", None) or repr(select_fn)
+    raise ValueError(
+        f"selector {name} returned a {type(sel).__name__}, not a Selection: a selector "
+        "returns jaxcomp.selection.Selection(threshold, count, iterations[, indices]), "
+        "e.g. Selection(t, jnp.sum(jnp.abs(x) > t), jnp.int32(0))"
+    )
 
 
 def _select(cfg: _Config, acc, k, key, stored, refresh, *, count_needed) -> selectors.Selection:
