@@ -179,7 +179,17 @@ def dense_exchange(axis_name) -> optax.GradientTransformationExtraArgs:
       ...                   in_specs=P("data"), out_specs=P())
       >>> f(jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, P("data")))).tolist()
       [1.0, 1.0]
+
+    Raises:
+      ValueError: if ``axis_name`` is None (or an empty tuple): there is no
+        axis to average over.
     """
+    if axis_name is None or (isinstance(axis_name, tuple) and not axis_name):
+        raise ValueError(
+            "dense_exchange: axis_name must name the mesh axis (or a tuple of axes) to "
+            f"average over, e.g. 'data'; got {axis_name!r} (on one device, with nothing "
+            "to exchange, leave dense_exchange out of the chain)"
+        )
 
     def init(params):
         del params
@@ -1091,15 +1101,39 @@ def _unexchanged_paths(
             )
     except vma.ProbeError:
         raise  # already says what to use (make_gossip_train_step, axis_name=...)
-    except Exception as e:  # noqa: BLE001 (any tracing failure: say what it means)
+    except NameError as e:
+        if "unbound axis name" not in str(e):
+            raise _probe_error(axis_name, e) from e
+        # A compressor's axis_name that is not the step's: not a cond problem.
         raise ValueError(
-            "make_train_step could not trace tx under shard_map's check_vma typing to find "
-            f"which update leaves it averages over {axis_name!r} ({type(e).__name__}: {e}). "
-            "Wrappers that branch with lax.cond on this device's values, such as "
-            "optax.apply_if_finite, hang under shard_map when one device takes the other "
-            "branch: use jaxcomp.apply_if_finite(..., axis_name=...) instead."
-        ) from e
+            f"make_train_step: tx exchanges over a mesh axis the step does not map over "
+            f"({e}); the step maps over axis_name={axis_name!r} (mesh axes "
+            f"{tuple(mesh.axis_names)}): give the compressor axis_name={axis_name!r}"
+        ) from None
+    except TypeError as e:
+        if "cond branches must have equal output types" not in str(e):
+            raise _probe_error(axis_name, e) from e
+        # JAX's message is kilobytes of branch types; what it means is one line.
+        raise ValueError(
+            "make_train_step: tx branches with lax.cond on this device's values (e.g. "
+            "optax.apply_if_finite, whose branches differ in device-variance typing): under "
+            "shard_map a device that takes the other branch skips the exchange while the "
+            "others wait in it (the step hangs). Use jaxcomp.apply_if_finite(tx, "
+            f"max_consecutive_errors, axis_name={axis_name!r}), which decides on all devices "
+            "together."
+        ) from None
+    except Exception as e:  # noqa: BLE001 (any tracing failure: say what it means)
+        raise _probe_error(axis_name, e) from e
     return found
+
+
+def _probe_error(axis_name, error: Exception) -> ValueError:
+    """What make_train_step says when tracing tx under check_vma fails for another reason."""
+    return ValueError(
+        "make_train_step could not trace tx under shard_map's check_vma typing to find "
+        f"which update leaves it averages over {axis_name!r} "
+        f"({type(error).__name__}: {error})."
+    )
 
 
 def _check_averaged_stay_identical(

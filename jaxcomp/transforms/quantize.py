@@ -1605,6 +1605,7 @@ def quantize(
 
     def update_leaves(updates, state, include):
         V.check_gradient_leaves(updates, "jaxcomp.quantize")
+        V.check_state_type(state, State, "jaxcomp.quantize")
         if error_feedback:
             V.check_tree_like(updates, state.residual, "jaxcomp.quantize")
         else:  # no residual: message_bytes is laid out like the parameters too

@@ -422,6 +422,13 @@ def resolve_groups(groups: Any, tree: Any) -> tuple[tuple[int, ...], ...]:
         owner: dict[int, int] = {}
         for gi, group in enumerate(groups):
             for path in group:
+                if path not in index and path in _masked_paths(tree):
+                    raise ValueError(
+                        f"groups[{gi}]: leaf path {path!r} was removed by optax.masked (its "
+                        "mask is False: this compressor never sees it); list only the leaves "
+                        "the mask keeps, or give groups as a callable params -> labels (it "
+                        "is called on the masked tree)"
+                    )
                 if path not in index:
                     shown = ", ".join(repr(p) for p in paths[:6])
                     shown += ", ..." if len(paths) > 6 else ""
@@ -445,6 +452,13 @@ def resolve_groups(groups: Any, tree: Any) -> tuple[tuple[int, ...], ...]:
     covered = {i for g in out for i in g}
     out += [(i,) for i in range(len(paths)) if i not in covered]
     return tuple(sorted(out, key=lambda g: g[0]))
+
+
+def _masked_paths(tree: Any) -> set[str]:
+    """Paths of the ``optax.MaskedNode`` placeholders ``optax.masked`` put in ``tree``."""
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_masked)[0]
+    return {jax.tree_util.keystr(p) for p, x in flat if is_masked(x)}
 
 
 def _layout(cfg: _Config, tree: Any) -> _Layout:
@@ -929,6 +943,7 @@ class _StepInputs(NamedTuple):
 
 def _check_updates(cfg: _Config, updates, state) -> None:
     V.check_gradient_leaves(updates, "jaxcomp.sparsify")
+    V.check_state_type(state, (SparsifyState, DeferredSparsifyState), "jaxcomp.sparsify")
     if cfg.defer_residual != isinstance(state, DeferredSparsifyState):
         raise ValueError(
             f"jaxcomp.sparsify: a state of a transform with defer_residual="
