@@ -1404,25 +1404,44 @@ def write_plots(runs: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    fig = accuracy_figure(runs, plt)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def accuracy_figure(runs: dict, plt):
+    """The figure :func:`write_plots` saves (``plt``: ``matplotlib.pyplot``).
+
+    The bytes axis is logarithmic (runs differ by orders of magnitude), but
+    symmetric-log below the smallest positive byte count: a run that sends
+    nothing (a coded run with ``r = n``) sits at 0 instead of being dropped
+    with matplotlib's "Data has no positive values" warning; with no bytes at
+    all the axis is linear.
+    """
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    sent = []
     for label, records in runs.items():
         epochs = [r["epoch"] for r in records]
         acc = [100 * r["test_accuracy"] for r in records]
         ax1.plot(epochs, acc, marker="o", label=label)
+        sent += [r["cumulative_bytes_per_device"] for r in records]
         ax2.plot([r["cumulative_bytes_per_device"] for r in records], acc, marker="o", label=label)
     ax1.set(xlabel="epoch", ylabel="test accuracy (%)", title="accuracy vs epoch")
     ax2.set(
         xlabel="cumulative bytes on the wire per device",
         ylabel="test accuracy (%)",
         title="accuracy vs communication",
-        xscale="log",
     )
+    positive = [b for b in sent if b > 0]
+    if positive and len(positive) == len(sent):
+        ax2.set_xscale("log")
+    elif positive:
+        ax2.set_xscale("symlog", linthresh=min(positive))
     for ax in (ax1, ax2):
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def write_time_split_plot(bars: dict, path: str, title: str = "time per step") -> None:

@@ -18,7 +18,7 @@ from jaxcomp import (
     selection,
     staleness,
 )
-from jaxcomp.distributed import apply_if_finite, dense_exchange
+from jaxcomp.distributed import accumulate_then_compress, apply_if_finite, dense_exchange
 from jaxcomp.transforms import (
     DGC_WARMUP,
     DeferredSparsifyState,
@@ -60,6 +60,7 @@ __all__ = [
     "QuantizeState",
     "Quantizer",
     "SparsifyState",
+    "accumulate_then_compress",
     "aggregation",
     "analysis",
     "apply_if_finite",

@@ -385,3 +385,25 @@ def check_tree_like(tree: Any, reference: Any, who: str, *, shapes: bool = True)
                     f"{who}: gradient leaf {jax.tree_util.keystr(path)} has shape "
                     f"{tuple(jnp.shape(leaf))} but init saw shape {tuple(jnp.shape(ref))}"
                 )
+
+
+def check_state_type(state: Any, types: Any, who: str) -> None:
+    """``state`` is an instance of ``types`` (a class or tuple), else a ``ValueError``.
+
+    A checkpoint restored without a target comes back as plain dicts and
+    lists (orbax cannot know the NamedTuple types); without this check the
+    first field read fails with ``'dict' object has no attribute ...``.
+    """
+    if isinstance(state, types):
+        return
+    types = types if isinstance(types, tuple) else (types,)
+    names = " or ".join(t.__name__ for t in types)
+    hint = "initialise it with this transform's init"
+    if isinstance(state, (dict, list)):
+        hint = (
+            "a checkpoint restored without a target gives plain dicts and lists: restore "
+            "with the abstract state as target (orbax: "
+            "args.StandardRestore(jax.eval_shape(tx.init, params))), or use "
+            "jaxcomp.elastic.restore"
+        )
+    raise ValueError(f"{who}: the state is a {type(state).__name__}, not a {names}; {hint}")

@@ -31,9 +31,10 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -50,9 +51,11 @@ from jaxcomp.transforms import overlap as overlap_lib
 from jaxcomp.transforms.sparsify import _all_finite
 
 __all__ = [
+    "AccumulateState",
     "DenseExchangeState",
     "ShardedOptimizerState",
     "TimeSplit",
+    "accumulate_then_compress",
     "apply_if_finite",
     "dense_exchange",
     "flax_param_specs",
@@ -179,7 +182,17 @@ def dense_exchange(axis_name) -> optax.GradientTransformationExtraArgs:
       ...                   in_specs=P("data"), out_specs=P())
       >>> f(jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, P("data")))).tolist()
       [1.0, 1.0]
+
+    Raises:
+      ValueError: if ``axis_name`` is None (or an empty tuple): there is no
+        axis to average over.
     """
+    if axis_name is None or (isinstance(axis_name, tuple) and not axis_name):
+        raise ValueError(
+            "dense_exchange: axis_name must name the mesh axis (or a tuple of axes) to "
+            f"average over, e.g. 'data'; got {axis_name!r} (on one device, with nothing "
+            "to exchange, leave dense_exchange out of the chain)"
+        )
 
     def init(params):
         del params
@@ -356,6 +369,118 @@ def apply_if_finite(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+class AccumulateState(NamedTuple):
+    """State of :func:`accumulate_then_compress`.
+
+    Attributes:
+      mini_step: int32, the mini-steps accumulated since the last exchange
+        (``0 .. every_k - 1``; the same on every device).
+      accumulator: this device's sum of its gradients since the last
+        exchange, a pytree like the gradients in float32 (or the gradient's
+        dtype where it is wider); per device under ``shard_map``.
+      inner_state: the inner transformation's state. Its ``wire_bytes`` are
+        this mini-step's: the exchange's on the last mini-step, 0 on the
+        mini-steps that only accumulate (nothing is sent there).
+    """
+
+    mini_step: jax.Array
+    accumulator: Any
+    inner_state: Any
+
+
+def accumulate_then_compress(
+    inner: optax.GradientTransformation, every_k: int
+) -> optax.GradientTransformationExtraArgs:
+    """Gradient accumulation that compresses and exchanges once per ``every_k`` mini-steps.
+
+    Each device adds its gradients locally for ``every_k`` mini-steps; on the
+    last one ``inner`` (the compressor, chained with the optimizer) runs on
+    their mean: one compression and one exchange per ``every_k`` mini-steps,
+    ``every_k`` times fewer bytes than ``optax.MultiSteps(inner, every_k)``.
+    That one (optax 0.2.x) runs ``inner``, exchange included, on the running
+    mean at *every* mini-step and keeps the result of the last one only: the
+    same updates, ``every_k`` exchanges (``make_train_step`` counts them all
+    in ``metrics["wire_bytes"]``). The updates are zero on the other
+    mini-steps, as ``MultiSteps``' are. The branch is decided by the
+    mini-step counter, equal on every device, so no device skips an exchange
+    the others wait in.
+
+    The accumulator is per device (like a residual): ``jaxcomp.elastic``
+    refuses to resize such a state, as it refuses ``MultiSteps``'; resize at
+    an accumulation boundary with your own rule if needed.
+
+    Args:
+      inner: the transformation to run every ``every_k`` mini-steps (e.g.
+        ``optax.chain(jaxcomp.top_k(1e-3, axis_name="data"), optax.sgd(0.1))``).
+      every_k: mini-steps per update, an int >= 1.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with :class:`AccumulateState`.
+
+    Raises:
+      ValueError: for ``every_k`` not an int >= 1.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxcomp
+      >>> tx = jaxcomp.accumulate_then_compress(jaxcomp.top_k(0.5), every_k=2)
+      >>> g = {"w": jnp.array([1.0, -4.0, 2.0, 0.0])}
+      >>> state = tx.init(g)
+      >>> u, state = tx.update(g, state)  # accumulated only
+      >>> u["w"].tolist(), int(state.mini_step)
+      ([0.0, 0.0, 0.0, 0.0], 1)
+      >>> u, state = tx.update({"w": jnp.array([3.0, 0.0, 2.0, 0.0])}, state)
+      >>> u["w"].tolist(), int(state.mini_step)  # top 2 of the mean [2, -2, 2, 0]
+      ([2.0, -2.0, 2.0, 0.0], 0)
+    """
+    every_k = V.check_int("every_k", every_k, 1)
+    inner = optax.with_extra_args_support(inner)
+
+    def accumulator_like(g):
+        return jnp.zeros(jnp.shape(g), jnp.promote_types(jnp.result_type(g), jnp.float32))
+
+    def init(params):
+        return AccumulateState(
+            mini_step=jnp.zeros([], jnp.int32),
+            accumulator=jax.tree.map(accumulator_like, params),
+            inner_state=inner.init(params),
+        )
+
+    def update(updates, state, params=None, **extra_args):
+        V.check_state_type(state, AccumulateState, "jaxcomp.accumulate_then_compress")
+        V.check_tree_like(updates, state.accumulator, "jaxcomp.accumulate_then_compress")
+        total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.accumulator, updates)
+        last = state.mini_step == every_k - 1
+
+        def compress(_):
+            mean = jax.tree.map(lambda t, g: (t / every_k).astype(g.dtype), total, updates)
+            return inner.update(mean, state.inner_state, params, **extra_args)
+
+        def accumulate(_):
+            # Fresh zeros typed invariant, like an exchanged update (see apply_if_finite).
+            shapes = jax.eval_shape(lambda: compress(None)[0])
+            zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), shapes)
+            return zeros, _without_wire_bytes(state.inner_state)
+
+        new_updates, new_inner = vma.cond(last, compress, accumulate, None)
+        return new_updates, AccumulateState(
+            mini_step=jnp.where(last, 0, state.mini_step + 1).astype(jnp.int32),
+            accumulator=jax.tree.map(lambda t: jnp.where(last, jnp.zeros_like(t), t), total),
+            inner_state=new_inner,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _without_wire_bytes(state):
+    """``state`` with every ``wire_bytes`` field zero: a mini-step that sent nothing."""
+
+    def zero(path, x):
+        name = getattr(path[-1], "name", getattr(path[-1], "key", None)) if path else None
+        return jnp.zeros_like(x) if name == "wire_bytes" else x
+
+    return jax.tree_util.tree_map_with_path(zero, state)
 
 
 def _check_no_exchange_inside(inner, updates, inner_state, params, extra_args) -> None:
@@ -970,26 +1095,91 @@ def _check_stacked_state(
             )
 
 
-def _wire_bytes_total(state):
+def _wire_bytes_total(state, inner_run_bytes=None):
     """Sum of every ``wire_bytes`` field in ``state`` (a chain may hold several), or None.
 
-    Under ``optax.MultiSteps`` the inner transformation runs on the last
-    mini-step only (its counter then wraps to 0); on the others its state,
-    ``wire_bytes`` included, still holds the last run's, which nothing sent.
+    Under ``optax.MultiSteps`` (optax 0.2.x) the inner transformation runs,
+    its exchange included, on every mini-step that is not skipped (on the
+    running mean of the mini-batch gradients), but its new state is kept on
+    the last mini-step only: on the others ``wire_bytes`` still holds the
+    last kept run's. What was sent is counted on every mini-step that ran:
+    ``inner_run_bytes`` when the caller knows one run's bytes (see
+    :func:`_inner_run_wire_bytes`), else the inner state's ``wire_bytes``
+    (jaxcomp's exchanges send the same bytes on every run, so that is this
+    run's, bar the mini-steps before the first kept run, which read 0).
     """
     is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
     total, found = jnp.float32(0), False
     for node in jax.tree.leaves(state, is_leaf=is_multi):
         if is_multi(node):
             inner = _wire_bytes_total(node.inner_opt_state)
+            if inner_run_bytes is not None:
+                inner = jnp.float32(inner_run_bytes)
             if inner is not None:
-                ran = jnp.ravel(node.mini_step)[0] == 0
+                skip = node.skip_state
+                skipped = skip.get("should_skip") if isinstance(skip, dict) else None
+                ran = True if skipped is None else ~jnp.ravel(skipped)[0]
                 total, found = total + jnp.where(ran, inner, 0), True
     rest = jax.tree.map(lambda x: None if is_multi(x) else x, state, is_leaf=is_multi)
     # Each field is a scalar, or one per model shard (stacked): summed over them.
     for _, v in optax.tree.get_all_with_path(rest, "wire_bytes"):
         total, found = total + jnp.sum(jnp.asarray(v, jnp.float32)), True
     return total if found else None
+
+
+def _inner_run_wire_bytes(tx, grads, state, params, extra):
+    """Bytes one run of ``optax.MultiSteps``' inner update sends, if they are a constant.
+
+    optax keeps the inner state of the last mini-step only, so the bytes of
+    the other mini-steps' runs are never stored. jaxcomp's exchanges compute
+    their bytes from shapes and the device count: in the inner update's
+    jaxpr (traced, nothing run) the bytes are then a function of literals
+    alone, evaluated here. None when ``tx`` is not ``optax.MultiSteps`` or the
+    bytes depend on data (the caller falls back to the stored count).
+    """
+    multi = getattr(tx.update, "__self__", tx)
+    if not isinstance(multi, optax.MultiSteps) or not isinstance(state, optax.MultiStepsState):
+        return None
+    inner = optax.with_extra_args_support(multi.inner_opt)
+
+    def wire(g, s, p, e):
+        total = _wire_bytes_total(inner.update(g, s, p, **e)[1])
+        return jnp.float32(0) if total is None else total
+
+    try:
+        closed = jax.make_jaxpr(wire)(grads, state.inner_opt_state, params, extra)
+        return _constant_output(closed)
+    except Exception:  # noqa: BLE001 (a best effort: the stored count is the fallback)
+        return None
+
+
+def _constant_output(closed) -> float | None:
+    """The value of a one-output jaxpr's output if it depends on no input and no effect."""
+    literal = jax.extend.core.Literal
+    jaxpr = closed.jaxpr
+    (out,) = jaxpr.outvars
+    if isinstance(out, literal):
+        return float(out.val)
+    inputs = set(jaxpr.invars)
+    needed, cone = {out}, []
+    for eqn in reversed(jaxpr.eqns):
+        if not any(v in needed for v in eqn.outvars):
+            continue
+        if eqn.effects or any(v in inputs for v in eqn.invars if not isinstance(v, literal)):
+            return None
+        cone.append(eqn)
+        needed.update(v for v in eqn.invars if not isinstance(v, literal))
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    if any(isinstance(env.get(v), jax.core.Tracer) for v in needed):
+        return None  # closed over the step's own values: not a constant
+    # Evaluated now (we may be inside the step's trace): a few scalar operations.
+    with jax.ensure_compile_time_eval():
+        for eqn in reversed(cone):
+            args = [v.val if isinstance(v, literal) else env[v] for v in eqn.invars]
+            outs = eqn.primitive.bind(*args, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            env.update(zip(eqn.outvars, outs, strict=True))
+    return float(env[out])
 
 
 _UNEXCHANGED = ("mean", "error")
@@ -1091,15 +1281,39 @@ def _unexchanged_paths(
             )
     except vma.ProbeError:
         raise  # already says what to use (make_gossip_train_step, axis_name=...)
-    except Exception as e:  # noqa: BLE001 (any tracing failure: say what it means)
+    except NameError as e:
+        if "unbound axis name" not in str(e):
+            raise _probe_error(axis_name, e) from e
+        # A compressor's axis_name that is not the step's: not a cond problem.
         raise ValueError(
-            "make_train_step could not trace tx under shard_map's check_vma typing to find "
-            f"which update leaves it averages over {axis_name!r} ({type(e).__name__}: {e}). "
-            "Wrappers that branch with lax.cond on this device's values, such as "
-            "optax.apply_if_finite, hang under shard_map when one device takes the other "
-            "branch: use jaxcomp.apply_if_finite(..., axis_name=...) instead."
-        ) from e
+            f"make_train_step: tx exchanges over a mesh axis the step does not map over "
+            f"({e}); the step maps over axis_name={axis_name!r} (mesh axes "
+            f"{tuple(mesh.axis_names)}): give the compressor axis_name={axis_name!r}"
+        ) from None
+    except TypeError as e:
+        if "cond branches must have equal output types" not in str(e):
+            raise _probe_error(axis_name, e) from e
+        # JAX's message is kilobytes of branch types; what it means is one line.
+        raise ValueError(
+            "make_train_step: tx branches with lax.cond on this device's values (e.g. "
+            "optax.apply_if_finite, whose branches differ in device-variance typing): under "
+            "shard_map a device that takes the other branch skips the exchange while the "
+            "others wait in it (the step hangs). Use jaxcomp.apply_if_finite(tx, "
+            f"max_consecutive_errors, axis_name={axis_name!r}), which decides on all devices "
+            "together."
+        ) from None
+    except Exception as e:  # noqa: BLE001 (any tracing failure: say what it means)
+        raise _probe_error(axis_name, e) from e
     return found
+
+
+def _probe_error(axis_name, error: Exception) -> ValueError:
+    """What make_train_step says when tracing tx under check_vma fails for another reason."""
+    return ValueError(
+        "make_train_step could not trace tx under shard_map's check_vma typing to find "
+        f"which update leaves it averages over {axis_name!r} "
+        f"({type(error).__name__}: {error})."
+    )
 
 
 def _check_averaged_stay_identical(
@@ -1297,7 +1511,7 @@ def make_train_step(
             loss, updates, state = overlapped(
                 loss_fn, params, state, extra, batch, has_aux=has_aux or mutable, **kwargs
             )
-            dense_wire = jnp.float32(0)
+            dense_wire, inner_run_bytes = jnp.float32(0), None
         else:
             # FSDP leaves: this device holds a slice; the forward and the
             # compressor see the whole parameter (gathered), the update keeps
@@ -1311,6 +1525,9 @@ def make_train_step(
                 local_lib.check_no_local_branch_around_exchange(
                     tx, grads, state, full, extra, axis_name, "make_train_step"
                 )
+            inner_run_bytes = (
+                None if layout.model_axes else _inner_run_wire_bytes(tx, grads, state, full, extra)
+            )
             updates, state = _sharded_update(tx, layout)(grads, state, full, **extra)
             updates = _own_slices(updates, params, layout, axis_name)
             dense_wire = dense_wire + gather_wire
@@ -1322,7 +1539,7 @@ def make_train_step(
                 lambda x: _mean_if_float(x, axis_name, include), new_model_state
             )
         metrics = {"loss": lax.pmean(value, axis_name)}
-        wire = _wire_bytes_total(state)
+        wire = _wire_bytes_total(state, inner_run_bytes)
         if wire is not None and model_axes:
             # Summed over the model shards' stacked statistics: one device sends its shard's.
             wire = wire / n_model_devices

@@ -474,3 +474,42 @@ def test_bench_allreduce_bytes_match_each_exchanges_formula(tmp_path):
         assert r["wire_bytes"] == r["formula_bytes"] == expected, (exchange, n_dev)
         dense = rows[("dense", n_dev)]["wire_bytes"]
         assert r["fewer_than_dense"] == dense / r["wire_bytes"]
+
+
+def _records(byte_counts):
+    return [
+        {"epoch": e + 1, "test_accuracy": 0.5 + 0.1 * e, "cumulative_bytes_per_device": b}
+        for e, b in enumerate(byte_counts)
+    ]
+
+
+@pytest.mark.parametrize("with_dense", [False, True])
+def test_accuracy_plot_of_a_run_that_sends_nothing(tmp_path, with_dense):
+    """A coded run with r = n sends 0 bytes: plotted at 0, without matplotlib's warning."""
+    import warnings  # noqa: PLC0415
+
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    from experiments import train  # noqa: PLC0415
+
+    runs = {"cssgd_r4": _records([0.0, 0.0])}
+    if with_dense:
+        runs["dense"] = _records([1e6, 2e6])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Data has no positive values" was a UserWarning
+        train.write_plots(runs, str(tmp_path / "accuracy.png"))
+        fig = train.accuracy_figure(runs, plt)
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
+    ax = fig.axes[1]
+    lo, hi = ax.get_xlim()
+    assert lo <= 0.0 <= hi  # the zero-byte run is on the plot, not dropped
+    assert hi >= (2e6 if with_dense else 0.0)
+    assert ax.get_xscale() == ("symlog" if with_dense else "linear")
+    plt.close(fig)
+    # Runs that all send bytes keep the plain log axis.
+    fig = train.accuracy_figure({"dense": _records([1e6, 2e6])}, plt)
+    assert fig.axes[1].get_xscale() == "log"
+    plt.close(fig)

@@ -100,3 +100,60 @@ def test_bfloat16_residual_with_a_summing_exchange_runs(exchange):
     assert np.all(upd == upd[0]) and np.any(upd != 0)
     got = np.asarray(new.residual["w"], np.float64).sum(0) + 2 * upd[0]
     np.testing.assert_array_equal(got, np.asarray(g["w"], np.float64).sum(0))
+
+
+def _np_float16_mean(messages):
+    """Reference 16-bit reduction: each message / N, partial sums in device order, saturated."""
+    n_dev = messages.shape[0]
+    total = np.zeros(messages.shape[1], np.float64)
+    for m in messages:
+        total = np.clip(total + m / n_dev, -F16_MAX, F16_MAX).astype(np.float16)
+        total = total.astype(np.float64)
+    return total
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+@pytest.mark.parametrize("exchange", ["allgather", "allreduce", "server"])
+def test_cast_float16_accumulation_saturates_and_keeps_the_excess(exchange, error_feedback):
+    # Columns: a mean past 65504 (+ and -), one that passes it and comes back
+    # in device order, one that fits. Every value / 4 is exact in float16 (the
+    # leaf's message is scaled by 4), so the reference is exact.
+    n_dev = 4
+    col = np.array(
+        [
+            [98304, -98304, 98304, 3],
+            [98304, -98304, 98304, -1000],
+            [65536, -65536, 98304, 7],
+            [32768, -32768, -98304, 1],
+        ],
+        np.float32,
+    )
+    g = np.tile(col, (1, 2))  # two chunks per device under "allreduce"
+    mesh = jax.make_mesh((n_dev,), ("data",), devices=jax.devices()[:n_dev])
+    tx = jaxcomp.cast(
+        jnp.float16,
+        accumulation_dtype=jnp.float16,
+        axis_name="data",
+        exchange=exchange,
+        error_feedback=error_feedback,
+    )
+    grads = _on_devices({"w": jnp.asarray(g)}, mesh)
+    state = _on_devices(jax.vmap(tx.init)(grads), mesh)
+    step = mesh_update(tx, mesh)
+    u, state = step(grads, state)
+    upd = np.asarray(u["w"], np.float64)
+    want = _np_float16_mean(g.astype(np.float64))
+    assert want[0] == F16_MAX and want[1] == -F16_MAX  # the reference saturates
+    np.testing.assert_array_equal(upd, np.broadcast_to(want, upd.shape))
+    if not error_feedback:
+        return
+    # Nothing lost: what the update could not hold stays in the residuals.
+    res = np.asarray(state.residual["w"], np.float64)
+    np.testing.assert_array_equal(res.sum(0) + n_dev * upd[0], g.astype(np.float64).sum(0))
+    # ... and is sent on the next steps: with zero gradients the updates add up to the mean.
+    total = upd[0].copy()
+    zeros = _on_devices({"w": jnp.zeros_like(jnp.asarray(g))}, mesh)
+    for _ in range(2):
+        u, state = step(zeros, state)
+        total += np.asarray(u["w"], np.float64)[0]
+    np.testing.assert_array_equal(total, g.astype(np.float64).mean(0))

@@ -241,27 +241,108 @@ def test_multisteps_compressor_stays_replicated(mesh):
     assert np.any(device_copies(params["w"])[0] != 0)
 
 
-def test_multisteps_wire_bytes_count_the_steps_that_exchange(mesh):
-    """MultiSteps runs the compressor (and its exchange) on every k-th mini-step only;
-    on the others its state still holds the last run's wire_bytes, which nothing sent.
-    The leaves the step averages itself (b, outside the compressor) cost every step."""
+def run_counter(calls):
+    """An identity transform that records every run of the program around it (per device)."""
+
+    def update(updates, state, params=None):
+        del params
+        jax.debug.callback(lambda: calls.append(1))
+        return updates, state
+
+    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+
+
+def _wires(mesh, tx, batches):
+    params = dist.replicate(init_params(), mesh)
+    p, s = params, dist.init_opt_state(tx, params, mesh)
+    step = dist.make_train_step(loss_fn, tx, mesh, donate=False)
+    wires = []
+    for b in batches:
+        p, s, metrics = step(p, s, dist.shard_batch(b, mesh))
+        wires.append(float(metrics["wire_bytes"]))
+    jax.block_until_ready(p)
+    return wires, p, s
+
+
+def test_multisteps_wire_bytes_count_every_mini_step(mesh):
+    """Issue 34 item 1: optax.MultiSteps runs its inner update, the exchange included, on
+    every mini-step (on the running mean) and keeps the last one's state only; the bytes
+    of every run are counted. The leaves the step averages itself (b, outside the
+    compressor) cost every step too. A mini-step skipped on all devices sends nothing."""
     plain = optax.chain(jaxcomp.top_k(0.25, axis_name="data"), optax.sgd(LR))
     masked = optax.chain(optax.masked(jaxcomp.top_k(0.25, axis_name="data"), MASK), optax.sgd(LR))
-    params = dist.replicate(init_params(), mesh)
-    batch = dist.shard_batch(make_data(3), mesh)
+    batches = [make_data(3)] * 4
     for tx in (plain, masked):
-        wires = {}
-        for label, t in (("plain", tx), ("multi", optax.MultiSteps(tx, every_k_schedule=2))):
-            p, s = params, dist.init_opt_state(t, params, mesh)
-            step = dist.make_train_step(loss_fn, t, mesh, donate=False)
-            wires[label] = []
-            for _ in range(4):
-                p, s, metrics = step(p, s, batch)
-                wires[label].append(float(metrics["wire_bytes"]))
+        one, _, _ = _wires(mesh, tx, batches)
         dense_b = 2 * (N - 1) / N * 4 if tx is masked else 0.0  # b's ring all-reduce
-        exchange = wires["plain"][0] - dense_b
-        assert exchange > 0 and len(set(wires["plain"])) == 1
-        assert wires["multi"] == [dense_b, dense_b + exchange] * 2
+        exchange = one[0] - dense_b  # one exchange's bytes
+        assert exchange > 0 and len(set(one)) == 1
+        calls = []
+        multi = optax.MultiSteps(optax.chain(run_counter(calls), tx), every_k_schedule=2)
+        wires, _, _ = _wires(mesh, multi, batches)
+        assert len(calls) == 4 * N  # the inner update (and its exchange) ran on every mini-step
+        assert wires == [dense_b + exchange] * 4
+    # skip_not_finite: the poisoned mini-step is skipped on every device, nothing is sent.
+    poisoned = {k: v.copy() for k, v in make_data(3).items()}
+    poisoned["x"][0, 0] = np.nan
+    calls = []
+    skip = dist.skip_not_finite("data")
+    multi = optax.MultiSteps(
+        optax.chain(run_counter(calls), plain), every_k_schedule=2, should_skip_update_fn=skip
+    )
+    wires, _, _ = _wires(mesh, multi, [make_data(3), poisoned, make_data(3)])
+    assert len(calls) == 2 * N
+    assert wires == [one[0], 0.0, one[0]]
+
+
+def _per_device_concat(batches):
+    """One batch whose shard on device i is the concatenation of the batches' shards i."""
+    return {
+        k: np.concatenate([b[k].reshape(N, -1, *b[k].shape[1:]) for b in batches], axis=1).reshape(
+            -1, *batches[0][k].shape[1:]
+        )
+        for k in batches[0]
+    }
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["compressed", "masked"])
+def test_accumulate_then_compress_exchanges_once_per_k_mini_steps(mesh, masked):
+    """Issue 34 item 1: accumulate locally, compress and exchange once per k mini-steps.
+
+    Bytes: the exchange only on the k-th mini-step (the step's own dense all-reduce of
+    b, outside the compressor, every mini-step). Result: the update of k mini-batches
+    is the compressor's on their mean gradient, i.e. one plain step on the per-device
+    concatenation of the k mini-batches (the loss is a mean over equal halves), and
+    optax.MultiSteps' (the same updates, k times the exchanges)."""
+    comp = jaxcomp.top_k(0.25, axis_name="data")
+    tx = optax.chain(optax.masked(comp, MASK) if masked else comp, optax.sgd(LR))
+    k = 2
+    batches = [make_data(10 + i) for i in range(2 * k)]
+    one, _, _ = _wires(mesh, tx, batches[:1])
+    dense_b = 2 * (N - 1) / N * 4 if masked else 0.0
+    exchange = one[0] - dense_b
+    calls = []
+    acc = jaxcomp.accumulate_then_compress(optax.chain(run_counter(calls), tx), every_k=k)
+    wires, p_acc, s_acc = _wires(mesh, acc, batches)
+    assert len(calls) == 2 * N  # the inner update ran on the 2 last mini-steps only
+    assert wires == [dense_b, dense_b + exchange] * 2
+    assert int(np.asarray(s_acc.mini_step)[0]) == 0
+    # The reference: one plain step per pair, on the pair's per-device concatenation.
+    pairs = [_per_device_concat(batches[i : i + k]) for i in range(0, 2 * k, k)]
+    _, p_ref, _ = _wires(mesh, tx, pairs)
+    _, p_multi, _ = _wires(mesh, optax.MultiSteps(tx, every_k_schedule=k), batches)
+    for name in p_ref:
+        ref = device_copies(p_ref[name])[0]
+        np.testing.assert_allclose(device_copies(p_acc[name])[0], ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(device_copies(p_multi[name])[0], ref, rtol=1e-5, atol=1e-6)
+        assert not np.array_equal(ref, init_params()[name])
+    assert_replicated(p_acc)
+
+
+def test_accumulate_then_compress_rejects_bad_every_k():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="every_k"):
+            jaxcomp.accumulate_then_compress(optax.sgd(LR), bad)
 
 
 # --- item 2: psum-ed gradients into a compressor -------------------------------------

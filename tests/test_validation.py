@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import FACTORIES
 
@@ -215,3 +216,156 @@ def test_ldte_paper_variant_rejects_contradicting_options(kwargs, arg):
     # Options that agree with the paper, and the improved variant's overrides, are fine.
     jaxcomp.ldte_bs(0.1, variant="paper", **PAPER)
     jaxcomp.ldte_bs(0.1, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Issue 34, item 10: a custom selector must return a Selection.
+# ---------------------------------------------------------------------------
+
+
+def threshold_only_selector(x, k):
+    """A custom selector's common mistake: it returns the bare threshold."""
+    return jnp.sort(jnp.abs(x))[-k]
+
+
+def good_selector(x, k):
+    t = jnp.sort(jnp.abs(x))[-k - 1]
+    return selectors.Selection(t, jnp.sum(jnp.abs(x) > t, dtype=jnp.int32), jnp.int32(0))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"reuse_period": 2}, {"axis_name": "data"}],
+    ids=["one_device", "reuse", "exchange"],
+)
+def test_custom_selector_returning_an_array_is_named(kwargs):
+    x = np.arange(1.0, 17.0) * (-1.0) ** np.arange(16)  # distinct magnitudes
+    g = {"w": jnp.asarray(x, jnp.float32)}
+
+    def run():  # reuse_period probes the selector at construction: named there
+        tx = jaxcomp.sparsify(threshold_only_selector, 0.25, min_dense_size=0, **kwargs)
+        if "axis_name" not in kwargs:
+            return tx.update(g, tx.init(g))
+        mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+        spec = jax.sharding.PartitionSpec()
+        f = jax.shard_map(tx.update, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return f(g, tx.init(g))
+
+    with pytest.raises(ValueError, match=r"selector threshold_only_selector returned .*Selection"):
+        run()
+    # The same selector returning a Selection works: the top 4 of |x| are sent (numpy).
+    tx = jaxcomp.sparsify(good_selector, 0.25, min_dense_size=0)
+    u, _ = tx.update(g, tx.init(g))
+    np.testing.assert_array_equal(np.asarray(u["w"]), np.where(np.abs(x) > 12, x, 0))
+
+
+# ---------------------------------------------------------------------------
+# Issue 34, item 12: errors that pointed the wrong way.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axis_name", [None, ()])
+def test_dense_exchange_without_an_axis_is_refused_at_construction(axis_name):
+    with pytest.raises(ValueError, match=r"dense_exchange: axis_name must name the mesh axis"):
+        jaxcomp.dense_exchange(axis_name)
+
+
+def test_dense_exchange_with_an_axis_is_the_mean():
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    tx = jaxcomp.dense_exchange("data")
+    g = np.arange(8.0, dtype=np.float32).reshape(2, 4)
+    spec = jax.sharding.PartitionSpec("data")
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: tx.update(x[0], tx.init(x[0]))[0][None], mesh=mesh, in_specs=spec,
+            out_specs=spec,
+        )
+    )  # fmt: skip
+    x = jax.device_put(g, jax.sharding.NamedSharding(mesh, spec))
+    np.testing.assert_array_equal(np.asarray(f(x)), np.stack([g.mean(0)] * 2))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxcomp.top_k(0.25),
+        lambda: jaxcomp.qsgd(4, error_feedback=True, min_dense_size=0),
+        lambda: jaxcomp.powersgd(1),
+        lambda: optax.chain(jaxcomp.top_k(0.25), optax.sgd(0.1)),
+    ],
+    ids=["top_k", "qsgd", "powersgd", "chain"],
+)
+def test_state_restored_without_a_target_says_how_to_restore(make, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = make()
+    g = {"w": jnp.asarray(np.random.default_rng(0).laplace(size=(8, 6)), jnp.float32)}
+    _, state = tx.update(g, tx.init(g))  # a state worth restoring
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "state", state)
+    with ocp.StandardCheckpointer() as ckpt:
+        plain = ckpt.restore(tmp_path / "state")  # no target: dicts and lists
+        typed = ckpt.restore(tmp_path / "state", jax.eval_shape(tx.init, g))
+    with pytest.raises(ValueError, match=r"restore with the abstract state as target"):
+        tx.update(g, plain)
+    # Restored with the target, the next step is the one the original state gives.
+    want, typed_want = tx.update(g, state)
+    got, typed_got = tx.update(g, typed)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
+    for a, b in zip(jax.tree.leaves(typed_got), jax.tree.leaves(typed_want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_elias_encode_takes_python_ints_past_int64():
+    from jaxcomp import coding
+
+    values = [1, 2**63, 2**64 - 1, 5]  # numpy alone reads this list as float64 (or object)
+    data = coding.elias_encode(values)
+    assert coding.elias_decode(data, 4).tolist() == values  # exact, not rounded
+    # The same values as uint64 give the same bytes.
+    assert data == coding.elias_encode(np.array(values, np.uint64))
+    with pytest.raises(ValueError, match=r"\[1, 2\*\*64 - 1\].*maximum 18446744073709551616"):
+        coding.elias_encode([1, 2**64])
+    with pytest.raises(ValueError, match=r"integers in \[1, 2\*\*64 - 1\].*minimum -1"):
+        coding.elias_encode([-1, 2**63])
+    with pytest.raises(ValueError, match=r"values must be integers, got dtype float64"):
+        coding.elias_encode([1.5, 2**63])
+
+
+def test_groups_path_removed_by_optax_masked_is_named():
+    params = {"a": jnp.ones(100), "b": jnp.ones(100), "c": jnp.ones(3)}
+    mask = {"a": True, "b": False, "c": True}
+    tx = optax.masked(jaxcomp.top_k(0.1, groups=[["['a']", "['b']"]]), mask)
+    with pytest.raises(ValueError, match=r"leaf path .*b.* was removed by optax.masked"):
+        tx.init(params)
+    # A typo is still an unknown path.
+    tx = optax.masked(jaxcomp.top_k(0.1, groups=[["['a']", "['x']"]]), mask)
+    with pytest.raises(ValueError, match=r"unknown leaf path \"\['x'\]\""):
+        tx.init(params)
+
+
+def _train_step_error(tx):
+    from jaxcomp import distributed as dist
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)  # noqa: E731
+    params = dist.replicate(jnp.zeros(2), mesh)
+    batch = dist.shard_batch({"x": np.eye(2, dtype=np.float32), "y": np.ones(2, np.float32)}, mesh)
+    step = dist.make_train_step(loss, tx, mesh)
+    with pytest.raises(ValueError) as info:
+        step(params, dist.init_opt_state(tx, params, mesh), batch)
+    return str(info.value)
+
+
+def test_train_step_with_a_wrong_compressor_axis_name_says_so():
+    tx = optax.chain(jaxcomp.top_k(0.5, axis_name="batch"), optax.sgd(0.1))
+    message = _train_step_error(tx)
+    assert "unbound axis name: batch" in message
+    assert "give the compressor axis_name='data'" in message
+    assert "apply_if_finite" not in message  # not the advice for another problem
+
+
+def test_train_step_refuses_optax_apply_if_finite_without_the_type_dump():
+    inner = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(0.1))
+    message = _train_step_error(optax.apply_if_finite(inner, 3))
+    assert "jaxcomp.apply_if_finite(tx, max_consecutive_errors, axis_name='data')" in message
+    assert "true_fun" not in message and len(message) < 600  # JAX's cond types: ~2.5 KB

@@ -90,8 +90,35 @@ def _bitlen(v) -> np.ndarray:
     return np.where(hi > 0, 32 + bl_hi, bl_lo)
 
 
+def _python_ints_as_uint64(values, name: str) -> np.ndarray | None:
+    """Python integers as uint64, exactly; None if ``values`` holds anything else.
+
+    numpy reads a list mixing ints below 2**63 with ints from 2**63 up as
+    float64 (rounding them) or object: read the ints themselves instead.
+    """
+    if isinstance(values, np.ndarray):
+        return None
+    try:
+        objects = np.asarray(values, dtype=object).ravel()
+    except ValueError:  # ragged
+        return None
+    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in objects):
+        return None
+    low, high = min(int(x) for x in objects), max(int(x) for x in objects)
+    if low < 1 or high >= 2**64:
+        raise ValueError(
+            f"{name} must be integers in [1, 2**64 - 1] (uint64), got "
+            f"{'minimum ' + str(low) if low < 1 else 'maximum ' + str(high)}"
+        )
+    return np.array([int(x) for x in objects], dtype=_U64)
+
+
 def _as_positive_uint64(values, name: str) -> np.ndarray:
     arr = np.asarray(values)
+    if arr.dtype.kind in "fO" and arr.size:
+        exact = _python_ints_as_uint64(values, name)
+        if exact is not None:
+            return exact
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
             return np.zeros(0, _U64)

@@ -581,6 +581,7 @@ def onebit_adam(
         )
 
     def update_leaves(updates, state):
+        V.check_state_type(state, OnebitAdamState, who)
         _check_common(who, updates, state.mu, axis_name)
         grads, finite, ok = apply_nonfinite_policy(updates, nonfinite)
         g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
@@ -851,6 +852,7 @@ def zero_one_adam(
         )(updates, state)
 
     def update_leaves(updates, state):
+        V.check_state_type(state, ZeroOneAdamState, who)
         _check_common(who, updates, state.mu, axis_name)
         if local_steps and axis_name is not None and vma.probing_now():
             # make_train_step is tracing tx to find un-averaged update leaves.

@@ -604,6 +604,7 @@ def powersgd(
 
     def update_leaves(updates, state):
         V.check_gradient_leaves(updates, _WHO)
+        V.check_state_type(state, PowerSGDState, _WHO)
         if error_feedback:
             V.check_tree_like(updates, state.residual, _WHO)
         else:

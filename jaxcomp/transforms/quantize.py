@@ -969,7 +969,18 @@ def _first_and_rest(messages):
     return jax.tree.map(lambda m: m[0], messages), jax.tree.map(lambda m: m[1:], messages)
 
 
-def _mean_of_messages(decode, messages, denom, acc_dtype, split=None) -> list:
+def _saturate(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """``x`` (float32) in ``dtype`` saturated at its largest finite value, and what that cut off.
+
+    The cut (float32, 0 where ``x`` fits) is what a float16 sum past 65504
+    could not hold: the caller keeps it in the residual rather than losing it.
+    """
+    big = float(jnp.finfo(dtype).max)
+    held = jnp.clip(x, -big, big)
+    return held.astype(dtype), x - held
+
+
+def _mean_of_messages(decode, messages, denom, acc_dtype, split=None, cut=False) -> list:
     """Means of ``decode(messages[d])`` over the leading (device) axis, in device order.
 
     ``messages`` is a pytree of arrays with a leading device axis, ``decode``
@@ -986,27 +997,48 @@ def _mean_of_messages(decode, messages, denom, acc_dtype, split=None) -> list:
     ``denom``. Narrower (bfloat16, float16): each message divided by
     ``denom`` first, as PyTorch DDP's fp16 hook divides before its all-reduce
     (no overflow; exact for a power-of-two ``denom``, bar underflow), and
-    every partial sum rounded to ``acc_dtype`` (saturating), as an all-reduce
-    in that dtype rounds.
+    every partial sum rounded to ``acc_dtype``, as an all-reduce in that
+    dtype rounds, and saturated at its largest finite value (float16: 65504)
+    where it would overflow to inf.
+
+    With ``cut=True`` the result is ``(means, cuts)``: per mean, what
+    saturation cut off it (float32; the mean of the decoded messages is
+    ``mean + cut`` up to the partial sums' rounding); ``cuts`` is None at
+    least float32.
     """
     narrow = jnp.finfo(acc_dtype).bits < 32
     denom = jnp.asarray(denom, jnp.float32)
 
     def term(message):
-        def one(x):
-            return _to_dtype(x / denom, acc_dtype) if narrow else x.astype(acc_dtype)
+        if not narrow:
+            return [x.astype(acc_dtype) for x in decode(message)], None
+        pairs = [_saturate(x / denom, acc_dtype) for x in decode(message)]
+        return [t for t, _ in pairs], [c for _, c in pairs]
 
-        return [one(x) for x in decode(message)]
-
-    def body(totals, message):
-        totals = [t + x for t, x in zip(totals, term(message), strict=True)]
-        return ([_to_dtype(t, acc_dtype) for t in totals] if narrow else totals), None
+    def body(carry, message):
+        totals, cuts = carry
+        terms, term_cuts = term(message)
+        if not narrow:
+            return ([t + x for t, x in zip(totals, terms, strict=True)], None), None
+        # Added in float32 and rounded once: float16's own sum, bar its overflow.
+        sums = [
+            _saturate(t.astype(jnp.float32) + x.astype(jnp.float32), acc_dtype)
+            for t, x in zip(totals, terms, strict=True)
+        ]
+        totals = [t for t, _ in sums]
+        cuts = [c + tc + sc for c, tc, (_, sc) in zip(cuts, term_cuts, sums, strict=True)]
+        return (totals, cuts), None
 
     # The first message starts the sum (it carries the messages' device-varying type).
     first, rest = _first_and_rest(messages)
-    totals, _ = lax.scan(body, term(first), rest)
+    (totals, cuts), _ = lax.scan(body, term(first), rest)
     totals = totals if split is None else split(totals)
-    return totals if narrow else [t / denom.astype(acc_dtype) for t in totals]
+    means = totals if narrow else [t / denom.astype(acc_dtype) for t in totals]
+    if not cut:
+        return means
+    if not narrow:  # nothing saturates: no cuts
+        return means, None
+    return means, cuts if split is None else split(cuts)
 
 
 def _majority_of_messages(decode, messages, acc_dtype) -> list:
@@ -1030,7 +1062,9 @@ def _majority_of_messages(decode, messages, acc_dtype) -> list:
     def body(carry, message):
         def add(c, t):
             (tally, voters, size), (vote, voted, mag) = c, t
-            return tally + vote, voters + voted, _to_dtype(size + mag, acc_dtype)
+            # Added in float32: a float16 sum past 65504 saturates, not inf.
+            size = _saturate(size.astype(jnp.float32) + mag.astype(jnp.float32), acc_dtype)[0]
+            return tally + vote, voters + voted, size
 
         return [add(c, t) for c, t in zip(carry, term(message), strict=True)], None
 
@@ -1155,9 +1189,15 @@ def quantize(
         messages are summed (all exchanges); ``None``: float32. Narrower
         dtypes (bfloat16, float16) sum in device order with every partial
         sum rounded to the dtype, after dividing each message by the device
-        count (PyTorch DDP's fp16 hook's order: no overflow); float64 needs
+        count (PyTorch DDP's fp16 hook's order: no overflow); a float16
+        partial sum past 65504 saturates there (never inf). float64 needs
         ``jax_enable_x64``. The update is then cast to the gradient dtype
-        (saturating).
+        (saturating). With error feedback, what saturation cut off the mean
+        stays in the residuals: every device counted in the mean keeps it
+        (``"allgather"``), or the device that averaged it keeps ``N`` times
+        it (``"allreduce"``: the chunk's owner; ``"server"``: the root), so
+        ``sum_d residual_d + N * update == sum_d (old residual_d + grad_d)``
+        up to the partial sums' rounding, and later steps send it.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with :class:`QuantizeState`
@@ -1261,24 +1301,60 @@ def quantize(
         return _Encoded(shape, out_dtype, acc, sent, (codes, scales), decoded, key, nbytes, new_vel)
 
     def exchange_leaves(leaves, include):
-        """The exchanged updates (flat, gradient dtype) of ``leaves``, and the bytes sent.
+        """The exchanged updates (flat, gradient dtype) of ``leaves``, the bytes sent, the excess.
 
         All leaves sent dense travel in one buffer per dtype, all messages in
         one buffer per dtype of their codes and scales: the collectives of a
-        step do not grow with the number of leaves.
+        step do not grow with the number of leaves. The excess, per leaf, is
+        what saturation cut off this device's share of the update (float32,
+        flat; None where nothing can be cut): see :func:`_kept_excess`.
         """
         if axis_name is None:
-            return [leaf.sent for leaf in leaves], jnp.float32(0)
+            return [leaf.sent for leaf in leaves], jnp.float32(0), [None] * len(leaves)
         dense = [j for j, leaf in enumerate(leaves) if leaf.message is None]
         coded = [j for j, leaf in enumerate(leaves) if leaf.message is not None]
-        out, wire = [None] * len(leaves), jnp.float32(0)
+        out, wire, excess = [None] * len(leaves), jnp.float32(0), [None] * len(leaves)
         for idx, run in ((dense, _exchange_dense), (coded, _exchange_messages)):
             if idx:
-                updates, w = run([leaves[j] for j in idx], include)
-                for j, u in zip(idx, updates, strict=True):
+                updates, w, *cut = run([leaves[j] for j in idx], include)
+                for k, (j, u) in enumerate(zip(idx, updates, strict=True)):
                     out[j] = u
+                    excess[j] = cut[0][k] if cut else None
                 wire = wire + w
-        return out, wire
+        return out, wire, excess
+
+    def _kept_excess(means, leaves, include, cuts=None, owner_cuts=None, count=None):
+        """Per leaf, the excess this device keeps in its residual (float32, flat), or None.
+
+        A float16 mean saturates at 65504 where the devices' messages add up
+        to more: in the accumulation (``accumulation_dtype=float16``,
+        ``cuts``) and in the cast to a float16 gradient dtype. Every device
+        that counted in the mean keeps what was cut, so that the residuals
+        together keep ``count`` times what the update could not hold
+        (``sum_d residual_d + count * update == sum_d (old residual_d +
+        grad_d)``, up to the partial sums' rounding), as
+        :func:`jaxcomp.sparsify` keeps a float16 leaf's share. With
+        ``owner_cuts`` (``"allreduce"``, ``"server"``: only the device that
+        averaged knows its mean's cut) that device keeps ``count`` times it.
+        None where nothing can be cut (float32 sums and gradients): the
+        residual is then computed as before, bit for bit.
+        """
+        kept = []
+        for i, (mean, leaf) in enumerate(zip(means, leaves, strict=True)):
+            cut = None if cuts is None else cuts[i]
+            big = float(jnp.finfo(leaf.out_dtype).max)
+            if big < float(jnp.finfo(jnp.float32).max):  # the cast to the gradient dtype
+                wide = mean.astype(jnp.float32)
+                over = jnp.isfinite(wide) & (jnp.abs(wide) > big)
+                cast_cut = jnp.where(over, wide - jnp.clip(wide, -big, big), 0)
+                cut = cast_cut if cut is None else cut + cast_cut
+            if cut is not None and include is not None:
+                cut = jnp.where(include, cut, 0)
+            if owner_cuts is not None:
+                owned = count * owner_cuts[i]
+                cut = owned if cut is None else cut + owned
+            kept.append(cut if error_feedback else None)
+        return kept
 
     def _exchange_dense(leaves, include):
         values = [leaf.sent for leaf in leaves]
@@ -1328,14 +1404,21 @@ def quantize(
         decode = _stacked_decoder(packing, [n for n, _ in groups])
         push = sum(_nbytes(m) for m in messages)
         split = functools.partial(_ungroup, groups)
+        excess = [None] * len(leaves)
         if exchange == "server":
             pull = sum(leaf.sent.size * jnp.dtype(leaf.out_dtype).itemsize for leaf in leaves)
-            means, wire = _server_mean(buffers, decode, split, push, pull)
+            means, wire, cuts = _server_mean(buffers, decode, split, push, pull)
+            count = jnp.float32(collectives.axis_size(axis_name))
+            excess = _kept_excess(means, leaves, include, owner_cuts=cuts, count=count)
         elif exchange == "gossip":
             means, wire = _gossip_mix(buffers, decode, split, leaves, push)
-        else:
+        elif exchange == "majority":
             means, wire = _gather_mean(buffers, decode, split, include, push)
-        return [_to_dtype(m, leaf.out_dtype) for m, leaf in zip(means, leaves, strict=True)], wire
+        else:
+            means, wire, cuts = _gather_mean(buffers, decode, split, include, push)
+            excess = _kept_excess(means, leaves, include, cuts=cuts)
+        updates = [_to_dtype(m, leaf.out_dtype) for m, leaf in zip(means, leaves, strict=True)]
+        return updates, wire, excess
 
     def _stacked_decoder(packing, sizes):
         """One device's row of the buffers -> per size, its leaves' decoded messages ``[k, n]``."""
@@ -1362,11 +1445,11 @@ def quantize(
         n_dev = collectives.axis_size(axis_name)
         denom, extra = _include_count(include)
         gathered = {dt: collectives.all_gather_invariant(b, axis_name) for dt, b in buffers.items()}
+        wire = jnp.float32(collectives.allgather_bytes(push, n_dev) + extra)
         if exchange == "majority":
-            means = split(_majority_of_messages(decode, gathered, acc_dtype))
-        else:
-            means = _mean_of_messages(decode, gathered, denom, acc_dtype, split)
-        return means, jnp.float32(collectives.allgather_bytes(push, n_dev) + extra)
+            return split(_majority_of_messages(decode, gathered, acc_dtype)), wire
+        means, cuts = _mean_of_messages(decode, gathered, denom, acc_dtype, split, cut=True)
+        return means, wire, cuts
 
     def _allreduce(leaves, groups, include):
         """A compressed all-reduce: reduce-scatter by all-to-all, then all-gather.
@@ -1390,8 +1473,8 @@ def quantize(
         # Row d of the result: device d's messages for this device's chunks.
         got = {dt: lax.all_to_all(b, axis_name, 0, 0) for dt, b in packing.pack(messages).items()}
         decode = _stacked_decoder(packing, chunks)
-        means = _mean_of_messages(
-            decode, got, denom, acc_dtype, functools.partial(_ungroup, groups)
+        means, cuts = _mean_of_messages(
+            decode, got, denom, acc_dtype, functools.partial(_ungroup, groups), cut=True
         )
         # Each mean chunk encoded again on its own, as in a per-leaf exchange: a
         # codec's divisions and reductions batched over leaves compile to other
@@ -1420,13 +1503,24 @@ def quantize(
                 *(jnp.swapaxes(x, 0, 1) for x in (codes, scales))
             )
             updates.append(decoded)  # [k, N, c]: per leaf, its chunks in order
-        updates = _ungroup(groups, updates)
-        updates = [
-            _to_dtype(u.reshape(-1)[: leaf.sent.size], leaf.out_dtype)
-            for u, leaf in zip(updates, leaves, strict=True)
+        means = [
+            u.reshape(-1)[: leaf.sent.size]
+            for u, leaf in zip(_ungroup(groups, updates), leaves, strict=True)
         ]
+        owner_cuts = None
+        if cuts is not None:
+            # This device owns chunk j of every leaf: its cut sits at chunk j.
+            j = lax.axis_index(axis_name)
+            owner_cuts = [
+                lax.dynamic_update_slice(
+                    jnp.zeros(n_dev * cut.size, jnp.float32), cut, (j * cut.size,)
+                )[: leaf.sent.size]
+                for cut, leaf in zip(cuts, leaves, strict=True)
+            ]
+        excess = _kept_excess(means, leaves, include, owner_cuts=owner_cuts, count=denom)
+        updates = [_to_dtype(m, leaf.out_dtype) for m, leaf in zip(means, leaves, strict=True)]
         wire = 2 * collectives.allgather_bytes(sum(_nbytes(m) for m in m_messages), n_dev) + extra
-        return updates, jnp.float32(wire)
+        return updates, jnp.float32(wire), excess
 
     def _gather_vote_dense(values):
         # Small leaves' full-precision values, all-gathered and voted on.
@@ -1458,13 +1552,17 @@ def quantize(
         pushed = {
             dt: jnp.stack(collectives.push_to_root(b, axis_name)) for dt, b in buffers.items()
         }
-        means = _mean_of_messages(decode, pushed, n_dev, acc_dtype, split)
+        means, cuts = _mean_of_messages(decode, pushed, n_dev, acc_dtype, split, cut=True)
         packing = _Packing(means)
         pulled = {
             dt: collectives.pull_from_root(b, axis_name) for dt, b in packing.pack(means).items()
         }
         link = collectives.server_link_bytes(push, pull, n_dev)
-        return packing.unpack(pulled), jnp.float32(link["worker"])
+        # Only the root's means (and what saturation cut off them) are the server's.
+        if cuts is not None:
+            root = lax.axis_index(axis_name) == 0
+            cuts = [jnp.where(root, c, 0) for c in cuts]
+        return packing.unpack(pulled), jnp.float32(link["worker"]), cuts
 
     def init(params):
         V.check_gradient_leaves(params, "jaxcomp.quantize.init", "parameter")
@@ -1507,6 +1605,7 @@ def quantize(
 
     def update_leaves(updates, state, include):
         V.check_gradient_leaves(updates, "jaxcomp.quantize")
+        V.check_state_type(state, State, "jaxcomp.quantize")
         if error_feedback:
             V.check_tree_like(updates, state.residual, "jaxcomp.quantize")
         else:  # no residual: message_bytes is laid out like the parameters too
@@ -1545,22 +1644,23 @@ def quantize(
         ]
         # Every leaf in one exchange; one exchange per leaf builds the tests' reference.
         groups = [range(len(leaves))] if merge_leaves else [[i] for i in range(len(leaves))]
-        flat_updates, wire = [None] * len(leaves), jnp.float32(0)
+        flat_updates, wire, excess = [None] * len(leaves), jnp.float32(0), [None] * len(leaves)
         for group in groups:
-            exchanged, w = exchange_leaves([leaves[i] for i in group], include)
-            for i, u in zip(group, exchanged, strict=True):
-                flat_updates[i] = u
+            exchanged, w, cut = exchange_leaves([leaves[i] for i in group], include)
+            for i, u, c in zip(group, exchanged, cut, strict=True):
+                flat_updates[i], excess[i] = u, c
             wire = wire + w
 
         def field(values):
             return treedef.unflatten(list(values))
 
-        def residual(leaf):  # in the residual dtype, one rounding
-            return (leaf.acc - leaf.sent.astype(leaf.acc.dtype)).reshape(leaf.shape)
+        def residual(leaf, cut):  # in the residual dtype, one rounding (two with a cut)
+            r = leaf.acc - leaf.sent.astype(leaf.acc.dtype)
+            return (r if cut is None else r + cut.astype(r.dtype)).reshape(leaf.shape)
 
         fields = dict(
             step=state.step + 1,
-            residual=field(map(residual, leaves)) if error_feedback else None,
+            residual=field(map(residual, leaves, excess)) if error_feedback else None,
             key=state.key,
             message_bytes=field(leaf.nbytes for leaf in leaves),
             wire_bytes=wire,

@@ -510,7 +510,9 @@ def cast(
         default, as the DDP hooks).
       accumulation_dtype: dtype of the sum over devices (``jnp.float32``;
         ``dtype`` itself reproduces a 16-bit reduction: each message divided
-        by the device count, partial sums rounded).
+        by the device count, partial sums rounded). A float16 sum past 65504
+        saturates there, never inf; with ``error_feedback=True`` the excess
+        stays in the residuals (see :func:`jaxcomp.transforms.quantize.quantize`).
       axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed,
         keep_message: as in :func:`jaxcomp.transforms.quantize.quantize`.
         ``exchange="allgather"`` (default): every device receives the ``N``

@@ -463,6 +463,13 @@ def resolve_groups(groups: Any, tree: Any) -> tuple[tuple[int, ...], ...]:
         owner: dict[int, int] = {}
         for gi, group in enumerate(groups):
             for path in group:
+                if path not in index and path in _masked_paths(tree):
+                    raise ValueError(
+                        f"groups[{gi}]: leaf path {path!r} was removed by optax.masked (its "
+                        "mask is False: this compressor never sees it); list only the leaves "
+                        "the mask keeps, or give groups as a callable params -> labels (it "
+                        "is called on the masked tree)"
+                    )
                 if path not in index:
                     shown = ", ".join(repr(p) for p in paths[:6])
                     shown += ", ..." if len(paths) > 6 else ""
@@ -486,6 +493,13 @@ def resolve_groups(groups: Any, tree: Any) -> tuple[tuple[int, ...], ...]:
     covered = {i for g in out for i in g}
     out += [(i,) for i in range(len(paths)) if i not in covered]
     return tuple(sorted(out, key=lambda g: g[0]))
+
+
+def _masked_paths(tree: Any) -> set[str]:
+    """Paths of the ``optax.MaskedNode`` placeholders ``optax.masked`` put in ``tree``."""
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_masked)[0]
+    return {jax.tree_util.keystr(p) for p, x in flat if is_masked(x)}
 
 
 def _layout(cfg: _Config, tree: Any) -> _Layout:
@@ -528,7 +542,9 @@ def sparsify(
 
     Args:
       selector: a name from ``jaxcomp.selection.SELECTORS`` or a function
-        ``selector(x, k, **selector_options) -> Selection``.
+        ``selector(x, k, **selector_options) -> Selection`` (anything else
+        returned, e.g. a bare threshold array, raises a ValueError naming
+        the selector).
       ratio: target density ``eta`` in (0, 1]; each leaf (group) of ``n``
         elements keeps ``k = max(1, ceil(eta * n))``.
       selector_options: keyword options passed to the selector.
@@ -867,7 +883,7 @@ def _make_config(
                 raise ValueError(f"selector_options {given} rejected: {e}") from None
     if options or hint_previous or reuse_period > 1:
         probe = jax.eval_shape(
-            lambda x: select_fn(x, 1, **options, **extra),
+            lambda x: _checked_selection(select_fn, select_fn(x, 1, **options, **extra)),
             jax.ShapeDtypeStruct((4,), jnp.float32),
         )
         if reuse_period > 1 and probe.indices is not None:
@@ -969,6 +985,7 @@ class _StepInputs(NamedTuple):
 
 def _check_updates(cfg: _Config, updates, state) -> None:
     V.check_gradient_leaves(updates, "jaxcomp.sparsify")
+    V.check_state_type(state, (SparsifyState, DeferredSparsifyState), "jaxcomp.sparsify")
     if cfg.defer_residual != isinstance(state, DeferredSparsifyState):
         raise ValueError(
             f"jaxcomp.sparsify: a state of a transform with defer_residual="
@@ -1664,7 +1681,19 @@ def _run_selector(cfg: _Config, acc, k, key, stored) -> selectors.Selection:
         extra["key"] = key
     if cfg.hint_previous:
         extra["hint"] = stored  # the previous step's threshold (inf at first)
-    return cfg.select_fn(acc, k, **cfg.options, **extra)
+    return _checked_selection(cfg.select_fn, cfg.select_fn(acc, k, **cfg.options, **extra))
+
+
+def _checked_selection(select_fn, sel) -> selectors.Selection:
+    """``sel`` if it is a ``Selection``; else a ValueError naming the selector (a custom one)."""
+    if isinstance(sel, selectors.Selection):
+        return sel
+    name = getattr(select_fn, "__qualname__", None) or repr(select_fn)
+    raise ValueError(
+        f"selector {name} returned a {type(sel).__name__}, not a Selection: a selector "
+        "returns jaxcomp.selection.Selection(threshold, count, iterations[, indices]), "
+        "e.g. Selection(t, jnp.sum(jnp.abs(x) > t), jnp.int32(0))"
+    )
 
 
 def _select(cfg: _Config, acc, k, key, stored, refresh, *, count_needed) -> selectors.Selection:
