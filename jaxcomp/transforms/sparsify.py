@@ -1116,11 +1116,6 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
 _PACKED_EXCHANGES = ("sparse", "dense", "auto")
 
 
-# Materialize a packed step's update and residual before splitting them into
-# leaves (see _compress_packed).
-_MATERIALIZE_PACKED = True
-
-
 def _packed_selector(cfg: _Config):
     """``(segmented selector, options)`` when this step can select every group
     together in one packed buffer, else None (each group alone).
@@ -1244,14 +1239,6 @@ def _compress_packed(
         update, wires = sent_out, jnp.zeros((len(sizes),), jnp.float32)
     else:
         update, wires = _exchange_packed(cfg, layout, mask, sent_out, caps, phase)
-    if _MATERIALIZE_PACKED and sum(len(gs) for _, _, gs, _ in items) > 1:
-        # Written out whole before the split: otherwise XLA fuses the step's
-        # elementwise tail into every leaf's slice, and compiles that tail
-        # once per leaf (a few ms of LLVM each on CPU).
-        # (Apart: a barrier's outputs share one device-variance type, and the
-        # exchanged update is the same on every device, the residual not.)
-        update = lax.optimization_barrier(update)
-        residual, new_u = lax.optimization_barrier((residual, new_u))
     updates, residuals = layout.unpack(update), layout.unpack(residual)
     masks = layout.unpack(mask)
     velocities = [None] * len(items) if new_u is None else layout.unpack(new_u)
