@@ -27,10 +27,18 @@ static shapes and one compilation for all steps, warm-up and reuse included.
 Layout of the code: :func:`sparsify` validates its arguments into a frozen
 :class:`_Config`; ``init`` and ``update`` are the module-level :func:`_init`
 and :func:`_update` over it. A step resolves the leaves into groups
-(:func:`_layout`), and each group is flattened into one buffer
-(:func:`_compress_group`) and compressed as one tensor
-(:func:`_compress_flat`): accumulate, select or reuse (:func:`_select`),
-send (:func:`_send_dense`, :func:`_send_masked`, :func:`_send_extracted`).
+(:func:`_layout`), each flattened into one buffer (:func:`_flatten_group`).
+With a selector that has a segmented form (``top_k``, ``ldte_bs``, ``dgc``)
+and one device or a packed exchange, the groups of a bucket (one residual
+and wire dtype) are packed as segments of one buffer (:func:`_pack`) and
+compressed together (:func:`_compress_packed`, see
+:mod:`jaxcomp.selection.segmented`); any other group is compressed alone
+(:func:`_compress_group`, :func:`_compress_flat`: accumulate, select or
+reuse with :func:`_select`, send with :func:`_send_dense`,
+:func:`_send_masked`, :func:`_send_extracted`). Each result is split back
+into its leaves (:func:`_split_group`) and :func:`_finish` writes the new
+state: the per-leaf statistics as one array per field, gathered from each
+pack's or group's :class:`_LeafStats`.
 """
 
 from __future__ import annotations
@@ -294,7 +302,7 @@ class _Layout(NamedTuple):
     """How the leaves (in ``jax.tree.flatten`` order) are grouped for one step."""
 
     groups: tuple[tuple[int, ...], ...]  # leaf indices, ascending, groups by first leaf
-    per_leaf: bool  # statistics shaped like the gradients (False: one scalar, "global")
+    per_leaf: bool  # statistics with an entry per leaf (False: one scalar, "global")
 
 
 class _FlatOut(NamedTuple):
