@@ -670,6 +670,12 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
             )
     _validate_sampling(c)
     n = c.num_devices or device_count
+    if n is not None and c.compressor in SPARSIFIERS and c.exchange is not None:
+        # The exchange's own trace-time check, before anything is written.
+        try:
+            jaxcomp.comm.sparse_allreduce.check_device_count(c.exchange, n)
+        except ValueError as e:
+            _invalid(f"{e} (--exchange, --num_devices)")
     if is_coded(c):
         _validate_coded_devices(c, n)
     elif c.sampling == "feature":

@@ -265,6 +265,16 @@ def test_main_rejects_bad_flags_before_training(tmp_path):
         (["--compressor=qsgd", "--levels=0"], "levels"),
         (["--compressor=qsgd", "--ratio=0.01"], "--ratio"),
         (["--batch_size=60", "--num_devices=8"], "divisible"),
+        # Recursive doubling: refused with the config (it used to die at the first step,
+        # after config.json, metrics.jsonl and checkpoints/ were written).
+        (
+            ["--compressor=top_k", "--exchange=gtopk", "--num_devices=3", "--batch_size=63"],
+            "needs a power-of-two number of devices along the axis, got 3",
+        ),
+        (
+            ["--compressor=ldte_bs", "--exchange=sparcml", "--num_devices=6", "--batch_size=60"],
+            "exchange='sparcml' pairs devices by recursive doubling",
+        ),
         (["--compressor=qsgd", "--levels=3000000000"], "levels must be an integer"),
         (["--batch_size=100000"], "exceeds the 1438 training examples"),  # digits
     ]:

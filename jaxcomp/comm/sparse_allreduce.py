@@ -63,7 +63,9 @@ __all__ = [
     "EXCHANGES",
     "INCLUDE_EXCHANGES",
     "OKTOPK_SLACK",
+    "POWER_OF_TWO_EXCHANGES",
     "Exchanged",
+    "check_device_count",
     "choose_exchange",
     "cyclic_mean",
     "exchange",
@@ -130,6 +132,29 @@ def _check_power_of_two(name: str, n_dev: int) -> None:
             f"number of devices along the axis, got {n_dev}; use exchange='oktopk' (any N) "
             "or 'sparse'"
         )
+
+
+def check_device_count(exchange: str, n_dev: int) -> None:
+    """Refuses a device count ``exchange`` cannot run on, before anything is traced.
+
+    The check the exchange itself makes when it is traced inside ``shard_map``
+    (:data:`POWER_OF_TWO_EXCHANGES` pair devices by recursive doubling), for
+    a run that knows its device count up front: its message, earlier.
+
+    Raises:
+      ValueError: ``n_dev`` is not a device count ``exchange`` runs on.
+
+    Example:
+      >>> check_device_count("gtopk", 8)  # fine
+      >>> check_device_count("sparse", 3)  # any count
+      >>> try:
+      ...     check_device_count("gtopk", 3)
+      ... except ValueError as e:
+      ...     print(str(e)[:60])
+      exchange='gtopk' pairs devices by recursive doubling and nee
+    """
+    if exchange in POWER_OF_TWO_EXCHANGES:
+        _check_power_of_two(exchange, n_dev)
 
 
 def gtopk_rounds(n_dev: int) -> int:
@@ -577,6 +602,8 @@ EXCHANGES = (
     "gossip",
     "scatter",
 )
+# Exchanges that pair devices by recursive doubling: a power-of-two device count.
+POWER_OF_TWO_EXCHANGES = ("gtopk", "sparcml")
 # Exchanges whose result is the exact mean of the messages.
 EXACT_EXCHANGES = ("sparse", "dense", "server", "sparcml")
 # Exchanges that take ``include=`` (backup workers): the mean over the included
