@@ -1242,6 +1242,7 @@ def _unexchanged_paths(
         check_vma=True,
     )
     update = _sharded_update(tx, layout, check_vma=True, stack_updates=True)
+    n_data = math.prod(mesh.shape[a] for a in names)
 
     def probe(params, extra):
         def gradient(path, p):
@@ -1253,8 +1254,9 @@ def _unexchanged_paths(
         updates, _ = update(grads, init_shard(params), params, **extra)
         shapes = {path: jnp.shape(p) for path, p in jax.tree_util.tree_flatten_with_path(params)[0]}
         for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
-            if path in scattered and jnp.shape(leaf) != shapes[path]:
-                continue  # this device's slice of a reduce-scatter
+            # This device's slice of a reduce-scatter (on one device: the whole leaf).
+            if path in scattered and (jnp.shape(leaf) != shapes[path] or n_data == 1):
+                continue
             if names & varying_axes(leaf):
                 found.append(path)
         return jnp.zeros([], jnp.float32)

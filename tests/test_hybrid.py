@@ -424,6 +424,29 @@ def test_fsdp_scatter_exchange_trains_like_the_all_gather():
     assert float(out["scatter"][2]["wire_bytes"]) < float(out["sparse"][2]["wire_bytes"])
 
 
+def test_fsdp_scatter_on_a_one_device_mesh_is_plain_training():
+    # One GPU (a Colab): each device's region is the whole leaf. Refused before
+    # ("the update leaves differ between devices"); now the plain step's result.
+    params, batches = _mlp_data(13, steps=3)
+    mesh = _mesh_1d(1)
+    out = {}
+    for exchange in ("sparse", "scatter"):
+        compressor = jaxcomp.ldte_bs(0.3, axis_name="data", min_dense_size=2, exchange=exchange)
+        tx = dist.sharded_optimizer(compressor, optax.adam(0.01), FSDP_SPECS)
+        out[exchange] = _train(_mlp_loss, tx, mesh, params, batches, FSDP_SPECS)
+    # Reference: the same optimizer on one device without a mesh (numpy-free
+    # but independent of the FSDP path: no sharded_optimizer, no shard_map).
+    tx = optax.chain(jaxcomp.ldte_bs(0.3, min_dense_size=2), optax.adam(0.01))
+    ref, state = dict(params), tx.init(params)
+    for batch in batches:
+        grads = jax.grad(_mlp_loss)(ref, batch)
+        updates, state = tx.update(grads, state, ref)
+        ref = optax.apply_updates(ref, updates)
+    for k in params:
+        for exchange in ("sparse", "scatter"):
+            np.testing.assert_allclose(out[exchange][0][k], ref[k], rtol=1e-6, atol=1e-7)
+
+
 def test_scatter_needs_the_sharded_optimizer():
     params, batches = _mlp_data(12, steps=1)
     compressor = jaxcomp.top_k(RATIO, axis_name="data", exchange="scatter")
