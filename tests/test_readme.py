@@ -4,8 +4,11 @@ import ast
 import contextlib
 import io
 import math
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -30,6 +33,55 @@ def _printed_claims(block):
         exact = match is not None and "..." not in match.group(1)
         claims.append(ast.literal_eval(match.group(1)) if exact else None)
     return claims
+
+
+# A block for several devices says so on its first line (and how to simulate them).
+NEEDS_DEVICES = "# Needs "
+
+# Runs the README's blocks in one namespace on ONE device, in a fresh process
+# (this one has 8 simulated devices): prints the blocks that fail.
+_ONE_DEVICE_RUN = """
+import contextlib, io, re, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 1)
+text = open(sys.argv[1]).read()
+ns, ran = {}, 0
+exec("import jax, jax.numpy as jnp, optax, jaxcomp", ns)
+for i, block in enumerate(re.findall(r"```python\\n(.*?)```", text, flags=re.S)):
+    if any(s in block for s in sys.argv[2:]):
+        continue
+    ran += 1
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(block, "README", "exec"), ns)
+    except Exception as e:
+        print(f"block {i} ({block.splitlines()[0]!r}): {type(e).__name__}: {e}"[:400])
+print("devices", jax.device_count(), "ran", ran)
+"""
+
+
+def test_readme_blocks_run_on_one_device_or_say_how_many_they_need():
+    # A reader with one GPU (a Colab) runs every example, except those that
+    # say on their first line how many devices they need and how to simulate them.
+    for block in _python_blocks():
+        if block.startswith(NEEDS_DEVICES):
+            assert "xla_force_host_platform_device_count" in block.split("\n", 3)[1], block[:200]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # no simulated devices: the one CPU device
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE_DEVICE_RUN, str(README), *SKIP, NEEDS_DEVICES],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *failures, last = proc.stdout.splitlines()
+    assert failures == [], failures
+    devices, ran = last.split()[1], int(last.split()[3])
+    expected = [b for b in _python_blocks() if not any(s in b for s in (*SKIP, NEEDS_DEVICES))]
+    assert devices == "1" and ran == len(expected) >= 20, last
 
 
 def test_readme_has_examples():
