@@ -28,6 +28,12 @@ def _spec(x):
     return spec
 
 
+def _on_own_mesh(x, spec):
+    """``spec`` on the mesh of ``x``'s own sharding: no ``jax.set_mesh`` context needed."""
+    mesh = jax.typeof(x).sharding.mesh
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+
+
 def explicit_specs(tree):
     """Per leaf, its explicit ``PartitionSpec`` if it is split over a mesh axis; None if none is.
 
@@ -45,7 +51,7 @@ def replicate_explicit(tree):
     """``tree`` with every explicitly split leaf resharded to replicated."""
 
     def full(x):
-        return x if _spec(x) is None else jax.sharding.reshard(x, P())
+        return x if _spec(x) is None else _on_own_mesh(x, P())
 
     return jax.tree.map(full, tree)
 
@@ -56,10 +62,7 @@ def reshard_like(tree, specs):
         return tree
     treedef, leaf_specs = specs
     leaves = treedef.flatten_up_to(tree)
-    out = [
-        x if s is None else jax.sharding.reshard(x, s)
-        for x, s in zip(leaves, leaf_specs, strict=True)
-    ]
+    out = [x if s is None else _on_own_mesh(x, s) for x, s in zip(leaves, leaf_specs, strict=True)]
     return jax.tree.unflatten(treedef, out)
 
 
