@@ -491,6 +491,22 @@ def onebit_adam(
     freeze (what DeepSpeed's ``exp_avg_mask`` is for; a 1-bit code cannot
     send 0). The paper recommends a warm-up of 15-25% of training.
 
+    Two more differences from DeepSpeed's ``OnebitAdam``, which the settings
+    above do not remove:
+
+    - DeepSpeed's first ``step()`` is an initialisation step that drops its
+      gradient, so its ``freeze_step=F`` runs ``F - 1`` dense steps on
+      gradients. To reproduce it, skip the first batch and pass
+      ``freeze_step=F - 1``.
+    - DeepSpeed flattens the momentum and pads it with zeros to a multiple of
+      ``N * lcm(N, 8)`` (``N`` devices) before its compressed all-reduce; the
+      padding counts in its ``sqrt(d)`` scales, so with a parameter count
+      that is not such a multiple the decoded values differ (at ``d = 1000``,
+      ``N = 4``, parameters differed by up to 68% after a few steps). No
+      setting reproduces that padding; with ``d`` a multiple of
+      ``N * lcm(N, 8)`` there is none and ``codec="sign_l2",
+      exchange="two_stage", bias_correction=False`` match DeepSpeed.
+
     The update is identical on every device (``v`` comes from the same dense
     means, ``m`` from the same decoded messages), so it works with
     :func:`jaxcomp.distributed.make_train_step` and replicated parameters.
