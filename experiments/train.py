@@ -1903,8 +1903,11 @@ def _merge_groups(
             with open(path, "w") as f:
                 json.dump(record, f, indent=1)
         owner = np.zeros(len(layers), np.int32)  # group index of each layer position
+        # The plan's positions index its own layer list (the forward pass's
+        # order, see planning.model_layers): map them by name.
+        position = {name: q for q, name in enumerate(names)}
         for gi, g in enumerate(record["layer_groups"]):
-            owner[list(g)] = gi
+            owner[[position[record["layers"][q]] for q in g]] = gi
     else:
         owner = np.zeros(len(layers), np.int32)
     if jax.process_count() > 1:

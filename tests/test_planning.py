@@ -288,6 +288,17 @@ def test_model_layers_follow_execution_order():
     flat = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     assert sorted(all_paths) == sorted(flat) and len(all_paths) == len(flat)
     assert sum(layer.size for layer in layers) == sum(x.size for x in jax.tree.leaves(params))
+    # Parameters rebuilt by jax.tree.map come back key-sorted ('Dense_10' before
+    # 'Dense_2'): their dicts no longer tell the order, the forward pass does.
+    rebuilt = jax.tree.map(lambda v: v, params)
+    assert [layer.name for layer in planning.model_layers(rebuilt)] != expected
+
+    def loss_fn(p, x):
+        return jnp.sum(model.apply({"params": p}, x))
+
+    traced = planning.model_layers(rebuilt, loss_fn, jnp.ones((2, 5)))
+    assert [layer.name for layer in traced] == expected
+    assert traced == layers  # the same layers, paths and sizes
 
 
 def test_model_layers_root_leaves_and_errors():

@@ -108,17 +108,40 @@ def _leaves_in_creation_order(tree) -> list[tuple[tuple, Any]]:
     return out
 
 
-def model_layers(params) -> tuple[Layer, ...]:
+def _first_uses(loss_fn, params, batch) -> dict[str, int]:
+    """Per leaf path, the position in ``loss_fn``'s traced program of its first use.
+
+    The forward pass's equations come in execution order, whatever order the
+    parameters' dicts have (``jax.tree.map`` and ``dist.replicate`` return
+    them key-sorted). Leaves the loss never reads are absent.
+    """
+    from jax.extend import core as jex_core  # noqa: PLC0415
+
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    jaxpr = jax.make_jaxpr(loss_fn)(params, batch).jaxpr
+    path_of = {v: jax.tree_util.keystr(p) for v, (p, _) in zip(jaxpr.invars, flat, strict=False)}
+    first: dict[str, int] = {}
+    for pos, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal) and v in path_of:
+                first.setdefault(path_of[v], pos)
+    return first
+
+
+def model_layers(params, loss_fn=None, batch=None) -> tuple[Layer, ...]:
     """The layers of a Flax params tree, in forward (execution) order.
 
     A layer is the set of leaves with the same parent path (the kernel and
-    bias of one ``Dense``, the scale and bias of one ``GroupNorm``). The order
-    is the insertion order of the nested dicts ``model.init`` returns, which
-    is the order the submodules ran (``jax.tree.flatten`` sorts keys instead:
-    ``'Dense_10'`` before ``'Dense_2'``, or a module named ``'b'`` that runs
-    before one named ``'a'``). A parent whose leaves are not adjacent (a
-    module holding both parameters and submodules) is placed at its first
-    leaf.
+    bias of one ``Dense``, the scale and bias of one ``GroupNorm``). With
+    ``loss_fn`` and ``batch``, the order is the order the forward pass first
+    reads each layer (traced with ``jax.make_jaxpr``, nothing run): right
+    whatever order the dicts have. Without them it is the insertion order of
+    the nested dicts ``model.init`` returns, which is the order the
+    submodules ran, but only as long as no ``jax.tree.map`` (or
+    ``dist.replicate``, ``place_params``) rebuilt them: those sort the keys,
+    ``'Dense_10'`` before ``'Dense_2'``. A parent whose leaves are not
+    adjacent (a module holding both parameters and submodules) is placed at
+    its first leaf; layers the loss never reads go last.
 
     Example:
       >>> import jax.numpy as jnp
@@ -130,6 +153,9 @@ def model_layers(params) -> tuple[Layer, ...]:
 
     Args:
       params: a pytree of arrays (e.g. ``model.init(...)["params"]``).
+      loss_fn: ``loss_fn(params, batch) -> scalar``, whose forward pass
+        gives the order (None: the dicts' insertion order).
+      batch: an input of ``loss_fn`` (with ``loss_fn``).
 
     Returns:
       A tuple of :class:`Layer`, first-run layer first.
@@ -153,10 +179,23 @@ def model_layers(params) -> tuple[Layer, ...]:
         parent = path[:-1]
         name = jax.tree_util.keystr(parent if parent else path)
         order.setdefault(name, []).append((jax.tree_util.keystr(path), int(np.size(leaf))))
-    return tuple(
+    layers = [
         Layer(name, tuple(p for p, _ in items), sum(n for _, n in items))
         for name, items in order.items()
-    )
+    ]
+    if loss_fn is not None:
+        first = _first_uses(loss_fn, params, batch)
+        unused = len(first) + len(layers)  # after every read layer, in insertion order
+
+        def when(path):
+            return first.get(path, unused)
+
+        layers = [
+            dataclasses.replace(layer, paths=tuple(sorted(layer.paths, key=when)))
+            for layer in layers
+        ]
+        layers.sort(key=lambda layer: when(layer.paths[0]))
+    return tuple(layers)
 
 
 # ---------------------------------------------------------------------------
@@ -314,7 +353,7 @@ def profile_backward(
             or flops_per_second <= 0
         ):
             raise ValueError(f"flops_per_second must be a number > 0, got {flops_per_second!r}")
-    layers = model_layers(params)[::-1]  # backward order
+    layers = model_layers(params, loss_fn, batch)[::-1]  # backward order
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     index = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(flat)}
     leaves = [jnp.asarray(v) for _, v in flat]
@@ -724,11 +763,21 @@ def plan_for_model(
         raise ValueError(f"t_c must be a callable of a group's element count, got {t_c!r}")
     if t_s is not None and not callable(t_s):
         raise ValueError(f"t_s must be None or a callable of a group's element count, got {t_s!r}")
-    layers = model_layers(params)[::-1]
+    if profile is not None:
+        if not isinstance(profile, BackwardProfile):
+            raise ValueError(
+                f"profile must be a BackwardProfile or None, got {type(profile).__name__}"
+            )
+        # Another model's profile is refused before its loss is traced on these params.
+        if sorted((layer.name, layer.size) for layer in profile.layers) != sorted(
+            (layer.name, layer.size) for layer in model_layers(params)
+        ):
+            raise ValueError(
+                "profile: its layers are not those of params (profiled another model?)"
+            )
+    layers = model_layers(params, loss_fn, batch)[::-1]
     if profile is None:
         profile = profile_backward(loss_fn, params, batch)
-    elif not isinstance(profile, BackwardProfile):
-        raise ValueError(f"profile must be a BackwardProfile or None, got {type(profile).__name__}")
     elif tuple(profile.layers) != layers:
         raise ValueError("profile: its layers are not those of params (profiled another model?)")
     if t_s is None:
