@@ -49,8 +49,9 @@ rule              fields, and what device ``j`` of ``M`` gets
                   (the residuals it was chosen for changed); kept when
                   ``M == N``.
 ``"empty"``       a field that must hold no values (1-bit and 0/1 Adam's
-                  ``server_residual`` with the single-stage exchange);
-                  ``ValueError`` when it holds some.
+                  ``server_residual``: None with the single-stage exchange,
+                  so nothing to resize; a two-stage server error raises
+                  ``ValueError``).
 ================  ==========================================================
 
 **The invariant.** For every fold leaf, ``(1/M) sum_j new_j == (1/N) sum_i

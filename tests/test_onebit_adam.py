@@ -774,7 +774,7 @@ def test_two_stage_state_is_not_resized_elastically(mesh):
     small = elastic.resize_opt_state(
         jax.tree.map(np.asarray, _stack_init(plain, {"w": jnp.zeros(16)}, mesh)), N, 4
     )
-    assert small.server_residual.shape == (4, 0)
+    assert small.server_residual is None  # allgather: no server error to resize
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "two_stage"])

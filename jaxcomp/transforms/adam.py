@@ -199,13 +199,20 @@ class _Exchange:
         return treedef.unflatten(out), wire
 
     def server_init(self, zeros):
-        """The two-stage exchange's server error (module docstring): flat, ``d`` values."""
+        """The two-stage exchange's server error (module docstring): flat, ``d`` values.
+
+        None when there is none to keep (``exchange="allgather"``, or no leaf
+        above ``min_dense_size``): orbax refuses to save a zero-size array, and
+        None is an empty pytree node that orbax, ``jaxcomp.elastic`` and
+        ``jax.tree`` all pass through.
+        """
         big = [z for z in jax.tree.leaves(zeros) if z.size > self.min_dense_size]
         d = sum(z.size for z in big) if self.two_stage else 0
+        if d == 0:
+            return None
         # The widest of the leaves' dtypes: one flat buffer carries them all, and a
         # float64 leaf beside a float32 one must not be rounded to float32.
-        dtype = jnp.result_type(*big) if big else jnp.float32
-        return jnp.zeros([d], dtype)
+        return jnp.zeros([d], jnp.result_type(*big))
 
     def compressed_mean(self, x, residual, server, message_bytes, ok, n_ok, step):
         """Mean over devices of the 1-bit messages of ``x + residual``.
@@ -291,7 +298,8 @@ def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_s
         out[i] = mean.astype(v.dtype)
         wire = wire + leaf_wire
         message_bytes.append(jnp.asarray(v.size * v.dtype.itemsize, jnp.int32))
-    d = server.shape[0]
+    # None: nothing to compress two-stage (states made before it was None held shape (0,)).
+    d = 0 if server is None else server.shape[0]
     if d:
         dtype = server.dtype
         chunk = -(-d // (8 * n)) * 8
@@ -423,7 +431,8 @@ class OnebitAdamState(NamedTuple):
       residual: error-feedback memory of the compressed momentum (per device).
       server_residual: ``exchange="two_stage"``'s server error, a flat vector
         of the compressed leaves' size, zero outside this device's chunk
-        (per device); empty with ``exchange="allgather"``.
+        (per device); None with ``exchange="allgather"`` (or when every leaf
+        is sent dense), as orbax cannot save a zero-size array.
       message_bytes: int32 per leaf, bytes of this device's last message (the
         dense gradient in the warm-up, packed 1-bit codes + scales after;
         two-stage: the leaf's packed signs, the scales are in ``wire_bytes``).
@@ -436,7 +445,7 @@ class OnebitAdamState(NamedTuple):
     mu: Any
     nu: Any
     residual: Any
-    server_residual: jax.Array
+    server_residual: jax.Array | None
     message_bytes: Any
     wire_bytes: jax.Array
     nonfinite_steps: jax.Array
@@ -633,7 +642,7 @@ def onebit_adam(
             mu=_where(live, mu, state.mu),
             nu=_where(live, nu, state.nu),
             residual=_where(live, residual, state.residual),
-            server_residual=jnp.where(live, server, state.server_residual),
+            server_residual=_where(live, server, state.server_residual),  # None stays None
             message_bytes=message_bytes,
             wire_bytes=wire + ok_wire,
             nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
@@ -681,7 +690,7 @@ class ZeroOneAdamState(NamedTuple):
     nu: Any
     nu_count: jax.Array
     residual: Any
-    server_residual: jax.Array
+    server_residual: jax.Array | None
     accumulator: Any
     lr_sum: jax.Array
     var_interval: jax.Array
@@ -936,7 +945,7 @@ def zero_one_adam(
             first = t == var_freeze_step + 1
             s = s._replace(
                 residual=_where(first, _zeros_like_tree(s.residual), s.residual),
-                server_residual=jnp.where(first, 0, s.server_residual),
+                server_residual=jax.tree.map(lambda x: jnp.where(first, 0, x), s.server_residual),
             )
             d = _denominator(s.nu, b2, eps, s.nu_count, bias_correction)
             m_local = _where(ok, optax.tree.update_moment(g, s.mu, b1, 1), s.mu)
