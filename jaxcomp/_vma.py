@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,11 @@ from jax import lax
 
 __all__ = [
     "ProbeError",
+    "check_not_in_local_branch",
     "check_per_device",
     "cond",
     "device_identical",
+    "local_branch",
     "probing",
     "probing_now",
     "varying_axes",
@@ -80,7 +83,10 @@ def check_per_device(grads, axis_name, who: str) -> None:
     and average it again: a silent wrong result. With ``check_vma=False`` the
     types are not tracked and this cannot be seen.
     """
-    if axis_name is None or _PROBING.get() or not vma_checked(axis_name):
+    if axis_name is None:
+        return
+    check_not_in_local_branch(axis_name, who)
+    if _PROBING.get() or not vma_checked(axis_name):
         return
     names = set(_axis_names(axis_name))
     leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
@@ -98,6 +104,90 @@ def check_per_device(grads, axis_name, who: str) -> None:
                 "traces the compressor on its zero accumulator, typed invariant; in a "
                 "hand-written shard_map use check_vma=False there, as make_train_step does.)"
             )
+
+
+# Set by jaxcomp.apply_if_finite(axis_name=None) while it traces its inner
+# transformation inside its per-device lax.cond.
+_LOCAL_BRANCH = contextvars.ContextVar("jaxcomp_vma_local_branch", default=False)
+
+
+@contextlib.contextmanager
+def local_branch():
+    """Marks tracing inside a ``lax.cond`` whose predicate is this device's own."""
+    token = _LOCAL_BRANCH.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL_BRANCH.reset(token)
+
+
+def _axis_bound(axis_name) -> bool:
+    try:
+        for name in _axis_names(axis_name):
+            lax.axis_size(name)
+    except NameError:
+        return False
+    return True
+
+
+def _local_branch_wrapper(axis_name) -> str | None:
+    """The wrapper (if any) that traces this exchange in a per-device branch.
+
+    Found on the Python stack at trace time: ``optax.apply_if_finite`` (its
+    ``do_update`` branch) and ``optax.MultiSteps`` whose skip decision is
+    typed device-varying, or is ``optax.skip_not_finite`` where the types are
+    not tracked. Tracing is synchronous, so the frames of the wrapper that is
+    tracing the branch are on the stack.
+    """
+    if _LOCAL_BRANCH.get():
+        return "jaxcomp.apply_if_finite without axis_name"
+    import optax  # noqa: PLC0415 (only at trace time)
+
+    names = set(_axis_names(axis_name))
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("optax"):
+            qualname = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+            if qualname.startswith("apply_if_finite.") and qualname.endswith(".do_update"):
+                return "optax.apply_if_finite"
+            if qualname == "MultiSteps.update":
+                skip = frame.f_locals.get("should_skip_update")
+                owner = frame.f_locals.get("self")
+                varying = skip is not None and bool(names & varying_axes(skip))
+                per_device = getattr(owner, "_should_skip_update_fn", None) is (
+                    optax.skip_not_finite
+                )
+                if varying or per_device:
+                    return "optax.MultiSteps with a per-device should_skip_update_fn"
+        frame = frame.f_back
+    return None
+
+
+def check_not_in_local_branch(axis_name, who: str) -> None:
+    """Raises if this exchange is traced in a branch each device picks on its own.
+
+    ``optax.apply_if_finite`` around an exchanging compressor decides with a
+    ``lax.cond`` on *this device's* gradients: a NaN on one device sends it
+    past the collective while the others wait in it, and the step hangs
+    (XLA:CPU aborts the process after a minute with a rendezvous dump that
+    names no NaN; with ``check_vma=True`` JAX instead prints kilobytes of
+    branch types). Refused when the compressor is traced, naming the wrapper
+    that decides on all devices together.
+    """
+    if not _axis_bound(axis_name):
+        return  # not under shard_map: the collective's own error says so
+    wrapper = _local_branch_wrapper(axis_name)
+    if wrapper is None:
+        return
+    raise ProbeError(
+        f"{who} exchanges over {axis_name!r} inside {wrapper}, which decides with a "
+        "lax.cond on this device's own gradients: a non-finite gradient on one device would "
+        "skip its exchange while the others wait in it (the step hangs; XLA:CPU aborts the "
+        "process). Use jaxcomp.apply_if_finite(tx, max_consecutive_errors, "
+        f"axis_name={axis_name!r}) (or jaxcomp.distributed.skip_not_finite({axis_name!r}) "
+        "for optax.MultiSteps), which decide on all devices together; the compressor's own "
+        "nonfinite='skip' (the default) already never hangs."
+    )
 
 
 # Set while make_train_step traces tx on fresh (invariant) state to find the

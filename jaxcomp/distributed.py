@@ -26,6 +26,7 @@ to return replicated parameters without another all-reduce.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -278,8 +279,9 @@ def apply_if_finite(
     an empty message and keeps its state while the others go on. Wrap the
     whole chain in this function when a non-finite step should be dropped
     everywhere (e.g. dynamic loss scaling, where the next step retries with a
-    smaller scale). Never wrap an exchanging compressor in
-    ``optax.apply_if_finite`` under ``shard_map``.
+    smaller scale). ``optax.apply_if_finite`` (and this function without
+    ``axis_name``) around an exchanging compressor under ``shard_map`` is
+    refused when the compressor is traced.
 
     Args:
       inner: the transformation to protect (e.g. the compressor chained with
@@ -355,10 +357,13 @@ def apply_if_finite(
             zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), shapes)
             return zeros, state.inner_state
 
-        # Branch outputs typed alike under check_vma (old vs new inner state).
-        new_updates, new_inner = vma.cond(
-            finite | (notfinite_count > max_consecutive_errors), do_update, reject_update, None
-        )
+        # Without axis_name each device decides alone: an exchange traced in
+        # the branch is refused (vma.check_not_in_local_branch).
+        local = vma.local_branch() if axis_name is None else contextlib.nullcontext()
+        with local:  # Branch outputs typed alike under check_vma (old vs new inner state).
+            new_updates, new_inner = vma.cond(
+                finite | (notfinite_count > max_consecutive_errors), do_update, reject_update, None
+            )
         return new_updates, optax.ApplyIfFiniteState(
             notfinite_count=notfinite_count,
             last_finite=finite,

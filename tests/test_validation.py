@@ -369,3 +369,69 @@ def test_train_step_refuses_optax_apply_if_finite_without_the_type_dump():
     message = _train_step_error(optax.apply_if_finite(inner, 3))
     assert "jaxcomp.apply_if_finite(tx, max_consecutive_errors, axis_name='data')" in message
     assert "true_fun" not in message and len(message) < 600  # JAX's cond types: ~2.5 KB
+
+
+# A hand-written shard_map (no make_train_step probe): the compressor itself
+# refuses, when traced, a wrapper whose lax.cond each device decides alone
+# (issue 34, item 9). Before, a NaN on one device aborted the process after a
+# minute (check_vma=False) or JAX printed kilobytes of branch types.
+_PER_DEVICE_WRAPPERS = {
+    "optax_apply_if_finite": lambda inner: optax.apply_if_finite(inner, 3),
+    "jaxcomp_apply_if_finite_no_axis": lambda inner: jaxcomp.apply_if_finite(inner, 3),
+    "multisteps_skip_not_finite": lambda inner: optax.MultiSteps(
+        inner, 2, should_skip_update_fn=optax.skip_not_finite
+    ),
+}
+_EXCHANGING = {
+    "top_k": lambda: jaxcomp.top_k(0.5, axis_name="data"),
+    "qsgd": lambda: jaxcomp.qsgd(bits=2, axis_name="data"),
+    "powersgd": lambda: jaxcomp.powersgd(rank=1, axis_name="data"),
+    "dense_exchange": lambda: jaxcomp.dense_exchange("data"),
+}
+
+
+def _hand_written_step(tx, check_vma):
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    grads = np.ones((2, 4, 8), np.float32)
+    grads[1, 0, 0] = np.nan  # one device's gradient
+    grads = jax.device_put(grads, jax.NamedSharding(mesh, P("data")))
+    state = tx.init(jnp.zeros((4, 8)))
+
+    def step(g, s):
+        u, s = tx.update(g[0], s)
+        return u, jax.tree.map(lambda x: x[None], s)  # per device, stacked
+
+    f = jax.shard_map(
+        step, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P(), P("data")),
+        check_vma=check_vma,
+    )  # fmt: skip
+    return jax.jit(f).lower(grads, state), jax.jit(f), grads, state
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("compressor", sorted(_EXCHANGING))
+@pytest.mark.parametrize("wrapper", sorted(_PER_DEVICE_WRAPPERS))
+def test_per_device_skip_around_an_exchange_is_refused_in_a_hand_written_shard_map(
+    wrapper, compressor, check_vma
+):
+    tx = _PER_DEVICE_WRAPPERS[wrapper](optax.chain(_EXCHANGING[compressor](), optax.sgd(0.1)))
+    with pytest.raises(ValueError) as info:
+        _hand_written_step(tx, check_vma)
+    message = str(info.value)
+    assert "axis_name='data'" in message and "jaxcomp.apply_if_finite(tx" in message
+    assert "true_fun" not in message and len(message) < 800  # JAX's cond types: ~2.5 KB
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_jaxcomp_apply_if_finite_with_the_axis_skips_on_every_device(check_vma):
+    inner = optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(0.1))
+    tx = jaxcomp.apply_if_finite(inner, 3, axis_name="data")
+    _, step, grads, state = _hand_written_step(tx, check_vma)
+    updates, new_state = step(grads, state)
+    np.testing.assert_array_equal(np.asarray(updates), np.zeros((4, 8), np.float32))
+    # Skipped on both devices: counted, and nothing enters either residual.
+    np.testing.assert_array_equal(np.asarray(new_state.notfinite_count), [1, 1])
+    residual = jaxcomp.residuals(new_state.inner_state)
+    np.testing.assert_array_equal(np.asarray(residual), np.zeros((2, 4, 8), np.float32))

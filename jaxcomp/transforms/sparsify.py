@@ -635,10 +635,10 @@ def sparsify(
         replaced by 0 and the rest is used. Neither ever writes NaN/Inf into
         the residual. ``optax.apply_if_finite`` around the compressor also
         protects the residual on one device; under ``shard_map`` its
-        ``lax.cond`` sends a device with a NaN down the branch without the
-        exchange while the others wait in it: the step hangs (XLA aborts
-        after its rendezvous timeout), as it does with ``optax.MultiSteps``'
-        ``should_skip_update_fn``. Use ``"skip"`` there, or
+        ``lax.cond`` would send a device with a NaN down the branch without
+        the exchange while the others wait in it (the step would hang), as
+        would ``optax.MultiSteps``' ``should_skip_update_fn``: both are
+        refused when the compressor is traced. Use ``"skip"`` there, or
         :func:`jaxcomp.distributed.apply_if_finite` around the whole chain
         (:func:`jaxcomp.distributed.skip_not_finite` for ``MultiSteps``).
       exchange: how messages travel with ``axis_name``
