@@ -13,6 +13,12 @@ Two references:
   the leaf gets when it is compressed alone, bit for bit, and every leaf's
   count must land in the window ``[k, 1.5 k]`` whenever the data allow.
 
+- ``threshold`` and ``binary_search`` from zero (bit for bit), ``trimmed_top_k``,
+  ``gaussian_k`` and ``binary_search`` from the mean: the
+  same counts and iterations as the 1-D selectors per segment, thresholds
+  within a few ulp (their means are summed by rows), and the same per-leaf
+  contract as ``ldte_bs``.
+
 The segmented kernels themselves are checked against numpy and the 1-D
 selectors (``capacity_cut`` message, ``exact_top_k`` and ``dgc_sample``
 thresholds).
@@ -165,6 +171,66 @@ def test_segmented_top_k_and_dgc_equal_the_1d_selectors():
             assert _bits(sel.threshold[s]) == _bits(ref.threshold)
             assert int(sel.count[s]) == int(ref.count)
             assert int(sel.iterations[s]) == int(ref.iterations)
+
+
+FIT_SELECTORS = [
+    (sg.fixed_threshold, S1.fixed_threshold, {"threshold": 1.5}),
+    (sg.binary_search, S1.binary_search, {}),
+    (sg.binary_search, S1.binary_search, {"start": "mean", "upper": 2.0}),
+    (sg.binary_search, S1.binary_search, {"max_iters": 3}),  # the fallback
+    (sg.trimmed_top_k, S1.trimmed_top_k, {}),
+    (sg.trimmed_top_k, S1.trimmed_top_k, {"start": 0.5, "step": 0.1}),
+    (sg.gaussian_k, S1.gaussian_k, {}),
+    (sg.gaussian_k, S1.gaussian_k, {"refine": False}),
+    (sg.gaussian_k, S1.gaussian_k, {"corrections": 0, "lower": 0.9, "upper": 1.1}),
+]
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.1])
+@pytest.mark.parametrize("seg,one,kw", FIT_SELECTORS, ids=lambda v: getattr(v, "__name__", ""))
+def test_segmented_fit_selectors_decide_as_the_1d_selectors(seg, one, kw, ratio):
+    rng = np.random.default_rng(3)
+    sizes = (5, 300, 1000, 70_000, 257, 16, 3000, 1, 4096)
+    parts = [rng.laplace(size=n).astype(np.float32) for n in sizes]
+    parts[2][:50] = 1.0  # ties at the top
+    parts[5][:] = 0.0  # fewer than k nonzeros
+    parts[8][:] = -3.0  # constant
+    layout = sg.SegmentLayout(sizes)
+    x = layout.pack([jnp.asarray(p) for p in parts], jnp.float32)
+    table = np.asarray([[S1.target_count(ratio, n) for n in sizes]])
+    sel = jax.jit(lambda x: seg(layout, x, sg.Targets(table), **kw))(x)
+    for s, p in enumerate(parts):
+        ref = jax.jit(functools.partial(one, k=int(table[0, s]), **kw))(jnp.asarray(p))
+        t, t_ref = np.float32(sel.threshold[s]), np.float32(ref.threshold)
+        if seg is sg.fixed_threshold or (seg is sg.binary_search and "start" not in kw):
+            assert _bits(t) == _bits(t_ref)
+        else:  # the means are summed by rows: the last bits may differ
+            assert abs(int(_bits(t)) - int(_bits(t_ref))) <= 4, (s, t, t_ref)
+        # The count is the threshold's, checked in numpy, and the 1-D selector's.
+        assert int(sel.count[s]) == int(np.sum(np.abs(p) > t)) == int(ref.count), s
+        assert int(sel.iterations[s]) == int(ref.iterations), s
+
+
+@pytest.mark.parametrize("kind", ["laplace", "ties", "zeros"])
+@pytest.mark.parametrize("name", ["gaussian_k", "trimmed_top_k", "threshold", "binary_search"])
+def test_fit_selectors_tree_gives_each_leaf_its_own_result(name, kind):
+    make = {
+        "binary_search": lambda: jaxcomp.binary_search(0.02, start="mean"),
+        "gaussian_k": lambda: jaxcomp.gaussian_k(0.02),
+        "trimmed_top_k": lambda: jaxcomp.trimmed_top_k(0.02),
+        "threshold": lambda: jaxcomp.threshold(0.02, threshold=1.0),
+    }[name]
+    trees = [_tree(s, kind) for s in range(3)]
+    whole = _run(make(), trees)
+    for leaf in trees[0]:
+        alone = _run(make(), [{leaf: t[leaf]} for t in trees])
+        for (u1, s1), (u2, s2) in zip(whole, alone, strict=True):
+            np.testing.assert_array_equal(_bits(u1[leaf]), _bits(u2[leaf]))
+            np.testing.assert_array_equal(_bits(s1.residual[leaf]), _bits(s2.residual[leaf]))
+            for field in ("threshold", "sent_count", "search_iterations"):
+                a = jaxcomp.statistics(s1)[field][leaf]
+                b = jaxcomp.statistics(s2)[field][leaf]
+                np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def test_capacity_cut_sends_the_largest_ties_to_the_lower_index():

@@ -30,8 +30,10 @@ selector serves every phase.
 Selectors with a segmented form are in :data:`SEGMENTED` (by the 1-D
 selector they stand for): ``exact_top_k`` (the same threshold and count bit
 for bit: the k-th largest magnitude found by a search on float32 bit
-patterns instead of ``lax.top_k``), ``ldte_bs`` and ``dgc_sample`` (the same
-algorithm per segment; see each for what differs from the 1-D form).
+patterns instead of ``lax.top_k``), ``fixed_threshold`` (bit for bit),
+``binary_search`` (bit for bit from zero), ``ldte_bs``, ``dgc_sample``,
+``trimmed_top_k`` and ``gaussian_k`` (the same algorithm per segment; see
+each for what differs from the 1-D form).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp import _validation as V
 from jaxcomp._vma import varying_like
 from jaxcomp.selection import selectors as S1
 
@@ -56,10 +59,14 @@ __all__ = [
     "SegmentLayout",
     "SegmentSelection",
     "Targets",
+    "binary_search",
     "capacity_cut",
     "dgc_sample",
     "exact_top_k",
+    "fixed_threshold",
+    "gaussian_k",
     "ldte_bs",
+    "trimmed_top_k",
 ]
 
 # Row width: a segment is padded to whole rows (at most ROW - 1 zeros each);
@@ -551,9 +558,27 @@ def ldte_bs(
         layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo == 0,
         upper=upper, search=search, max_iters=max_iters, delta=delta,
     )  # fmt: skip
+    t, c = _settle(layout, x, k, ub, cap, t, c, lo, c_lo, hi, lo_zero)
+    if exact_below:
+        small = jnp.asarray(sizes < exact_below)
+        if bool(np.any(sizes < exact_below)):
+            ex = exact_top_k(layout, x, targets)
+            t = jnp.where(small, ex.threshold, t)
+            c = jnp.where(small, ex.count, c)
+            it = jnp.where(small, 0, it)
+    return _selection(t, c, it)
+
+
+def _settle(layout, x, k, ub, cap, t, c, lo, c_lo, hi, lo_zero, searched=None):
+    """Where the search ended outside ``[k, ub]``: selectors._search's fallback.
+
+    The "too many" end ``lo`` (its count, when it was never counted), refined
+    to the exact top-k among its survivors when more than ``cap`` pass and
+    the bracket did not close. Segments not ``searched`` keep ``(t, c)``.
+    """
     feasible = (c >= k) & (c <= ub)
-    # Fallback (see selectors._search): the "too many" end, refined to the
-    # exact top-k among its survivors when the bracket did not close.
+    if searched is not None:
+        feasible = feasible | ~searched
     c_lo_true = jnp.where(lo_zero, count_above(layout, x, lo), c_lo)
     open_ = jnp.nextafter(lo, jnp.float32(jnp.inf)) < hi
     refine = ~feasible & (c_lo_true > cap) & open_
@@ -565,15 +590,7 @@ def ldte_bs(
     def plain(_):
         return jnp.where(feasible, t, lo), jnp.where(feasible, c, c_lo_true)
 
-    t, c = lax.cond(jnp.any(refine), fallback, plain, None)
-    if exact_below:
-        small = jnp.asarray(sizes < exact_below)
-        if bool(np.any(sizes < exact_below)):
-            ex = exact_top_k(layout, x, targets)
-            t = jnp.where(small, ex.threshold, t)
-            c = jnp.where(small, ex.count, c)
-            it = jnp.where(small, 0, it)
-    return _selection(t, c, it)
+    return lax.cond(jnp.any(refine), fallback, plain, None)
 
 
 def _choose(ts, cs, k, ub, aim, preferred):
@@ -732,6 +749,238 @@ def dgc_sample(
     return _selection(t, c, it + refine.astype(jnp.int32))
 
 
+def binary_search(
+    layout: SegmentLayout,
+    x: jax.Array,
+    targets: Targets,
+    *,
+    start: str = "zero",
+    upper: float = 1.5,
+    max_iters: int = 40,
+    delta: float = 0.0,
+) -> SegmentSelection:
+    """RedSync's threshold bisection for every segment (``selectors.binary_search``).
+
+    ``start="zero"`` bisects ``[0, max|x|]`` per segment: the 1-D selector's
+    threshold, count and probes bit for bit (halving a float32 interval is
+    exact). ``start="mean"`` starts from ``mean|x|`` (summed by rows: its
+    last bits can differ from the 1-D selector's). Where no threshold lands
+    in ``[k, upper k]`` (ties) the 1-D selector's fallback: the exact top-k
+    among the "too many" end's survivors.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> layout = SegmentLayout((8,))
+      >>> sel = binary_search(layout, layout.pack([x], jnp.float32), Targets(np.array([[3]])))
+      >>> float(sel.threshold[0]), int(sel.count[0]), int(sel.iterations[0])
+      (1.5, 4, 2)
+    """
+    S1._check_search_options("bisect", upper, max_iters, delta)
+    V.check_choice("start", start, ("zero", "mean"))
+    x = lax.optimization_barrier(x)
+    k = targets.k
+    ktab = targets.table
+    sizes = np.asarray(layout.sizes, np.int64)
+    n = jnp.asarray(sizes.astype(np.int32))
+    ub = targets.pick(np.floor(upper * ktab).astype(np.int32))
+    cap = targets.pick(np.minimum(sizes, np.ceil(upper * ktab)).astype(np.int32))
+    amax = segment_max(layout, x)
+    zeros = jnp.zeros_like(k)
+    if start == "zero":
+        lo, hi, c_lo, c_hi = jnp.zeros_like(amax), amax, n, zeros
+        lo_zero = jnp.ones_like(k, jnp.bool_)
+        ok = ~lo_zero  # nothing decided before the search
+        m, cm = amax, zeros
+    else:
+        m = _segment_mean_abs(layout, x)
+        cm = count_above(layout, x, m)
+        many = cm > ub
+        ok = (cm >= k) & (cm <= ub)
+        lo, hi = jnp.where(many, m, 0.0), jnp.where(many, amax, m)
+        c_lo, c_hi, lo_zero = jnp.where(many, cm, n), jnp.where(many, 0, cm), ~many
+    # The first probe is hi (count c_hi < k); a segment already in the window
+    # (the mean's count) does not search.
+    t0, c0 = jnp.where(ok, m, hi), jnp.where(ok, cm, c_hi)
+    t, c, it, lo, c_lo, hi, lo_zero = _search(
+        layout, x, k, ub, lo, hi, c_lo, c_hi, t0, c0, lo_zero,
+        upper=upper, search="bisect", max_iters=max_iters, delta=delta,
+    )  # fmt: skip
+    t, c = _settle(layout, x, k, ub, cap, t, c, lo, c_lo, hi, lo_zero, searched=~ok)
+    if start == "mean":
+        it = jnp.where(ok, 0, it + 1)
+    return _selection(t, c, it)
+
+
+def fixed_threshold(
+    layout: SegmentLayout, x: jax.Array, targets: Targets, *, threshold: float
+) -> SegmentSelection:
+    """``selectors.fixed_threshold`` for every segment: one count of ``|x| > threshold``.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> layout = SegmentLayout((5, 3))
+      >>> buf = layout.pack([x[:5], x[5:]], jnp.float32)
+      >>> fixed_threshold(layout, buf, Targets(np.array([[1, 1]])), threshold=2.5).count.tolist()
+      [2, 1]
+    """
+    zeros = jnp.zeros_like(targets.k)
+    # May be an injected (traced) hyperparameter.
+    t = zeros.astype(jnp.float32) + jnp.float32(threshold)
+    return _selection(t, count_above(layout, x, t), zeros)
+
+
+def _segment_mean_abs(layout: SegmentLayout, x: jax.Array) -> jax.Array:
+    """float32 mean of ``|x|`` per segment (summed by rows; 0 for an empty one)."""
+    total = layout.segment_sum(jnp.sum(jnp.where(layout.valid(), _abs32(x), 0.0), axis=1))
+    n = jnp.asarray(np.maximum(np.asarray(layout.sizes, np.float64), 1).astype(np.float32))
+    return total / n
+
+
+def trimmed_top_k(
+    layout: SegmentLayout, x: jax.Array, targets: Targets, *, start: float = 0.8,
+    step: float = 0.2,
+) -> SegmentSelection:  # fmt: skip
+    """RedSync's trimmed top-k for every segment (``selectors.trimmed_top_k``).
+
+    Per segment the thresholds ``mean + r (max - mean)`` of ``|x|`` for
+    ``r = start, start - step, ..., 0``, then 0, until at least ``k`` pass,
+    all segments in one loop; then the exact top-k among the survivors where
+    more than ``k`` pass. So the result is the exact top-k (all nonzeros
+    when fewer than ``k``); the mean (summed by rows) can differ from the 1-D
+    selector's in its last bits, which can move ``iterations`` only when a
+    magnitude sits at a round's threshold.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> x = jnp.array([0.5, -4.0, 1.0, 3.0, -2.0, 0.0, 6.0, -1.5])
+      >>> layout = SegmentLayout((8,))
+      >>> sel = trimmed_top_k(layout, layout.pack([x], jnp.float32), Targets(np.array([[3]])))
+      >>> int(sel.count[0]), int(sel.iterations[0])  # as selectors.trimmed_top_k
+      (3, 4)
+    """
+    rounds = S1.trim_rounds(start, step)
+    x = lax.optimization_barrier(x)
+    k = targets.k
+    mean = _segment_mean_abs(layout, x)
+    amax = segment_max(layout, x)
+
+    def running(s):
+        _, c, it = s
+        return (c < k) & (it < rounds + 1)
+
+    def body(s):
+        go = running(s)
+        t_old, c_old, it = s
+        r = start - step * it.astype(jnp.float32)
+        t = jnp.where(it < rounds, mean + _product(r, amax - mean), 0.0)
+        c = count_above(layout, x, t)
+        return jnp.where(go, t, t_old), jnp.where(go, c, c_old), jnp.where(go, it + 1, it)
+
+    init = varying_like((jnp.zeros_like(mean), jnp.full_like(k, -1), jnp.zeros_like(k)), x)
+    t, c, it = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    refine = c > k
+    t, c = lax.cond(
+        jnp.any(refine),
+        lambda _: _top_k_above(layout, x, t, c, k, refine, amax),
+        lambda _: (t, c),
+        None,
+    )
+    return _selection(t, c, it - 1)
+
+
+def gaussian_k(
+    layout: SegmentLayout,
+    x: jax.Array,
+    targets: Targets,
+    *,
+    corrections: int = 3,
+    lower: float = 2 / 3,
+    upper: float = 4 / 3,
+    refine: bool = True,
+) -> SegmentSelection:
+    """Gaussian-k for every segment (``selectors.gaussian_k``).
+
+    Per segment ``t = mu + sigma Phi^-1(1 - eta / 2)`` from the segment's
+    moments, then up to ``corrections`` rounds of ``t *= 0.5`` (fewer than
+    ``lower k`` pass) or ``t *= 1.5`` (more than ``upper k``), every segment
+    in one loop; with ``refine`` the interpolation search on counts
+    continues, for the segments that ended outside ``[k, upper k]``, from
+    the bracket the rounds left, as the 1-D selector does. The moments are
+    summed by rows, so the fit can differ from the 1-D selector's in its
+    last bits.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> parts = [jax.random.laplace(jax.random.key(i), (n,)) for i, n in enumerate((5000, 800))]
+      >>> layout = SegmentLayout((5000, 800))
+      >>> sel = gaussian_k(layout, layout.pack(parts, jnp.float32), Targets(np.array([[50, 8]])))
+      >>> [bool(k <= int(c) <= 4 / 3 * k) for k, c in zip((50, 8), sel.count)]
+      [True, True]
+    """
+    corrections = V.check_int("corrections", corrections, 0)
+    x = lax.optimization_barrier(x)  # as in ldte_bs: the fit's sums on their own
+    k = targets.k
+    ktab = targets.table
+    sizes = np.asarray(layout.sizes, np.int64)
+    n = jnp.asarray(sizes.astype(np.int32))
+    mean, var = moments(layout, x)
+    # 1 - eta / 2 in float64, then float32, as the 1-D selector's constant.
+    p = targets.pick((1.0 - ktab / np.maximum(sizes, 1) / 2.0).astype(np.float32))
+    t = jnp.maximum(mean + _product(jnp.sqrt(var), jax.scipy.special.ndtri(p)), 0.0)
+    c = count_above(layout, x, t)
+    too_few = targets.pick((lower * ktab).astype(np.float32))
+    too_many = targets.pick((upper * ktab).astype(np.float32))
+    ub = targets.pick(np.floor(max(1.0, upper) * ktab).astype(np.int32))
+
+    def bracket(t, c, t_lo, c_lo, t_hi, c_hi):
+        # The largest probe with too many (> ub), the smallest with too few (< k).
+        many = (c > ub) & (t > t_lo)
+        few = (c < k) & (t < t_hi)
+        return (
+            jnp.where(many, t, t_lo),
+            jnp.where(many, c, c_lo),
+            jnp.where(few, t, t_hi),
+            jnp.where(few, c, c_hi),
+        )
+
+    def running(s):
+        _, c, it, *_ = s
+        cf = c.astype(jnp.float32)
+        return ((cf < too_few) | (cf > too_many)) & (it < corrections)
+
+    def body(s):
+        go = running(s)
+        t, c, it, *br = s
+        t2 = jnp.where(c.astype(jnp.float32) < too_few, t * 0.5, t * 1.5)
+        c2 = count_above(layout, x, t2)
+        new = (t2, c2, it + 1, *bracket(t2, c2, *br))
+        return tuple(jnp.where(go, a, b) for a, b in zip(new, s, strict=True))
+
+    none = (jnp.full_like(t, -1.0), n, jnp.full_like(t, jnp.inf), jnp.zeros_like(k))
+    init = varying_like((t, c, jnp.zeros_like(k), *bracket(t, c, *none)), x)
+    t, c, it, t_lo, c_lo, t_hi, c_hi = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    if not refine:
+        return _selection(t, c, it)
+    search = (c < k) | (c > ub)
+    lo_seen, hi_seen = t_lo >= 0, t_hi < jnp.inf
+    # Nothing lies above max|x|: a pass only when no probe had too few.
+    hi = jnp.where(hi_seen, t_hi, segment_max(layout, x))
+    c_hi = jnp.where(hi_seen, c_hi, 0)
+    lo = jnp.where(lo_seen, t_lo, 0.0)
+    c_lo = jnp.where(lo_seen, c_lo, n)  # 0 is never counted (lo_zero)
+    # The search's first probe is hi (count c_hi < k), as the 1-D selector's.
+    t0, c0 = jnp.where(search, hi, t), jnp.where(search, c_hi, c)
+    t2, c2, it2, lo, c_lo, hi, lo_zero = _search(
+        layout, x, k, ub, lo, hi, c_lo, c_hi, t0, c0, ~lo_seen,
+        upper=max(1.0, upper), search="interpolate", max_iters=40, delta=0.0,
+    )  # fmt: skip
+    cap = targets.pick(np.minimum(sizes, np.ceil(max(1.0, upper) * ktab)).astype(np.int32))
+    t2, c2 = _settle(layout, x, k, ub, cap, t2, c2, lo, c_lo, hi, lo_zero, searched=search)
+    return _selection(t2, c2, it + jnp.where(search, it2, 0))
+
+
 # ---------------------------------------------------------------------------
 # The capacity cut.
 # ---------------------------------------------------------------------------
@@ -872,4 +1121,8 @@ SEGMENTED: dict[Callable, Callable] = {
     S1.exact_top_k: exact_top_k,
     S1.ldte_bs: ldte_bs,
     S1.dgc_sample: dgc_sample,
+    S1.fixed_threshold: fixed_threshold,
+    S1.binary_search: binary_search,
+    S1.trimmed_top_k: trimmed_top_k,
+    S1.gaussian_k: gaussian_k,
 }

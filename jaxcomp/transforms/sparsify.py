@@ -28,7 +28,8 @@ Layout of the code: :func:`sparsify` validates its arguments into a frozen
 :class:`_Config`; ``init`` and ``update`` are the module-level :func:`_init`
 and :func:`_update` over it. A step resolves the leaves into groups
 (:func:`_layout`), each flattened into one buffer (:func:`_flatten_group`).
-With a selector that has a segmented form (``top_k``, ``ldte_bs``, ``dgc``)
+With a selector that has a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
+``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``)
 and one device or a packed exchange, the groups of a bucket (one residual
 and wire dtype) are packed as segments of one buffer (:func:`_pack`) and
 compressed together (:func:`_compress_packed`, see
@@ -1129,7 +1130,8 @@ def _packed_selector(cfg: _Config):
     together in one packed buffer, else None (each group alone).
 
     Today: a selector with a segmented form (``top_k``, ``ldte_bs`` with the
-    moments estimator, ``dgc``), one device or one of the exchanges of
+    moments estimator, ``dgc``, ``gaussian_k``, ``trimmed_top_k``,
+    ``binary_search``, ``threshold``), one device or one of the exchanges of
     :data:`_PACKED_EXCHANGES`, no low-pass filter.
     """
     if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES:
