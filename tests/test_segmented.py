@@ -120,13 +120,20 @@ def test_exact_selectors_match_the_per_leaf_path(name, select, option, kind):
         _assert_same(s1, s2)
 
 
+LDTE_BS = {
+    "improved": lambda: jaxcomp.ldte_bs(0.02),
+    "paper": lambda: jaxcomp.ldte_bs(0.02, variant="paper"),
+    "mle": lambda: jaxcomp.ldte_bs(0.02, estimator="mle"),
+}
+
+
 @pytest.mark.parametrize("kind", ["laplace", "ties", "zeros"])
-@pytest.mark.parametrize("variant", ["improved", "paper"])
+@pytest.mark.parametrize("variant", sorted(LDTE_BS))
 def test_ldte_bs_tree_gives_each_leaf_its_own_result(variant, kind):
     trees = [_tree(s, kind) for s in range(4)]
-    whole = _run(jaxcomp.ldte_bs(0.02, variant=variant), trees)
+    whole = _run(LDTE_BS[variant](), trees)
     for name in trees[0]:
-        alone = _run(jaxcomp.ldte_bs(0.02, variant=variant), [{name: t[name]} for t in trees])
+        alone = _run(LDTE_BS[variant](), [{name: t[name]} for t in trees])
         for (u1, s1), (u2, s2) in zip(whole, alone, strict=True):
             np.testing.assert_array_equal(_bits(u1[name]), _bits(u2[name]))
             np.testing.assert_array_equal(_bits(s1.residual[name]), _bits(s2.residual[name]))
@@ -145,7 +152,12 @@ def test_ldte_bs_counts_land_in_the_window():
     layout = sg.SegmentLayout(sizes)
     x = layout.pack([jnp.asarray(p) for p in parts], jnp.float32)
     table = np.asarray([[S1.target_count(0.01, n) for n in sizes]])
-    for variant in ({}, {"search": "bisect", "aim": 1.0, "moment_sample": None, "probes": False}):
+    for variant in (
+        {},
+        {"search": "bisect", "aim": 1.0, "moment_sample": None, "probes": False},
+        {"estimator": "mle"},
+        {"estimator": "mle", "moment_sample": 200},  # the median of a sample of a sample
+    ):
         sel = jax.jit(lambda x, v=variant: sg.ldte_bs(layout, x, sg.Targets(table), **v))(x)
         for s, p in enumerate(parts):
             k = table[0, s]
@@ -153,6 +165,20 @@ def test_ldte_bs_counts_land_in_the_window():
             count = int(np.sum(np.abs(p) > t))
             assert count == int(sel.count[s])
             assert k <= count <= int(np.floor(1.5 * k)), (variant, s, count, k)
+
+
+def test_segment_median_is_jnp_median_bit_for_bit():
+    rng = np.random.default_rng(4)
+    sizes = (1, 2, 5, 256, 257, 1000, 4096, 0, 3)
+    parts = [(rng.laplace(size=n) + 0.3).astype(np.float32) for n in sizes]
+    parts[6][:] = 3.0  # constant
+    parts[8][:] = [np.float32(3e38), np.float32(3e38), -1.0]  # the midpoint's sum overflows
+    layout = sg.SegmentLayout(sizes)
+    x = layout.pack([jnp.asarray(p) for p in parts], jnp.float32)
+    med = jax.jit(lambda x: sg._segment_median(layout, x))(x)
+    for s, p in enumerate(parts):
+        ref = np.float32(jnp.median(jnp.asarray(p))) if p.size else np.float32(np.nan)
+        assert _bits(med[s]) == _bits(ref) or (np.isnan(ref) and np.isnan(med[s])), s
 
 
 def test_segmented_top_k_and_dgc_equal_the_1d_selectors():

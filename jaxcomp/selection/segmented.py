@@ -482,11 +482,13 @@ def ldte_bs(
     exact_below: int = 0,
     hint: jax.Array | None = None,
     probes: bool = True,
+    estimator: str = "moments",
 ) -> SegmentSelection:
-    """LDTE-BS for every segment (``selectors.ldte_bs`` with ``estimator="moments"``).
+    """LDTE-BS for every segment (``selectors.ldte_bs``).
 
-    Per segment: the Laplace fit of the (strided-sample) moments gives
-    ``t0 = b ln(cosh(mu/b) / eta)``; one pass counts ``t0``, the ``hint``
+    Per segment: the Laplace fit of the (strided-sample) moments (or, with
+    ``estimator="mle"``, the sample's median ``mu`` and ``b = mean|x - mu|``)
+    gives ``t0 = b ln(cosh(mu/b) / eta)``; one pass counts ``t0``, the ``hint``
     (the previous threshold) and, with ``probes``, four thresholds
     ``t0 - b ln f`` whose expected counts under the fit are ``f`` times the
     aim; the first in ``[k, upper k]`` is kept (the estimate, then the
@@ -496,8 +498,9 @@ def ldte_bs(
     window (ties, fewer than k nonzeros, the probe cap) the result is the
     1-D selector's: the exact top-k among the "too many" end's survivors.
 
-    What differs from the 1-D selector: the moments are summed by rows (the
-    estimate can differ in its last bits), and the improved variant's probes
+    What differs from the 1-D selector: the moments (``mean|x - mu|``) are
+    summed by rows (the estimate can differ in its last bits; the median is
+    ``jnp.median``'s bit for bit), and the improved variant's probes
     come from the Laplace fit rather than the sample's quantiles (no
     per-segment ``top_k`` of the sample). ``probes=False, hint=None,
     search="bisect", aim=1, moment_sample=None`` is the paper's algorithm.
@@ -523,12 +526,19 @@ def ldte_bs(
     cap = targets.pick(np.minimum(sizes, np.ceil(upper * ktab)).astype(np.int32))
     n = jnp.asarray(sizes.astype(np.int32))
     # The estimate.
-    if moment_sample is None:
-        mean, var = moments(layout, x)
+    V.check_choice("estimator", estimator, ("moments", "mle"))
+    ml, mx = layout, x
+    if moment_sample is not None:
+        ml, strides = _strided_layout(layout, lambda _: moment_sample)
+        mx = _sample(layout, x, ml, strides)
+    if estimator == "moments":
+        mean, var = moments(ml, mx)
+        b = jnp.sqrt(var / 2.0)
     else:
-        sl, strides = _strided_layout(layout, lambda _: moment_sample)
-        mean, var = moments(sl, _sample(layout, x, sl, strides))
-    b = jnp.sqrt(var / 2.0)
+        # The median of at most MEDIAN_SAMPLE elements, as selectors.laplace_threshold.
+        medl, strides = _strided_layout(ml, lambda _: S1.MEDIAN_SAMPLE)
+        mean = _segment_median(medl, _sample(ml, mx, medl, strides))
+        b = _segment_mean_abs(ml, mx.astype(jnp.float32) - ml.per_row(mean)[:, None])
     eta = targets.pick(np.minimum(1.0, aim * ktab / np.maximum(sizes, 1)).astype(np.float32))
     safe_b = jnp.where(b > 0, b, 1.0)
     t0 = safe_b * (_log_cosh(mean / safe_b) - jnp.log(eta))
@@ -836,6 +846,26 @@ def _segment_mean_abs(layout: SegmentLayout, x: jax.Array) -> jax.Array:
     total = layout.segment_sum(jnp.sum(jnp.where(layout.valid(), _abs32(x), 0.0), axis=1))
     n = jnp.asarray(np.maximum(np.asarray(layout.sizes, np.float64), 1).astype(np.float32))
     return total / n
+
+
+def _segment_median(layout: SegmentLayout, x: jax.Array) -> jax.Array:
+    """float32 ``jnp.median`` of each segment (NaN for an empty one), bit for bit.
+
+    One sort of the whole buffer keyed by (segment, value), the padding
+    keyed past the last segment; a segment's ``n`` values then sit at its
+    offset among the sorted ones, and the median is the midpoint of the two
+    middle ones as ``jnp.median`` computes it.
+    """
+    sizes = np.asarray(layout.sizes, np.int64)
+    if layout.num_rows == 0:
+        return jnp.full((layout.num_segments,), jnp.nan, jnp.float32)
+    seg = jnp.where(layout.valid(), jnp.asarray(layout.row_segment)[:, None], layout.num_segments)
+    _, vals = lax.sort((seg.reshape(-1), x.astype(jnp.float32).reshape(-1)), num_keys=2)
+    off = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    low = jnp.asarray((off + np.maximum(sizes - 1, 0) // 2).astype(np.int32))
+    high = jnp.asarray((off + sizes // 2).astype(np.int32))
+    mid = (vals[low] + vals[jnp.minimum(high, vals.shape[0] - 1)]) * jnp.float32(0.5)
+    return jnp.where(jnp.asarray(sizes > 0), mid, jnp.nan)
 
 
 def trimmed_top_k(

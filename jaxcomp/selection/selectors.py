@@ -32,6 +32,7 @@ from jaxcomp._vma import varying_like
 from jaxcomp.selection import _kernels as kernels
 
 __all__ = [
+    "MEDIAN_SAMPLE",
     "Selection",
     "SELECTORS",
     "binary_search",
@@ -392,6 +393,10 @@ def _strided_sample(x: jax.Array, size: int) -> jax.Array:
 # the count pass verifies anyway. Exact for tensors up to this size.
 DEFAULT_MOMENT_SAMPLE = 65536
 
+# The "mle" estimator's median comes from a strided sample of at most this
+# many elements (exact for smaller tensors): O(n) without a sort of x.
+MEDIAN_SAMPLE = 65536
+
 
 def laplace_threshold(
     x: jax.Array,
@@ -434,7 +439,7 @@ def laplace_threshold(
         mu, b = mean, jnp.sqrt(var / 2.0)
     elif estimator == "mle":
         xs32 = xs.astype(jnp.float32)
-        mu = jnp.median(_strided_sample(xs32, 65536))
+        mu = jnp.median(_strided_sample(xs32, MEDIAN_SAMPLE))
         b = jnp.mean(jnp.abs(xs32 - mu))
     else:
         raise ValueError(f"estimator must be 'moments' or 'mle', got {estimator!r}")

@@ -1129,10 +1129,10 @@ def _packed_selector(cfg: _Config):
     """``(segmented selector, options)`` when this step can select every group
     together in one packed buffer, else None (each group alone).
 
-    Today: a selector with a segmented form (``top_k``, ``ldte_bs`` with the
-    moments estimator, ``dgc``, ``gaussian_k``, ``trimmed_top_k``,
-    ``binary_search``, ``threshold``), one device or one of the exchanges of
-    :data:`_PACKED_EXCHANGES`, no low-pass filter.
+    Today: a selector with a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
+    ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``),
+    one device or one of the exchanges of :data:`_PACKED_EXCHANGES`, no
+    low-pass filter.
     """
     if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES:
         return None
@@ -1148,8 +1148,6 @@ def _segmented_form(cfg: _Config):
         return None
     options = dict(cfg.options)
     if cfg.select_fn is selectors.ldte_bs:
-        if options.pop("estimator", "moments") != "moments":
-            return None
         sample = options.get("moment_sample", selectors.DEFAULT_MOMENT_SAMPLE)
         options["probes"] = options.get("search", "interpolate") == "interpolate" and (
             sample is not None
