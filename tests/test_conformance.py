@@ -813,12 +813,13 @@ def _check_live_step(name, acc, sent, count, k, cap):
         assert count == k
         return
     assert count == nnz
-    if name == "dgc":  # documented guarantee (jaxcomp.selection.dgc_sample)
+    if name == "dgc":  # documented guarantee (jaxcomp.selection.dgc_sample, rule="reference")
         a = np.abs(acc)
+        m = math.ceil(0.8 * k)
         if nnz_acc:
             assert nnz >= 1
-        if np.sum(a >= a.max() / 9) >= k:
-            assert nnz >= k, (nnz, k)
+        if np.sum(a >= a.max() / 9) >= m:
+            assert nnz >= m, (nnz, k)
         return
     assert nnz >= min(k, nnz_acc), (nnz, k, nnz_acc)
 
@@ -828,7 +829,8 @@ def test_liveness_every_step_sends_at_least_k(name):
     cx = compressor(name, LIVE_RATIO)  # shared with other tests: count our traces
     traces = cx.traces
     k = k_of(LIVE_RATIO, LIVE_N)
-    cap = k if name == "random_k" else cap_of(k, LIVE_N)
+    # random_k sends k; dgc at most k, as DGC's reference code.
+    cap = k if name in ("random_k", "dgc") else cap_of(k, LIVE_N)
     for kind in LIVE_KINDS:
         state = cx.tx.init({"w": jnp.zeros((LIVE_N,), jnp.float32)})
         gmax = 0.0
