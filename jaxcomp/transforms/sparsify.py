@@ -691,9 +691,10 @@ def sparsify(
         rather than a copy, so on sharded leaves XLA may order its reductions
         differently (a threshold that differs in its last bits). Default
         False: a :class:`SparsifyState`, whose ``residual`` is the residual.
-      seed: seed of the PRNG stream of random selectors (``random_k``, the
-        sample start of ``dgc``), an
-        int32; only ``init`` reads it, so it may be traced.
+      seed: seed of the PRNG stream of random selectors (``random_k``, its
+        own per device; the sample start of ``dgc``, the same on every device
+        as in DGC's reference code), an int32; only ``init`` reads it, so it
+        may be traced.
 
     Static options (shapes, sizes, caps) must be Python or numpy values; under
     ``optax.inject_hyperparams`` name them in ``static_args`` (a traced one
@@ -1025,7 +1026,10 @@ def _check_updates(cfg: _Config, updates, state) -> None:
 def _step_inputs(cfg: _Config, tree, state) -> _StepInputs:
     """Groups the state's per-leaf arrays the way this step compresses ``tree``."""
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-    if cfg.axis_name is not None and cfg.needs_key:
+    # Per device (random_k: each device its own coordinates), except dgc's sample
+    # start: DGC's reference seeds every worker's Python random alike, so all
+    # draw the same start.
+    if cfg.axis_name is not None and cfg.needs_key and cfg.select_fn is not selectors.dgc_sample:
         key = jax.random.fold_in(key, lax.axis_index(cfg.axis_name))
     layout = _layout(cfg, tree)
     treedef = jax.tree.structure(tree)
