@@ -1025,15 +1025,20 @@ def dgc_sample(
     ``rule="reference"`` (default) follows ``DGCCompressor._sparsify`` of
     synxlin/deep-gradient-compression: a strided sample (set up by
     :func:`dgc_sampling`: at least ``sample_ratio`` of ``x`` and at least
-    ``2 / r`` elements, ``r = k / n``; the whole tensor when ``n <= 2 / r``)
-    starting at ``start`` (the reference draws it every step: give ``key``,
-    see :func:`dgc_start`; neither: 0); the threshold ``t`` is the smallest
-    of the sample's ``ceil(num_samples r)`` largest magnitudes and the
-    survivors are ``{|x| >= t}``. Unless the whole tensor was sampled, up to
-    ``max_adaptations`` rounds: more than ``upper * k`` survivors: exact top-k
-    among them (``resample``), stop; more than ``k``: stop; fewer than
-    ``decay * k`` (the reference's ``compress_lower_bound``, which is also its
-    decay factor): ``t *= decay`` and count again; else stop.
+    ``2 / r`` elements; the whole tensor when ``n <= 2 / r``), the elements
+    ``start, start + stride, ...`` (the reference draws the start every
+    step: give ``key``, see :func:`dgc_start`; neither: 0); the threshold
+    ``t`` is the smallest of the sample's ``ceil(num_samples r)`` largest
+    magnitudes and the survivors are ``{|x| >= t}``. Unless the whole tensor
+    was sampled, up to ``max_adaptations`` rounds: more than ``upper * k``
+    survivors: exact top-k among them (``resample``), stop; more than ``k``:
+    stop; fewer than ``decay * k`` (the reference's ``compress_lower_bound``,
+    which is also its decay factor): ``t *= decay`` (float32) and count
+    again; else stop (so no resample after the last round's decay). The
+    selector sees ``k``, not the ratio: ``r = k / n``, the reference's
+    ``compress_ratio`` when ``ratio * n`` is an integer (else ``k / n`` is
+    larger, ``ceil(ratio n) / n``, and so the sample size and its top may
+    differ from the reference's).
 
     The reference then sends the first ``k`` survivors in index order; this
     selector reports the survivors (``count`` may exceed ``k``) and the
@@ -1068,8 +1073,10 @@ def dgc_sample(
     ``decay**max_adaptations * max|x|``, 0.107 max|x| here, up to float32
     rounding), which tie-heavy data (all ones, +-1, small integers)
     satisfies. It ends lower when the sample's threshold overestimates the
-    wanted magnitude by more than ``decay**-max_adaptations``, e.g. when a
-    sampled outlier is far larger than the rest.
+    wanted magnitude by more than ``decay**-max_adaptations``, e.g. when
+    sampled outliers (as many as the sample's top: at least 2 with
+    ``"reference"``, whose sample has at least ``2 / r`` elements) are far
+    larger than the rest.
 
     Args:
       x: 1-D array.
