@@ -605,7 +605,8 @@ def test_reuse_period_lost_nothing_and_single_compilation(name):
             assert int(stats["sent_count"][leaf]) == nnz, leaf
             if gl.size <= MIN_DENSE:
                 continue
-            cap = cap_of(k_of(RATIO, gl.size), gl.size)
+            # dgc sends at most k, as DGC's reference code.
+            cap = cap_of(k_of(RATIO, gl.size), gl.size, 1.0 if name == "dgc" else 1.5)
             assert nnz <= cap, (leaf, nnz, cap)
             if step % s:  # reuse: the stored threshold, first `cap` in index order
                 t = np.float32(before["threshold"][leaf])
@@ -763,7 +764,8 @@ def test_shard_map_matches_mean_of_single_device_updates(name):
                 wire += (N_DEV - 1) * quantized_bytes(name, n)
             else:
                 k = k_of(RATIO, n)
-                cap = k if name == "random_k" else cap_of(k, n)  # random_k sends exactly k
+                # random_k sends exactly k, dgc at most k (capacity k).
+                cap = k if name in ("random_k", "dgc") else cap_of(k, n)
                 wire += (N_DEV - 1) * cap * (4 + 4)
         np.testing.assert_allclose(np.asarray(new.wire_bytes), wire, rtol=1e-6)
         state = jax.device_put(new, sharding)
@@ -813,12 +815,13 @@ def _check_live_step(name, acc, sent, count, k, cap):
         assert count == k
         return
     assert count == nnz
-    if name == "dgc":  # documented guarantee (jaxcomp.selection.dgc_sample)
+    if name == "dgc":  # documented guarantee (jaxcomp.selection.dgc_sample, rule="reference")
         a = np.abs(acc)
+        m = math.ceil(0.8 * k)
         if nnz_acc:
             assert nnz >= 1
-        if np.sum(a >= a.max() / 9) >= k:
-            assert nnz >= k, (nnz, k)
+        if np.sum(a >= a.max() / 9) >= m:
+            assert nnz >= m, (nnz, k)
         return
     assert nnz >= min(k, nnz_acc), (nnz, k, nnz_acc)
 
@@ -828,7 +831,8 @@ def test_liveness_every_step_sends_at_least_k(name):
     cx = compressor(name, LIVE_RATIO)  # shared with other tests: count our traces
     traces = cx.traces
     k = k_of(LIVE_RATIO, LIVE_N)
-    cap = k if name == "random_k" else cap_of(k, LIVE_N)
+    # random_k sends k; dgc at most k, as DGC's reference code.
+    cap = k if name in ("random_k", "dgc") else cap_of(k, LIVE_N)
     for kind in LIVE_KINDS:
         state = cx.tx.init({"w": jnp.zeros((LIVE_N,), jnp.float32)})
         gmax = 0.0

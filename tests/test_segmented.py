@@ -60,12 +60,16 @@ def _tree(seed, kind="laplace"):
 
 
 def _per_leaf(select):
-    """The same selector as a plain function: no segmented form, leaf by leaf."""
+    """The same selector as a plain function: no segmented form, leaf by leaf
+    (with a ``key`` parameter, so ``dgc``'s sample start comes from the same key)."""
 
     def one(x, k, **options):
         return select(x, k, **options)
 
-    return one
+    def one_keyed(x, k, *, key, **options):
+        return select(x, k, key=key, **options)
+
+    return one_keyed if select is S1.dgc_sample else one
 
 
 def _run(tx, trees):
@@ -109,12 +113,24 @@ EXACT_CASES = [(o, "laplace") for o in sorted(OPTIONS)] + [
 
 
 @pytest.mark.parametrize("option,kind", EXACT_CASES)
-@pytest.mark.parametrize("name,select", [("top_k", S1.exact_top_k), ("dgc", S1.dgc_sample)])
-def test_exact_selectors_match_the_per_leaf_path(name, select, option, kind):
+@pytest.mark.parametrize(
+    "name,select,rule",
+    [
+        ("top_k", S1.exact_top_k, None),
+        ("dgc", S1.dgc_sample, "reference"),
+        ("dgc", S1.dgc_sample, "at_least_k"),
+    ],
+)
+def test_exact_selectors_match_the_per_leaf_path(name, select, rule, option, kind):
     trees = [_tree(s, kind) for s in range(5)]
     kw = dict(OPTIONS[option])
-    new = getattr(jaxcomp, name)(0.02, **kw)
-    old = jaxcomp.sparsify(_per_leaf(select), 0.02, **kw)
+    new = getattr(jaxcomp, name)(0.02, **kw, **({} if rule is None else {"rule": rule}))
+    old_kw = dict(kw)
+    if rule is not None:
+        old_kw["selector_options"] = {"rule": rule}
+    if rule == "reference":  # jaxcomp.dgc's default capacity: at most k
+        old_kw["capacity_factor"] = 1.0
+    old = jaxcomp.sparsify(_per_leaf(select), 0.02, **old_kw)
     for (u1, s1), (u2, s2) in zip(_run(new, trees), _run(old, trees), strict=True):
         _assert_same(u1, u2)
         _assert_same(s1, s2)
@@ -190,7 +206,13 @@ def test_segmented_top_k_and_dgc_equal_the_1d_selectors():
     layout = sg.SegmentLayout(sizes)
     x = layout.pack([jnp.asarray(p) for p in parts], jnp.float32)
     table = np.asarray([[S1.target_count(0.01, n) for n in sizes]])
-    for seg, one in ((sg.exact_top_k, S1.exact_top_k), (sg.dgc_sample, S1.dgc_sample)):
+    at_least_k = functools.partial(sg.dgc_sample, rule="at_least_k")
+    pairs = (
+        (sg.exact_top_k, S1.exact_top_k),
+        (sg.dgc_sample, S1.dgc_sample),  # rule="reference", sample start 0
+        (at_least_k, functools.partial(S1.dgc_sample, rule="at_least_k")),
+    )
+    for seg, one in pairs:
         sel = jax.jit(lambda x, seg=seg: seg(layout, x, sg.Targets(table)))(x)
         for s, p in enumerate(parts):
             ref = jax.jit(one, static_argnums=1)(jnp.asarray(p), int(table[0, s]))

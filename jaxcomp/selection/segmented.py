@@ -695,13 +695,18 @@ def dgc_sample(
     upper: float = 1.3,
     decay: float = 0.8,
     max_adaptations: int = 10,
+    rule: str = "reference",
+    key: jax.Array | None = None,
+    start: jax.Array | None = None,
 ) -> SegmentSelection:
     """DGC's selection for every segment, as ``selectors.dgc_sample`` bit for bit.
 
     The strided sample's threshold (its ``ks``-th largest magnitude, found by
-    the bit-pattern search: ``lax.top_k``'s value), the decay rounds in one
-    loop, and the exact top-k among the survivors where more than
-    ``ceil(upper k)`` pass.
+    the bit-pattern search: ``lax.top_k``'s value), the adaptation rounds in
+    one loop, and the exact top-k among the survivors where the rule asks
+    for it. ``key``: a batch of PRNG keys, one per segment (segment ``s``
+    starts its sample at ``selectors.dgc_start(key[s], stride)``); ``start``:
+    the starts themselves (int32 per segment); neither: 0.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np
@@ -712,6 +717,91 @@ def dgc_sample(
       >>> int(sel.count[0]), bool(sel.threshold[0] == selectors.dgc_sample(x, 3).threshold)
       (3, True)
     """
+    rule, sample_ratio, upper, max_adaptations = S1.check_dgc_options(
+        rule, sample_ratio, upper, decay, max_adaptations
+    )
+    if rule == "at_least_k":
+        return _dgc_at_least_k(layout, x, targets, sample_ratio, upper, decay, max_adaptations)
+    k = targets.k
+    sizes = np.asarray(layout.sizes, np.int64)
+    # The reference's set-up per phase and segment: (stride, num_samples, top_k_samples).
+    setup = np.asarray(
+        [
+            [
+                S1.dgc_sampling(int(n), int(kk), sample_ratio)
+                for kk, n in zip(row, sizes, strict=True)
+            ]
+            for row in targets.table
+        ],
+        np.int64,
+    ).reshape(len(targets.table), len(sizes), 3)
+    strides, m, ks_tab = setup[..., 0], setup[..., 1], setup[..., 2]
+    whole_tab = m == sizes[None, :]
+    # The sample's slots: the whole segment, or num_samples + 1 (importance[start::stride]).
+    lengths = np.where(whole_tab, sizes[None, :], m + 1)
+    sl = SegmentLayout(tuple(int(v) for v in lengths.max(axis=0)), layout.row)
+    stride = targets.pick(strides.astype(np.int32))
+    length = targets.pick(lengths.astype(np.int32))
+    whole = targets.pick(whole_tab)
+    if start is not None:
+        first = jnp.asarray(start, jnp.int32)
+    elif key is not None:
+        first = jax.vmap(S1.dgc_start)(key, stride)
+    else:
+        first = jnp.zeros_like(k)
+    first = jnp.where(whole, 0, first)
+    n_seg = jnp.asarray(sizes.astype(np.int32))
+    if sl.sizes == layout.sizes and whole_tab.all():
+        sample = x
+    else:
+        if layout.num_rows * layout.row >= 2**31:
+            raise ValueError("segmented selection: buffers beyond 2^31 elements are not supported")
+        j = jnp.asarray(sl.row_offset)[:, None] + lax.broadcasted_iota(
+            jnp.int32, (sl.num_rows, sl.row), 1
+        )
+        pos = sl.per_row(first)[:, None] + j * sl.per_row(stride)[:, None]
+        ok = sl.valid() & (j < sl.per_row(length)[:, None]) & (pos < sl.per_row(n_seg)[:, None])
+        base = jnp.asarray((layout.starts * layout.row).astype(np.int32))[sl.row_segment]
+        picked = x.reshape(-1)[jnp.where(ok, base[:, None] + pos, 0)]
+        sample = jnp.where(ok, picked, jnp.zeros((), x.dtype))
+    ks = targets.pick(ks_tab.astype(np.int32))
+    t = kth_largest_above(
+        sl, sample, jnp.zeros_like(k, jnp.float32), length, ks, top=segment_max(sl, sample)
+    )
+    c = count_above(layout, x, _just_below(t))
+    lo_tab, hi_tab = S1.dgc_bounds(targets.table, upper, decay)
+    lo = None if lo_tab is None else targets.pick(lo_tab.astype(np.int32))
+    hi = targets.pick(hi_tab.astype(np.int32))
+
+    def survivors(t, c):
+        return jnp.where(t > 0, c, n_seg)
+
+    def running(s):
+        t, c, it = s
+        return ~whole & S1._too_few(survivors(t, c), k, lo, decay) & (it < max_adaptations)
+
+    def body(s):
+        go = running(s)
+        t, c, it = s
+        t2 = (t * decay).astype(jnp.float32)
+        c2 = count_above(layout, x, _just_below(t2))
+        return jnp.where(go, t2, t), jnp.where(go, c2, c), jnp.where(go, it + 1, it)
+
+    init = varying_like((t, c, jnp.zeros_like(k)), x)
+    t, c, it = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    refine = ~whole & (survivors(t, c) > hi) & (it < max_adaptations)
+    t = _just_below(t)
+    t, c = lax.cond(
+        jnp.any(refine),
+        lambda _: _top_k_above(layout, x, t, c, k, refine, jnp.full_like(t, jnp.inf)),
+        lambda _: (t, c),
+        None,
+    )
+    return _selection(t, c, it + refine.astype(jnp.int32))
+
+
+def _dgc_at_least_k(layout, x, targets, sample_ratio, upper, decay, max_adaptations):
+    """``selectors.dgc_sample(rule="at_least_k")`` for every segment."""
     k = targets.k
     sizes = np.asarray(layout.sizes, np.int64)
     sl, strides = _strided_layout(layout, lambda n: max(1, math.ceil(sample_ratio * n)))

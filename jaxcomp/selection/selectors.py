@@ -21,10 +21,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcomp import _validation as V
@@ -38,7 +39,10 @@ __all__ = [
     "binary_search",
     "capacity_cut",
     "cut_message",
+    "DGC_RULES",
     "dgc_sample",
+    "dgc_sampling",
+    "dgc_start",
     "exact_top_k",
     "fixed_threshold",
     "gaussian_k",
@@ -919,6 +923,95 @@ def cut_message(
     return idx[:capacity], vals[:capacity]
 
 
+# dgc_sample's rules: DGC's reference code (default), jaxcomp's earlier at-least-k rule.
+DGC_RULES = ("reference", "at_least_k")
+
+
+def dgc_sampling(n: int, k: int, sample_ratio: float = 0.01) -> tuple[int, int, int]:
+    """DGC's sample set-up for ``n`` elements and target ``k``, as its reference code.
+
+    ``(stride, num_samples, top_k_samples)`` with the compression ratio
+    ``r = k / n``: with ``pct = ceil(n sample_ratio)`` and
+    ``cpr = ceil(2 / r)``, the whole tensor (``stride`` 1) when
+    ``n <= cpr`` or ``sample_ratio >= 1``; else the stride
+    ``ceil(n / max(pct, cpr) / 32) * 32 + 1``, lowered by 8 until
+    ``n // stride >= max(pct, cpr)``. ``top_k_samples = ceil(num_samples r)``.
+
+    Example:
+      >>> dgc_sampling(100_000, 100)  # cpr = 2000 > pct = 1000: stride 65, 57, 49
+      (49, 2040, 3)
+      >>> dgc_sampling(1000, 10)  # cpr = 200: the stride falls from 33 to 1
+      (1, 1000, 10)
+      >>> dgc_sampling(150, 1)  # n <= cpr = 300: the whole tensor
+      (1, 150, 1)
+    """
+    if n == 0:
+        return 1, 0, 0
+    r = k / n
+    stride, m = 1, n
+    if sample_ratio < 1.0:
+        pct = math.ceil(n * sample_ratio)
+        cpr = math.ceil(2 / r)
+        if n > cpr:
+            want = max(pct, cpr)
+            stride = math.ceil(n / want / 32) * 32 + 1
+            m = n // stride
+            while m < want:
+                stride -= 8
+                m = n // stride
+    return stride, m, math.ceil(m * r)
+
+
+def dgc_start(key: jax.Array, stride) -> jax.Array:
+    """DGC's sample start for one step: uniform in ``[0, stride)`` from ``key`` (int32).
+
+    The remainder of 32 random bits (bias below ``stride / 2**32``): integer
+    arithmetic, so a batch of keys (the segmented form) gives each key's start.
+
+    Example:
+      >>> import jax
+      >>> stride = dgc_sampling(100_000, 100)[0]
+      >>> 0 <= int(dgc_start(jax.random.key(0), stride)) < stride
+      True
+    """
+    bits = jax.random.bits(key, dtype=jnp.uint32)
+    return lax.rem(bits, jnp.asarray(stride).astype(jnp.uint32)).astype(jnp.int32)
+
+
+def check_dgc_options(rule, sample_ratio, upper, decay, max_adaptations):
+    """:func:`dgc_sample`'s options, checked: ``(rule, sample_ratio, upper, max_adaptations)``."""
+    rule = V.check_choice("rule", rule, DGC_RULES)
+    if rule == "reference":
+        # The reference code clamps it to [0.01, 1]: a smaller value is refused, not changed.
+        sample_ratio = V.check_real("sample_ratio", sample_ratio, 0.01, 1.0)
+    else:
+        sample_ratio = V.check_ratio("sample_ratio", sample_ratio)
+    upper = V.check_real("upper", upper, 1.0)
+    V.check_real("decay", decay, 0.0, 1.0, low_open=True, high_open=True, allow_traced=True)
+    max_adaptations = V.check_int("max_adaptations", max_adaptations, 0)
+    return rule, sample_ratio, upper, max_adaptations
+
+
+def dgc_bounds(k, upper: float, decay) -> tuple[Any, Any]:
+    """The reference's count bounds as integers: ``(lo, hi)`` with ``count < decay k``
+    iff ``count < lo`` and ``count > upper k`` iff ``count > hi``.
+
+    ``k`` an int or an integer numpy array; a traced ``decay`` gives ``lo=None``
+    (compared in float32 in the program).
+    """
+    k = np.asarray(k, np.float64)
+    hi = np.floor(k * upper).astype(np.int64)
+    lo = None if V.is_dynamic(decay) else np.ceil(decay * k).astype(np.int64)
+    return lo, hi
+
+
+def _too_few(c, k, lo, decay):
+    """``c < decay * k``: by the static integer ``lo``, else in float32."""
+    if lo is not None:
+        return c < lo
+    return c.astype(jnp.float32) < jnp.asarray(decay, jnp.float32) * jnp.asarray(k, jnp.float32)
+
+
 @_flat_input
 def dgc_sample(
     x: jax.Array,
@@ -928,25 +1021,80 @@ def dgc_sample(
     upper: float = 1.3,
     decay: float = 0.8,
     max_adaptations: int = 10,
+    rule: str = "reference",
+    key: jax.Array | None = None,
+    start: jax.Array | int | None = None,
 ) -> Selection:
-    """DGC's hierarchical selection (Lin et al., ICLR 2018, reference code).
+    """DGC's hierarchical selection (Lin et al., ICLR 2018), by its reference code.
 
-    A strided sample of ``max(sample_ratio * n, 1)`` elements (the reference
-    code takes at least 1%) gives a threshold: the smallest of the sample's top
-    ``eta`` fraction. If fewer than ``k`` elements pass, the threshold is
-    multiplied by ``decay`` (at most ``max_adaptations`` times). If more than
-    ``upper * k`` pass, exact top-k among the survivors. The achieved count can
-    still end below ``k``; it is reported, not hidden.
+    ``rule="reference"`` (default) follows ``DGCCompressor._sparsify`` of
+    synxlin/deep-gradient-compression: a strided sample (set up by
+    :func:`dgc_sampling`: at least ``sample_ratio`` of ``x`` and at least
+    ``2 / r`` elements; the whole tensor when ``n <= 2 / r``), the elements
+    ``start, start + stride, ...`` (the reference draws the start every
+    step: give ``key``, see :func:`dgc_start`; neither: 0); the threshold
+    ``t`` is the smallest of the sample's ``ceil(num_samples r)`` largest
+    magnitudes and the survivors are ``{|x| >= t}``. Unless the whole tensor
+    was sampled, up to ``max_adaptations`` rounds: more than ``upper * k``
+    survivors: exact top-k among them (``resample``), stop; more than ``k``:
+    stop; fewer than ``decay * k`` (the reference's ``compress_lower_bound``,
+    which is also its decay factor): ``t *= decay`` (float32) and count
+    again; else stop (so no resample after the last round's decay). The
+    selector sees ``k``, not the ratio: ``r = k / n``, the reference's
+    ``compress_ratio`` when ``ratio * n`` is an integer (else ``k / n`` is
+    larger, ``ceil(ratio n) / n``, and so the sample size and its top may
+    differ from the reference's).
 
-    Guarantees (the liveness exemption, precisely): the count is at least 1
-    whenever ``x`` has a nonzero (the sample's threshold lies below a value of
-    ``x``, or is 0), and at least ``k`` whenever ``k`` elements have
-    ``|x_i| >= max|x| / 9`` with the defaults (in general: above
+    The reference then sends the first ``k`` survivors in index order; this
+    selector reports the survivors (``count`` may exceed ``k``) and the
+    sparsifier cuts the message to the ``k`` largest of them (ties to the
+    lower index, :func:`capacity_cut`: ``jaxcomp.dgc`` and
+    ``sparsify("dgc")`` default to ``capacity_factor=1``). So both send at
+    most ``k``, the same set whenever at most ``k`` survive or the reference
+    resamples (up to which of equal magnitudes ``torch.topk`` keeps), and
+    over ``k`` survivors without a resample (between ``k`` and
+    ``upper * k``, or ties at a whole tensor's ``k``-th value) this sends
+    the ``k`` largest where the reference sends the ``k`` first: a
+    first-``k``-by-index message ``{|x| >= t, i <= limit}`` drops larger
+    elements past ``limit``, which the ``(cut, limit)`` message form (and
+    the deferred residual's state) cannot express. Zeros: with ``t = 0``
+    the reference's survivors include zeros (sent as zero values); here
+    they count as survivors for the rounds' decisions but the threshold
+    set, as every selector's, is ``{|x| > threshold}``, nonzeros only.
+
+    ``rule="at_least_k"`` is jaxcomp's earlier rule: a sample of
+    ``max(sample_ratio * n, 1)`` elements at a fixed odd stride from index 0,
+    ``t`` its top ``k / n`` fraction's smallest, ``t *= decay`` while fewer
+    than ``k`` pass (at most ``max_adaptations`` times), then exact top-k
+    among the survivors if more than ``ceil(upper * k)`` pass; no cut (the
+    message is ``{|x| > t}`` up to the usual capacity ``1.5 k``).
+
+    Guarantees (the liveness exemption, precisely), with the defaults: the
+    count is at least 1 whenever ``x`` has a nonzero (the threshold lies at
+    or below a nonzero of ``x``, or is 0). With ``rule="reference"`` at
+    least ``m = ceil(decay * k)`` (and the message at most ``k``) whenever
+    ``m`` elements have ``|x_i| >= max|x| / 9``; with ``"at_least_k"`` at
+    least ``k`` whenever ``k`` elements do (in general: above
     ``decay**max_adaptations * max|x|``, 0.107 max|x| here, up to float32
-    rounding), which tie-heavy data (all ones, +-1, small integers) satisfies.
-    It ends below ``k`` when the sample's threshold overestimates the k-th
-    magnitude by more than ``decay**-max_adaptations``, e.g. when a sampled
-    outlier is far larger than the rest.
+    rounding), which tie-heavy data (all ones, +-1, small integers)
+    satisfies. It ends lower when the sample's threshold overestimates the
+    wanted magnitude by more than ``decay**-max_adaptations``, e.g. when
+    sampled outliers (as many as the sample's top: at least 2 with
+    ``"reference"``, whose sample has at least ``2 / r`` elements) are far
+    larger than the rest.
+
+    Args:
+      x: 1-D array.
+      k: static target count (``num_selects``).
+      sample_ratio: fraction sampled, in ``[0.01, 1]`` for ``"reference"``
+        (the reference clamps to it), in ``(0, 1]`` for ``"at_least_k"``.
+      upper: the resample bound, ``>= 1``.
+      decay: threshold factor in ``(0, 1)`` (traceable); with
+        ``"reference"`` also the lower bound ``decay * k``.
+      max_adaptations: cap on adaptation rounds, ``>= 0``.
+      rule: ``"reference"`` or ``"at_least_k"``.
+      key: PRNG key for the sample start (``"reference"``).
+      start: the sample start itself, in ``[0, stride)`` (overrides ``key``).
 
     Returns:
       A :class:`Selection`; ``iterations`` counts the decay rounds plus one if
@@ -959,9 +1107,63 @@ def dgc_sample(
       >>> int(sel.count), x[jnp.abs(x) > sel.threshold].tolist()
       (3, [-4.0, 3.0, 6.0])
     """
-    sample_ratio = V.check_ratio("sample_ratio", sample_ratio)
-    V.check_real("decay", decay, 0.0, 1.0, low_open=True, high_open=True, allow_traced=True)
-    max_adaptations = V.check_int("max_adaptations", max_adaptations, 0)
+    rule, sample_ratio, upper, max_adaptations = check_dgc_options(
+        rule, sample_ratio, upper, decay, max_adaptations
+    )
+    if rule == "at_least_k":
+        return _dgc_at_least_k(x, k, sample_ratio, upper, decay, max_adaptations)
+    n = x.shape[0]
+    stride, m, ks = dgc_sampling(n, k, sample_ratio)
+    whole = m == n
+    if whole:
+        sample = _abs32(x)
+    else:
+        if start is not None:
+            first = jnp.asarray(start, jnp.int32)
+        elif key is not None:
+            first = dgc_start(key, stride)
+        else:
+            first = jnp.int32(0)
+        # importance[start::stride]: num_samples or num_samples + 1 elements.
+        pos = first + lax.iota(jnp.int32, m + 1) * stride
+        inside = pos < n
+        sample = jnp.where(inside, _abs32(x[jnp.where(inside, pos, 0)]), jnp.float32(0))
+    t = _kth_largest(sample, ks)  # the reference's threshold: survivors are |x| >= t
+    c = _count(x, _just_below(t))  # #{|x| >= t}, nonzeros (t = 0: all nonzeros)
+    it = jnp.int32(0)
+    if whole:
+        return _selection(_just_below(t), c, it)
+    lo, hi = dgc_bounds(k, upper, decay)
+    lo, hi = (None if lo is None else int(lo)), int(hi)
+
+    def survivors(t, c):  # the reference's count: with t = 0 every element survives
+        return jnp.where(t > 0, c, n)
+
+    def cond(s):
+        t, c, it = s
+        return _too_few(survivors(t, c), k, lo, decay) & (it < max_adaptations)
+
+    def body(s):
+        t, _, it = s
+        # An injected decay is float64 under x64 (optax.inject_hyperparams
+        # stores hyperparameters in the parameters' dtype): the carry stays float32.
+        t = (t * decay).astype(t.dtype)
+        return t, _count(x, _just_below(t)), it + 1
+
+    t, c, it = lax.while_loop(cond, body, varying_like((t, c, it), x))
+    # The reference checks for a resample in a round: none left after the last decay.
+    resample = (survivors(t, c) > hi) & (it < max_adaptations)
+    t = _just_below(t)
+
+    def refine(_):
+        t2, c2 = _top_k_above(x, t, c, k, buffer=4 * max(hi, k))
+        return t2, c2, it + 1
+
+    t, c, it = lax.cond(resample, refine, lambda _: (t, c, it), None)
+    return _selection(t, c, it)
+
+
+def _dgc_at_least_k(x, k, sample_ratio, upper, decay, max_adaptations) -> Selection:
     n = x.shape[0]
     m = max(1, min(n, math.ceil(sample_ratio * n)))
     sample = _abs32(_strided_sample(x, m))

@@ -37,7 +37,7 @@ import jax
 import optax
 
 from jaxcomp import _validation as V
-from jaxcomp.selection.selectors import DEFAULT_MOMENT_SAMPLE, trim_rounds
+from jaxcomp.selection.selectors import DEFAULT_MOMENT_SAMPLE, check_dgc_options, trim_rounds
 from jaxcomp.transforms.sparsify import sparsify
 
 __all__ = [
@@ -347,6 +347,7 @@ def dgc(
     upper: float | None = None,
     decay: _Float = 0.8,
     max_adaptations: int | None = None,
+    rule: str = "reference",
     axis_name: Any = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
@@ -366,14 +367,37 @@ def dgc(
 ) -> _Tx:
     """DGC's sampled hierarchical top-k selection (add ``momentum=0.9`` for DGC's recipe).
 
+    By default the selection follows DGC's reference code
+    (synxlin/deep-gradient-compression, ``DGCCompressor._sparsify``): a
+    strided sample of at least ``max(sample_ratio * n, 2 / ratio)`` elements
+    (the whole tensor when ``n <= 2 / ratio``) from a random start drawn every
+    step (from ``seed`` and the step), the threshold decayed by ``decay``
+    while fewer than ``decay * k`` pass, exact top-k among the survivors when
+    more than ``upper * k`` pass, and at most ``k`` sent. One difference:
+    where more than ``k`` survive without that top-k, the reference sends the
+    first ``k`` survivors in index order and this sends the ``k`` largest
+    (see :func:`jaxcomp.selection.dgc_sample` for exactly when and why).
+    The selector sees ``k`` (``ceil(ratio * n)``), so its ``2 / ratio`` is
+    ``2 n / k``: the reference's when ``ratio * n`` is an integer.
+    ``rule="at_least_k"`` keeps jaxcomp's earlier rule: a fixed sample from
+    index 0, decay while fewer than ``k`` pass, no cut to ``k`` (messages up
+    to the usual capacity ``1.5 k``).
+
     Args:
       ratio: density in (0, 1].
-      sample_ratio: fraction sampled for the threshold, in (0, 1] (None: 0.01).
+      sample_ratio: fraction sampled for the threshold (None: 0.01), in
+        [0.01, 1] (the reference's range) with ``rule="reference"``, in
+        (0, 1] with ``"at_least_k"``.
       upper: exact top-k among survivors above ``upper * k`` (None: 1.3).
-      decay: threshold factor in (0, 1) while too few pass (traceable).
-      max_adaptations: cap on decay rounds (None: 10).
+      decay: threshold factor in (0, 1) while too few pass (traceable); with
+        ``rule="reference"`` also the lower bound ``decay * k`` (the
+        reference's ``compress_lower_bound`` is both).
+      max_adaptations: cap on adaptation rounds (None: 10).
+      rule: ``"reference"`` (default) or ``"at_least_k"``, as above.
       **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
         and ``seed`` traceable; the others static, None = default).
+        ``capacity_factor`` None is 1 with ``rule="reference"`` (at most
+        ``k`` sent), 1.5 with ``"at_least_k"``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxcomp
@@ -383,14 +407,16 @@ def dgc(
       >>> [float(v) for v in u["w"]][-3:]  # the 2 largest of 10, times -1 by sgd(1.0)
       [-0.0, -8.0, -9.0]
     """
+    rule, sample_ratio, upper, max_adaptations = check_dgc_options(
+        rule,
+        0.01 if sample_ratio is None else sample_ratio,
+        1.3 if upper is None else upper,
+        decay,
+        10 if max_adaptations is None else max_adaptations,
+    )
     opts = dict(
-        sample_ratio=V.check_ratio("sample_ratio", 0.01 if sample_ratio is None else sample_ratio),
-        upper=V.check_real("upper", 1.3 if upper is None else upper, 1.0),
-        decay=V.check_real("decay", decay, 0.0, 1.0, low_open=True, high_open=True,
-                           allow_traced=True),
-        max_adaptations=V.check_int(
-            "max_adaptations", 10 if max_adaptations is None else max_adaptations, 0
-        ),
+        sample_ratio=sample_ratio, upper=upper, decay=decay, max_adaptations=max_adaptations,
+        rule=rule,
     )  # fmt: skip
     common = _common(
         axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,

@@ -268,7 +268,7 @@ class _Config:
 
     select_fn: Callable[..., selectors.Selection]
     options: dict  # keyword options of the selector (may hold traced hyperparameters)
-    needs_key: bool  # random_k: draws from the PRNG stream
+    needs_key: bool  # the selector takes key= (random_k, dgc): draws from the PRNG stream
     hint_previous: bool  # selector_options hint="previous": pass the stored threshold
     phase_ratios: tuple[float, ...]  # warm-up ratios (one per epoch), then the target
     steps_per_epoch: int | None
@@ -578,7 +578,8 @@ def sparsify(
         pairs; selected elements beyond that (ties, a fixed or reused
         threshold) stay in the residual: the message holds the largest,
         ties to the lower index (``lax.top_k``'s order).
-        None: 1.5.
+        None: 1.5; 1 for ``"dgc"`` with its default ``rule="reference"``
+        (DGC's reference code sends at most ``k``).
       momentum: DGC momentum correction factor ``m`` in [0, 1); then use plain
         SGD after the compressor. None: no momentum correction (no velocity).
         May be a JAX array (traced, e.g. from ``optax.inject_hyperparams``):
@@ -691,8 +692,10 @@ def sparsify(
         rather than a copy, so on sharded leaves XLA may order its reductions
         differently (a threshold that differs in its last bits). Default
         False: a :class:`SparsifyState`, whose ``residual`` is the residual.
-      seed: seed of the PRNG stream of random selectors (``random_k``), an
-        int32; only ``init`` reads it, so it may be traced.
+      seed: seed of the PRNG stream of random selectors (``random_k``, its
+        own per device; the sample start of ``dgc``, the same on every device
+        as in DGC's reference code), an int32; only ``init`` reads it, so it
+        may be traced.
 
     Static options (shapes, sizes, caps) must be Python or numpy values; under
     ``optax.inject_hyperparams`` name them in ``static_args`` (a traced one
@@ -778,6 +781,16 @@ def sparsify(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def _takes_key(select_fn) -> bool:
+    """Whether the selector has a ``key`` parameter (``random_k``, ``dgc_sample``)."""
+    try:
+        params = inspect.signature(select_fn).parameters
+    except (TypeError, ValueError):  # some callables have no signature
+        return False
+    p = params.get("key")
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
 def _make_config(
     selector,
     ratio,
@@ -813,9 +826,16 @@ def _make_config(
     min_dense_size = V.check_int(
         "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
     )
-    capacity_factor = V.check_real(
-        "capacity_factor", 1.5 if capacity_factor is None else capacity_factor, 1.0
-    )
+    if selector_options is not None and not isinstance(selector_options, dict):
+        raise ValueError(f"selector_options must be a dict or None, got {selector_options!r}")
+    options = dict(selector_options or {})
+    if capacity_factor is None:
+        # DGC's reference code sends at most k (dgc_sample's rule="reference").
+        reference_dgc = select_fn is selectors.dgc_sample and (
+            options.get("rule", "reference") == "reference"
+        )
+        capacity_factor = 1.0 if reference_dgc else 1.5
+    capacity_factor = V.check_real("capacity_factor", capacity_factor, 1.0)
     momentum = V.check_real(
         "momentum",
         0.0 if momentum is None else momentum,
@@ -865,10 +885,7 @@ def _make_config(
             raise ValueError("steps_per_epoch must be an int >= 1 with warmup_ratios, got None")
         # A warm-up phase never sends less than the target itself.
         phase_ratios = tuple(max(r, ratio) for r in warmup_ratios) + phase_ratios
-    if selector_options is not None and not isinstance(selector_options, dict):
-        raise ValueError(f"selector_options must be a dict or None, got {selector_options!r}")
-    options = dict(selector_options or {})
-    needs_key = select_fn is selectors.random_k
+    needs_key = _takes_key(select_fn)
     extra = {"key": jax.random.key(0)} if needs_key else {}
     hint_previous = isinstance(options.get("hint"), str) and options["hint"] == "previous"
     if hint_previous:
@@ -1010,7 +1027,10 @@ def _check_updates(cfg: _Config, updates, state) -> None:
 def _step_inputs(cfg: _Config, tree, state) -> _StepInputs:
     """Groups the state's per-leaf arrays the way this step compresses ``tree``."""
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-    if cfg.axis_name is not None and cfg.needs_key:
+    # Per device (random_k: each device its own coordinates), except dgc's sample
+    # start: DGC's reference seeds every worker's Python random alike, so all
+    # draw the same start.
+    if cfg.axis_name is not None and cfg.needs_key and cfg.select_fn is not selectors.dgc_sample:
         key = jax.random.fold_in(key, lax.axis_index(cfg.axis_name))
     layout = _layout(cfg, tree)
     treedef = jax.tree.structure(tree)
@@ -1208,6 +1228,9 @@ def _compress_packed(
     if cfg.hint_previous:
         # No previous threshold before step 0 (the state's starts at 0).
         extra["hint"] = jnp.where(ctx.step == 0, jnp.float32(jnp.inf), stored)
+    if cfg.needs_key:
+        # Each group's key, as it would get it alone.
+        extra["key"] = jnp.stack([gi.key for _, gi, _, _ in items])
     refresh = _refresh_due(cfg, ctx.step, stored)
     if refresh is None:
         sel = select(layout, acc, targets, **options, **extra)
@@ -1679,6 +1702,8 @@ def _run_selector(cfg: _Config, acc, k, key, stored) -> selectors.Selection:
         select, options = form
         layout = segmented.SegmentLayout((acc.shape[0],))
         extra = {"hint": jnp.asarray(stored, jnp.float32)[None]} if cfg.hint_previous else {}
+        if cfg.needs_key:
+            extra["key"] = key[None]
         sel = select(
             layout, layout.pack([acc], acc.dtype), segmented.Targets(np.array([[k]])),
             **options, **extra,
