@@ -1007,6 +1007,7 @@ class _StepInputs(NamedTuple):
     layout: _Layout
     treedef: Any
     groups: tuple[_GroupInput, ...]
+    key: jax.Array  # this step's PRNG key (per-leaf layouts fold in each group's first leaf)
 
 
 def _check_updates(cfg: _Config, updates, state) -> None:
@@ -1055,7 +1056,7 @@ def _step_inputs(cfg: _Config, tree, state) -> _StepInputs:
         )
         for members in layout.groups
     )
-    return _StepInputs(layout, treedef, groups)
+    return _StepInputs(layout, treedef, groups, key)
 
 
 def _scatter_leaves(updates, scatter) -> tuple:
@@ -1095,13 +1096,9 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
             buckets.setdefault(bucket, []).append((j, gi, gs, flat))
         else:
             alone.append(j)
-    packs = [
-        # Per-leaf layouts: each group's stored threshold sits at its first leaf.
-        _pack(items, state.threshold[np.asarray([gi.members[0] for _, gi, _, _ in items])])
-        if per_leaf
-        else _pack(items)
-        for items in buckets.values()
-    ]
+    packs = [_pack(items) for items in buckets.values()]
+    if per_leaf:
+        packs = [_per_leaf_pack(cfg, p, state, inputs.key) for p in packs]
     # The non-finite policy over the packed buffers and the other leaves: a
     # packed bucket's finiteness is one reduction, not one per leaf.
     alone_leaves = [i for j in alone for i in inputs.groups[j].members]
@@ -1184,9 +1181,22 @@ class _Pack(NamedTuple):
     r: jax.Array  # residuals
     v: jax.Array | None  # velocities
     stored: jax.Array | None = None  # the groups' stored thresholds (None: from ``items``)
+    keys: jax.Array | None = None  # the groups' PRNG keys (None: from ``items``)
 
 
-def _pack(items, stored=None) -> _Pack:
+def _per_leaf_pack(cfg: _Config, pack: _Pack, state, key) -> _Pack:
+    """``pack`` with its groups' stored thresholds and keys read at once.
+
+    In a per-leaf layout each group's stored threshold sits at its first
+    leaf and its key is the step's folded with that leaf: one gather and one
+    batched ``fold_in``, not one small program piece per group.
+    """
+    first = np.asarray([gi.members[0] for _, gi, _, _ in pack.items], np.int32)
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, first) if cfg.needs_key else None
+    return pack._replace(stored=state.threshold[first], keys=keys)
+
+
+def _pack(items) -> _Pack:
     flats = [flat for *_, flat in items]
     layout = segmented.SegmentLayout(tuple(int(f.g.shape[0]) for f in flats))
     rdt = flats[0].r.dtype
@@ -1196,7 +1206,6 @@ def _pack(items, stored=None) -> _Pack:
         g=layout.pack([f.g for f in flats], flats[0].wire),
         r=layout.pack([f.r for f in flats], rdt),
         v=None if flats[0].v is None else layout.pack([f.v for f in flats], rdt),
-        stored=stored,
     )
 
 
@@ -1230,7 +1239,8 @@ def _compress_packed(
         extra["hint"] = jnp.where(ctx.step == 0, jnp.float32(jnp.inf), stored)
     if cfg.needs_key:
         # Each group's key, as it would get it alone.
-        extra["key"] = jnp.stack([gi.key for _, gi, _, _ in items])
+        keys = pack.keys
+        extra["key"] = jnp.stack([gi.key for _, gi, _, _ in items]) if keys is None else keys
     refresh = _refresh_due(cfg, ctx.step, stored)
     if refresh is None:
         sel = select(layout, acc, targets, **options, **extra)
