@@ -1054,16 +1054,7 @@ def gaussian_k(
     too_many = targets.pick((upper * ktab).astype(np.float32))
     ub = targets.pick(np.floor(max(1.0, upper) * ktab).astype(np.int32))
 
-    def bracket(t, c, t_lo, c_lo, t_hi, c_hi):
-        # The largest probe with too many (> ub), the smallest with too few (< k).
-        many = (c > ub) & (t > t_lo)
-        few = (c < k) & (t < t_hi)
-        return (
-            jnp.where(many, t, t_lo),
-            jnp.where(many, c, c_lo),
-            jnp.where(few, t, t_hi),
-            jnp.where(few, c, c_hi),
-        )
+    bracket = functools.partial(S1.gaussian_bracket, k, ub)
 
     def running(s):
         _, c, it, *_ = s

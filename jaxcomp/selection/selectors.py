@@ -1253,6 +1253,22 @@ def trimmed_top_k(x: jax.Array, k: int, *, start: float = 0.8, step: float = 0.2
     return _selection(t, c, it - 1)
 
 
+def gaussian_bracket(k, ub, t, c, t_lo, c_lo, t_hi, c_hi):
+    """Gaussian-k's search bracket after probe ``t`` (count ``c``): the largest
+    probe with too many (``> ub``) and the smallest with too few (``< k``).
+
+    Elementwise: scalars for one tensor, per-segment arrays for many.
+    """
+    many = (c > ub) & (t > t_lo)
+    few = (c < k) & (t < t_hi)
+    return (
+        jnp.where(many, t, t_lo),
+        jnp.where(many, c, c_lo),
+        jnp.where(few, t, t_hi),
+        jnp.where(few, c, c_hi),
+    )
+
+
 @_flat_input
 def gaussian_k(
     x: jax.Array,
@@ -1303,16 +1319,7 @@ def gaussian_k(
     c = _count(x, t)
     ub = math.floor(max(1.0, upper) * k)
 
-    def bracket(t, c, t_lo, c_lo, t_hi, c_hi):
-        # The largest probe with too many (> ub), the smallest with too few (< k).
-        many = (c > ub) & (t > t_lo)
-        few = (c < k) & (t < t_hi)
-        return (
-            jnp.where(many, t, t_lo),
-            jnp.where(many, c, c_lo),
-            jnp.where(few, t, t_hi),
-            jnp.where(few, c, c_hi),
-        )
+    bracket = functools.partial(gaussian_bracket, k, ub)
 
     def cond(s):
         _, c, it, *_ = s
