@@ -43,8 +43,8 @@ TEST_CACHE := .pytest_cache/jax
 
 test: $(STAMP) lint
 	rm -rf $(TEST_CACHE)
-	$(PY) -m pytest -q -n 2 --durations=5 $(UNIT_FILES)
-	$(PY) -m pytest -q -n 2 --durations=15 tests $(addprefix --ignore=,$(UNIT_FILES))
+	$(PY) -m pytest -q -n 2 --durations=10 $(UNIT_FILES)
+	$(PY) -m pytest -q -n 2 --durations=30 tests $(addprefix --ignore=,$(UNIT_FILES))
 	$(DEFAULT_CODEGEN) $(PY) -m pytest -q -n 2 -m "default_codegen or both_codegens" tests
 	$(DEFAULT_CODEGEN) JAX_ENABLE_X64=1 $(PY) -m pytest -q -n 2 tests/test_conformance.py \
 		-k "$(X64_TESTS)"
