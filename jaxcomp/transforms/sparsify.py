@@ -1138,8 +1138,9 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
 
 
 # The exchanges a packed step runs as one collective each (sparse all-gather,
-# dense all-reduce) for all its groups; "auto" picks one of the two per group.
-_PACKED_EXCHANGES = ("sparse", "dense", "auto")
+# dense all-reduce, the server's push and pull) for all its groups; "auto"
+# picks one of the first two per group.
+_PACKED_EXCHANGES = ("sparse", "dense", "auto", "server")
 
 
 def _packed_selector(cfg: _Config):
@@ -1482,8 +1483,17 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase):
             for c, n in zip(caps[p], sizes, strict=True)
         ]
         sparse = [s for s, kind in enumerate(kinds) if kind == "sparse"]
-        dense = [s for s, kind in enumerate(kinds) if kind != "sparse"]
+        server = [s for s, kind in enumerate(kinds) if kind == "server"]
+        dense = [s for s, kind in enumerate(kinds) if kind == "dense"]
         update = jnp.zeros(sent_out.shape, sent_out.dtype)
+        if server:
+            slots = [int(caps[p][s]) if s in server else 0 for s in range(len(sizes))]
+            idx, vals = segmented.extract(layout, sent_out, mask, slots)
+            # The server adds into, and sends back, the segments' own elements
+            # (no padding rows on the wire): packed positions in compact order.
+            idx, n_compact = _compact_positions(layout, server, slots, idx)
+            mean, _ = collectives.server_sparse_mean(idx, vals, n_compact, cfg.axis_name)
+            update = segmented.expand(layout, mean, server, update)
         if dense:
             flat = segmented.compact(layout, sent_out, dense)
             mean, _ = collectives.dense_mean(flat, cfg.axis_name)
@@ -1497,17 +1507,33 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase):
                 rows = np.isin(layout.row_segment, sparse)[:, None]
                 mean = jnp.where(jnp.asarray(rows), mean, update)
             update = mean
-        wires = [
-            collectives.allgather_bytes(int(c) * (4 + item), n_dev)
-            if kind == "sparse"
-            else collectives.allreduce_bytes(n * item, n_dev)
-            for c, n, kind in zip(caps[p], sizes, kinds, strict=True)
-        ]
+        wire_of = {
+            "sparse": lambda c, n: collectives.allgather_bytes(c * (4 + item), n_dev),
+            "dense": lambda c, n: collectives.allreduce_bytes(n * item, n_dev),
+            "server": lambda c, n: collectives.server_link_bytes(c * (4 + item), n * item, n_dev)[
+                "worker"
+            ],
+        }
+        wires = [wire_of[kind](int(c), n) for c, n, kind in zip(caps[p], sizes, kinds, strict=True)]
         return update, jnp.asarray(np.asarray(wires, np.float32))
 
     if phase is None:
         return branch(0)
     return lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])])
+
+
+def _compact_positions(layout, segments, slots, idx):
+    """Packed flat positions of ``segments``' message slots as positions in
+    their compact order (:func:`jaxcomp.selection.segmented.compact`), padding
+    slots (index ``num_rows * row``) past its end. Returns ``(positions, size)``."""
+    sizes = np.asarray(layout.sizes, np.int64)
+    offset = np.zeros(len(sizes), np.int64)
+    offset[segments] = np.concatenate([[0], np.cumsum(sizes[segments])[:-1]])
+    n_compact = int(sizes[segments].sum())
+    slot_seg = np.repeat(np.arange(len(sizes)), slots)
+    shift = jnp.asarray((offset - layout.starts * layout.row)[slot_seg].astype(np.int32))
+    padding = idx >= layout.num_rows * layout.row
+    return jnp.where(padding, n_compact, idx + shift), n_compact
 
 
 def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> _GroupOut:
