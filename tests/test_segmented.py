@@ -343,9 +343,10 @@ def _mesh_run(tx, trees, n_dev):
     return out
 
 
-@pytest.mark.parametrize("exchange", ["sparse", "dense", "auto", "server"])
+@pytest.mark.parametrize("exchange", ["sparse", "dense", "auto", "server", "gossip"])
 @pytest.mark.parametrize("option", ["plain", "warmup", "momentum", "reuse"])
 def test_exchanges_match_the_per_leaf_path(exchange, option):
+    # gossip: each device's own ring mix.
     n_dev = 4
     trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(4)]
     kw = dict(OPTIONS[option], axis_name="data", exchange=exchange)
@@ -358,7 +359,26 @@ def test_exchanges_match_the_per_leaf_path(exchange, option):
         _assert_same(s1, s2)
 
 
-@pytest.mark.parametrize("exchange", ["sparse", "server"])
+@pytest.mark.parametrize("ratio", [0.02, 0.4])
+def test_gossip_sends_each_leaf_in_its_smaller_form_as_the_per_leaf_path(ratio):
+    # A 3-element leaf's 2 pairs (16 bytes) outweigh its 12 dense bytes: it is
+    # mixed dense beside the others' pairs; at ratio 0.4 every leaf goes dense.
+    n_dev = 4
+    trees = [
+        [{**_tree(10 * s + d), "f": jnp.arange(3.0) * (d - s)} for d in range(n_dev)]
+        for s in range(3)
+    ]
+    kw = dict(axis_name="data", exchange="gossip", momentum=0.5)
+    new = jaxcomp.top_k(ratio, **kw)
+    old = jaxcomp.sparsify(_per_leaf(S1.exact_top_k), ratio, **kw)
+    for (u1, s1), (u2, s2) in zip(
+        _mesh_run(new, trees, n_dev), _mesh_run(old, trees, n_dev), strict=True
+    ):
+        _assert_same(u1, u2)
+        _assert_same(s1, s2)
+
+
+@pytest.mark.parametrize("exchange", ["sparse", "server", "gossip"])
 def test_one_collective_per_kind_whatever_the_leaf_count(exchange):
     def collectives(n_leaves):
         mesh = jax.make_mesh((4,), ("data",))

@@ -69,6 +69,7 @@ __all__ = [
     "choose_exchange",
     "cyclic_mean",
     "exchange",
+    "gossip_sends_pairs",
     "gtopk_mean",
     "gtopk_rounds",
     "is_power_of_two",
@@ -651,6 +652,17 @@ def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: i
     return min(costs, key=lambda e: (costs[e], order.index(e)))
 
 
+def gossip_sends_pairs(capacity: int, size: int, itemsize: int) -> bool:
+    """Whether ``"gossip"`` sends a message as (index, value) pairs: when they
+    are fewer bytes than the dense message (static).
+
+    Example:
+      >>> gossip_sends_pairs(100, 10_000, 4), gossip_sends_pairs(600, 1000, 4)
+      (True, False)
+    """
+    return capacity * (_INDEX_ITEMSIZE + itemsize) < size * itemsize
+
+
 def exchange(
     name: str,
     indices,
@@ -720,7 +732,7 @@ def exchange(
     if name == "gossip":
         # Send whichever form of the message is smaller (static).
         itemsize = jnp.dtype(values.dtype).itemsize
-        if indices.shape[0] * (_INDEX_ITEMSIZE + itemsize) < size * itemsize:
+        if gossip_sends_pairs(indices.shape[0], size, itemsize):
             return Exchanged(
                 *collectives.gossip_sparse_mean(indices, values, size, axis_name, dense=dense)
             )

@@ -1138,9 +1138,9 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
 
 
 # The exchanges a packed step runs as one collective each (sparse all-gather,
-# dense all-reduce, the server's push and pull) for all its groups; "auto"
-# picks one of the first two per group.
-_PACKED_EXCHANGES = ("sparse", "dense", "auto", "server")
+# dense all-reduce, the server's push and pull, gossip's two neighbour sends
+# per form) for all its groups; "auto" picks one of the first two per group.
+_PACKED_EXCHANGES = ("sparse", "dense", "auto", "server", "gossip")
 
 
 def _packed_selector(cfg: _Config):
@@ -1482,10 +1482,33 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase):
             sparse_allreduce.choose_exchange(cfg.exchange, int(c), n, item, n_dev)
             for c, n in zip(caps[p], sizes, strict=True)
         ]
+        if cfg.exchange == "gossip":
+            # Each group's message in whichever form is smaller, as it alone would send it.
+            pairs = [
+                sparse_allreduce.gossip_sends_pairs(int(c), n, item)
+                for c, n in zip(caps[p], sizes, strict=True)
+            ]
+            kinds = ["gossip_sparse" if q else "gossip_dense" for q in pairs]
         sparse = [s for s, kind in enumerate(kinds) if kind == "sparse"]
         server = [s for s, kind in enumerate(kinds) if kind == "server"]
         dense = [s for s, kind in enumerate(kinds) if kind == "dense"]
         update = jnp.zeros(sent_out.shape, sent_out.dtype)
+        gossip = [s for s, kind in enumerate(kinds) if kind == "gossip_sparse"]
+        if gossip:
+            slots = [int(caps[p][s]) if s in gossip else 0 for s in range(len(sizes))]
+            idx, vals = segmented.extract(layout, sent_out, mask, slots)
+            own = jnp.where(jnp.asarray(np.isin(layout.row_segment, gossip)[:, None]), sent_out, 0)
+            # This device's ring mix over the whole buffer: zero outside these
+            # segments (no message there), where the dense-sent ones go next.
+            mixed, _ = collectives.gossip_sparse_mean(
+                idx, vals, update.size, cfg.axis_name, dense=own.reshape(-1)
+            )
+            update = mixed.reshape(update.shape)
+        gossip_dense = [s for s, kind in enumerate(kinds) if kind == "gossip_dense"]
+        if gossip_dense:
+            flat = segmented.compact(layout, sent_out, gossip_dense)
+            mixed, _ = collectives.gossip_mean(flat, cfg.axis_name)
+            update = segmented.expand(layout, mixed, gossip_dense, update.astype(mixed.dtype))
         if server:
             slots = [int(caps[p][s]) if s in server else 0 for s in range(len(sizes))]
             idx, vals = segmented.extract(layout, sent_out, mask, slots)
@@ -1513,6 +1536,8 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase):
             "server": lambda c, n: collectives.server_link_bytes(c * (4 + item), n * item, n_dev)[
                 "worker"
             ],
+            "gossip_sparse": lambda c, n: 2 * c * (4 + item) if n_dev > 1 else 0,
+            "gossip_dense": lambda c, n: 2 * n * item if n_dev > 1 else 0,
         }
         wires = [wire_of[kind](int(c), n) for c, n, kind in zip(caps[p], sizes, kinds, strict=True)]
         return update, jnp.asarray(np.asarray(wires, np.float32))
