@@ -30,6 +30,18 @@ gradients unchanged (first in ``optax.chain``, not inside ``optax.masked``,
 ``optax.apply_if_finite`` or another transform that changes or branches on
 them), otherwise a ``ValueError`` says so.
 
+Floating point: the group's first compressor operation, ``residual +
+gradient``, is now in the backward pass, and XLA may fuse it with the
+operation that produced the gradient. Where that is a multiply (``nn.BatchNorm``'s
+scale gradient ends in ``rsqrt(var + eps) * sum(...)``) LLVM contracts the two
+into one fused multiply-add at XLA:CPU's default optimisation level (and GPU
+compilers do likewise): the accumulator is ``fl(r + a * b)`` instead of
+``fl(r + fl(a * b))``, within one ulp of the accumulator plus half an ulp of
+the gradient of compress-after-backward's. XLA:CPU drops
+``lax.optimization_barrier`` before fusion, so no cheap fence keeps the two
+apart; everything else (selection, reuse, the carriers) is the same program
+and gives the same bits on the same inputs (tests/test_overlap.py).
+
 Used by :func:`jaxcomp.distributed.make_train_step` with ``overlap=True``.
 """
 
