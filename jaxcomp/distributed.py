@@ -1405,27 +1405,15 @@ def make_train_step(
         where the group's parameters are first used: the program issues the
         group's collective before the lower layers' backward, so a scheduler
         can overlap them (accelerators; XLA:CPU moves collectives after the
-        backward) (:mod:`jaxcomp.transforms.overlap`). The program logic is
-        that of compressing after the backward pass (selections, thresholds
-        and their reuse, residuals, mutable model state), with two
-        differences. ``nonfinite="skip"`` is decided per group (a group whose
-        gradient holds NaN/Inf sends nothing and keeps its residual; the
-        others send), since waiting for every gradient would serialise the
-        exchange again. And one rounding: the error-feedback accumulation
-        ``residual + gradient`` runs inside the backward pass, where XLA may
-        fuse it with the gradient's last multiply (``nn.BatchNorm``'s scale:
-        ``rsqrt(var + eps) * sum(dy * (x - mean))``) into one fused
-        multiply-add, as XLA:CPU does at its default optimisation level. Such
-        an accumulator element is rounded once instead of twice and differs
-        from compress-after-backward's by at most one float32 ulp of the
-        accumulator plus half an ulp of the gradient (tested), and so may
-        what it sends; a selection can then differ where a magnitude sits at
-        the threshold, after which the runs drift apart as two float32
-        programs do (reported: 2e-2 in the parameters of a BatchNorm model
-        after 30 steps with ``reuse_period=2``). Without that fusion (XLA:CPU
-        at ``--xla_backend_optimization_level=0``, as the tests compile) the
-        two are bit for bit equal, BatchNorm and reused thresholds included
-        (tested).
+        backward) (:mod:`jaxcomp.transforms.overlap`). The result is the
+        same as compressing after the backward pass, bit for bit (tested
+        with ``nn.BatchNorm``'s mutable statistics and ``reuse_period=2``,
+        at XLA's default optimisation level too, where XLA:CPU contracts
+        multiply-adds: the accumulation rounds the gradient first, see
+        :mod:`jaxcomp.transforms.overlap`), with one difference:
+        ``nonfinite="skip"`` is decided per group (a group whose gradient
+        holds NaN/Inf sends nothing and keeps its residual; the others send),
+        since waiting for every gradient would serialise the exchange again.
         Needs a jaxcomp sparsifier with this ``axis_name`` first in ``tx``
         (``optax.chain(jaxcomp.ldte_bs(...), optax.sgd(...))``), receiving
         every gradient leaf unchanged; anything else raises a ``ValueError``

@@ -31,16 +31,17 @@ gradients unchanged (first in ``optax.chain``, not inside ``optax.masked``,
 them), otherwise a ``ValueError`` says so.
 
 Floating point: the group's first compressor operation, ``residual +
-gradient``, is now in the backward pass, and XLA may fuse it with the
-operation that produced the gradient. Where that is a multiply (``nn.BatchNorm``'s
-scale gradient ends in ``rsqrt(var + eps) * sum(...)``) LLVM contracts the two
-into one fused multiply-add at XLA:CPU's default optimisation level (and GPU
-compilers do likewise): the accumulator is ``fl(r + a * b)`` instead of
-``fl(r + fl(a * b))``, within one ulp of the accumulator plus half an ulp of
-the gradient of compress-after-backward's. XLA:CPU drops
-``lax.optimization_barrier`` before fusion, so no cheap fence keeps the two
-apart; everything else (selection, reuse, the carriers) is the same program
-and gives the same bits on the same inputs (tests/test_overlap.py).
+gradient``, is now in the backward pass, where XLA fuses it with the
+operation that produced the gradient. Where that is a multiply
+(``nn.BatchNorm``'s scale gradient ends in ``rsqrt(var + eps) * sum(...)``),
+LLVM contracted the two into one fused multiply-add at XLA:CPU's default
+optimisation level: ``fl(r + a * b)`` instead of the ``fl(r + fl(a * b))`` of
+a materialised gradient, 1 ulp apart, and with ``reuse_period=2`` a flipped
+selection later (2e-2 in the parameters after 30 steps). The accumulation
+therefore multiplies the gradient by an exact 1.0 the compiler cannot see
+(:func:`jaxcomp.transforms.sparsify._rounded`), in both paths: the product is
+rounded first, and the overlap step is bit for bit compress-after-backward's
+(tests/test_overlap.py, also compiled at XLA's default level).
 
 Used by :func:`jaxcomp.distributed.make_train_step` with ``overlap=True``.
 """

@@ -1195,7 +1195,7 @@ def _compress_packed(
     items, layout = pack.items, pack.layout
     sizes = layout.sizes
     wire, defer = items[0][3].wire, items[0][3].defer
-    acc, u = _accumulate(cfg, pack.g, pack.r, pack.v, ctx.send_ok)
+    acc, u = _accumulate(cfg, pack.g, pack.r, pack.v, ctx)
     table = np.asarray([[selectors.target_count(q, n) for n in sizes] for q in cfg.phase_ratios])
     phase = None
     if len(cfg.phase_ratios) > 1:
@@ -1518,7 +1518,7 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> _Group
         ]
     if _low_pass_on(cfg):
         # Filtered last: the leaf-dtype rounding above is part of what went unsent.
-        before = split(_residual_from_accumulator(cfg, flat_g, flat_r, flat_v, ctx.send_ok))
+        before = split(_residual_from_accumulator(cfg, flat_g, flat_r, flat_v, ctx))
         residuals = [_low_pass(cfg, b, r) for b, r in zip(before, residuals, strict=True)]
     velocities = None if o.velocity is None else split(o.velocity)
     sent_thresholds = sent_limits = None
@@ -1562,7 +1562,7 @@ def _compress_flat(
     DeferredSparsifyState); the output's ``sent_limit`` then says it did.
     """
     n = g.shape[0]
-    acc, u = _accumulate(cfg, g, residual, velocity, ctx.send_ok)
+    acc, u = _accumulate(cfg, g, residual, velocity, ctx)
     if n == 0 or n <= cfg.min_dense_size:
         return _send_dense(cfg, acc, u, g.dtype, ctx, segments)
     refresh = _refresh_due(cfg, ctx.step, stored)
@@ -1607,7 +1607,7 @@ def _low_pass_on(cfg: _Config) -> bool:
     return V.is_dynamic(cfg.low_pass) or cfg.low_pass != 1.0
 
 
-def _residual_from_accumulator(cfg: _Config, g, residual, velocity, send_ok):
+def _residual_from_accumulator(cfg: _Config, g, residual, velocity, ctx: _StepContext):
     """The old residual as ``acc - increment``, for the low-pass filter.
 
     Reading ``residual`` itself after the accumulation made XLA copy it
@@ -1618,8 +1618,10 @@ def _residual_from_accumulator(cfg: _Config, g, residual, velocity, send_ok):
     old residual to a rounding of ``acc``, and exactly it on a skipped step
     (a zero increment).
     """
-    acc, u = _accumulate(cfg, g, residual, velocity, send_ok)
-    increment = g.astype(acc.dtype) if u is None else jnp.where(send_ok, u, 0)
+    acc, u = _accumulate(cfg, g, residual, velocity, ctx)
+    increment = (
+        _rounded(g.astype(acc.dtype), ctx.step) if u is None else jnp.where(ctx.send_ok, u, 0)
+    )
     return acc - increment
 
 
@@ -1639,10 +1641,32 @@ def _low_pass(cfg: _Config, residual, new_residual):
     return jnp.where(beta == 1, new_residual, filtered) if dynamic else filtered
 
 
-def _accumulate(cfg: _Config, g, residual, velocity, send_ok):
+def _rounded(g, step):
+    """``g`` times an exact 1 that no compiler sees: ``g`` is rounded before it is added to.
+
+    XLA may fuse the operation that produced a gradient into the compressor's
+    accumulation; where that is a multiply (``nn.BatchNorm``'s scale gradient
+    ends in ``rsqrt(var + eps) * sum(...)``), LLVM contracts ``r + a * b``
+    into one fused multiply-add at XLA:CPU's default optimisation level (GPU
+    compilers do likewise): one rounding where a materialised gradient gets
+    two. With ``overlap=True`` the accumulation sits in the backward pass,
+    next to that multiply, and the results parted from compress-after-backward's
+    by an ulp. ``(step | 1) / (step | 1)`` is exactly 1.0 for every int32 step
+    (a finite nonzero float32 over itself) but no constant to XLA or LLVM, so
+    ``a * b`` is rounded, then multiplied by 1 (exact: also for inf, NaN and
+    -0.0), then added: both paths round twice. One multiply per element
+    inside the accumulation's kernel; ``lax.optimization_barrier`` would cost
+    nothing but XLA:CPU removes it before fusing.
+    """
+    s = (jnp.asarray(step, jnp.int32) | 1).astype(jnp.float32)
+    return g * (s / s).astype(g.dtype)
+
+
+def _accumulate(cfg: _Config, g, residual, velocity, ctx: _StepContext):
     """``(R, u)``: the accumulator in the residual dtype and the new velocity (or None)."""
     rdt = residual.dtype  # fixed per group by init (resolve_residual_dtype)
-    g = g.astype(rdt)
+    send_ok = ctx.send_ok
+    g = _rounded(g.astype(rdt), ctx.step)
     if velocity is None:
         return residual + g, None
     # An injected (array) momentum rounds like a Python float would.
