@@ -41,7 +41,10 @@ selection later (2e-2 in the parameters after 30 steps). The accumulation
 therefore multiplies the gradient by an exact 1.0 the compiler cannot see
 (:func:`jaxcomp.transforms.sparsify._rounded`), in both paths: the product is
 rounded first, and the overlap step is bit for bit compress-after-backward's
-(tests/test_overlap.py, also compiled at XLA's default level).
+(tests/test_overlap.py, also compiled at XLA's default level). Not settled:
+momentum correction's velocity ``m * v + g`` of a Dense kernel still rounds
+differently at the default level (1 ulp from the second step); as the tests
+compile (level 0) it is bit for bit too.
 
 Used by :func:`jaxcomp.distributed.make_train_step` with ``overlap=True``.
 """

@@ -1648,8 +1648,8 @@ def _rounded(g, step):
     accumulation; where that is a multiply (``nn.BatchNorm``'s scale gradient
     ends in ``rsqrt(var + eps) * sum(...)``), LLVM contracts ``r + a * b``
     into one fused multiply-add at XLA:CPU's default optimisation level (GPU
-    compilers do likewise): one rounding where a materialised gradient gets
-    two. With ``overlap=True`` the accumulation sits in the backward pass,
+    code generators may too): one rounding where a materialised gradient
+    gets two. With ``overlap=True`` the accumulation sits in the backward pass,
     next to that multiply, and the results parted from compress-after-backward's
     by an ulp. ``(step | 1) / (step | 1)`` is exactly 1.0 for every int32 step
     (a finite nonzero float32 over itself) but no constant to XLA or LLVM, so
