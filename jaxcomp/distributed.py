@@ -1412,14 +1412,13 @@ def make_train_step(
         group's collective before the lower layers' backward, so a scheduler
         can overlap them (accelerators; XLA:CPU moves collectives after the
         backward) (:mod:`jaxcomp.transforms.overlap`). The result is the
-        same as compressing after the backward pass, bit for bit as the
-        tests compile (XLA:CPU at optimisation level 0, no FMA contraction);
-        at XLA's default level too for plain error feedback (tested with
-        ``nn.BatchNorm``'s mutable statistics and ``reuse_period=2``: the
-        accumulation rounds the gradient first, see
-        :mod:`jaxcomp.transforms.overlap`), but with momentum correction
-        (``momentum=``) the velocity can round differently there (1 ulp,
-        then drift as float32 programs do). By design, one difference:
+        same as compressing after the backward pass, bit for bit, as the
+        tests compile (XLA:CPU at optimisation level 0) and at XLA's default
+        level, where LLVM forms fused multiply-adds (tested with
+        ``nn.BatchNorm``'s mutable statistics, ``reuse_period=2`` and
+        momentum correction: the accumulation rounds the gradient and
+        ``m * velocity`` before adding them, see
+        :mod:`jaxcomp.transforms.overlap`). By design, one difference:
         ``nonfinite="skip"`` is decided per group (a group whose gradient
         holds NaN/Inf sends nothing and keeps its residual; the others send),
         since waiting for every gradient would serialise the exchange again.

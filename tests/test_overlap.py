@@ -473,9 +473,10 @@ def _batch_norm_setup(mesh):
     return loss, dist.replicate(params, mesh), dist.replicate(stats, mesh)
 
 
-def _bn_tx():
+def _bn_tx(momentum=None):
     return optax.chain(
-        jaxcomp.top_k(ratio=0.1, axis_name="data", reuse_period=2), optax.sgd(0.1, momentum=0.9)
+        jaxcomp.top_k(ratio=0.1, axis_name="data", reuse_period=2, momentum=momentum),
+        optax.sgd(0.1, momentum=0.9),
     )
 
 
@@ -555,18 +556,20 @@ def _at(tree, path):
     return tree
 
 
+@pytest.mark.parametrize("momentum", [None, 0.9], ids=["plain", "momentum"])
 @pytest.mark.parametrize("users", [False, True], ids=["tests_xla_flags", "xla_default_level"])
-def test_overlap_batch_norm_with_reuse_bit_for_bit(mesh, users):
+def test_overlap_batch_norm_with_reuse_bit_for_bit(mesh, users, momentum):
     """BatchNorm with ``reuse_period=2``: 4 steps as compress-after-backward, bit for bit.
 
     Mutable statistics, the reused threshold and the residuals flow through
     the overlap path as after the backward pass, compiled as the tests
     compile and as users run (XLA's default optimisation level, where XLA:CPU
     contracts multiply-adds: before the accumulation rounded the gradient
-    first, the parameters parted by 2e-2 within 30 steps).
+    and ``m * velocity`` first, the parameters parted by 2e-2 within 30
+    steps, and with momentum correction by 1e-9 from the second step).
     """
     loss, params0, stats0 = _batch_norm_setup(mesh)
-    tx = _bn_tx()
+    tx = _bn_tx(momentum)
     results = {}
     for overlap in (False, True):
         params, stats = params0, stats0

@@ -37,14 +37,14 @@ operation that produced the gradient. Where that is a multiply
 LLVM contracted the two into one fused multiply-add at XLA:CPU's default
 optimisation level: ``fl(r + a * b)`` instead of the ``fl(r + fl(a * b))`` of
 a materialised gradient, 1 ulp apart, and with ``reuse_period=2`` a flipped
-selection later (2e-2 in the parameters after 30 steps). The accumulation
-therefore multiplies the gradient by an exact 1.0 the compiler cannot see
-(:func:`jaxcomp.transforms.sparsify._rounded`), in both paths: the product is
-rounded first, and the overlap step is bit for bit compress-after-backward's
-(tests/test_overlap.py, also compiled at XLA's default level). Not settled:
-momentum correction's velocity ``m * v + g`` of a Dense kernel still rounds
-differently at the default level (1 ulp from the second step); as the tests
-compile (level 0) it is bit for bit too.
+selection later (2e-2 in the parameters after 30 steps); momentum
+correction's ``m * velocity + g`` likewise. The accumulation therefore
+passes the gradient and ``m * velocity`` through an integer xor with a
+run-time zero the compiler cannot see
+(:func:`jaxcomp.transforms.sparsify._rounded`), in both paths: both are
+rounded before they are added, and the overlap step is bit for bit
+compress-after-backward's (tests/test_overlap.py, also compiled at XLA's
+default level).
 
 Used by :func:`jaxcomp.distributed.make_train_step` with ``overlap=True``.
 """

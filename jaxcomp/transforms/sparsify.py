@@ -1642,24 +1642,32 @@ def _low_pass(cfg: _Config, residual, new_residual):
 
 
 def _rounded(g, step):
-    """``g`` times an exact 1 that no compiler sees: ``g`` is rounded before it is added to.
+    """``g``'s bits through an integer xor with a zero no compiler sees: rounded before an add.
 
-    XLA may fuse the operation that produced a gradient into the compressor's
-    accumulation; where that is a multiply (``nn.BatchNorm``'s scale gradient
-    ends in ``rsqrt(var + eps) * sum(...)``), LLVM contracts ``r + a * b``
-    into one fused multiply-add at XLA:CPU's default optimisation level (GPU
-    code generators may too): one rounding where a materialised gradient
-    gets two. With ``overlap=True`` the accumulation sits in the backward pass,
-    next to that multiply, and the results parted from compress-after-backward's
-    by an ulp. ``(step | 1) / (step | 1)`` is exactly 1.0 for every int32 step
-    (a finite nonzero float32 over itself) but no constant to XLA or LLVM, so
-    ``a * b`` is rounded, then multiplied by 1 (exact: also for inf, NaN and
-    -0.0), then added: both paths round twice. One multiply per element
-    inside the accumulation's kernel; ``lax.optimization_barrier`` would cost
-    nothing but XLA:CPU removes it before fusing.
+    XLA may fuse the operation that produced a value into the kernel that
+    adds to it; where that is a multiply (``nn.BatchNorm``'s scale gradient
+    ends in ``rsqrt(var + eps) * sum(...)``; momentum's ``m * velocity``),
+    LLVM contracts ``r + a * b`` into one fused multiply-add at XLA:CPU's
+    default optimisation level (GPU code generators may too), in some
+    kernels and not in others: one rounding where a materialised product
+    gets two. With ``overlap=True`` the accumulation sits in the backward
+    pass, in other kernels than after it, and the results parted by an ulp.
+    ``(step | 1) / (step | 1)`` is exactly 1.0 for every int32 step (a finite
+    nonzero float32 over itself) but no constant to XLA or LLVM, so its bits
+    xor 1.0's are a run-time 0: the product is rounded, passed through
+    unchanged (every value, NaN payloads included), then added. An integer
+    op per element inside the kernel; ``lax.optimization_barrier`` would cost
+    nothing but XLA:CPU removes it before fusing, and a multiply by the 1.0
+    can be folded by XLA's simplifier into a neighbouring constant multiply.
     """
     s = (jnp.asarray(step, jnp.int32) | 1).astype(jnp.float32)
-    return g * (s / s).astype(g.dtype)
+    # 0 at run time (s / s is exactly 1.0), unknown to XLA and LLVM: xor-ing
+    # the bits with it keeps them, and no multiply-add can be formed across
+    # an integer operation (a multiply by s / s could be folded into a
+    # neighbouring constant multiply by XLA's simplifier).
+    zero = lax.bitcast_convert_type(s / s, jnp.int32) ^ jnp.int32(0x3F800000)
+    bits = jnp.dtype(f"int{jnp.dtype(g.dtype).itemsize * 8}")
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(g, bits) ^ zero.astype(bits), g.dtype)
 
 
 def _accumulate(cfg: _Config, g, residual, velocity, ctx: _StepContext):
@@ -1671,7 +1679,9 @@ def _accumulate(cfg: _Config, g, residual, velocity, ctx: _StepContext):
         return residual + g, None
     # An injected (array) momentum rounds like a Python float would.
     m = cfg.momentum.astype(rdt) if V.is_dynamic(cfg.momentum) else cfg.momentum
-    u = jnp.where(send_ok, m * velocity + g, velocity)
+    # m * velocity rounded before the add too: XLA fuses this add into other
+    # kernels in the two overlap paths, and LLVM may form an FMA in one only.
+    u = jnp.where(send_ok, _rounded(m * velocity, ctx.step) + g, velocity)
     # A skipped step leaves both the velocity and the residual as they were.
     return residual + jnp.where(send_ok, u, 0), u
 
