@@ -7,9 +7,21 @@ part of its type, and operations a compressor needs on the whole leaf
 such leaves (e.g. in a GSPMD/FSDP program: the gradient there is already the
 global mean, reduced by XLA) compresses each whole leaf, as on one device: the
 leaf is resharded to replicated for the compressor, and its update and
-per-element state (residual, velocity) go back to the leaf's sharding. With
-auto axis types XLA does the same by itself. Inside ``shard_map`` (manual
-axes) nothing is explicit and nothing changes.
+per-element state (residual, velocity) go back to the leaf's sharding, bit
+for bit the one-device result.
+
+With auto axis types nothing is resharded: XLA partitions the compressor's
+own computation over the mesh. Elementwise work and exact reductions
+(counts, maxima, top-k's search on bit patterns) give the one-device bits,
+but a float32 sum over the whole split leaf may be taken per shard and then
+across shards: equal to the one-device sum up to float32 reassociation (for
+``n`` values of one sign, both within a relative ``(n - 1) * 2**-24`` of the
+exact sum; one ulp where seen). ``onebit`` and ``ef_sign_sgd`` without
+``bucket_size`` (each scale a mean over the whole leaf) are such a case: the
+signs are the same, each scale within that bound (tested for ``onebit``).
+What depends on such a sum (a QSGD level, a threshold estimated from
+moments) can then differ where a value sits at a boundary. Inside
+``shard_map`` (manual axes) nothing is explicit and nothing changes.
 """
 
 from __future__ import annotations

@@ -2,16 +2,20 @@
 
 The reference is the same step with compression after the backward pass
 (overlap=False): parameters and the whole optimizer state must agree bit for
-bit. The scheduling property is read from the compiled HLO's dataflow.
+bit (the BatchNorm tests below also at XLA's default optimisation level,
+where XLA:CPU contracts multiply-adds). The scheduling property is read from
+the compiled HLO's dataflow.
 """
 
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import distributed as dist
@@ -434,3 +438,154 @@ def test_statistics_carrier_round_trips_integers_through_arithmetic():
         return _from_halves(hi + 0.0, lo * 1.0)
 
     np.testing.assert_array_equal(np.asarray(round_trip(values)), np.asarray(values))
+
+
+# --- BatchNorm: one rounding of the error-feedback accumulation (issue 34, item 4) ---
+
+
+class _BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for width in (32, 16):
+            x = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.9)(nn.Dense(width)(x)))
+        return nn.Dense(4)(x)
+
+
+def _bn_batch(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((8 * N, 12)).astype(np.float32),
+        "y": rng.standard_normal((8 * N, 4)).astype(np.float32),
+    }
+
+
+def _batch_norm_setup(mesh):
+    model = _BatchNormNet()
+    variables = model.init(jax.random.key(0), jnp.zeros((2, 12)))
+    params, stats = jax.device_get(variables["params"]), jax.device_get(variables["batch_stats"])
+
+    def loss(p, batch, model_state):
+        out, new = model.apply(
+            {"params": p, "batch_stats": model_state}, batch["x"], mutable=["batch_stats"]
+        )
+        return jnp.mean((out - batch["y"]) ** 2), new["batch_stats"]
+
+    return loss, dist.replicate(params, mesh), dist.replicate(stats, mesh)
+
+
+def _bn_tx(momentum=None):
+    return optax.chain(
+        jaxcomp.top_k(ratio=0.1, axis_name="data", reuse_period=2, momentum=momentum),
+        optax.sgd(0.1, momentum=0.9),
+    )
+
+
+# XLA's default backend optimisation level. tests/conftest.py sets 0 to compile
+# faster; at 0 LLVM contracts no multiply and add into an FMA, at XLA's default
+# (users' programs) it does, where XLA put the two in one kernel.
+USERS_OPTIMIZATION = {"xla_backend_optimization_level": 3}
+
+
+def _as_users_compile(step, params, state, batch, stats, fixed_batch=True):
+    """``step`` compiled at XLA's default optimisation level.
+
+    Returns ``f(params, state, stats)`` on ``batch`` (``f(params, state,
+    stats, batch)`` with ``fixed_batch=False``) -> ``(params, state, stats,
+    metrics, aux)``.
+    """
+    compiled = step.lower(params, state, batch, model_state=stats).compile(
+        compiler_options=USERS_OPTIMIZATION
+    )
+    if fixed_batch:
+        return lambda p, s, ms: compiled(p, s, batch, ms, None, {})
+    return lambda p, s, ms, b: compiled(p, s, b, ms, None, {})
+
+
+def test_overlap_batch_norm_accumulator_rounds_the_gradient_first(mesh):
+    """The accumulator is ``fl(old residual + fl(gradient))`` in both paths, at XLA's default level.
+
+    BatchNorm's scale gradient ends in a multiply (``rsqrt(var + eps) *
+    sum(dy * (x - mean))``). With overlap XLA fuses it into the compressor's
+    accumulation, and at XLA:CPU's default optimisation level LLVM contracted
+    the two into one fused multiply-add (``fl(r + a * b)``): the residual of
+    the scale 1 ulp off compress-after-backward's from the second step (issue
+    34, item 4). Checked against independently taken per-device gradients,
+    element by element, for both paths.
+    """
+    loss, params, stats = _batch_norm_setup(mesh)
+    tx = _bn_tx()
+    plain = dist.make_train_step(loss, tx, mesh, mutable=True, donate=False)
+    # One step first: the scales leave 1 and the residuals are nonzero.
+    state = dist.init_opt_state(tx, params, mesh)
+    params, state, stats, _ = plain(
+        params, state, dist.shard_batch(_bn_batch(0), mesh), model_state=stats
+    )
+    batch = dist.shard_batch(_bn_batch(1), mesh)
+
+    def grads(p, ms, b):
+        g = dist.per_device_grad(loss, "data", has_aux=True)(p, b, model_state=ms)[0]
+        return jax.tree.map(lambda x: x[None], g)
+
+    per_device = jax.jit(
+        jax.shard_map(
+            grads, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P("data"), check_vma=False
+        )
+    )
+    g = per_device.lower(params, stats, batch).compile(compiler_options=USERS_OPTIMIZATION)(
+        params, stats, batch
+    )
+    old = jax.tree.map(np.asarray, jaxcomp.residuals(state))
+    want = jax.tree.map(lambda r, x: r + np.asarray(x), old, g)  # float32: two roundings
+    for overlap in (False, True):
+        step = dist.make_train_step(loss, tx, mesh, mutable=True, overlap=overlap, donate=False)
+        _, new_state, *_ = _as_users_compile(step, params, state, batch, stats)(
+            params, state, stats
+        )
+        got = jax.tree.map(np.asarray, jaxcomp.residuals(new_state))
+        for path, r in jax.tree_util.tree_leaves_with_path(got):
+            kept = r != 0  # not sent: the residual is the accumulator
+            assert kept.sum() > 0
+            np.testing.assert_array_equal(
+                r[kept], _at(want, path)[kept], err_msg=f"{overlap}{path}"
+            )
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9], ids=["plain", "momentum"])
+@pytest.mark.parametrize("users", [False, True], ids=["tests_xla_flags", "xla_default_level"])
+def test_overlap_batch_norm_with_reuse_bit_for_bit(mesh, users, momentum):
+    """BatchNorm with ``reuse_period=2``: 4 steps as compress-after-backward, bit for bit.
+
+    Mutable statistics, the reused threshold and the residuals flow through
+    the overlap path as after the backward pass, compiled as the tests
+    compile and as users run (XLA's default optimisation level, where XLA:CPU
+    contracts multiply-adds: before the accumulation rounded the gradient
+    and ``m * velocity`` first, the parameters parted by 2e-2 within 30
+    steps, and with momentum correction by 1e-9 from the second step).
+    """
+    loss, params0, stats0 = _batch_norm_setup(mesh)
+    tx = _bn_tx(momentum)
+    results = {}
+    for overlap in (False, True):
+        params, stats = params0, stats0
+        state = dist.init_opt_state(tx, params, mesh)
+        step = dist.make_train_step(loss, tx, mesh, mutable=True, overlap=overlap, donate=False)
+        run = None
+        for i in range(4):
+            batch = dist.shard_batch(_bn_batch(i), mesh)
+            if run is None:
+                run = (
+                    _as_users_compile(step, params, state, batch, stats, fixed_batch=False)
+                    if users
+                    else lambda p, s, ms, b, step=step: step(p, s, b, model_state=ms)
+                )
+            params, state, stats, metrics, *_ = run(params, state, stats, batch)
+            jax.block_until_ready(params)
+        results[overlap] = jax.tree.map(np.asarray, (params, state, stats, metrics))
+    assert_trees_equal(results[True], results[False])
+    assert np.any(jaxcomp.residuals(results[True][1])["BatchNorm_0"]["scale"] != 0)

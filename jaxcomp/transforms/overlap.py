@@ -30,6 +30,22 @@ gradients unchanged (first in ``optax.chain``, not inside ``optax.masked``,
 ``optax.apply_if_finite`` or another transform that changes or branches on
 them), otherwise a ``ValueError`` says so.
 
+Floating point: the group's first compressor operation, ``residual +
+gradient``, is now in the backward pass, where XLA fuses it with the
+operation that produced the gradient. Where that is a multiply
+(``nn.BatchNorm``'s scale gradient ends in ``rsqrt(var + eps) * sum(...)``),
+LLVM contracted the two into one fused multiply-add at XLA:CPU's default
+optimisation level: ``fl(r + a * b)`` instead of the ``fl(r + fl(a * b))`` of
+a materialised gradient, 1 ulp apart, and with ``reuse_period=2`` a flipped
+selection later (2e-2 in the parameters after 30 steps); momentum
+correction's ``m * velocity + g`` likewise. The accumulation therefore
+passes the gradient and ``m * velocity`` through an integer xor with a
+run-time zero the compiler cannot see
+(:func:`jaxcomp.transforms.sparsify._rounded`), in both paths: both are
+rounded before they are added, and the overlap step is bit for bit
+compress-after-backward's (tests/test_overlap.py, also compiled at XLA's
+default level).
+
 Used by :func:`jaxcomp.distributed.make_train_step` with ``overlap=True``.
 """
 

@@ -1225,7 +1225,7 @@ def _compress_packed(
     items, layout = pack.items, pack.layout
     sizes = layout.sizes
     wire, defer = items[0][3].wire, items[0][3].defer
-    acc, u = _accumulate(cfg, pack.g, pack.r, pack.v, ctx.send_ok)
+    acc, u = _accumulate(cfg, pack.g, pack.r, pack.v, ctx)
     table = np.asarray([[selectors.target_count(q, n) for n in sizes] for q in cfg.phase_ratios])
     phase = None
     if len(cfg.phase_ratios) > 1:
@@ -1602,7 +1602,7 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> _Group
         ]
     if _low_pass_on(cfg):
         # Filtered last: the leaf-dtype rounding above is part of what went unsent.
-        before = split(_residual_from_accumulator(cfg, flat_g, flat_r, flat_v, ctx.send_ok))
+        before = split(_residual_from_accumulator(cfg, flat_g, flat_r, flat_v, ctx))
         residuals = [_low_pass(cfg, b, r) for b, r in zip(before, residuals, strict=True)]
     velocities = None if o.velocity is None else split(o.velocity)
     sent_thresholds = sent_limits = None
@@ -1646,7 +1646,7 @@ def _compress_flat(
     DeferredSparsifyState); the output's ``sent_limit`` then says it did.
     """
     n = g.shape[0]
-    acc, u = _accumulate(cfg, g, residual, velocity, ctx.send_ok)
+    acc, u = _accumulate(cfg, g, residual, velocity, ctx)
     if n == 0 or n <= cfg.min_dense_size:
         return _send_dense(cfg, acc, u, g.dtype, ctx, segments)
     refresh = _refresh_due(cfg, ctx.step, stored)
@@ -1691,7 +1691,7 @@ def _low_pass_on(cfg: _Config) -> bool:
     return V.is_dynamic(cfg.low_pass) or cfg.low_pass != 1.0
 
 
-def _residual_from_accumulator(cfg: _Config, g, residual, velocity, send_ok):
+def _residual_from_accumulator(cfg: _Config, g, residual, velocity, ctx: _StepContext):
     """The old residual as ``acc - increment``, for the low-pass filter.
 
     Reading ``residual`` itself after the accumulation made XLA copy it
@@ -1702,8 +1702,10 @@ def _residual_from_accumulator(cfg: _Config, g, residual, velocity, send_ok):
     old residual to a rounding of ``acc``, and exactly it on a skipped step
     (a zero increment).
     """
-    acc, u = _accumulate(cfg, g, residual, velocity, send_ok)
-    increment = g.astype(acc.dtype) if u is None else jnp.where(send_ok, u, 0)
+    acc, u = _accumulate(cfg, g, residual, velocity, ctx)
+    increment = (
+        _rounded(g.astype(acc.dtype), ctx.step) if u is None else jnp.where(ctx.send_ok, u, 0)
+    )
     return acc - increment
 
 
@@ -1723,15 +1725,47 @@ def _low_pass(cfg: _Config, residual, new_residual):
     return jnp.where(beta == 1, new_residual, filtered) if dynamic else filtered
 
 
-def _accumulate(cfg: _Config, g, residual, velocity, send_ok):
+def _rounded(g, step):
+    """``g``'s bits through an integer xor with a zero no compiler sees: rounded before an add.
+
+    XLA may fuse the operation that produced a value into the kernel that
+    adds to it; where that is a multiply (``nn.BatchNorm``'s scale gradient
+    ends in ``rsqrt(var + eps) * sum(...)``; momentum's ``m * velocity``),
+    LLVM contracts ``r + a * b`` into one fused multiply-add at XLA:CPU's
+    default optimisation level (GPU code generators may too), in some
+    kernels and not in others: one rounding where a materialised product
+    gets two. With ``overlap=True`` the accumulation sits in the backward
+    pass, in other kernels than after it, and the results parted by an ulp.
+    ``(step | 1) / (step | 1)`` is exactly 1.0 for every int32 step (a finite
+    nonzero float32 over itself) but no constant to XLA or LLVM, so its bits
+    xor 1.0's are a run-time 0: the product is rounded, passed through
+    unchanged (every value, NaN payloads included), then added. An integer
+    op per element inside the kernel; ``lax.optimization_barrier`` would cost
+    nothing but XLA:CPU removes it before fusing, and a multiply by the 1.0
+    can be folded by XLA's simplifier into a neighbouring constant multiply.
+    """
+    s = (jnp.asarray(step, jnp.int32) | 1).astype(jnp.float32)
+    # 0 at run time (s / s is exactly 1.0), unknown to XLA and LLVM: xor-ing
+    # the bits with it keeps them, and no multiply-add can be formed across
+    # an integer operation (a multiply by s / s could be folded into a
+    # neighbouring constant multiply by XLA's simplifier).
+    zero = lax.bitcast_convert_type(s / s, jnp.int32) ^ jnp.int32(0x3F800000)
+    bits = jnp.dtype(f"int{jnp.dtype(g.dtype).itemsize * 8}")
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(g, bits) ^ zero.astype(bits), g.dtype)
+
+
+def _accumulate(cfg: _Config, g, residual, velocity, ctx: _StepContext):
     """``(R, u)``: the accumulator in the residual dtype and the new velocity (or None)."""
     rdt = residual.dtype  # fixed per group by init (resolve_residual_dtype)
-    g = g.astype(rdt)
+    send_ok = ctx.send_ok
+    g = _rounded(g.astype(rdt), ctx.step)
     if velocity is None:
         return residual + g, None
     # An injected (array) momentum rounds like a Python float would.
     m = cfg.momentum.astype(rdt) if V.is_dynamic(cfg.momentum) else cfg.momentum
-    u = jnp.where(send_ok, m * velocity + g, velocity)
+    # m * velocity rounded before the add too: XLA fuses this add into other
+    # kernels in the two overlap paths, and LLVM may form an FMA in one only.
+    u = jnp.where(send_ok, _rounded(m * velocity, ctx.step) + g, velocity)
     # A skipped step leaves both the velocity and the residual as they were.
     return residual + jnp.where(send_ok, u, 0), u
 
