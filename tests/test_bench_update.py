@@ -107,10 +107,17 @@ def test_single_device_update_keeps_acc_out_of_temporaries():
     # of _send_masked) and XLA:CPU can write the residual in place of it: no
     # n-sized temporary at all with a fixed threshold (there was one before:
     # temp 1.06 n), and one fresh n-sized output (the other output, the
-    # update, reuses the donated residual's buffer).
+    # update, reuses the donated residual's buffer). That is the leaf-by-leaf
+    # path (a selector without a segmented form, as a plain function); the
+    # packed engine, which "threshold" itself now takes, keeps one n-sized
+    # temporary and one copy on a lone leaf (as top_k; ldte_bs two).
     n = 2**16
     g = jnp.ones(n)
-    tx = jaxcomp.sparsify("threshold", 1e-3, selector_options={"threshold": 0.5})
+
+    def fixed(x, k, *, threshold):  # no segmented form: the 1-D path
+        return jaxcomp.selection.fixed_threshold(x, k, threshold=threshold)
+
+    tx = jaxcomp.sparsify(fixed, 1e-3, selector_options={"threshold": 0.5})
     s = bench_update.hlo_passes(bench_update.update_fn(tx).lower(g, tx.init(g)).compile(), n)
     s = s["summary"]
     assert s["temp_n"] < 0.5
