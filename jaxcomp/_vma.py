@@ -112,13 +112,18 @@ _LOCAL_BRANCH = contextvars.ContextVar("jaxcomp_vma_local_branch", default=False
 
 
 @contextlib.contextmanager
-def local_branch():
-    """Marks tracing inside a ``lax.cond`` whose predicate is this device's own."""
-    token = _LOCAL_BRANCH.set(True)
+def _flag_set(flag: contextvars.ContextVar):
+    """``flag`` set to True for the ``with`` block (tracing is synchronous)."""
+    token = flag.set(True)
     try:
         yield
     finally:
-        _LOCAL_BRANCH.reset(token)
+        flag.reset(token)
+
+
+def local_branch():
+    """Marks tracing inside a ``lax.cond`` whose predicate is this device's own."""
+    return _flag_set(_LOCAL_BRANCH)
 
 
 def _axis_bound(axis_name) -> bool:
@@ -196,13 +201,9 @@ def check_not_in_local_branch(axis_name, who: str) -> None:
 _PROBING = contextvars.ContextVar("jaxcomp_vma_probing", default=False)
 
 
-@contextlib.contextmanager
 def probing():
-    token = _PROBING.set(True)
-    try:
-        yield
-    finally:
-        _PROBING.reset(token)
+    """Marks make_train_step's probe (see :data:`_PROBING`)."""
+    return _flag_set(_PROBING)
 
 
 class ProbeError(ValueError):

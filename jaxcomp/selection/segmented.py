@@ -790,14 +790,7 @@ def dgc_sample(
     init = varying_like((t, c, jnp.zeros_like(k)), x)
     t, c, it = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
     refine = ~whole & (survivors(t, c) > hi) & (it < max_adaptations)
-    t = _just_below(t)
-    t, c = lax.cond(
-        jnp.any(refine),
-        lambda _: _top_k_above(layout, x, t, c, k, refine, jnp.full_like(t, jnp.inf)),
-        lambda _: (t, c),
-        None,
-    )
-    return _selection(t, c, it + refine.astype(jnp.int32))
+    return _dgc_refined(layout, x, k, _just_below(t), c, it, refine)
 
 
 def _dgc_at_least_k(layout, x, targets, sample_ratio, upper, decay, max_adaptations):
@@ -839,7 +832,12 @@ def _dgc_at_least_k(layout, x, targets, sample_ratio, upper, decay, max_adaptati
     init = varying_like((t, c, jnp.zeros_like(k)), x)
     t, c, it = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
     hi = targets.pick(np.ceil(upper * targets.table).astype(np.int32))
-    refine = c > hi
+    return _dgc_refined(layout, x, k, t, c, it, c > hi)
+
+
+def _dgc_refined(layout, x, k, t, c, it, refine) -> SegmentSelection:
+    """DGC's last step, both rules: the exact top-k among the survivors where
+    ``refine`` (one more iteration counted there)."""
     t, c = lax.cond(
         jnp.any(refine),
         lambda _: _top_k_above(layout, x, t, c, k, refine, jnp.full_like(t, jnp.inf)),
