@@ -47,13 +47,13 @@ def _bits(x):
 def _tree(seed, kind="laplace"):
     rng = np.random.default_rng(seed)
     shapes = {"a": (40, 30), "b": (30,), "c": (257,), "d": (3, 3, 8, 16), "e": (5,)}
-    if kind == "ties":
-        g = {k: np.ones(s, np.float32) for k, s in shapes.items()}
-        g["c"][-1] = 5.0  # larger than the tie group, last in index order
-    else:
-        g = {k: rng.laplace(size=s).astype(np.float32) for k, s in shapes.items()}
-    if kind == "zeros":
+    g = {k: rng.laplace(size=s).astype(np.float32) for k, s in shapes.items()}
+    if kind == "degenerate":  # each leaf its own case: every leaf is selected alone
         g["b"][:] = 0.0
+        g["c"][:] = 1.0
+        g["c"][-1] = 5.0  # larger than the tie group, last in index order
+        g["d"][:] = 1.0  # a tensor of ties
+        g["e"][:] = -2.0  # a constant
     if kind == "nonfinite" and seed == 2:
         g["a"][1, 2] = np.nan
     return {k: jnp.asarray(v) for k, v in g.items()}
@@ -100,26 +100,38 @@ OPTIONS = {
     "dense_small": {"min_dense_size": 30},
     "reuse": {"reuse_period": 2},
     "reuse_warmup": {"reuse_period": 3, "warmup_ratios": (0.25,), "steps_per_epoch": 2},
+    "warmup_momentum_reuse": {
+        "warmup_ratios": (0.25, 0.05),
+        "steps_per_epoch": 1,
+        "momentum": 0.9,
+        "reuse_period": 2,
+    },
 }
 
 
-# Every option on Laplacian data; the degenerate data with the plain,
-# deferred and warm-up steps.
-EXACT_CASES = [(o, "laplace") for o in sorted(OPTIONS)] + [
-    (o, kind)
-    for o in ("plain", "defer", "warmup", "reuse")
-    for kind in ("ties", "zeros", "nonfinite")
+# Every option on Laplacian data; the degenerate leaves (ties, zeros, a
+# constant: one tree, as every leaf is selected alone) with the plain,
+# deferred, warm-up and reuse steps; a NaN step (skipped) with the plain and
+# deferred ones. dgc's earlier rule differs from the default in the selection
+# only: Laplacian and degenerate data, one and several warm-up phases.
+EXACT_CASES = (
+    [(o, "laplace") for o in sorted(OPTIONS)]
+    + [(o, "degenerate") for o in ("plain", "defer", "warmup", "reuse")]
+    + [(o, "nonfinite") for o in ("plain", "defer")]
+)
+AT_LEAST_K_CASES = [
+    ("plain", "laplace"),
+    ("reuse_warmup", "laplace"),
+    ("plain", "degenerate"),
+    ("warmup", "degenerate"),
 ]
 
 
-@pytest.mark.parametrize("option,kind", EXACT_CASES)
 @pytest.mark.parametrize(
-    "name,select,rule",
-    [
-        ("top_k", S1.exact_top_k, None),
-        ("dgc", S1.dgc_sample, "reference"),
-        ("dgc", S1.dgc_sample, "at_least_k"),
-    ],
+    "name,select,rule,option,kind",
+    [("top_k", S1.exact_top_k, None, *case) for case in EXACT_CASES]
+    + [("dgc", S1.dgc_sample, "reference", *case) for case in EXACT_CASES]
+    + [("dgc", S1.dgc_sample, "at_least_k", *case) for case in AT_LEAST_K_CASES],
 )
 def test_exact_selectors_match_the_per_leaf_path(name, select, rule, option, kind):
     trees = [_tree(s, kind) for s in range(5)]
@@ -143,10 +155,10 @@ LDTE_BS = {
 }
 
 
-@pytest.mark.parametrize("kind", ["laplace", "ties", "zeros"])
 @pytest.mark.parametrize("variant", sorted(LDTE_BS))
-def test_ldte_bs_tree_gives_each_leaf_its_own_result(variant, kind):
-    trees = [_tree(s, kind) for s in range(4)]
+def test_ldte_bs_tree_gives_each_leaf_its_own_result(variant):
+    # Two Laplacian leaves, zeros, ties and a constant, each alone and in the tree.
+    trees = [_tree(s, "degenerate") for s in range(4)]
     whole = _run(LDTE_BS[variant](), trees)
     for name in trees[0]:
         alone = _run(LDTE_BS[variant](), [{name: t[name]} for t in trees])
@@ -234,8 +246,15 @@ FIT_SELECTORS = [
 ]
 
 
-@pytest.mark.parametrize("ratio", [0.01, 0.1])
-@pytest.mark.parametrize("seg,one,kw", FIT_SELECTORS, ids=lambda v: getattr(v, "__name__", ""))
+# Every variant at ratio 0.01; each selector's defaults also at 0.1.
+FIT_CASES = [(*case, 0.01) for case in FIT_SELECTORS] + [
+    (seg, one, kw, 0.1) for seg, one, kw in FIT_SELECTORS if not kw or seg is sg.fixed_threshold
+]
+
+
+@pytest.mark.parametrize(
+    "seg,one,kw,ratio", FIT_CASES, ids=lambda v: getattr(v, "__name__", str(v))
+)
 def test_segmented_fit_selectors_decide_as_the_1d_selectors(seg, one, kw, ratio):
     rng = np.random.default_rng(3)
     sizes = (5, 300, 1000, 70_000, 257, 16, 3000, 1, 4096)
@@ -259,16 +278,15 @@ def test_segmented_fit_selectors_decide_as_the_1d_selectors(seg, one, kw, ratio)
         assert int(sel.iterations[s]) == int(ref.iterations), s
 
 
-@pytest.mark.parametrize("kind", ["laplace", "ties", "zeros"])
 @pytest.mark.parametrize("name", ["gaussian_k", "trimmed_top_k", "threshold", "binary_search"])
-def test_fit_selectors_tree_gives_each_leaf_its_own_result(name, kind):
+def test_fit_selectors_tree_gives_each_leaf_its_own_result(name):
     make = {
         "binary_search": lambda: jaxcomp.binary_search(0.02, start="mean"),
         "gaussian_k": lambda: jaxcomp.gaussian_k(0.02),
         "trimmed_top_k": lambda: jaxcomp.trimmed_top_k(0.02),
         "threshold": lambda: jaxcomp.threshold(0.02, threshold=1.0),
     }[name]
-    trees = [_tree(s, kind) for s in range(3)]
+    trees = [_tree(s, "degenerate") for s in range(3)]
     whole = _run(make(), trees)
     for leaf in trees[0]:
         alone = _run(make(), [{leaf: t[leaf]} for t in trees])
@@ -344,9 +362,10 @@ def _mesh_run(tx, trees, n_dev):
 
 
 @pytest.mark.parametrize("exchange", ["sparse", "dense", "auto", "server", "gossip"])
-@pytest.mark.parametrize("option", ["plain", "warmup", "momentum", "reuse"])
+@pytest.mark.parametrize("option", ["plain", "warmup_momentum_reuse"])
 def test_exchanges_match_the_per_leaf_path(exchange, option):
-    # gossip: each device's own ring mix.
+    # gossip: each device's own ring mix. The options together: a traced k,
+    # the velocity and the reused thresholds in one program.
     n_dev = 4
     trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(4)]
     kw = dict(OPTIONS[option], axis_name="data", exchange=exchange)

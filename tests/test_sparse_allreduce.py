@@ -549,7 +549,8 @@ def test_every_exchange_runs_under_a_checked_shard_map(exchange):
     g["b"] = g["b"].astype(np.float32)
     sh = NamedSharding(mesh, P("data"))
     put = lambda t: jax.tree.map(lambda x: jax.device_put(np.asarray(x), sh), t)  # noqa: E731
-    for ratio in (0.01, 0.5):  # sparse and dense branch of sparcml
+    # SparCML: its sparse and its dense branch; the others have one.
+    for ratio in (0.01, 0.5) if exchange == "sparcml" else (0.01,):
         tx = jaxcomp.ldte_bs(ratio, axis_name="data", exchange=exchange, min_dense_size=4)
         one = jax.tree.map(lambda x: x[0], g)
         state = put(jax.tree.map(lambda x: np.stack([np.asarray(x)] * 8), tx.init(one)))
