@@ -128,23 +128,22 @@ class SegmentLayout:
     def pack(self, parts: Sequence[jax.Array], dtype) -> jax.Array:
         """The ``(num_rows, row)`` buffer of the 1-D ``parts`` (one per segment).
 
-        One concatenation and one gather into the padded rows: padding each
-        part on its own made a kernel per part (a zero fill), and compile
-        time grows with the kernel count.
+        One concatenation of rows: each part's full rows (a reshape) and its
+        last row padded with zeros. A copy XLA fuses into one kernel; a
+        gather of the concatenated parts into the padded rows (the earlier
+        form) took 4x as long on ResNet-20's tree and 1.7x on ResNet-50's.
         """
         if self.num_rows == 0:
             return jnp.zeros((0, self.row), dtype)
-        flat = [jnp.ravel(p).astype(dtype) for p in parts]
-        flat = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
-        if int(self.rows.sum()) * self.row == flat.shape[0]:  # no padding
-            return flat.reshape(self.num_rows, self.row)
-        # Row r's first element in the concatenation, and how many it holds.
-        src = (np.concatenate([[0], np.cumsum(self.sizes)[:-1]])[self.row_segment]
-               + self.row_offset).astype(np.int32)  # fmt: skip
-        col = lax.broadcasted_iota(jnp.int32, (self.num_rows, self.row), 1)
-        ok = self.valid()
-        index = jnp.where(ok, jnp.asarray(src)[:, None] + col, 0)
-        return jnp.where(ok, flat[index], jnp.zeros((), dtype))
+        rows = []
+        for p, n in zip(parts, self.sizes, strict=True):
+            flat = jnp.ravel(p).astype(dtype)
+            full, tail = divmod(n, self.row)
+            if full:
+                rows.append(flat[: full * self.row].reshape(full, self.row))
+            if tail:
+                rows.append(jnp.pad(flat[full * self.row :], (0, self.row - tail))[None])
+        return rows[0] if len(rows) == 1 else jnp.concatenate(rows)
 
     def unpack(self, buf: jax.Array) -> list[jax.Array]:
         """The 1-D segments of a packed buffer (the padding dropped)."""
