@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import compile_flags_without_devices
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 # Blocks that need a set-up a test process cannot give (a fresh JAX per process).
@@ -66,8 +67,8 @@ def test_readme_blocks_run_on_one_device_or_say_how_many_they_need():
     for block in _python_blocks():
         if block.startswith(NEEDS_DEVICES):
             assert "xla_force_host_platform_device_count" in block.split("\n", 3)[1], block[:200]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # no simulated devices: the one CPU device
+    # No simulated devices: the one CPU device (compiled as fast as the tests).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=compile_flags_without_devices())
     proc = subprocess.run(
         [sys.executable, "-c", _ONE_DEVICE_RUN, str(README), *SKIP, NEEDS_DEVICES],
         capture_output=True,
