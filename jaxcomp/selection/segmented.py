@@ -332,25 +332,87 @@ def kth_largest_above(
     counted in one pass, at most 10 passes; ``top`` bounds ``|x|`` from above
     (``inf`` is always safe). Segments not ``active`` take no part (their
     result is meaningless).
+
+    The search also keeps the counts at its bracket ``(lo, hi]``: a segment
+    whose ``count(hi) == k - 1`` has its k-th largest as the largest ``|x|
+    <= hi``, one whose ``count(lo) == k`` as the smallest ``|x| > lo``, so it
+    stops there, and one pass of masked maxima finishes all such segments.
+    The bit search needs a pass per 9-fold cut of the bracket's bit range
+    (23 bits from ``t`` to ``2 t``); this stops once the bracket holds one
+    element (a 9-fold cut of its elements per pass, after the first), so a
+    segment of a tree no longer waits for the slowest bit range.
     """
     lo = jnp.maximum(_bits(t), 0)
-    hi = _bits(top)
+    hi = jnp.minimum(_bits(top), _bits(jnp.inf))  # a NaN top: inf (|x| <= inf besides NaNs)
     if active is not None:
         hi = jnp.where(active, hi, lo + 1)
     j = jnp.arange(1, _PROBES + 1, dtype=jnp.int32)
+    # count(lo) unknown (-1) until a probe lands; count(hi) = 0 at top (top >= max|x|).
+    c_lo = jnp.full_like(k, -1)
+    c_hi = jnp.zeros_like(k)
+    can_finish = k >= 1
+
+    def state(s):
+        lo, hi, c_lo, c_hi = s
+        searching = (hi - lo) > 1
+        at_hi = searching & can_finish & (c_hi == k - 1)
+        at_lo = searching & can_finish & ~at_hi & (c_lo == k)
+        return searching & ~at_hi & ~at_lo, at_hi, at_lo
 
     def body(s):
-        lo, hi = s
+        lo, hi, c_lo, c_hi = s
+        run = state(s)[0]
         q, r = jnp.divmod(hi - lo, _PROBES + 1)
         probes = lo[:, None] + q[:, None] * j + jnp.minimum(j, r[:, None])
-        many = count_above_many(layout, x, _float(probes)) >= k[:, None]
-        run = (hi - lo) > 1
+        cnt = count_above_many(layout, x, _float(probes))
+        many = cnt >= k[:, None]
+        # Counts fall as probes rise: the largest probe with many has the least count of those.
         new_lo = jnp.max(jnp.where(many, probes, lo[:, None]), axis=1)
+        least = jnp.min(jnp.where(many, cnt, jnp.iinfo(jnp.int32).max), axis=1)
+        new_c_lo = jnp.where(jnp.any(many, axis=1), least, c_lo)
         new_hi = jnp.min(jnp.where(many, hi[:, None], probes), axis=1)
-        return jnp.where(run, new_lo, lo), jnp.where(run, new_hi, hi)
+        new_c_hi = jnp.max(jnp.where(many, c_hi[:, None], cnt), axis=1)
+        pick = lambda a, b: jnp.where(run, a, b)  # noqa: E731
+        return pick(new_lo, lo), pick(new_hi, hi), pick(new_c_lo, c_lo), pick(new_c_hi, c_hi)
 
-    _, hi = lax.while_loop(lambda s: jnp.any(s[1] - s[0] > 1), body, varying_like((lo, hi), x))
-    return jnp.where(count >= k, _float(hi), jnp.float32(0))
+    s = lax.while_loop(lambda s: jnp.any(state(s)[0]), body, varying_like((lo, hi, c_lo, c_hi), x))
+    lo, hi = s[0], s[1]
+    _, at_hi, at_lo = state(s)
+    kth = lax.cond(
+        jnp.any(at_hi | at_lo),
+        lambda: jnp.where(at_hi | at_lo, _finish(layout, x, lo, hi, at_hi), _float(hi)),
+        lambda: _float(hi),
+    )
+    return jnp.where(count >= k, kth, jnp.float32(0))
+
+
+def _max_many(a: list[jax.Array], init: list[int]) -> list[jax.Array]:
+    """Per-row maxima of int32 arrays in one variadic reduce (XLA:CPU runs a
+    lone float or int max reduce several times slower)."""
+
+    def body(acc, val):
+        return [jnp.maximum(p, q) for p, q in zip(acc, val, strict=True)]
+
+    return list(lax.reduce(a, [jnp.int32(v) for v in init], body, (1,)))
+
+
+def _finish(layout, x, lo, hi, at_hi):
+    """Per segment: the largest ``|x| <= float(hi)`` where ``at_hi``, else the
+    smallest ``|x| > float(lo)``, in one pass (on float32 bit patterns, which
+    order as the non-negative floats; a NaN's lies above every one of them,
+    so it takes no part: ``hi <= bits(inf)``, and the smallest above ``lo`` is
+    a number where ``count(lo) >= 1``)."""
+    x, lo, hi = lax.optimization_barrier((x, lo, hi))
+    b = _bits(_abs32(x))
+    low = jnp.iinfo(jnp.int32).min
+    below = jnp.where(b <= layout.per_row(hi)[:, None], b, -1)
+    above = jnp.where(b > layout.per_row(lo)[:, None], -b, low)
+    r1, r2 = _max_many([below, above], [-1, low])
+    seg = functools.partial(
+        jax.ops.segment_max, segment_ids=layout.row_segment,
+        num_segments=layout.num_segments, indices_are_sorted=True,
+    )  # fmt: skip
+    return _float(jnp.where(at_hi, seg(r1), -seg(r2)))
 
 
 def _strided_layout(layout: SegmentLayout, size: Callable[[int], int]):
@@ -840,7 +902,7 @@ def _dgc_refined(layout, x, k, t, c, it, refine) -> SegmentSelection:
     ``refine`` (one more iteration counted there)."""
     t, c = lax.cond(
         jnp.any(refine),
-        lambda _: _top_k_above(layout, x, t, c, k, refine, jnp.full_like(t, jnp.inf)),
+        lambda _: _top_k_above(layout, x, t, c, k, refine, segment_max(layout, x)),
         lambda _: (t, c),
         None,
     )
@@ -1118,7 +1180,8 @@ def capacity_cut(
     """
     sizes = jnp.asarray(np.asarray(layout.sizes, np.int32))
     over = count > capacity
-    v = kth_largest_above(layout, x, t, count, capacity, top=jnp.full_like(t, jnp.inf), active=over)
+    # The segments' maxima (a cheap pass) narrow the search's first bracket.
+    v = kth_largest_above(layout, x, t, count, capacity, top=segment_max(layout, x), active=over)
     # How many ties at v are wanted: capacity - #{|x| > v} (>= 1 where over).
     wanted = capacity - count_above(layout, x, v)
     a = _abs32(x)
