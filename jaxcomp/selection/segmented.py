@@ -748,6 +748,53 @@ def _search(layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo_zero, *, upper, searc
     return t, c, it, lo, c_lo, hi, lo_zero
 
 
+_ROUNDS = 2  # decay rounds counted per pass (two thresholds cost about one: _row_counts_many)
+
+
+def _decay_rounds(layout, x, t, running, decay, at, rounds=_ROUNDS):
+    """DGC's adaptation rounds for every segment, both rules: from ``(t, count,
+    0)``, while ``running((t, c, it))``: ``t = (t * decay).astype(float32)``,
+    ``c`` the count above ``at(t)``, ``it + 1``.
+
+    The thresholds a segment would try next are known in advance, so one
+    pass counts the next ``rounds`` of them for every segment
+    (:func:`count_above_many`) and each segment takes them in order until it
+    stops: the same ``(t, c, it)`` as a round per pass, in a pass per
+    ``rounds`` rounds (the first pass also counts the start ``t``). Only a
+    round's count is ever taken for a segment, never a later one's, so a
+    stopped segment stays stopped.
+    """
+
+    def chain(t, m):
+        out = []
+        for _ in range(m):
+            # Each product rounded on its own: XLA would fold (t * d) * d into t * (d * d).
+            t = lax.optimization_barrier((t * decay).astype(jnp.float32))
+            out.append(t)
+        return out
+
+    def counts(ts):
+        cs = count_above_many(layout, x, jnp.stack([at(u) for u in ts], axis=1))
+        return [cs[:, j] for j in range(len(ts))]
+
+    def advance(s, ts, cs):
+        for tj, cj in zip(ts, cs, strict=True):
+            go = running(s)
+            t, c, it = s
+            s = jnp.where(go, tj, t), jnp.where(go, cj, c), jnp.where(go, it + 1, it)
+        return s
+
+    ts = [t, *chain(t, rounds - 1)]
+    cs = counts(ts)
+    s = advance((t, cs[0], jnp.zeros_like(cs[0])), ts[1:], cs[1:])
+
+    def body(s):
+        ts = chain(s[0], rounds)
+        return advance(s, ts, counts(ts))
+
+    return lax.while_loop(lambda s: jnp.any(running(s)), body, varying_like(s, x))
+
+
 def dgc_sample(
     layout: SegmentLayout,
     x: jax.Array,
@@ -830,7 +877,6 @@ def dgc_sample(
     t = kth_largest_above(
         sl, sample, jnp.zeros_like(k, jnp.float32), length, ks, top=segment_max(sl, sample)
     )
-    c = count_above(layout, x, _just_below(t))
     lo_tab, hi_tab = S1.dgc_bounds(targets.table, upper, decay)
     lo = None if lo_tab is None else targets.pick(lo_tab.astype(np.int32))
     hi = targets.pick(hi_tab.astype(np.int32))
@@ -842,15 +888,7 @@ def dgc_sample(
         t, c, it = s
         return ~whole & S1._too_few(survivors(t, c), k, lo, decay) & (it < max_adaptations)
 
-    def body(s):
-        go = running(s)
-        t, c, it = s
-        t2 = (t * decay).astype(jnp.float32)
-        c2 = count_above(layout, x, _just_below(t2))
-        return jnp.where(go, t2, t), jnp.where(go, c2, c), jnp.where(go, it + 1, it)
-
-    init = varying_like((t, c, jnp.zeros_like(k)), x)
-    t, c, it = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    t, c, it = _decay_rounds(layout, x, t, running, decay, _just_below)
     refine = ~whole & (survivors(t, c) > hi) & (it < max_adaptations)
     return _dgc_refined(layout, x, k, _just_below(t), c, it, refine)
 
@@ -877,22 +915,12 @@ def _dgc_at_least_k(layout, x, targets, sample_ratio, upper, decay, max_adaptati
         sl, sample, jnp.zeros_like(k, jnp.float32), jnp.asarray(m.astype(np.int32)), ks,
         top=segment_max(sl, sample),
     )  # fmt: skip
-    t = _just_below(kth)
-    c = count_above(layout, x, t)
 
     def running(s):
         t, c, it = s
         return (c < k) & (it < max_adaptations) & (t > 0)
 
-    def body(s):
-        go = running(s)
-        t, c, it = s
-        t2 = (t * decay).astype(jnp.float32)
-        c2 = count_above(layout, x, t2)
-        return jnp.where(go, t2, t), jnp.where(go, c2, c), jnp.where(go, it + 1, it)
-
-    init = varying_like((t, c, jnp.zeros_like(k)), x)
-    t, c, it = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    t, c, it = _decay_rounds(layout, x, _just_below(kth), running, decay, lambda t: t)
     hi = targets.pick(np.ceil(upper * targets.table).astype(np.int32))
     return _dgc_refined(layout, x, k, t, c, it, c > hi)
 
