@@ -339,8 +339,12 @@ def kth_largest_above(
     stops there, and one pass of masked maxima finishes all such segments.
     The bit search needs a pass per 9-fold cut of the bracket's bit range
     (23 bits from ``t`` to ``2 t``); this stops once the bracket holds one
-    element (a 9-fold cut of its elements per pass, after the first), so a
-    segment of a tree no longer waits for the slowest bit range.
+    element (about a 9-fold cut of its elements per pass), so a segment of a
+    tree no longer waits for the slowest bit range. Until a probe has landed
+    at or below the k-th (above a positive ``t``), the probes halve the
+    distance to ``lo`` instead of splitting the bracket evenly: the k-th of a
+    refine or a capacity cut lies close above ``t`` (``count(t)`` within a
+    small factor of ``k``), in the first ninth of ``(t, max]``.
     """
     lo = jnp.maximum(_bits(t), 0)
     hi = jnp.minimum(_bits(top), _bits(jnp.inf))  # a NaN top: inf (|x| <= inf besides NaNs)
@@ -363,7 +367,11 @@ def kth_largest_above(
         lo, hi, c_lo, c_hi = s
         run = state(s)[0]
         q, r = jnp.divmod(hi - lo, _PROBES + 1)
-        probes = lo[:, None] + q[:, None] * j + jnp.minimum(j, r[:, None])
+        even = lo[:, None] + q[:, None] * j + jnp.minimum(j, r[:, None])
+        # Until a probe lands at or below the k-th (count(lo) unknown) above a
+        # positive lo, the probes halve the distance to lo: lo + (hi - lo) / 2^(9 - j).
+        halving = lo[:, None] + jnp.right_shift((hi - lo)[:, None], _PROBES + 1 - j)
+        probes = jnp.where(((c_lo < 0) & (lo > 0))[:, None], halving, even)
         cnt = count_above_many(layout, x, _float(probes))
         many = cnt >= k[:, None]
         # Counts fall as probes rise: the largest probe with many has the least count of those.
