@@ -394,3 +394,42 @@ def test_bad_rule_and_sample_ratio(make, match):
         make()
     # The earlier rule still accepts small sample ratios.
     jaxcomp.dgc(0.01, rule="at_least_k", sample_ratio=0.001)
+
+
+@pytest.mark.parametrize("rule", ["reference", "at_least_k"])
+@pytest.mark.parametrize("decay", [0.8, 0.5])
+def test_rounds_several_per_pass_and_the_refine_equal_the_1d_selector(rule, decay):
+    # Sampled outliers (index 0 is in both rules' samples from start 0) force
+    # many decay rounds, more than segmented._ROUNDS per pass, and decays
+    # past the window force the survivors' top-k: every segment as the 1-D
+    # selector, bit for bit, whatever max_adaptations cuts.
+    rng = np.random.default_rng(11)
+    sizes = (3000, 20_000, 5000, 70_000, 4096, 300)
+    parts = [rng.laplace(size=n).astype(np.float32) for n in sizes]
+    for p, big in zip(parts, (40.0, 15.0, 200.0, 12.0, 1e4, 8.0), strict=True):
+        n = p.size
+        stride, _, ks = S1.dgc_sampling(n, S1.target_count(0.01, n), 0.01)
+        p[: (ks + 1) * stride : stride] = big  # the reference's sample top
+        m = math.ceil(0.01 * n)
+        p[: 4 * (n // m) : (n // m) - 1 + (n // m) % 2] = big  # at_least_k's sample top
+    parts[4][1:100] = 2.0  # ties where the rounds end
+    layout = sg.SegmentLayout(sizes)
+    x = layout.pack([jnp.asarray(p) for p in parts], jnp.float32)
+    table = np.asarray([[S1.target_count(0.01, n) for n in sizes]])
+    start = jnp.zeros((len(sizes),), jnp.int32)
+    seen = set()
+    for max_adaptations in (0, 1, 3, 7, 25):
+        opts = dict(rule=rule, decay=decay, max_adaptations=max_adaptations)
+        sel = jax.jit(
+            lambda x, o=opts: sg.dgc_sample(layout, x, sg.Targets(table), start=start, **o)
+        )(x)
+        for s, p in enumerate(parts):
+            one = jax.jit(lambda p, k=int(table[0, s]), o=opts: S1.dgc_sample(p, k, **o))(
+                jnp.asarray(p)
+            )
+            got, want = np.asarray(sel.threshold[s]), np.asarray(one.threshold)
+            assert got.view(np.uint32) == want.view(np.uint32), (max_adaptations, s)
+            assert int(sel.count[s]) == int(one.count)
+            assert int(sel.iterations[s]) == int(one.iterations)
+            seen.add(int(one.iterations))
+    assert max(seen) > 2 * sg._ROUNDS  # several passes of rounds ran

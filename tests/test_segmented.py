@@ -480,3 +480,41 @@ def test_statistics_refuses_global_and_states_without_a_sparsifier():
     got = jaxcomp.statistics(stacked)["sent_count"]
     for i, k in enumerate(sorted(g)):
         np.testing.assert_array_equal(got[k], [i, 5 + i, 10 + i])
+
+
+def test_kth_largest_above_matches_numpy_and_its_early_finish():
+    # The search stops a segment once its bracket's count says which element
+    # is the k-th (count(hi) == k - 1: the largest below; count(lo) == k: the
+    # smallest above) and finishes it by a masked maximum: the same float32
+    # as sorting, with ties, zeros, infinities, k = 1, k = count, k > count.
+    rng = np.random.default_rng(5)
+    sizes = (1, 7, 256, 300, 1000, 5000, 70_000, 513, 64)
+    parts = [rng.laplace(size=n).astype(np.float32) for n in sizes]
+    parts[2][:100] = 3.0  # ties
+    parts[3][::2] = 0.0
+    parts[5][:3] = np.inf
+    parts[7][:] = np.round(parts[7])  # small integers: ties everywhere
+    layout = sg.SegmentLayout(sizes)
+    x = layout.pack([jnp.asarray(p) for p in parts], jnp.float32)
+    fn = jax.jit(
+        lambda x, t, c, k, top, active: sg.kth_largest_above(
+            layout, x, t, c, k, top=top, active=active
+        )
+    )
+    mags = [np.abs(p) for p in parts]
+    for trial in range(12):
+        t = np.asarray(
+            [np.quantile(m, rng.uniform(0, 0.99)) if trial % 3 else 0.0 for m in mags], np.float32
+        )
+        c = np.asarray([np.sum(m > tt) for m, tt in zip(mags, t, strict=True)], np.int32)
+        k = np.asarray([rng.integers(1, max(int(cc), 1) + 2) for cc in c], np.int32)
+        k[0] = 1
+        active = rng.uniform(size=len(sizes)) < 0.8
+        for top in (np.full(len(sizes), np.inf, np.float32), np.asarray([m.max() for m in mags])):
+            got = np.asarray(fn(x, t, c, k, jnp.asarray(top, jnp.float32), active))
+            for s, m in enumerate(mags):
+                if not active[s]:
+                    continue
+                above = np.sort(m[m > t[s]])[::-1]
+                want = above[k[s] - 1] if c[s] >= k[s] else np.float32(0)
+                assert _bits(np.float32(got[s])) == _bits(np.float32(want)), (trial, s)

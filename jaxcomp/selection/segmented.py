@@ -331,25 +331,95 @@ def kth_largest_above(
     counted in one pass, at most 10 passes; ``top`` bounds ``|x|`` from above
     (``inf`` is always safe). Segments not ``active`` take no part (their
     result is meaningless).
+
+    The search also keeps the counts at its bracket ``(lo, hi]``: a segment
+    whose ``count(hi) == k - 1`` has its k-th largest as the largest ``|x|
+    <= hi``, one whose ``count(lo) == k`` as the smallest ``|x| > lo``, so it
+    stops there, and one pass of masked maxima finishes all such segments.
+    The bit search needs a pass per 9-fold cut of the bracket's bit range
+    (23 bits from ``t`` to ``2 t``); this stops once the bracket holds one
+    element (about a 9-fold cut of its elements per pass), so a segment of a
+    tree no longer waits for the slowest bit range. Until a probe has landed
+    at or below the k-th (above a positive ``t``), the probes halve the
+    distance to ``lo`` instead of splitting the bracket evenly: the k-th of a
+    refine or a capacity cut lies close above ``t`` (``count(t)`` within a
+    small factor of ``k``), in the first ninth of ``(t, max]``.
     """
     lo = jnp.maximum(_bits(t), 0)
-    hi = _bits(top)
+    hi = jnp.minimum(_bits(top), _bits(jnp.inf))  # a NaN top: inf (|x| <= inf besides NaNs)
     if active is not None:
         hi = jnp.where(active, hi, lo + 1)
     j = jnp.arange(1, _PROBES + 1, dtype=jnp.int32)
+    # count(lo) unknown (-1) until a probe lands; count(hi) = 0 at top (top >= max|x|).
+    c_lo = jnp.full_like(k, -1)
+    c_hi = jnp.zeros_like(k)
+    can_finish = k >= 1
+
+    def state(s):
+        lo, hi, c_lo, c_hi = s
+        searching = (hi - lo) > 1
+        at_hi = searching & can_finish & (c_hi == k - 1)
+        at_lo = searching & can_finish & ~at_hi & (c_lo == k)
+        return searching & ~at_hi & ~at_lo, at_hi, at_lo
 
     def body(s):
-        lo, hi = s
+        lo, hi, c_lo, c_hi = s
+        run = state(s)[0]
         q, r = jnp.divmod(hi - lo, _PROBES + 1)
-        probes = lo[:, None] + q[:, None] * j + jnp.minimum(j, r[:, None])
-        many = count_above_many(layout, x, _float(probes)) >= k[:, None]
-        run = (hi - lo) > 1
+        even = lo[:, None] + q[:, None] * j + jnp.minimum(j, r[:, None])
+        # Until a probe lands at or below the k-th (count(lo) unknown) above a
+        # positive lo, the probes halve the distance to lo: lo + (hi - lo) / 2^(9 - j).
+        halving = lo[:, None] + jnp.right_shift((hi - lo)[:, None], _PROBES + 1 - j)
+        probes = jnp.where(((c_lo < 0) & (lo > 0))[:, None], halving, even)
+        cnt = count_above_many(layout, x, _float(probes))
+        many = cnt >= k[:, None]
+        # Counts fall as probes rise: the largest probe with many has the least count of those.
         new_lo = jnp.max(jnp.where(many, probes, lo[:, None]), axis=1)
+        least = jnp.min(jnp.where(many, cnt, jnp.iinfo(jnp.int32).max), axis=1)
+        new_c_lo = jnp.where(jnp.any(many, axis=1), least, c_lo)
         new_hi = jnp.min(jnp.where(many, hi[:, None], probes), axis=1)
-        return jnp.where(run, new_lo, lo), jnp.where(run, new_hi, hi)
+        new_c_hi = jnp.max(jnp.where(many, c_hi[:, None], cnt), axis=1)
+        pick = lambda a, b: jnp.where(run, a, b)  # noqa: E731
+        return pick(new_lo, lo), pick(new_hi, hi), pick(new_c_lo, c_lo), pick(new_c_hi, c_hi)
 
-    _, hi = lax.while_loop(lambda s: jnp.any(s[1] - s[0] > 1), body, varying_like((lo, hi), x))
-    return jnp.where(count >= k, _float(hi), jnp.float32(0))
+    s = lax.while_loop(lambda s: jnp.any(state(s)[0]), body, varying_like((lo, hi, c_lo, c_hi), x))
+    lo, hi = s[0], s[1]
+    _, at_hi, at_lo = state(s)
+    kth = lax.cond(
+        jnp.any(at_hi | at_lo),
+        lambda: jnp.where(at_hi | at_lo, _finish(layout, x, lo, hi, at_hi), _float(hi)),
+        lambda: _float(hi),
+    )
+    return jnp.where(count >= k, kth, jnp.float32(0))
+
+
+def _max_many(a: list[jax.Array], init: list[int]) -> list[jax.Array]:
+    """Per-row maxima of int32 arrays in one variadic reduce (XLA:CPU runs a
+    lone float or int max reduce several times slower)."""
+
+    def body(acc, val):
+        return [jnp.maximum(p, q) for p, q in zip(acc, val, strict=True)]
+
+    return list(lax.reduce(a, [jnp.int32(v) for v in init], body, (1,)))
+
+
+def _finish(layout, x, lo, hi, at_hi):
+    """Per segment: the largest ``|x| <= float(hi)`` where ``at_hi``, else the
+    smallest ``|x| > float(lo)``, in one pass (on float32 bit patterns, which
+    order as the non-negative floats; a NaN's lies above every one of them,
+    so it takes no part: ``hi <= bits(inf)``, and the smallest above ``lo`` is
+    a number where ``count(lo) >= 1``)."""
+    x, lo, hi = lax.optimization_barrier((x, lo, hi))
+    b = _bits(_abs32(x))
+    low = jnp.iinfo(jnp.int32).min
+    below = jnp.where(b <= layout.per_row(hi)[:, None], b, -1)
+    above = jnp.where(b > layout.per_row(lo)[:, None], -b, low)
+    r1, r2 = _max_many([below, above], [-1, low])
+    seg = functools.partial(
+        jax.ops.segment_max, segment_ids=layout.row_segment,
+        num_segments=layout.num_segments, indices_are_sorted=True,
+    )  # fmt: skip
+    return _float(jnp.where(at_hi, seg(r1), -seg(r2)))
 
 
 def _strided_layout(layout: SegmentLayout, size: Callable[[int], int]):
@@ -685,6 +755,53 @@ def _search(layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo_zero, *, upper, searc
     return t, c, it, lo, c_lo, hi, lo_zero
 
 
+_ROUNDS = 2  # decay rounds counted per pass (two thresholds cost about one: _row_counts_many)
+
+
+def _decay_rounds(layout, x, t, running, decay, at, rounds=_ROUNDS):
+    """DGC's adaptation rounds for every segment, both rules: from ``(t, count,
+    0)``, while ``running((t, c, it))``: ``t = (t * decay).astype(float32)``,
+    ``c`` the count above ``at(t)``, ``it + 1``.
+
+    The thresholds a segment would try next are known in advance, so one
+    pass counts the next ``rounds`` of them for every segment
+    (:func:`count_above_many`) and each segment takes them in order until it
+    stops: the same ``(t, c, it)`` as a round per pass, in a pass per
+    ``rounds`` rounds (the first pass also counts the start ``t``). Only a
+    round's count is ever taken for a segment, never a later one's, so a
+    stopped segment stays stopped.
+    """
+
+    def chain(t, m):
+        out = []
+        for _ in range(m):
+            # Each product rounded on its own: XLA would fold (t * d) * d into t * (d * d).
+            t = lax.optimization_barrier((t * decay).astype(jnp.float32))
+            out.append(t)
+        return out
+
+    def counts(ts):
+        cs = count_above_many(layout, x, jnp.stack([at(u) for u in ts], axis=1))
+        return [cs[:, j] for j in range(len(ts))]
+
+    def advance(s, ts, cs):
+        for tj, cj in zip(ts, cs, strict=True):
+            go = running(s)
+            t, c, it = s
+            s = jnp.where(go, tj, t), jnp.where(go, cj, c), jnp.where(go, it + 1, it)
+        return s
+
+    ts = [t, *chain(t, rounds - 1)]
+    cs = counts(ts)
+    s = advance((t, cs[0], jnp.zeros_like(cs[0])), ts[1:], cs[1:])
+
+    def body(s):
+        ts = chain(s[0], rounds)
+        return advance(s, ts, counts(ts))
+
+    return lax.while_loop(lambda s: jnp.any(running(s)), body, varying_like(s, x))
+
+
 def dgc_sample(
     layout: SegmentLayout,
     x: jax.Array,
@@ -767,7 +884,6 @@ def dgc_sample(
     t = kth_largest_above(
         sl, sample, jnp.zeros_like(k, jnp.float32), length, ks, top=segment_max(sl, sample)
     )
-    c = count_above(layout, x, _just_below(t))
     lo_tab, hi_tab = S1.dgc_bounds(targets.table, upper, decay)
     lo = None if lo_tab is None else targets.pick(lo_tab.astype(np.int32))
     hi = targets.pick(hi_tab.astype(np.int32))
@@ -779,15 +895,7 @@ def dgc_sample(
         t, c, it = s
         return ~whole & S1._too_few(survivors(t, c), k, lo, decay) & (it < max_adaptations)
 
-    def body(s):
-        go = running(s)
-        t, c, it = s
-        t2 = (t * decay).astype(jnp.float32)
-        c2 = count_above(layout, x, _just_below(t2))
-        return jnp.where(go, t2, t), jnp.where(go, c2, c), jnp.where(go, it + 1, it)
-
-    init = varying_like((t, c, jnp.zeros_like(k)), x)
-    t, c, it = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    t, c, it = _decay_rounds(layout, x, t, running, decay, _just_below)
     refine = ~whole & (survivors(t, c) > hi) & (it < max_adaptations)
     return _dgc_refined(layout, x, k, _just_below(t), c, it, refine)
 
@@ -814,22 +922,12 @@ def _dgc_at_least_k(layout, x, targets, sample_ratio, upper, decay, max_adaptati
         sl, sample, jnp.zeros_like(k, jnp.float32), jnp.asarray(m.astype(np.int32)), ks,
         top=segment_max(sl, sample),
     )  # fmt: skip
-    t = _just_below(kth)
-    c = count_above(layout, x, t)
 
     def running(s):
         t, c, it = s
         return (c < k) & (it < max_adaptations) & (t > 0)
 
-    def body(s):
-        go = running(s)
-        t, c, it = s
-        t2 = (t * decay).astype(jnp.float32)
-        c2 = count_above(layout, x, t2)
-        return jnp.where(go, t2, t), jnp.where(go, c2, c), jnp.where(go, it + 1, it)
-
-    init = varying_like((t, c, jnp.zeros_like(k)), x)
-    t, c, it = lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    t, c, it = _decay_rounds(layout, x, _just_below(kth), running, decay, lambda t: t)
     hi = targets.pick(np.ceil(upper * targets.table).astype(np.int32))
     return _dgc_refined(layout, x, k, t, c, it, c > hi)
 
@@ -839,7 +937,7 @@ def _dgc_refined(layout, x, k, t, c, it, refine) -> SegmentSelection:
     ``refine`` (one more iteration counted there)."""
     t, c = lax.cond(
         jnp.any(refine),
-        lambda _: _top_k_above(layout, x, t, c, k, refine, jnp.full_like(t, jnp.inf)),
+        lambda _: _top_k_above(layout, x, t, c, k, refine, segment_max(layout, x)),
         lambda _: (t, c),
         None,
     )
@@ -1117,7 +1215,8 @@ def capacity_cut(
     """
     sizes = jnp.asarray(np.asarray(layout.sizes, np.int32))
     over = count > capacity
-    v = kth_largest_above(layout, x, t, count, capacity, top=jnp.full_like(t, jnp.inf), active=over)
+    # The segments' maxima (a cheap pass) narrow the search's first bracket.
+    v = kth_largest_above(layout, x, t, count, capacity, top=segment_max(layout, x), active=over)
     # How many ties at v are wanted: capacity - #{|x| > v} (>= 1 where over).
     wanted = capacity - count_above(layout, x, v)
     a = _abs32(x)
