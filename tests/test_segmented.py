@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -482,11 +483,15 @@ def test_statistics_refuses_global_and_states_without_a_sparsifier():
         np.testing.assert_array_equal(got[k], [i, 5 + i, 10 + i])
 
 
-def test_kth_largest_above_matches_numpy_and_its_early_finish():
+@pytest.mark.parametrize("kernels", ["this_platform", "default"])
+def test_kth_largest_above_matches_numpy_and_its_early_finish(kernels, monkeypatch):
     # The search stops a segment once its bracket's count says which element
     # is the k-th (count(hi) == k - 1: the largest below; count(lo) == k: the
     # smallest above) and finishes it by a masked maximum: the same float32
     # as sorting, with ties, zeros, infinities, k = 1, k = count, k > count.
+    # "default": the kernels' GPU/TPU forms (lax.platform_dependent's default), run here.
+    if kernels == "default":
+        monkeypatch.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
     rng = np.random.default_rng(5)
     sizes = (1, 7, 256, 300, 1000, 5000, 70_000, 513, 64)
     parts = [rng.laplace(size=n).astype(np.float32) for n in sizes]

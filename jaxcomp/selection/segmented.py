@@ -394,13 +394,20 @@ def kth_largest_above(
 
 
 def _max_many(a: list[jax.Array], init: list[int]) -> list[jax.Array]:
-    """Per-row maxima of int32 arrays in one variadic reduce (XLA:CPU runs a
-    lone float or int max reduce several times slower)."""
+    """Per-row maxima of int32 arrays (each at least its ``init``): on XLA:CPU
+    one variadic reduce (it runs a lone float or int max reduce several times
+    slower), elsewhere plain reductions (as :func:`_row_counts_many`)."""
 
     def body(acc, val):
         return [jnp.maximum(p, q) for p, q in zip(acc, val, strict=True)]
 
-    return list(lax.reduce(a, [jnp.int32(v) for v in init], body, (1,)))
+    def cpu(*a):
+        return list(lax.reduce(list(a), [jnp.int32(v) for v in init], body, (1,)))
+
+    def other(*a):
+        return [jnp.maximum(jnp.max(x, axis=1), jnp.int32(v)) for x, v in zip(a, init, strict=True)]
+
+    return list(lax.platform_dependent(*a, cpu=cpu, default=other))
 
 
 def _finish(layout, x, lo, hi, at_hi):
