@@ -163,6 +163,12 @@ class SegmentLayout:
             per_row, self.row_segment, self.num_segments, indices_are_sorted=True
         )
 
+    def segment_max(self, per_row: jax.Array) -> jax.Array:
+        """Per-segment maxima of a per-row array (its dtype's lowest for an empty segment)."""
+        return jax.ops.segment_max(
+            per_row, self.row_segment, self.num_segments, indices_are_sorted=True
+        )
+
     def valid(self) -> jax.Array:
         """bool ``(num_rows, row)``: which slots hold a segment's element (not padding)."""
         size = np.asarray(self.sizes, np.int64)[self.row_segment] if self.sizes else np.zeros(0)
@@ -280,10 +286,7 @@ def segment_max(layout: SegmentLayout, x: jax.Array) -> jax.Array:
     """float32 ``max|x|`` per segment (0 for an empty one)."""
     if layout.num_rows == 0:
         return jnp.zeros((layout.num_segments,), jnp.float32)
-    m = jax.ops.segment_max(
-        jnp.max(_abs32(x), axis=1), layout.row_segment, layout.num_segments,
-        indices_are_sorted=True,
-    )  # fmt: skip
+    m = layout.segment_max(jnp.max(_abs32(x), axis=1))
     return jnp.maximum(m, 0.0)  # empty segments: -inf
 
 
@@ -422,11 +425,7 @@ def _finish(layout, x, lo, hi, at_hi):
     below = jnp.where(b <= layout.per_row(hi)[:, None], b, -1)
     above = jnp.where(b > layout.per_row(lo)[:, None], -b, low)
     r1, r2 = _max_many([below, above], [-1, low])
-    seg = functools.partial(
-        jax.ops.segment_max, segment_ids=layout.row_segment,
-        num_segments=layout.num_segments, indices_are_sorted=True,
-    )  # fmt: skip
-    return _float(jnp.where(at_hi, seg(r1), -seg(r2)))
+    return _float(jnp.where(at_hi, layout.segment_max(r1), -layout.segment_max(r2)))
 
 
 def _strided_layout(layout: SegmentLayout, size: Callable[[int], int]):
