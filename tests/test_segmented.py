@@ -100,6 +100,7 @@ OPTIONS = {
     "global": {"granularity": "global"},
     "dense_small": {"min_dense_size": 30},
     "reuse": {"reuse_period": 2},
+    "low_pass": {"low_pass": 0.5, "momentum": 0.9},
     "reuse_warmup": {"reuse_period": 3, "warmup_ratios": (0.25,), "steps_per_epoch": 2},
     "warmup_momentum_reuse": {
         "warmup_ratios": (0.25, 0.05),
@@ -112,13 +113,14 @@ OPTIONS = {
 
 # Every option on Laplacian data; the degenerate leaves (ties, zeros, a
 # constant: one tree, as every leaf is selected alone) with the plain,
-# deferred, warm-up and reuse steps; a NaN step (skipped) with the plain and
-# deferred ones. dgc's earlier rule differs from the default in the selection
-# only: Laplacian and degenerate data, one and several warm-up phases.
+# deferred, warm-up and reuse steps; a NaN step (skipped) with the plain,
+# deferred and low-pass ones. dgc's earlier rule differs from the default in
+# the selection only: Laplacian and degenerate data, one and several warm-up
+# phases.
 EXACT_CASES = (
     [(o, "laplace") for o in sorted(OPTIONS)]
     + [(o, "degenerate") for o in ("plain", "defer", "warmup", "reuse")]
-    + [(o, "nonfinite") for o in ("plain", "defer")]
+    + [(o, "nonfinite") for o in ("plain", "defer", "low_pass")]
 )
 AT_LEAST_K_CASES = [
     ("plain", "laplace"),
@@ -339,25 +341,28 @@ def test_warmup_compiles_one_selector_and_counts_do_not_grow_with_leaves():
     assert loops(3, **warm) == loops(3)
 
 
-def _mesh_run(tx, trees, n_dev):
-    """``tx.update`` inside shard_map on ``n_dev`` devices, each its own gradients."""
+def _mesh_run(tx, trees, n_dev, include=None):
+    """``tx.update`` inside shard_map on ``n_dev`` devices, each its own gradients
+    (and, with ``include``, its own backup-worker flag per step)."""
     mesh = jax.make_mesh((n_dev,), ("data",))
     spec = P("data")
     params = jax.tree.map(jnp.zeros_like, trees[0][0])
     state = jax.tree.map(lambda a: jnp.stack([a] * n_dev), tx.init(params))
 
-    def run(grads, state):
+    def run(grads, state, flags):
         first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
-        upd, new = tx.update(first(grads), first(state))
+        kw = {} if include is None else {"include": flags[0]}
+        upd, new = tx.update(first(grads), first(state), **kw)
         return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
 
     step = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec))
     put = lambda t: jax.device_put(t, NamedSharding(mesh, spec))  # noqa: E731
     state = put(state)
     out = []
-    for per_device in trees:
+    for s, per_device in enumerate(trees):
         g = put(jax.tree.map(lambda *a: jnp.stack(a), *per_device))
-        u, state = step(g, state)
+        flags = put(jnp.ones((n_dev,), bool) if include is None else jnp.asarray(include[s]))
+        u, state = step(g, state, flags)
         out.append((u, state))
     return out
 
@@ -377,6 +382,30 @@ def test_exchanges_match_the_per_leaf_path(exchange, option):
     ):
         _assert_same(u1, u2)
         _assert_same(s1, s2)
+
+
+@pytest.mark.parametrize("exchange", ["sparse", "dense", "auto"])
+def test_backup_workers_match_the_per_leaf_path(exchange):
+    # include=: a left-out device sends nothing and keeps its residual; the
+    # means are over the included devices (one left out, then another, then none).
+    n_dev = 4
+    trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(3)]
+    include = [[True, False, True, True], [True, True, True, False], [True] * 4]
+    kw = dict(axis_name="data", exchange=exchange, momentum=0.9)
+    new = jaxcomp.top_k(0.02, **kw)
+    old = jaxcomp.sparsify(_per_leaf(S1.exact_top_k), 0.02, **kw)
+    for (u1, s1), (u2, s2) in zip(
+        _mesh_run(new, trees, n_dev, include), _mesh_run(old, trees, n_dev, include), strict=True
+    ):
+        _assert_same(u1, u2)
+        _assert_same(s1, s2)
+
+
+@pytest.mark.parametrize("exchange", ["server", "gossip"])
+def test_backup_workers_rejected_where_the_exchange_cannot_average_over_them(exchange):
+    tx = jaxcomp.top_k(0.02, axis_name="data", exchange=exchange)
+    with pytest.raises(ValueError, match=f"exchange='{exchange}' does not take include="):
+        _mesh_run(tx, [[_tree(d) for d in range(2)]], 2, [[True, False]])
 
 
 @pytest.mark.parametrize("ratio", [0.02, 0.4])

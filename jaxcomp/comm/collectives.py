@@ -181,6 +181,19 @@ def _include_count(include, axis_name):
     return include, count
 
 
+def _over_count(x, count):
+    """``x / max(count, 1)`` in ``x``'s dtype, computed in at least float32.
+
+    As a multiplication by the reciprocal: XLA rewrites a division by a
+    broadcast scalar into one in some programs and not in others (a rounding
+    apart), so a leaf's mean would depend on what else the program holds (a
+    leaf alone against the same leaf in a packed buffer).
+    """
+    dt = jnp.promote_types(x.dtype, jnp.float32)
+    inv = 1 / jnp.maximum(count, 1).astype(dt)
+    return (x.astype(dt) * inv).astype(x.dtype)
+
+
 def _divides_first(dtype, n_dev: int) -> bool:
     """Whether a mean over ``n_dev`` messages of ``dtype`` divides each before adding.
 
@@ -235,11 +248,11 @@ def dense_mean(
         return mean, jnp.float32(allreduce_bytes(_nbytes(x), n_dev))
     include, count = _include_count(include, axis_name)
     if _divides_first(x.dtype, n_dev):
-        share = (x / jnp.maximum(count, 1.0)).astype(x.dtype)
+        share = _over_count(x, count)
         mean = lax.psum(jnp.where(include, share, jnp.zeros_like(x)), axis_name)
     else:
         total = lax.psum(jnp.where(include, x, jnp.zeros_like(x)), axis_name)
-        mean = (total / jnp.maximum(count, 1.0)).astype(x.dtype)
+        mean = _over_count(total, count)
     return mean, jnp.float32(allreduce_bytes(_nbytes(x) + 4, n_dev))
 
 
@@ -338,7 +351,7 @@ def sparse_mean(
         include, count = _include_count(include, axis_name)
         # Excluded messages travel (static shapes) but carry nothing.
         indices = jnp.where(include, indices, size)
-        values = jnp.where(include, values / jnp.maximum(count, 1.0).astype(values.dtype), 0)
+        values = jnp.where(include, _over_count(values, count), 0)
         extra = allreduce_bytes(4, n_dev)
     all_idx = all_gather_invariant(indices, axis_name).reshape(-1)  # [N * capacity]
     all_val = all_gather_invariant(values, axis_name).reshape(-1)

@@ -66,6 +66,7 @@ __all__ = [
     "POWER_OF_TWO_EXCHANGES",
     "Exchanged",
     "check_device_count",
+    "check_include",
     "choose_exchange",
     "cyclic_mean",
     "exchange",
@@ -612,6 +613,20 @@ EXACT_EXCHANGES = ("sparse", "dense", "server", "sparcml")
 INCLUDE_EXCHANGES = ("sparse", "dense")
 
 
+def check_include(name: str) -> None:
+    """Raises ValueError unless exchange ``name`` takes ``include=`` (backup workers).
+
+    Only :data:`INCLUDE_EXCHANGES` (and ``"auto"``, which picks one of them)
+    average over the included devices; the others divide by every device or
+    mix neighbours.
+    """
+    if name not in (*INCLUDE_EXCHANGES, "auto"):
+        raise ValueError(
+            f"exchange={name!r} does not take include= (backup workers): only "
+            f"{INCLUDE_EXCHANGES} (and 'auto') average over the included devices"
+        )
+
+
 def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: int) -> str:
     """The exchange ``"auto"`` / ``"auto_topk"`` stand for (static, from sizes and ``N``).
 
@@ -707,11 +722,8 @@ def exchange(
     n_dev = axis_size(axis_name)
     # Checked on the name asked for: "auto_topk" may resolve to an exact
     # exchange at some sizes and not at others.
-    if include is not None and name not in (*INCLUDE_EXCHANGES, "auto"):
-        raise ValueError(
-            f"exchange={name!r} does not take include= (backup workers): only "
-            f"{INCLUDE_EXCHANGES} (and 'auto') average over the included devices"
-        )
+    if include is not None:
+        check_include(name)
     name = choose_exchange(name, indices.shape[0], size, jnp.dtype(values.dtype).itemsize, n_dev)
     if name in ("sparse", "dense"):
         return Exchanged(

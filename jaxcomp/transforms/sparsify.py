@@ -1083,7 +1083,7 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
     inputs = _step_inputs(cfg, raw, state)
     g_leaves = inputs.treedef.flatten_up_to(raw)
     per_leaf = inputs.layout.per_leaf
-    packed = _packed_selector(cfg) if include is None and scatter is None else None
+    packed = _packed_selector(cfg) if scatter is None else None
     buckets: dict[tuple, list] = {}
     alone = []
     for j, gi in enumerate(inputs.groups):
@@ -1149,12 +1149,9 @@ def _packed_selector(cfg: _Config):
 
     Today: a selector with a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
     ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``),
-    one device or one of the exchanges of :data:`_PACKED_EXCHANGES`, no
-    low-pass filter.
+    one device or one of the exchanges of :data:`_PACKED_EXCHANGES`.
     """
     if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES:
-        return None
-    if _low_pass_on(cfg):
         return None
     return _segmented_form(cfg)
 
@@ -1280,7 +1277,7 @@ def _compress_packed(
     if cfg.axis_name is None:
         update, wires = sent_out, jnp.zeros((len(sizes),), jnp.float32)
     else:
-        update, wires = _exchange_packed(cfg, layout, mask, sent_out, caps, phase)
+        update, wires = _exchange_packed(cfg, layout, mask, sent_out, caps, phase, ctx.include)
     updates, residuals = layout.unpack(update), layout.unpack(residual)
     masks = layout.unpack(mask)
     velocities = [None] * len(items) if new_u is None else layout.unpack(new_u)
@@ -1310,6 +1307,11 @@ def _compress_packed(
         sent_threshold=take(cut) if defer else None,
         sent_limit=take(limit) - offsets.astype(np.int32) if defer else None,
     )
+    if _low_pass_on(cfg):
+        # The filter reads each group's gradients after the non-finite policy
+        # (pack.g), as a group compressed alone does.
+        items = [(*item[:3], item[3]._replace(g=g)) for item, g in zip(
+            items, layout.unpack(pack.g), strict=True)]  # fmt: skip
     outs = []
     for j, (_, _, gs, flat) in enumerate(items):
         o = _FlatOut(
@@ -1415,7 +1417,7 @@ def _finish(cfg: _Config, state, inputs: _StepInputs, outs, finite, stats=None):
 def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> _GroupOut:
     """Compresses a group of leaves as one buffer (a one-leaf group: the leaf itself)."""
     flat = _flatten_group(cfg, gs, rs, vs)
-    packed = _packed_selector(cfg) if ctx.include is None else None
+    packed = _packed_selector(cfg)
     if packed is not None and 0 < flat.g.shape[0] and flat.g.shape[0] > cfg.min_dense_size:
         # A group alone (the overlap path's backward rules) goes through the
         # packed engine too, as a one-segment pack: the result a packed step
@@ -1464,15 +1466,18 @@ def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
     return _FlatGroup(flat_g, flat_r, flat_v, wire, defer)
 
 
-def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase):
+def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase, include=None):
     """The packed messages' mean over ``cfg.axis_name``: one all-gather of the
     (index, value) pairs of every sparse-sent segment and one all-reduce of
     every dense-sent one (``"auto"``: per segment and warm-up phase, as
     :func:`jaxcomp.comm.sparse_allreduce.choose_exchange` picks for the
     group alone). Returns the packed update and each segment's wire bytes,
     the formula its own exchange would report (so the step's total is the
-    per-group sum, in the same order).
+    per-group sum, in the same order). ``include``: this device's
+    backup-worker flag (the means over the included devices).
     """
+    if include is not None:
+        sparse_allreduce.check_include(cfg.exchange)
     n_dev = collectives.axis_size(cfg.axis_name)
     item = jnp.dtype(sent_out.dtype).itemsize
     sizes = layout.sizes
@@ -1519,20 +1524,27 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase):
             update = segmented.expand(layout, mean, server, update)
         if dense:
             flat = segmented.compact(layout, sent_out, dense)
-            mean, _ = collectives.dense_mean(flat, cfg.axis_name)
+            mean, _ = collectives.dense_mean(flat, cfg.axis_name, include=include)
             update = segmented.expand(layout, mean, dense, update)
         if sparse:
             slots = [int(caps[p][s]) if s in sparse else 0 for s in range(len(sizes))]
             idx, vals = segmented.extract(layout, sent_out, mask, slots)
-            mean, _ = collectives.sparse_mean(idx, vals, update.size, cfg.axis_name)
+            mean, _ = collectives.sparse_mean(
+                idx, vals, update.size, cfg.axis_name, include=include
+            )
             mean = mean.reshape(update.shape)
             if dense:
                 rows = np.isin(layout.row_segment, sparse)[:, None]
                 mean = jnp.where(jnp.asarray(rows), mean, update)
             update = mean
+        # include=: each exchange alone would also count its psum of the flags.
+        flags = 0 if include is None else 4
         wire_of = {
-            "sparse": lambda c, n: collectives.allgather_bytes(c * (4 + item), n_dev),
-            "dense": lambda c, n: collectives.allreduce_bytes(n * item, n_dev),
+            "sparse": lambda c, n: (
+                collectives.allgather_bytes(c * (4 + item), n_dev)
+                + (collectives.allreduce_bytes(flags, n_dev) if flags else 0)
+            ),
+            "dense": lambda c, n: collectives.allreduce_bytes(n * item + flags, n_dev),
             "server": lambda c, n: collectives.server_link_bytes(c * (4 + item), n * item, n_dev)[
                 "worker"
             ],
@@ -1909,18 +1921,14 @@ def _send_dense(cfg: _Config, acc, u, out_dtype, ctx, segments) -> _FlatOut:
         update, wire = sent_out, jnp.float32(0)
     elif cfg.exchange in ("server", "gossip"):
         if ctx.include is not None:  # server_mean divides by N; gossip mixes neighbours
-            raise ValueError(
-                f"exchange={cfg.exchange!r} does not take include= (backup workers): only "
-                f"{sparse_allreduce.INCLUDE_EXCHANGES} (and 'auto') average over the "
-                "included devices"
-            )
+            sparse_allreduce.check_include(cfg.exchange)
         if cfg.exchange == "server":
             update, wire = collectives.server_mean(sent_out, cfg.axis_name)
         else:  # this device's ring mix, not the mean
             update, wire = collectives.gossip_mean(sent_out, cfg.axis_name)
     elif cfg.exchange == "scatter":
         if ctx.include is not None:
-            raise ValueError("exchange='scatter' does not take include= (backup workers)")
+            sparse_allreduce.check_include(cfg.exchange)
         update, wire = collectives.dense_scatter_mean(sent_out, cfg.axis_name)
     else:
         update, wire = collectives.dense_mean(sent_out, cfg.axis_name, include=ctx.include)
@@ -2022,7 +2030,7 @@ def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) ->
         idx, vals = lax.cond(count > cap, largest, lambda _: (idx, vals), None)
     if cfg.axis_name is not None and cfg.exchange == "scalecom":
         if ctx.include is not None:
-            raise ValueError("exchange='scalecom' does not take include= (backup workers)")
+            sparse_allreduce.check_include(cfg.exchange)
 
         # Every device sends its own values at this step's leader's indices; a
         # device that skips the step sends zeros there and keeps its residual.
