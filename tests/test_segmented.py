@@ -367,11 +367,21 @@ def _mesh_run(tx, trees, n_dev, include=None):
     return out
 
 
-@pytest.mark.parametrize("exchange", ["sparse", "dense", "auto", "server", "gossip"])
-@pytest.mark.parametrize("option", ["plain", "warmup_momentum_reuse"])
+@pytest.mark.parametrize(
+    "exchange,option",
+    [
+        (e, o)
+        for e in ("sparse", "dense", "auto", "server", "gossip")
+        for o in ("plain", "warmup_momentum_reuse")
+    ]
+    + [(e, "plain") for e in ("gtopk", "oktopk", "sparcml", "auto_topk")]
+    + [("gtopk", "warmup_momentum_reuse")],
+)
 def test_exchanges_match_the_per_leaf_path(exchange, option):
     # gossip: each device's own ring mix. The options together: a traced k,
-    # the velocity and the reused thresholds in one program.
+    # the velocity and the reused thresholds in one program. gtopk, oktopk,
+    # sparcml: each group's pairs through its own exchange (gtopk's and
+    # oktopk's returned pairs added to the residual as the group adds them).
     n_dev = 4
     trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(4)]
     kw = dict(OPTIONS[option], axis_name="data", exchange=exchange)

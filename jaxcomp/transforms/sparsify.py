@@ -1141,6 +1141,9 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
 # dense all-reduce, the server's push and pull, gossip's two neighbour sends
 # per form) for all its groups; "auto" picks one of the first two per group.
 _PACKED_EXCHANGES = ("sparse", "dense", "auto", "server", "gossip")
+# The exchanges a packed step selects for in one pass but sends group by
+# group (their merging rules are per group): see _exchange_pairs_packed.
+_PAIR_EXCHANGES = ("gtopk", "oktopk", "sparcml", "auto_topk")
 
 
 def _packed_selector(cfg: _Config):
@@ -1149,9 +1152,10 @@ def _packed_selector(cfg: _Config):
 
     Today: a selector with a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
     ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``),
-    one device or one of the exchanges of :data:`_PACKED_EXCHANGES`.
+    one device or one of the exchanges of :data:`_PACKED_EXCHANGES` and
+    :data:`_PAIR_EXCHANGES`.
     """
-    if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES:
+    if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES + _PAIR_EXCHANGES:
         return None
     return _segmented_form(cfg)
 
@@ -1277,7 +1281,9 @@ def _compress_packed(
     if cfg.axis_name is None:
         update, wires = sent_out, jnp.zeros((len(sizes),), jnp.float32)
     else:
-        update, wires = _exchange_packed(cfg, layout, mask, sent_out, caps, phase, ctx.include)
+        update, wires, residual = _exchange_packed(
+            cfg, layout, mask, sent_out, residual, caps, phase, ctx.include
+        )
     updates, residuals = layout.unpack(update), layout.unpack(residual)
     masks = layout.unpack(mask)
     velocities = [None] * len(items) if new_u is None else layout.unpack(new_u)
@@ -1466,18 +1472,27 @@ def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
     return _FlatGroup(flat_g, flat_r, flat_v, wire, defer)
 
 
-def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase, include=None):
+def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase, include=None):
     """The packed messages' mean over ``cfg.axis_name``: one all-gather of the
     (index, value) pairs of every sparse-sent segment and one all-reduce of
     every dense-sent one (``"auto"``: per segment and warm-up phase, as
     :func:`jaxcomp.comm.sparse_allreduce.choose_exchange` picks for the
-    group alone). Returns the packed update and each segment's wire bytes,
-    the formula its own exchange would report (so the step's total is the
-    per-group sum, in the same order). ``include``: this device's
-    backup-worker flag (the means over the included devices).
+    group alone). Returns the packed update, each segment's wire bytes (the
+    formula its own exchange would report, so the step's total is the
+    per-group sum, in the same order) and the packed residual.
+    ``include``: this device's backup-worker flag (the means over the
+    included devices).
+
+    The exchanges of :data:`_PAIR_EXCHANGES` (gTop-k, Ok-Topk, SparCML)
+    merge messages by their own rules per group: every segment's pairs come
+    out of one extraction and go through the group's own exchange (its
+    collectives per group), and what it returns (gTop-k's and Ok-Topk's
+    dropped pairs) is added to the residual as the group alone adds it.
     """
     if include is not None:
         sparse_allreduce.check_include(cfg.exchange)
+    if cfg.exchange in _PAIR_EXCHANGES:
+        return _exchange_pairs_packed(cfg, layout, mask, sent_out, residual, caps, phase, include)
     n_dev = collectives.axis_size(cfg.axis_name)
     item = jnp.dtype(sent_out.dtype).itemsize
     sizes = layout.sizes
@@ -1553,6 +1568,37 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, caps, phase, include=
         }
         wires = [wire_of[kind](int(c), n) for c, n, kind in zip(caps[p], sizes, kinds, strict=True)]
         return update, jnp.asarray(np.asarray(wires, np.float32))
+
+    if phase is None:
+        return (*branch(0), residual)
+    return (
+        *lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])]),
+        residual,
+    )
+
+
+def _exchange_pairs_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase, include):
+    """:func:`_exchange_packed` for :data:`_PAIR_EXCHANGES`: each segment's
+    pairs through :func:`_exchange_pairs`, as its group alone sends them."""
+    size = layout.num_rows * layout.row
+    dense = layout.unpack(sent_out)
+
+    def branch(p):
+        idx, vals = segmented.extract(layout, sent_out, mask, caps[p])
+        ends = np.cumsum(caps[p])
+        updates, wires, flat = [], [], residual.reshape(-1)
+        for s, n in enumerate(layout.sizes):
+            start = int(layout.starts[s]) * layout.row
+            i, v = idx[ends[s] - caps[p][s] : ends[s]], vals[ends[s] - caps[p][s] : ends[s]]
+            local = jnp.where(i < size, i - start, n)  # the group's own padding index
+            update, wire, back = _exchange_pairs(cfg, local, v, n, dense[s], include, flat)
+            if back is not None:
+                at = jnp.where(back[0] < n, back[0] + start, size)
+                flat = flat.at[at].add(back[1], mode="drop")
+            updates.append(update)
+            wires.append(jnp.asarray(wire, jnp.float32))
+        update = layout.pack(updates, sent_out.dtype)
+        return update, jnp.stack(wires), flat.reshape(residual.shape)
 
     if phase is None:
         return branch(0)
@@ -2044,35 +2090,43 @@ def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) ->
     sent_out, new_res, new_u = _scatter_message(cfg, acc, u, idx, vals, out_dtype)
     if cfg.axis_name is None:
         update, wire = sent_out, jnp.float32(0)
-    else:
-        if cfg.exchange != "scalecom":
-            ex = sparse_allreduce.exchange(
-                cfg.exchange,
-                idx,
-                _to_wire(vals, out_dtype),
-                n,
-                cfg.axis_name,
-                dense=sent_out,
-                include=ctx.include,
-            )
+    elif cfg.exchange == "scalecom":
         update, wire = ex.update, ex.wire_bytes
-        if ex.returned_indices is not None:
-            # What the exchange left out of the update stays in a residual.
-            if jnp.finfo(new_res.dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16
-                raise ValueError(
-                    f"exchange={cfg.exchange!r} returns sums over devices of the pairs it "
-                    "drops to one device's residual, and a float16 residual cannot hold "
-                    "them (65504 at most: inf, then inf updates); use a float32 residual "
-                    "(residual_dtype=None, the default for float16 gradients)"
-                )
-            back = ex.returned_values.astype(new_res.dtype)
-            new_res = new_res.at[ex.returned_indices].add(back, mode="drop")
+    else:
+        vals_out = _to_wire(vals, out_dtype)
+        update, wire, back = _exchange_pairs(cfg, idx, vals_out, n, sent_out, ctx.include, new_res)
+        if back is not None:
+            new_res = new_res.at[back[0]].add(back[1], mode="drop")
     seg = None
     if segments is not None:
         seg = tuple(
             jnp.sum((idx >= lo) & (idx < hi), dtype=jnp.int32) for lo, hi in _bounds(segments)
         )
     return _FlatOut(update, new_res, new_u, sent, seg, sel.threshold, sel.iterations, wire)
+
+
+def _exchange_pairs(cfg: _Config, idx, vals, n, dense, include, residual):
+    """A group's ``(index, value)`` message through ``cfg.exchange``.
+
+    Returns ``(update, wire_bytes, returned)``: ``returned`` is None or the
+    ``(indices, values)`` the exchange left out of the update (gTop-k's and
+    Ok-Topk's dropped pairs), in ``residual``'s dtype, for the caller to add
+    to this device's residual.
+    """
+    ex = sparse_allreduce.exchange(
+        cfg.exchange, idx, vals, n, cfg.axis_name, dense=dense, include=include
+    )
+    if ex.returned_indices is None:
+        return ex.update, ex.wire_bytes, None
+    if jnp.finfo(residual.dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16
+        raise ValueError(
+            f"exchange={cfg.exchange!r} returns sums over devices of the pairs it "
+            "drops to one device's residual, and a float16 residual cannot hold "
+            "them (65504 at most: inf, then inf updates); use a float32 residual "
+            "(residual_dtype=None, the default for float16 gradients)"
+        )
+    back = ex.returned_values.astype(residual.dtype)
+    return ex.update, ex.wire_bytes, (ex.returned_indices, back)
 
 
 def _values_at(acc, idx):
