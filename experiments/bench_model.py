@@ -153,6 +153,7 @@ COMPRESSORS = {
     "dgc": ("dgc", {"ratio": RATIO}),
     "gaussian_k": ("gaussian_k", {"ratio": RATIO}),
     "trimmed_top_k": ("trimmed_top_k", {"ratio": RATIO}),
+    "random_k": ("random_k", {"ratio": RATIO}),
     # The QSGD paper's "4-bit, bucket 512" (s = 16 levels); leaves <= 10_000 sent dense.
     "qsgd": ("qsgd", {"bits": 4, "bucket_size": 512}),
     # reshape="last": Flax kernels (kh, kw, in, out) as (kh kw in, out) matrices.

@@ -13,6 +13,10 @@ Two references:
   the leaf gets when it is compressed alone, bit for bit, and every leaf's
   count must land in the window ``[k, 1.5 k]`` whenever the data allow.
 
+- ``random_k``: the packed form selects on per-row draws of each leaf's own
+  key, the 1-D form's draws: bit for bit as the per-leaf path, on one device
+  and inside ``shard_map``; the draws are checked for uniformity and the
+  capacity cut for ties forced at the k-th draw.
 - ``threshold`` and ``binary_search`` from zero (bit for bit), ``trimmed_top_k``,
   ``gaussian_k`` and ``binary_search`` from the mean: the
   same counts and iterations as the 1-D selectors per segment, thresholds
@@ -70,7 +74,7 @@ def _per_leaf(select):
     def one_keyed(x, k, *, key, **options):
         return select(x, k, key=key, **options)
 
-    return one_keyed if select is S1.dgc_sample else one
+    return one_keyed if select in (S1.dgc_sample, S1.random_k) else one
 
 
 def _run(tx, trees):
@@ -134,7 +138,9 @@ AT_LEAST_K_CASES = [
     "name,select,rule,option,kind",
     [("top_k", S1.exact_top_k, None, *case) for case in EXACT_CASES]
     + [("dgc", S1.dgc_sample, "reference", *case) for case in EXACT_CASES]
-    + [("dgc", S1.dgc_sample, "at_least_k", *case) for case in AT_LEAST_K_CASES],
+    + [("dgc", S1.dgc_sample, "at_least_k", *case) for case in AT_LEAST_K_CASES]
+    # random_k: the packed draws are the 1-D form's (no threshold: no reuse).
+    + [("random_k", S1.random_k, None, *case) for case in EXACT_CASES if "reuse" not in case[0]],
 )
 def test_exact_selectors_match_the_per_leaf_path(name, select, rule, option, kind):
     trees = [_tree(s, kind) for s in range(5)]
@@ -562,3 +568,107 @@ def test_kth_largest_above_matches_numpy_and_its_early_finish(kernels, monkeypat
                 above = np.sort(m[m > t[s]])[::-1]
                 want = above[k[s] - 1] if c[s] >= k[s] else np.float32(0)
                 assert _bits(np.float32(got[s])) == _bits(np.float32(want)), (trial, s)
+
+
+# ---------------------------------------------------------------------------
+# random_k's packed form.
+# ---------------------------------------------------------------------------
+
+
+def test_random_k_scores_of_a_segment_do_not_depend_on_its_neighbours():
+    # A segment's scores and selection, alone and packed with others (at
+    # another row), bit for bit; and the 1-D selector draws the same k.
+    sizes = (300, 20, 1000, 7)
+    layout = sg.SegmentLayout(sizes)
+    keys = jax.random.split(jax.random.key(4), len(sizes))
+    table = np.asarray([[S1.target_count(0.05, n) for n in sizes]])
+    packed = sg.random_scores(layout, jnp.zeros((layout.num_rows, sg.ROW)), keys)
+    sel = sg.random_k(layout, packed, sg.Targets(table))
+    for s, (n, part) in enumerate(zip(sizes, layout.unpack(packed), strict=True)):
+        alone = sg.SegmentLayout((n,))
+        one = sg.random_scores(alone, jnp.zeros((alone.num_rows, sg.ROW)), keys[s : s + 1])
+        np.testing.assert_array_equal(_bits(part), _bits(alone.unpack(one)[0]))
+        sel1 = sg.random_k(alone, one, sg.Targets(table[:, s : s + 1]))
+        assert _bits(sel.threshold[s]) == _bits(sel1.threshold[0])
+        k = int(table[0, s])
+        assert int(sel.count[s]) == k
+        chosen = np.flatnonzero(np.asarray(part) > np.float32(sel.threshold[s]))
+        ref = S1.random_k(jnp.zeros(n), k, key=keys[s]).indices
+        np.testing.assert_array_equal(chosen, np.asarray(ref))
+    # Positive finite scores, padding 0 (below every draw).
+    valid = np.asarray(layout.valid())
+    assert np.all(np.asarray(packed)[valid] > 0) and np.all(np.isfinite(packed))
+    assert not np.asarray(packed)[~valid].any()
+    assert sg.ROW == S1.RANDOM_ROW
+
+
+def test_random_k_packed_draws_are_uniform():
+    # Through the transform, over 3000 seeds: the marginals of a 40-element
+    # leaf (k = 14: each coordinate 1050 times, binomial sd ~26) and the
+    # subsets of a 6-element leaf packed after it (k = 3: each of the 20
+    # subsets 150 times). Chi-square bounds far in the tail (p < 1e-5).
+    g = {"a": jnp.ones((40,)), "b": jnp.ones((6,))}
+
+    def sent(seed):
+        tx = jaxcomp.sparsify("random_k", 0.34, seed=seed)  # k = 14 of 40, 3 of 6
+        u, _ = tx.update(g, tx.init(g))
+        return jax.tree.map(lambda x: x != 0, u)
+
+    n_seeds = 3000
+    masks = jax.jit(jax.vmap(sent))(jnp.arange(n_seeds))
+    a, b = np.asarray(masks["a"]), np.asarray(masks["b"])
+    assert (a.sum(axis=1) == 14).all() and (b.sum(axis=1) == 3).all()
+    # Marginals of a: each coordinate sent with probability 14 / 40.
+    p = 14 / 40
+    expected = n_seeds * p
+    chi2 = np.sum((a.sum(axis=0) - expected) ** 2 / (expected * (1 - p)))
+    assert chi2 < 90, chi2  # 40 cells: mean ~40
+    # Subsets of b: each of the 20 3-subsets with probability 1 / 20.
+    codes = b.astype(np.int64) @ (1 << np.arange(6))
+    counts = np.bincount(codes, minlength=64)
+    subsets = [c for c in range(64) if bin(c).count("1") == 3]
+    assert counts.sum() == counts[subsets].sum()
+    expected = n_seeds / 20
+    chi2 = np.sum((counts[subsets] - expected) ** 2 / expected)
+    assert chi2 < 60, chi2  # 19 degrees of freedom: mean 19
+
+
+def test_random_k_capacity_cut_keeps_k_of_tied_draws(monkeypatch):
+    # Every draw equal: all of a leaf pass its threshold, the cut at k sends
+    # the k lowest indices (lax.top_k's choice), and nothing is lost.
+    def tied(layout, x, key):
+        del key
+        return sg.varying_like(jnp.where(layout.valid(), jnp.float32(1.0), 0.0), x)
+
+    monkeypatch.setitem(sg.SCORES, sg.random_k, tied)
+    g = _tree(1)
+    tx = jaxcomp.random_k(0.05, capacity_factor=2.0)  # the capacity is k whatever the factor
+    u, state = jax.jit(tx.update)(g, tx.init(g))
+    for name, x in g.items():
+        k = S1.target_count(0.05, x.size)
+        sent = np.flatnonzero(np.asarray(u[name]).ravel())
+        np.testing.assert_array_equal(sent, np.arange(k))
+        assert int(jaxcomp.statistics(state)["sent_count"][name]) == k
+        total = np.asarray(u[name]) + np.asarray(state.residual[name])
+        np.testing.assert_array_equal(_bits(total), _bits(x))
+
+
+@pytest.mark.parametrize(
+    "exchange,option",
+    [("sparse", "plain"), ("auto", "plain"), ("server", "plain"), ("gossip", "plain"),
+     ("auto", "warmup_momentum")],
+)  # fmt: skip
+def test_random_k_exchanges_match_the_per_leaf_path(exchange, option):
+    # Each device its own draws (the key folded with the device index), the
+    # same on both paths; updates, residuals and statistics bit for bit.
+    n_dev = 4
+    trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(3)]
+    opts = {"warmup_momentum": {"warmup_ratios": (0.25,), "steps_per_epoch": 1, "momentum": 0.9}}
+    kw = dict(OPTIONS.get(option, opts.get(option)), axis_name="data", exchange=exchange)
+    new = jaxcomp.random_k(0.02, **kw)
+    old = jaxcomp.sparsify(_per_leaf(S1.random_k), 0.02, **kw)
+    for (u1, s1), (u2, s2) in zip(
+        _mesh_run(new, trees, n_dev), _mesh_run(old, trees, n_dev), strict=True
+    ):
+        _assert_same(u1, u2)
+        _assert_same(s1, s2)

@@ -33,7 +33,11 @@ for bit: the k-th largest magnitude found by a search on float32 bit
 patterns instead of ``lax.top_k``), ``fixed_threshold`` (bit for bit),
 ``binary_search`` (bit for bit from zero), ``ldte_bs``, ``dgc_sample``,
 ``trimmed_top_k`` and ``gaussian_k`` (the same algorithm per segment; see
-each for what differs from the 1-D form).
+each for what differs from the 1-D form) and ``random_k`` (the same draws: a
+per-row stream of each segment's key, selected by exact top-k on the scores,
+with the capacity cut at ``k`` the same coordinates). A form in :data:`SCORES`
+selects on a score buffer of its own (``random_k``: its draws) rather than
+on ``|x|``: the caller runs selector, capacity cut and mask on that buffer.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from jaxcomp.selection import selectors as S1
 
 __all__ = [
     "ROW",
+    "SCORES",
     "SEGMENTED",
     "SegmentLayout",
     "SegmentSelection",
@@ -66,6 +71,8 @@ __all__ = [
     "fixed_threshold",
     "gaussian_k",
     "ldte_bs",
+    "random_k",
+    "random_scores",
     "trimmed_top_k",
 ]
 
@@ -1193,6 +1200,51 @@ def gaussian_k(
     return _selection(t2, c2, it + jnp.where(search, it2, 0))
 
 
+def random_scores(layout: SegmentLayout, x: jax.Array, key: jax.Array) -> jax.Array:
+    """``random_k``'s score buffer: a uniform draw per element, 0 in the padding.
+
+    Row ``r`` of segment ``s`` (its ``r``-th row) draws from ``fold_in(key[s],
+    r)`` (:func:`jaxcomp.selection.selectors.random_scores`: positive finite
+    float32 scores on ``2^30`` levels), so a segment's draws depend on its own
+    key and size only, whatever it is packed with, and with the default row
+    they are the 1-D ``random_k``'s draws. ``x`` (the accumulator) only gives
+    the device variance: its values take no part.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> layout = SegmentLayout((300, 5))
+      >>> s = random_scores(layout, jnp.zeros((3, ROW)), jax.random.split(jax.random.key(0), 2))
+      >>> int((s > 0).sum()), float(s[2, 5:].max())  # every element drawn; padding 0
+      (305, 0.0)
+    """
+    row_index = jnp.asarray(layout.row_offset // layout.row)  # the row within its segment
+    row_keys = jax.vmap(jax.random.fold_in)(key[jnp.asarray(layout.row_segment)], row_index)
+    scores = S1.random_scores(row_keys, layout.row)
+    return varying_like(jnp.where(layout.valid(), scores, jnp.float32(0)), x)
+
+
+def random_k(layout: SegmentLayout, x: jax.Array, targets: Targets) -> SegmentSelection:
+    """``selectors.random_k`` for every segment, selecting on its scores.
+
+    ``x`` is :func:`random_scores`' buffer (see :data:`SCORES`): the
+    threshold is the float just below each segment's exact k-th largest
+    score, so ``{score > threshold}`` holds the 1-D form's ``k`` draws, and
+    more only where equal draws tie at the k-th (probability about ``n /
+    2^30`` per segment and step). The caller's capacity cut at ``k`` then
+    keeps the lower indices of the tie, as the 1-D form's ``lax.top_k``
+    does: the same coordinates, always.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> layout = SegmentLayout((1000, 40))
+      >>> keys = jax.random.split(jax.random.key(0), 2)
+      >>> scores = random_scores(layout, jnp.zeros((5, ROW)), keys)
+      >>> random_k(layout, scores, Targets(np.array([[10, 2]]))).count.tolist()
+      [10, 2]
+    """
+    return exact_top_k(layout, x, targets)
+
+
 # ---------------------------------------------------------------------------
 # The capacity cut.
 # ---------------------------------------------------------------------------
@@ -1338,4 +1390,11 @@ SEGMENTED: dict[Callable, Callable] = {
     S1.binary_search: binary_search,
     S1.trimmed_top_k: trimmed_top_k,
     S1.gaussian_k: gaussian_k,
+    S1.random_k: random_k,
 }
+
+# The segmented forms that select on a score buffer of their own instead of
+# the elements' magnitudes, with its function ``score(layout, x, key) -> buffer``
+# (``key``: one PRNG key per segment). The selector, the capacity cut and the
+# mask then all read that buffer; the message still holds ``x``'s values.
+SCORES: dict[Callable, Callable] = {random_k: random_scores}

@@ -34,6 +34,7 @@ from jaxcomp.selection import _kernels as kernels
 
 __all__ = [
     "MEDIAN_SAMPLE",
+    "RANDOM_ROW",
     "Selection",
     "SELECTORS",
     "binary_search",
@@ -49,6 +50,7 @@ __all__ = [
     "get_selector",
     "ldte_bs",
     "random_k",
+    "random_scores",
     "sort_top_k",
     "target_count",
     "trimmed_top_k",
@@ -1360,13 +1362,47 @@ def gaussian_k(
     return _selection(t, c, it)
 
 
+# random_k's draws come in rows of this many elements, each row from its own
+# key: segmented.ROW, so that the packed form (one row of a segment per row of
+# the buffer) draws what the 1-D form draws (tested).
+RANDOM_ROW = 256
+
+
+def random_scores(row_keys: jax.Array, row: int = RANDOM_ROW) -> jax.Array:
+    """float32 ``(rows, row)`` uniform scores, row ``r`` drawn from ``row_keys[r]``.
+
+    Each score is 30 random bits (uniform on ``2^30`` levels) shifted by the
+    smallest normal float32's bit pattern and read as a float32: positive,
+    normal and finite (below 4), ordered as the bits, so every ``k``-subset
+    is equally likely to hold the ``k`` largest, ties apart (two equal draws:
+    probability about ``n / 2^30`` that one sits at the ``k``-th of ``n``).
+    Normal because XLA compares subnormals as zero (a 1/128 of 30-bit
+    patterns would tie there); positive so that zero padding is below every
+    score. The one home of ``random_k``'s draws: :func:`random_k` and its
+    segmented form (:func:`jaxcomp.selection.segmented.random_scores`) take
+    their rows from it.
+
+    Example:
+      >>> import jax
+      >>> s = random_scores(jax.random.split(jax.random.key(0), 3))
+      >>> s.shape, bool((s > 0).all() & (s < 4).all())
+      ((3, 256), True)
+    """
+    bits = jax.vmap(lambda key: jax.random.bits(key, (row,), jnp.uint32))(row_keys)
+    smallest_normal = jnp.uint32(0x00800000)
+    return lax.bitcast_convert_type((bits >> 2) + smallest_normal, jnp.float32)
+
+
 @_flat_input
 def random_k(x: jax.Array, k: int, *, key: jax.Array) -> Selection:
     """k coordinates drawn uniformly without replacement (index-based).
 
-    Draws are the top-k of i.i.d. uniform keys (every k-subset equally
-    likely), so the cost is one ``lax.top_k`` over random numbers, independent
-    of ``x``'s values. ``threshold`` is meaningless (0) and ``count == k``.
+    Draws are the top-k of i.i.d. uniform scores (every k-subset equally
+    likely; :func:`random_scores`, row ``r`` of :data:`RANDOM_ROW` elements
+    from ``fold_in(key, r)``), so the cost is one ``lax.top_k`` over random
+    numbers, independent of ``x``'s values. ``threshold`` is meaningless (0)
+    and ``count == k``; of equal draws at the k-th the lower index is taken
+    (``lax.top_k``'s order), as the segmented form's capacity cut takes it.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -1376,8 +1412,10 @@ def random_k(x: jax.Array, k: int, *, key: jax.Array) -> Selection:
       (3, 3, True)
     """
     n = x.shape[0]
-    u = jax.random.uniform(key, (n,))
-    _, idx = lax.top_k(u, k)
+    rows = -(-n // RANDOM_ROW)
+    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(rows, dtype=jnp.int32))
+    scores = random_scores(row_keys).reshape(-1)[:n]
+    _, idx = lax.top_k(scores, k)
     sel = _selection(0.0, k)
     return sel._replace(indices=jnp.sort(idx).astype(jnp.int32))
 

@@ -29,7 +29,8 @@ Layout of the code: :func:`sparsify` validates its arguments into a frozen
 and :func:`_update` over it. A step resolves the leaves into groups
 (:func:`_layout`), each flattened into one buffer (:func:`_flatten_group`).
 With a selector that has a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
-``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``)
+``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``,
+``random_k``: selected, cut and masked on its own draws instead of ``|R|``)
 and one device or a packed exchange, the groups of a bucket (one residual
 and wire dtype) are packed as segments of one buffer (:func:`_pack`) and
 compressed together (:func:`_compress_packed`, see
@@ -1151,9 +1152,9 @@ def _packed_selector(cfg: _Config):
     together in one packed buffer, else None (each group alone).
 
     Today: a selector with a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
-    ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``),
-    one device or one of the exchanges of :data:`_PACKED_EXCHANGES` and
-    :data:`_PAIR_EXCHANGES`.
+    ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``,
+    ``random_k``), one device or one of the exchanges of
+    :data:`_PACKED_EXCHANGES` and :data:`_PAIR_EXCHANGES`.
     """
     if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES + _PAIR_EXCHANGES:
         return None
@@ -1172,6 +1173,12 @@ def _segmented_form(cfg: _Config):
             sample is not None
         )
     return select, options
+
+
+def _scored(cfg: _Config) -> bool:
+    """Whether ``cfg``'s segmented form selects on a score buffer of its own
+    (``random_k``'s draws, :data:`jaxcomp.selection.segmented.SCORES`), not on ``|acc|``."""
+    return segmented.SEGMENTED.get(cfg.select_fn) in segmented.SCORES
 
 
 class _Pack(NamedTuple):
@@ -1221,8 +1228,14 @@ def _compress_packed(
     accumulation, the segment's own selection (see
     :mod:`jaxcomp.selection.segmented`), the capacity cut per segment, the
     mask, then the same split into leaves.
+
+    A form with a score buffer (:data:`jaxcomp.selection.segmented.SCORES`:
+    ``random_k``) is selected, cut and masked on that buffer instead of
+    ``|acc|``, with a capacity of ``k`` (the 1-D form's index message: exactly
+    ``k``); the message holds ``acc``'s values either way.
     """
     select, options = packed
+    score = segmented.SCORES.get(select)
     items, layout = pack.items, pack.layout
     sizes = layout.sizes
     wire, defer = items[0][3].wire, items[0][3].defer
@@ -1243,37 +1256,47 @@ def _compress_packed(
         # Each group's key, as it would get it alone.
         keys = pack.keys
         extra["key"] = jnp.stack([gi.key for _, gi, _, _ in items]) if keys is None else keys
+    # What selection, capacity cut and mask compare: acc's magnitudes, or the
+    # form's own scores (random_k's draws, from the segments' keys).
+    x = acc if score is None else score(layout, acc, extra.pop("key"))
     refresh = _refresh_due(cfg, ctx.step, stored)
     if refresh is None:
-        sel = select(layout, acc, targets, **options, **extra)
+        sel = select(layout, x, targets, **options, **extra)
     else:
         # DLGS reuse: the selector runs when any segment is due (its results
         # kept for those), the others apply their stored threshold.
         zeros = jnp.zeros(stored.shape, jnp.int32)
         sel = lax.cond(
             jnp.any(refresh),
-            lambda: varying_like(select(layout, acc, targets, **options, **extra), acc),
+            lambda: varying_like(select(layout, x, targets, **options, **extra), acc),
             lambda: varying_like(segmented.SegmentSelection(stored, zeros, zeros), acc),
         )
         sel = segmented.SegmentSelection(
             jnp.where(refresh, sel.threshold, stored),
-            jnp.where(refresh, sel.count, segmented.count_above(layout, acc, stored)),
+            jnp.where(refresh, sel.count, segmented.count_above(layout, x, stored)),
             jnp.where(refresh, sel.iterations, 0),
         )
     # A skipped (non-finite) step selects nothing.
     t = jnp.where(ctx.sends, sel.threshold, jnp.inf)
     count = jnp.where(ctx.sends, sel.count, 0)
-    caps = np.vectorize(lambda k, n: _capacity(int(k), int(n), cfg.capacity_factor))(
+    # Scores stand for an index-based selector, which sends exactly its k
+    # draws whatever capacity_factor: the cut at k keeps the lower indices of
+    # draws tied at the k-th, as the 1-D form's lax.top_k does.
+    factor = cfg.capacity_factor if score is None else 1.0
+    caps = np.vectorize(lambda k, n: _capacity(int(k), int(n), factor))(
         table, np.asarray(sizes)[None, :]
     )
     cap = targets.pick(caps.astype(np.int32))
     n_seg = jnp.asarray(np.asarray(sizes, np.int32))
     cut, limit = lax.cond(
         jnp.any(count > cap),
-        lambda: segmented.capacity_cut(layout, acc, t, count, cap),
+        lambda: segmented.capacity_cut(layout, x, t, count, cap),
         lambda: varying_like((t, n_seg), acc),
     )
-    mask = segmented.sent_mask(layout, acc, cut, limit)
+    mask = segmented.sent_mask(layout, x, cut, limit)
+    # A threshold on scores means nothing for acc: 0 as the 1-D index-based
+    # form reports (inf on a skipped step, as every selector's).
+    shown = t if score is None else jnp.where(ctx.sends, jnp.zeros_like(t), jnp.inf)
     sent_out = _to_wire(jnp.where(mask, acc, 0), wire)
     residual = acc if defer else _keep_rest(acc, mask, sent_out)
     new_u = _mask_velocity(cfg, u, mask)
@@ -1306,7 +1329,7 @@ def _compress_packed(
     stats = _LeafStats(
         members=tuple(i for _, gi, _, _ in items for i in gi.members),
         count=leaf_counts,
-        threshold=take(t),
+        threshold=take(shown),
         iterations=take(sel.iterations),
         # Every packed group is sent as (int32 index, value) pairs.
         message_bytes=leaf_counts * (4 + jnp.dtype(wire).itemsize),
@@ -1326,7 +1349,7 @@ def _compress_packed(
             velocity=velocities[j],
             count=sent[j],
             segment_counts=None if j not in shares else tuple(shares[j]),
-            threshold=t[j],
+            threshold=shown[j],
             iterations=sel.iterations[j],
             wire_bytes=wires[j],
             sent_threshold=cut[j] if defer else None,
@@ -1468,6 +1491,9 @@ def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
         # unrounded, so the next step's mask, on the stored (rounded) value,
         # could disagree with this step's.
         and jnp.dtype(rdt).itemsize >= 4
+        # A packed mask on scores (random_k's draws) is not one the next step
+        # could compare again on the accumulator.
+        and not _scored(cfg)
     )
     return _FlatGroup(flat_g, flat_r, flat_v, wire, defer)
 
@@ -1849,7 +1875,9 @@ def _refresh_due(cfg: _Config, step, stored):
 
 def _run_selector(cfg: _Config, acc, k, key, stored) -> selectors.Selection:
     form = _segmented_form(cfg)
-    if form is not None:
+    # A scored form's threshold is on its scores, not on acc: the 1-D selector
+    # serves (random_k: the same draws, as indices).
+    if form is not None and not _scored(cfg):
         # The segmented form on one segment: the threshold a packed step
         # would give this group (ldte_bs's estimate is the segmented one's).
         select, options = form
