@@ -34,7 +34,9 @@ convolution would be sent dense).
 
 The ``*_defer`` compressors (``defer_residual=True``: the accumulator and
 the last message's mask instead of a written-out residual) exist on one
-device only (``ONE_DEVICE``) and are skipped on ``N`` devices.
+device only (``ONE_DEVICE``) and are skipped on ``N`` devices; the
+``top_k_<exchange>`` ones differ from ``top_k`` in their exchange only
+(``SEVERAL_DEVICES``) and are skipped on one device.
 
 Devices (``--devices``): ``1``, the update alone on one device
 (``axis_name=None``: the local compressed update, no exchange); ``N > 1``,
@@ -124,6 +126,7 @@ __all__ = [
     "COMPRESSORS",
     "LAYOUTS",
     "ONE_DEVICE",
+    "SEVERAL_DEVICES",
     "TREES",
     "count_hlo_ops",
     "define_flags",
@@ -162,9 +165,15 @@ COMPRESSORS = {
     # The accumulator plus the last message's mask instead of a written-out residual.
     "ldte_bs_defer": ("ldte_bs", {"ratio": RATIO, "defer_residual": True}),
     "top_k_defer": ("top_k", {"ratio": RATIO, "defer_residual": True}),
+    # The exchanges with merging rules of their own (gTop-k's pairwise top-k,
+    # ScaleCom's cyclic leader); on one device they are top_k.
+    "top_k_gtopk": ("top_k", {"ratio": RATIO, "exchange": "gtopk"}),
+    "top_k_scalecom": ("top_k", {"ratio": RATIO, "exchange": "scalecom"}),
 }
 # Compressors for one device only (defer_residual has no exchange): skipped on N devices.
 ONE_DEVICE = ("ldte_bs_defer", "top_k_defer")
+# Compressors that differ from another only in their exchange: skipped on one device.
+SEVERAL_DEVICES = ("top_k_gtopk", "top_k_scalecom")
 # Compressors whose flat leaf is a matrix (FLAT_COLUMNS columns), not a vector.
 MATRIX_LEAF = ("powersgd",)
 LAYOUTS = ("tree", "flat")
@@ -543,6 +552,8 @@ def run(
             for n_dev in devices:
                 for compressor in compressors:
                     if n_dev > 1 and compressor in ONE_DEVICE:
+                        continue
+                    if n_dev == 1 and compressor in SEVERAL_DEVICES:
                         continue
                     for layout in layouts:
                         row = _measure(

@@ -381,13 +381,15 @@ def _mesh_run(tx, trees, n_dev, include=None):
         for o in ("plain", "warmup_momentum_reuse")
     ]
     + [(e, "plain") for e in ("gtopk", "oktopk", "sparcml", "auto_topk")]
-    + [("gtopk", "warmup_momentum_reuse")],
+    + [(e, "warmup_momentum_reuse") for e in ("gtopk", "scalecom")]
+    + [("scalecom", "low_pass")],
 )
 def test_exchanges_match_the_per_leaf_path(exchange, option):
     # gossip: each device's own ring mix. The options together: a traced k,
     # the velocity and the reused thresholds in one program. gtopk, oktopk,
     # sparcml: each group's pairs through its own exchange (gtopk's and
     # oktopk's returned pairs added to the residual as the group adds them).
+    # scalecom: every device's values at the cyclic leader's positions.
     n_dev = 4
     trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(4)]
     kw = dict(OPTIONS[option], axis_name="data", exchange=exchange)

@@ -1142,6 +1142,9 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
 # dense all-reduce, the server's push and pull, gossip's two neighbour sends
 # per form) for all its groups; "auto" picks one of the first two per group.
 _PACKED_EXCHANGES = ("sparse", "dense", "auto", "server", "gossip")
+# ScaleCom's cyclic leader, for all groups in one all-reduce of indices and
+# one of values: see _scalecom_packed.
+_LEADER_EXCHANGES = ("scalecom",)
 # The exchanges a packed step selects for in one pass but sends group by
 # group (their merging rules are per group): see _exchange_pairs_packed.
 _PAIR_EXCHANGES = ("gtopk", "oktopk", "sparcml", "auto_topk")
@@ -1154,9 +1157,11 @@ def _packed_selector(cfg: _Config):
     Today: a selector with a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
     ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``,
     ``random_k``), one device or one of the exchanges of
-    :data:`_PACKED_EXCHANGES` and :data:`_PAIR_EXCHANGES`.
+    :data:`_PACKED_EXCHANGES`, :data:`_PAIR_EXCHANGES` and
+    :data:`_LEADER_EXCHANGES` (all but ``scatter``).
     """
-    if cfg.axis_name is not None and cfg.exchange not in _PACKED_EXCHANGES + _PAIR_EXCHANGES:
+    exchanges = _PACKED_EXCHANGES + _PAIR_EXCHANGES + _LEADER_EXCHANGES
+    if cfg.axis_name is not None and cfg.exchange not in exchanges:
         return None
     return _segmented_form(cfg)
 
@@ -1303,6 +1308,10 @@ def _compress_packed(
     sent = jnp.minimum(count, cap)
     if cfg.axis_name is None:
         update, wires = sent_out, jnp.zeros((len(sizes),), jnp.float32)
+    elif cfg.exchange == "scalecom":
+        update, wires, residual, new_u, sent, mask = _scalecom_packed(
+            cfg, layout, acc, u, mask, sent_out, caps, phase, ctx
+        )
     else:
         update, wires, residual = _exchange_packed(
             cfg, layout, mask, sent_out, residual, caps, phase, ctx.include
@@ -1601,6 +1610,56 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase
         *lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])]),
         residual,
     )
+
+
+def _scalecom_packed(cfg: _Config, layout, acc, u, mask, sent_out, caps, phase, ctx):
+    """ScaleCom's cyclic leader for every segment at once: the leader's pairs
+    of all segments in one all-reduce of indices and one of values
+    (:func:`jaxcomp.comm.sparse_allreduce.cyclic_mean` over the packed
+    positions). Every device then sends, and clears from its residual and
+    velocity, its own values at the leader's positions, as each group alone
+    does (:func:`_send_extracted`). Returns ``(update, wire bytes per segment,
+    residual, velocity, sent count per segment, the leader's mask)``.
+    """
+    if ctx.include is not None:
+        sparse_allreduce.check_include(cfg.exchange)
+    size = layout.num_rows * layout.row
+    wire = sent_out.dtype
+    flat_acc = acc.reshape(-1)
+    flat_u = None if u is None else u.reshape(-1)
+    n_dev = collectives.axis_size(cfg.axis_name)
+    item = jnp.dtype(wire).itemsize
+
+    def values(ids):  # a device that skips the step sends zeros and keeps its residual
+        return _to_wire(jnp.where(ctx.sends, _values_at(flat_acc, ids), 0), wire)
+
+    def branch(p):
+        own, _ = segmented.extract(layout, sent_out, mask, caps[p])
+        ex, idx = sparse_allreduce.cyclic_mean(own, values, size, cfg.axis_name, ctx.step)
+        idx = jnp.where(ctx.sends, idx, size)
+        _, res, vel = _scatter_message(cfg, flat_acc, flat_u, idx, _values_at(flat_acc, idx), wire)
+        slot_segment = np.repeat(np.arange(len(layout.sizes)), caps[p]).astype(np.int32)
+        sent = jax.ops.segment_sum(
+            (idx < size).astype(jnp.int32), slot_segment, len(layout.sizes), indices_are_sorted=True
+        )
+        wires = [
+            collectives.allreduce_bytes(int(c) * 4, n_dev)
+            + collectives.allreduce_bytes(int(c) * item, n_dev)
+            for c in caps[p]
+        ]
+        leader = jnp.zeros((size,), bool).at[idx].set(True, mode="drop")
+        return (
+            ex.update.reshape(acc.shape),
+            jnp.asarray(np.asarray(wires, np.float32)),
+            res.reshape(acc.shape),
+            None if vel is None else vel.reshape(acc.shape),
+            sent,
+            leader.reshape(acc.shape),
+        )
+
+    if phase is None:
+        return branch(0)
+    return lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])])
 
 
 def _exchange_pairs_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase, include):
