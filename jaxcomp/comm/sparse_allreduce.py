@@ -619,6 +619,13 @@ def check_include(name: str) -> None:
     Only :data:`INCLUDE_EXCHANGES` (and ``"auto"``, which picks one of them)
     average over the included devices; the others divide by every device or
     mix neighbours.
+
+    Example:
+      >>> check_include("sparse")  # takes it
+      >>> check_include("gtopk")
+      Traceback (most recent call last):
+          ...
+      ValueError: exchange='gtopk' does not take include= (backup workers): ...
     """
     if name not in (*INCLUDE_EXCHANGES, "auto"):
         raise ValueError(
