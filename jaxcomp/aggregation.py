@@ -1,4 +1,4 @@
-"""Aggregation modes (ALGORITHMS.md section 6): full, partial (gossip) and ensemble.
+"""Aggregation modes (docs/algorithms.md section 6): full, partial (gossip) and ensemble.
 
 **Full aggregation, weighted.** :func:`weighted_exchange` is an exchange like
 :func:`jaxcomp.dense_exchange` that returns ``sum_i w_i g_i / sum_i w_i``

@@ -1,6 +1,6 @@
 """Data-parallel sampling modes: which examples and features each device sees.
 
-The patent's framework (ALGORITHMS.md section 6) splits data-parallel
+The patent's framework (docs/algorithms.md section 6) splits data-parallel
 training *by sample*, with global shuffling, sampling with replacement or
 local shuffling, and *by feature dimension*. This module holds the host-side
 (numpy, seeded, deterministic per epoch) index plans that any training loop

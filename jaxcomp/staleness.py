@@ -1,6 +1,6 @@
 """Stale updates on a device mesh: bounded-delay SGD and an asynchronous parameter server.
 
-The patent's framework (``ALGORITHMS.md`` §6) has synchronous and asynchronous
+The patent's framework (``docs/algorithms.md`` §6) has synchronous and asynchronous
 updates, and a bounded-delay partial aggregation. Both are simulated here on
 the ``jax.shard_map`` mesh of :mod:`jaxcomp.distributed`, with any jaxcomp
 compressor, deterministically (delays and arrival orders come from a PRNG key

@@ -17,7 +17,7 @@ import jaxcomp
 from jaxcomp import planning
 
 # ---------------------------------------------------------------------------
-# An independent model of ALGORITHMS.md §4 (nothing from merge.py).
+# An independent model of docs/algorithms.md §4 (nothing from merge.py).
 # ---------------------------------------------------------------------------
 
 

@@ -6,7 +6,7 @@ pass, then, layer by layer from the last layer ``L`` down to ``1``, the
 layer's backward and the sparsification of its gradient; the communication
 stream sends each sparsified gradient as soon as it is ready and the previous
 send is done. With per-layer backward times ``t_b[l]``, sparsification times
-``t_s[l]`` and communication times ``t_c[l]`` (ALGORITHMS.md §4)::
+``t_s[l]`` and communication times ``t_c[l]`` (docs/algorithms.md §4)::
 
     tau_b[L] = t_f              tau_b[l] = tau_s[l+1] + t_s[l+1]
     tau_s[l] = tau_b[l] + t_b[l]

@@ -12,7 +12,7 @@ shapes, so they compose with ``jit``, ``lax.switch`` and ``shard_map``.
 ``random_k`` is the one index-based selector: it returns the chosen indices in
 ``Selection.indices`` instead of a meaningful threshold.
 
-The formulas follow ``ALGORITHMS.md`` section 2 (reconstructed from the LDTE-BS
+The formulas follow ``docs/algorithms.md`` section 2 (reconstructed from the LDTE-BS
 paper, RedSync, DGC and Gaussian-k).
 """
 
@@ -690,7 +690,7 @@ def binary_search(
     Args:
       x: 1-D array.
       k: static target count.
-      start: ``"zero"`` bisects ``[0, max|x|]`` (ALGORITHMS.md); ``"mean"``
+      start: ``"zero"`` bisects ``[0, max|x|]`` (docs/algorithms.md); ``"mean"``
         bisects ``[mean|x|, max|x|]`` as RedSync's code does (falls back to
         ``[0, mean|x|]`` if fewer than ``k`` exceed the mean).
       upper: accept ``k <= nnz <= upper*k`` (RedSync's code uses 2).

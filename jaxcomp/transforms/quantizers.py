@@ -184,7 +184,7 @@ def sign_sgd(
 ) -> _Tx:
     """Scaled signSGD: ``C[x] = (||x||_1 / d) * sign(x)``, no error feedback.
 
-    The patent's 1-bit compressor (ALGORITHMS.md section 6); zeros are sent
+    The patent's 1-bit compressor (docs/algorithms.md section 6); zeros are sent
     as ``+``. See :func:`jaxcomp.transforms.quantize.sign_quantizer`.
 
     Example:

@@ -4,7 +4,7 @@
 sparsifying method in jaxcomp is built from; the named factories
 (``jaxcomp.top_k``, ``jaxcomp.ldte_bs``, ...) in ``sparsifiers.py`` only pick
 the selector and its options. Per step and per group of leaves (a leaf by
-default; ALGORITHMS.md section 1):
+default; docs/algorithms.md section 1):
 
     R      = e + g                  # accumulate, in the residual dtype
     S      = select(R)              # at most capacity = ceil(1.5 k) elements
@@ -15,7 +15,7 @@ and with DGC momentum correction (``momentum > 0``):
 
     u = m u + g;  R = e + u;  S = select(R);  e_new = R - S;  u[S] = 0 (masking)
 
-With DLGS threshold reuse (``reuse_period = s > 1``, ALGORITHMS.md section 4)
+With DLGS threshold reuse (``reuse_period = s > 1``, docs/algorithms.md section 4)
 the selector runs every ``s`` steps only; in between ``S = {|R| > H}`` with the
 stored threshold ``H`` of the group.
 
