@@ -126,6 +126,38 @@ def test_gtopk_with_ties_loses_nothing():
     _assert_nothing_lost(idx, val, update, back_idx, back_val, 8)
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_gtopk_segments_give_each_segment_what_gtopk_gives_it_alone(ties):
+    # Three segments packed in one index range (segment s owns [s * SIZE,
+    # (s + 1) * SIZE)), overlapping indices across devices (summed), tied
+    # magnitudes: update, wire bytes and returned pairs as gtopk_mean alone.
+    n_dev, caps = 4, (6, 3, 5)
+    parts = [_messages(n_dev, c, seed=10 + s, spread=2 * c, ties=ties) for s, c in enumerate(caps)]
+    size = len(caps) * SIZE
+    idx = np.concatenate(
+        [np.where(i < SIZE, i + s * SIZE, size) for s, (i, _) in enumerate(parts)], axis=1
+    ).astype(np.int32)
+    val = np.concatenate([v for _, v in parts], axis=1)
+    update, wire, back_idx, back_val = _run(
+        lambda i, v: sa.gtopk_mean_segments(i, v, size, "data", caps), n_dev, idx, val
+    )
+    rounds = int(math.log2(n_dev))
+    assert wire[0] == rounds * sum(caps) * 8
+    for s, (i, v) in enumerate(parts):
+        u1, _, b_idx, b_val = _run(lambda i, v: sa.gtopk_mean(i, v, SIZE, "data"), n_dev, i, v)
+        np.testing.assert_array_equal(update[:, s * SIZE : (s + 1) * SIZE], u1)
+        # Returned pairs: each round's slots of this segment, as the segment's own.
+        first = sum(caps[:s])
+        for d in range(n_dev):
+            for r in range(rounds):
+                lo = r * sum(caps) + first
+                got_i = back_idx[d, lo : lo + caps[s]]
+                got_i = np.where(got_i < size, got_i - s * SIZE, SIZE)
+                want = slice(r * caps[s], (r + 1) * caps[s])
+                np.testing.assert_array_equal(got_i, b_idx[d, want])
+                np.testing.assert_array_equal(back_val[d, lo : lo + caps[s]], b_val[d, want])
+
+
 def test_gtopk_rejects_non_power_of_two():
     idx, val = _messages(3, 4, seed=0)
     with pytest.raises(ValueError, match="power-of-two"):

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcomp import _validation as V
@@ -72,6 +73,7 @@ __all__ = [
     "exchange",
     "gossip_sends_pairs",
     "gtopk_mean",
+    "gtopk_mean_segments",
     "gtopk_rounds",
     "is_power_of_two",
     "oktopk_capacities",
@@ -271,6 +273,77 @@ def oktopk_capacities(cap: int, n_dev: int, slack: float = OKTOPK_SLACK) -> tupl
     per_peer = max(1, math.ceil(slack * cap / n_dev))
     per_region = max(1, math.ceil(cap / n_dev))
     return per_peer, per_region
+
+
+def gtopk_mean_segments(indices, values, size: int, axis_name, slots) -> Exchanged:
+    """:func:`gtopk_mean` for many segments at once, each keeping its own top.
+
+    Segment ``s`` of a packed buffer owns ``slots[s]`` consecutive message
+    slots (static) and its own index range; each round swaps the whole
+    message with the partner (one ``ppermute`` of indices and one of values
+    for all segments), merges each segment's pairs with the partner's (equal
+    indices summed) and keeps each segment's ``slots[s]`` largest ``|value|``
+    pairs: what :func:`gtopk_mean` gives each segment alone, pair for pair
+    (the same merge and ranking, by sorts keyed on the segment first).
+
+    Returns:
+      :class:`Exchanged` over the whole buffer (``size`` = padding index);
+      ``wire_bytes`` is the total.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda i, v: gtopk_mean_segments(i, v, 6, "data", (1, 2)).update,
+      ...     mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> f(jnp.array([1, 3, 6], jnp.int32), jnp.array([2.0, -4.0, 0.0])).tolist()
+      [0.0, 2.0, 0.0, -4.0, 0.0, 0.0]
+    """
+    n_dev = axis_size(axis_name)
+    _check_power_of_two("gtopk", n_dev)
+    slots = np.asarray(slots, np.int64)
+    total = int(slots.sum())
+    me = lax.axis_index(axis_name)
+    wire = gtopk_rounds(n_dev) * (_nbytes(indices) + _nbytes(values))
+    values, divisor = _mean_first(values, n_dev)
+    idx, val = indices, jnp.where(indices < size, values, 0)
+    # The merged message: each segment's own slots, then its partner's.
+    spans = list(zip(np.cumsum(slots) - slots, slots, strict=True))  # (first slot, count)
+    gather = np.concatenate(
+        [np.r_[np.arange(o, o + c), total + np.arange(o, o + c)] for o, c in spans]
+    ).astype(np.int32)
+    segment = jnp.asarray(np.repeat(np.arange(len(slots)), 2 * slots).astype(np.int32))
+    kept = np.concatenate([2 * o + np.arange(c) for o, c in spans]).astype(np.int32)
+    dropped = np.concatenate([2 * o + c + np.arange(c) for o, c in spans]).astype(np.int32)
+    position = jnp.arange(2 * total, dtype=jnp.int32)
+    back_idx, back_val = [], []
+    for i in range(gtopk_rounds(n_dev)):
+        perm = [(d, d ^ (1 << i)) for d in range(n_dev)]
+        p_idx = lax.ppermute(idx, axis_name, perm)
+        p_val = lax.ppermute(val, axis_name, perm)
+        m_idx = jnp.concatenate([idx, p_idx])[gather]
+        m_val = jnp.concatenate([val, p_val])[gather]
+        # _merge_pairs per segment: sorted by index within it, duplicates summed.
+        _, m_idx, m_val = lax.sort((segment, m_idx, m_val), num_keys=2)
+        same = (m_idx[1:] == m_idx[:-1]) & (m_idx[:-1] < size)
+        dup_next = jnp.concatenate([same, jnp.zeros((1,), bool)])
+        dup_prev = jnp.concatenate([jnp.zeros((1,), bool), dup_next[:-1]])
+        nxt = jnp.concatenate([m_val[1:], jnp.zeros((1,), m_val.dtype)])
+        m_val = jnp.where(dup_next, m_val + nxt, jnp.where(dup_prev, 0, m_val))
+        m_idx = jnp.where(dup_prev, size, m_idx)
+        # _top_and_rest per segment: by |value| down, ties to the lower position.
+        score = jnp.where(m_idx < size, jnp.abs(m_val).astype(jnp.float32), -1.0)
+        *_, r_idx, r_val = lax.sort((segment, -score, position, m_idx, m_val), num_keys=3)
+        idx, val = r_idx[kept], r_val[kept]
+        leader = (me & ((2 << i) - 1)) == 0
+        back_idx.append(jnp.where(leader, r_idx[dropped], size))
+        back_val.append(jnp.where(leader, r_val[dropped], 0))
+    update = _vma.device_identical(_scatter_mean(idx, val, size, divisor), axis_name)
+    if not back_idx:
+        return Exchanged(update, jnp.float32(wire))
+    back = _returned(jnp.concatenate(back_val), n_dev, divisor)
+    return Exchanged(update, jnp.float32(wire), jnp.concatenate(back_idx), back)
 
 
 def _region_bounds(indices, size: int, n_dev: int, axis_name):

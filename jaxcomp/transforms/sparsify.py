@@ -1145,8 +1145,9 @@ _PACKED_EXCHANGES = ("sparse", "dense", "auto", "server", "gossip")
 # ScaleCom's cyclic leader, for all groups in one all-reduce of indices and
 # one of values: see _scalecom_packed.
 _LEADER_EXCHANGES = ("scalecom",)
-# The exchanges a packed step selects for in one pass but sends group by
-# group (their merging rules are per group): see _exchange_pairs_packed.
+# The exchanges a packed step selects for in one pass but whose merging rules
+# are per group: gTop-k's rounds run for every group at once, the others
+# group by group (see _exchange_pairs_packed).
 _PAIR_EXCHANGES = ("gtopk", "oktopk", "sparcml", "auto_topk")
 
 
@@ -1664,12 +1665,24 @@ def _scalecom_packed(cfg: _Config, layout, acc, u, mask, sent_out, caps, phase, 
 
 def _exchange_pairs_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase, include):
     """:func:`_exchange_packed` for :data:`_PAIR_EXCHANGES`: each segment's
-    pairs through :func:`_exchange_pairs`, as its group alone sends them."""
+    pairs through :func:`_exchange_pairs`, as its group alone sends them;
+    gTop-k's rounds for every segment at once
+    (:func:`jaxcomp.comm.sparse_allreduce.gtopk_mean_segments`)."""
     size = layout.num_rows * layout.row
     dense = layout.unpack(sent_out)
 
     def branch(p):
         idx, vals = segmented.extract(layout, sent_out, mask, caps[p])
+        if cfg.exchange == "gtopk":
+            # Every segment's rounds in one message: the collectives of one group.
+            ex = sparse_allreduce.gtopk_mean_segments(idx, vals, size, cfg.axis_name, caps[p])
+            back_idx, back = _returned(cfg, ex, residual.dtype)
+            flat = residual.reshape(-1).at[back_idx].add(back, mode="drop")
+            rounds = sparse_allreduce.gtopk_rounds(collectives.axis_size(cfg.axis_name))
+            item = jnp.dtype(sent_out.dtype).itemsize
+            wires = np.asarray([rounds * int(c) * (4 + item) for c in caps[p]], np.float32)
+            update = ex.update.reshape(sent_out.shape)
+            return update, jnp.asarray(wires), flat.reshape(residual.shape)
         ends = np.cumsum(caps[p])
         updates, wires, flat = [], [], residual.reshape(-1)
         for s, n in enumerate(layout.sizes):
@@ -2205,15 +2218,19 @@ def _exchange_pairs(cfg: _Config, idx, vals, n, dense, include, residual):
     )
     if ex.returned_indices is None:
         return ex.update, ex.wire_bytes, None
-    if jnp.finfo(residual.dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16
+    return ex.update, ex.wire_bytes, _returned(cfg, ex, residual.dtype)
+
+
+def _returned(cfg: _Config, ex, dtype):
+    """What exchange ``ex`` returned, as ``(indices, values in dtype)`` for a residual."""
+    if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16
         raise ValueError(
             f"exchange={cfg.exchange!r} returns sums over devices of the pairs it "
             "drops to one device's residual, and a float16 residual cannot hold "
             "them (65504 at most: inf, then inf updates); use a float32 residual "
             "(residual_dtype=None, the default for float16 gradients)"
         )
-    back = ex.returned_values.astype(residual.dtype)
-    return ex.update, ex.wire_bytes, (ex.returned_indices, back)
+    return ex.returned_indices, ex.returned_values.astype(dtype)
 
 
 def _values_at(acc, idx):
