@@ -373,6 +373,15 @@ def _mesh_run(tx, trees, n_dev, include=None):
     return out
 
 
+def _assert_mesh_paths_agree(new, old, trees, n_dev, include=None):
+    """Both transforms' steps in shard_map: updates and states bit for bit."""
+    for (u1, s1), (u2, s2) in zip(
+        _mesh_run(new, trees, n_dev, include), _mesh_run(old, trees, n_dev, include), strict=True
+    ):
+        _assert_same(u1, u2)
+        _assert_same(s1, s2)
+
+
 @pytest.mark.parametrize(
     "exchange,option",
     [
@@ -386,20 +395,17 @@ def _mesh_run(tx, trees, n_dev, include=None):
 )
 def test_exchanges_match_the_per_leaf_path(exchange, option):
     # gossip: each device's own ring mix. The options together: a traced k,
-    # the velocity and the reused thresholds in one program. gtopk, oktopk,
-    # sparcml: each group's pairs through its own exchange (gtopk's and
-    # oktopk's returned pairs added to the residual as the group adds them).
+    # the velocity and the reused thresholds in one program. gtopk: every
+    # group's rounds in one message; oktopk, sparcml: each group's pairs
+    # through its own exchange (returned pairs added to the residual as the
+    # group adds them).
     # scalecom: every device's values at the cyclic leader's positions.
     n_dev = 4
     trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(4)]
     kw = dict(OPTIONS[option], axis_name="data", exchange=exchange)
     new = jaxcomp.top_k(0.02, **kw)
     old = jaxcomp.sparsify(_per_leaf(S1.exact_top_k), 0.02, **kw)
-    for (u1, s1), (u2, s2) in zip(
-        _mesh_run(new, trees, n_dev), _mesh_run(old, trees, n_dev), strict=True
-    ):
-        _assert_same(u1, u2)
-        _assert_same(s1, s2)
+    _assert_mesh_paths_agree(new, old, trees, n_dev)
 
 
 @pytest.mark.parametrize("exchange", ["sparse", "dense", "auto"])
@@ -412,11 +418,7 @@ def test_backup_workers_match_the_per_leaf_path(exchange):
     kw = dict(axis_name="data", exchange=exchange, momentum=0.9)
     new = jaxcomp.top_k(0.02, **kw)
     old = jaxcomp.sparsify(_per_leaf(S1.exact_top_k), 0.02, **kw)
-    for (u1, s1), (u2, s2) in zip(
-        _mesh_run(new, trees, n_dev, include), _mesh_run(old, trees, n_dev, include), strict=True
-    ):
-        _assert_same(u1, u2)
-        _assert_same(s1, s2)
+    _assert_mesh_paths_agree(new, old, trees, n_dev, include)
 
 
 @pytest.mark.parametrize("exchange", ["server", "gossip"])
@@ -438,11 +440,7 @@ def test_gossip_sends_each_leaf_in_its_smaller_form_as_the_per_leaf_path(ratio):
     kw = dict(axis_name="data", exchange="gossip", momentum=0.5)
     new = jaxcomp.top_k(ratio, **kw)
     old = jaxcomp.sparsify(_per_leaf(S1.exact_top_k), ratio, **kw)
-    for (u1, s1), (u2, s2) in zip(
-        _mesh_run(new, trees, n_dev), _mesh_run(old, trees, n_dev), strict=True
-    ):
-        _assert_same(u1, u2)
-        _assert_same(s1, s2)
+    _assert_mesh_paths_agree(new, old, trees, n_dev)
 
 
 @pytest.mark.parametrize("exchange", ["sparse", "server", "gossip"])
@@ -669,8 +667,4 @@ def test_random_k_exchanges_match_the_per_leaf_path(exchange, option):
     kw = dict(OPTIONS.get(option, opts.get(option)), axis_name="data", exchange=exchange)
     new = jaxcomp.random_k(0.02, **kw)
     old = jaxcomp.sparsify(_per_leaf(S1.random_k), 0.02, **kw)
-    for (u1, s1), (u2, s2) in zip(
-        _mesh_run(new, trees, n_dev), _mesh_run(old, trees, n_dev), strict=True
-    ):
-        _assert_same(u1, u2)
-        _assert_same(s1, s2)
+    _assert_mesh_paths_agree(new, old, trees, n_dev)

@@ -192,7 +192,12 @@ def _merge_pairs(idx_a, val_a, idx_b, val_b, size: int):
     """
     idx = jnp.concatenate([idx_a, idx_b])
     val = jnp.concatenate([val_a, val_b])
-    idx, val = lax.sort((idx, val), num_keys=1)
+    return _sum_adjacent_duplicates(*lax.sort((idx, val), num_keys=1), size)
+
+
+def _sum_adjacent_duplicates(idx, val, size: int):
+    """Sorted pairs with each index at most twice: the first of two equal
+    indices holds their sum, the second becomes padding (``size``, 0)."""
     same = (idx[1:] == idx[:-1]) & (idx[:-1] < size)
     dup_next = jnp.concatenate([same, jnp.zeros((1,), bool)])
     dup_prev = jnp.concatenate([jnp.zeros((1,), bool), dup_next[:-1]])
@@ -324,14 +329,10 @@ def gtopk_mean_segments(indices, values, size: int, axis_name, slots) -> Exchang
         p_val = lax.ppermute(val, axis_name, perm)
         m_idx = jnp.concatenate([idx, p_idx])[gather]
         m_val = jnp.concatenate([val, p_val])[gather]
-        # _merge_pairs per segment: sorted by index within it, duplicates summed.
+        # _merge_pairs per segment: sorted by index within it, duplicates summed
+        # (segments' index ranges are disjoint, so no pair spans two).
         _, m_idx, m_val = lax.sort((segment, m_idx, m_val), num_keys=2)
-        same = (m_idx[1:] == m_idx[:-1]) & (m_idx[:-1] < size)
-        dup_next = jnp.concatenate([same, jnp.zeros((1,), bool)])
-        dup_prev = jnp.concatenate([jnp.zeros((1,), bool), dup_next[:-1]])
-        nxt = jnp.concatenate([m_val[1:], jnp.zeros((1,), m_val.dtype)])
-        m_val = jnp.where(dup_next, m_val + nxt, jnp.where(dup_prev, 0, m_val))
-        m_idx = jnp.where(dup_prev, size, m_idx)
+        m_idx, m_val = _sum_adjacent_duplicates(m_idx, m_val, size)
         # _top_and_rest per segment: by |value| down, ties to the lower position.
         score = jnp.where(m_idx < size, jnp.abs(m_val).astype(jnp.float32), -1.0)
         *_, r_idx, r_val = lax.sort((segment, -score, position, m_idx, m_val), num_keys=3)

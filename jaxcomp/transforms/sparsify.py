@@ -1676,7 +1676,7 @@ def _exchange_pairs_packed(cfg: _Config, layout, mask, sent_out, residual, caps,
         if cfg.exchange == "gtopk":
             # Every segment's rounds in one message: the collectives of one group.
             ex = sparse_allreduce.gtopk_mean_segments(idx, vals, size, cfg.axis_name, caps[p])
-            back_idx, back = _returned(cfg, ex, residual.dtype)
+            back_idx, back = _returned_pairs(cfg, ex, residual.dtype)
             flat = residual.reshape(-1).at[back_idx].add(back, mode="drop")
             rounds = sparse_allreduce.gtopk_rounds(collectives.axis_size(cfg.axis_name))
             item = jnp.dtype(sent_out.dtype).itemsize
@@ -2218,10 +2218,10 @@ def _exchange_pairs(cfg: _Config, idx, vals, n, dense, include, residual):
     )
     if ex.returned_indices is None:
         return ex.update, ex.wire_bytes, None
-    return ex.update, ex.wire_bytes, _returned(cfg, ex, residual.dtype)
+    return ex.update, ex.wire_bytes, _returned_pairs(cfg, ex, residual.dtype)
 
 
-def _returned(cfg: _Config, ex, dtype):
+def _returned_pairs(cfg: _Config, ex, dtype):
     """What exchange ``ex`` returned, as ``(indices, values in dtype)`` for a residual."""
     if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16
         raise ValueError(
