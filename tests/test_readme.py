@@ -3,6 +3,7 @@
 import ast
 import contextlib
 import io
+import json
 import math
 import os
 import pathlib
@@ -40,31 +41,53 @@ def _printed_claims(block):
 NEEDS_DEVICES = "# Needs "
 
 # Runs the README's blocks in one namespace on ONE device, in a fresh process
-# (this one has 8 simulated devices): prints the blocks that fail.
+# (this one has 8 simulated devices): one JSON line per block, what it printed
+# or how it failed, then the device count.
 _ONE_DEVICE_RUN = """
-import contextlib, io, re, sys
+import contextlib, io, json, re, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 1)
 text = open(sys.argv[1]).read()
-ns, ran = {}, 0
+ns = {}
 exec("import jax, jax.numpy as jnp, optax, jaxcomp", ns)
 for i, block in enumerate(re.findall(r"```python\\n(.*?)```", text, flags=re.S)):
     if any(s in block for s in sys.argv[2:]):
         continue
-    ran += 1
+    out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(out):
             exec(compile(block, "README", "exec"), ns)
+        print(json.dumps({"block": i, "printed": out.getvalue()}))
     except Exception as e:
-        print(f"block {i} ({block.splitlines()[0]!r}): {type(e).__name__}: {e}"[:400])
-print("devices", jax.device_count(), "ran", ran)
+        print(json.dumps({"block": i, "error": f"{type(e).__name__}: {e}"[:400]}))
+print(json.dumps({"devices": jax.device_count()}))
 """
 
 
-def test_readme_blocks_run_on_one_device_or_say_how_many_they_need():
-    # A reader with one GPU (a Colab) runs every example, except those that
-    # say on their first line how many devices they need and how to simulate them.
-    for block in _python_blocks():
+def _run_in_namespace(block, namespace):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
+    return out.getvalue()
+
+
+def test_readme_has_examples():
+    assert len(_python_blocks()) >= 5
+
+
+def test_readme_blocks_run_and_print_what_they_claim():
+    """Every block runs and prints what its comments claim, once each.
+
+    A reader with one GPU (a Colab) runs every example, except those that say
+    on their first line how many devices they need and how to simulate them:
+    those run here (8 simulated devices), each in a namespace of its own (a
+    reader starts a fresh process for them); the others run in reading order in
+    one namespace on ONE device, in a fresh process (later snippets use earlier
+    ones' names, such as ``params``, as a reader pasting them into one notebook
+    would).
+    """
+    blocks = _python_blocks()
+    for block in blocks:
         if block.startswith(NEEDS_DEVICES):
             assert "xla_force_host_platform_device_count" in block.split("\n", 3)[1], block[:200]
     # No simulated devices: the one CPU device (compiled as fast as the tests).
@@ -78,35 +101,24 @@ def test_readme_blocks_run_on_one_device_or_say_how_many_they_need():
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    *failures, last = proc.stdout.splitlines()
-    assert failures == [], failures
-    devices, ran = last.split()[1], int(last.split()[3])
-    expected = [b for b in _python_blocks() if not any(s in b for s in (*SKIP, NEEDS_DEVICES))]
-    assert devices == "1" and ran == len(expected) >= 20, last
-
-
-def test_readme_has_examples():
-    assert len(_python_blocks()) >= 5
-
-
-def test_readme_python_blocks_run_and_print_what_they_claim():
-    # One namespace, in reading order: later snippets use earlier ones' names
-    # (``params``), as a reader pasting them into one notebook would.
-    namespace: dict = {}
-    exec("import jax, jax.numpy as jnp, optax, jaxcomp", namespace)  # noqa: S102
+    *runs, last = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert last == {"devices": 1}, last
+    assert [r for r in runs if "error" in r] == []
+    printed = {r["block"]: r["printed"] for r in runs}
+    expected = [i for i, b in enumerate(blocks) if not any(s in b for s in (*SKIP, NEEDS_DEVICES))]
+    assert sorted(printed) == expected and len(expected) >= 20, sorted(printed)
+    for i, block in enumerate(blocks):
+        if block.startswith(NEEDS_DEVICES):
+            namespace: dict = {}
+            exec("import jax, jax.numpy as jnp, optax, jaxcomp", namespace)  # noqa: S102
+            printed[i] = _run_in_namespace(block, namespace)
     checked = 0
-    for block in _python_blocks():
-        if any(s in block for s in SKIP):
-            continue
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
-        printed = out.getvalue().splitlines()
-        claims = _printed_claims(block)
-        assert len(printed) == len(claims), block
-        for text, claim in zip(printed, claims, strict=True):
+    for i, text in sorted(printed.items()):
+        lines, claims = text.splitlines(), _printed_claims(blocks[i])
+        assert len(lines) == len(claims), (i, blocks[i][:200])
+        for line, claim in zip(lines, claims, strict=True):
             if claim is not None:
-                assert ast.literal_eval(text) == claim, (text, claim)
+                assert ast.literal_eval(line) == claim, (i, line, claim)
                 checked += 1
     assert checked >= 1  # the QSGD message_bytes claim at least
 
