@@ -126,8 +126,9 @@ OPTIONS = {
 # random_k's draws; no reuse, as random_k has no threshold). dgc's earlier
 # rule differs from the default in the selection only.
 KINDS = ("laplace", "degenerate", "nonfinite")
-DGC_OPTIONS = ("plain", "warmup", "reuse_warmup", "warmup_momentum_reuse", "global", "groups")
-DGC_OPTIONS += ("defer",)
+DGC_OPTIONS = (
+    "plain", "warmup", "reuse_warmup", "warmup_momentum_reuse", "global", "groups", "defer",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
