@@ -166,14 +166,17 @@ COMPRESSORS = {
     "ldte_bs_defer": ("ldte_bs", {"ratio": RATIO, "defer_residual": True}),
     "top_k_defer": ("top_k", {"ratio": RATIO, "defer_residual": True}),
     # The exchanges with merging rules of their own (gTop-k's pairwise top-k,
-    # ScaleCom's cyclic leader); on one device they are top_k.
+    # Ok-Topk's regions, SparCML's union or dense, ScaleCom's cyclic leader);
+    # on one device they are top_k.
     "top_k_gtopk": ("top_k", {"ratio": RATIO, "exchange": "gtopk"}),
+    "top_k_oktopk": ("top_k", {"ratio": RATIO, "exchange": "oktopk"}),
+    "top_k_sparcml": ("top_k", {"ratio": RATIO, "exchange": "sparcml"}),
     "top_k_scalecom": ("top_k", {"ratio": RATIO, "exchange": "scalecom"}),
 }
 # Compressors for one device only (defer_residual has no exchange): skipped on N devices.
 ONE_DEVICE = ("ldte_bs_defer", "top_k_defer")
 # Compressors that differ from another only in their exchange: skipped on one device.
-SEVERAL_DEVICES = ("top_k_gtopk", "top_k_scalecom")
+SEVERAL_DEVICES = ("top_k_gtopk", "top_k_oktopk", "top_k_sparcml", "top_k_scalecom")
 # Compressors whose flat leaf is a matrix (FLAT_COLUMNS columns), not a vector.
 MATRIX_LEAF = ("powersgd",)
 LAYOUTS = ("tree", "flat")

@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
+from jaxcomp.comm import sparse_allreduce as sa
 from jaxcomp.selection import segmented as sg
 from jaxcomp.selection import selectors as S1
 
@@ -381,7 +382,7 @@ def _assert_mesh_paths_agree(new, old, trees, n_dev, include=None):
 @pytest.mark.parametrize(
     "exchange,option",
     [(e, "plain") for e in ("sparse", "dense", "auto", "server", "gossip")]
-    + [(e, "plain") for e in ("gtopk", "oktopk", "sparcml", "auto_topk")]
+    + [(e, "plain") for e in ("gtopk", "oktopk", "auto_topk")]
     + [(e, "warmup_momentum_reuse") for e in ("sparse", "gtopk", "scalecom")]
     + [("scalecom", "low_pass")],
 )
@@ -391,9 +392,10 @@ def test_exchanges_match_the_per_leaf_path(exchange, option):
     # that leaves the residual to the selection (sparse: dense, auto, server
     # and gossip take the same selection) and with the two that return pairs
     # to it (gtopk) or send at the leader's positions (scalecom). gtopk: every
-    # group's rounds in one message; oktopk, sparcml: each group's pairs
-    # through its own exchange (returned pairs added to the residual as the
-    # group adds them).
+    # group's rounds in one message; oktopk: every group's regions and top
+    # in one all_to_all and one all-gather (returned pairs added to the
+    # residual as the group adds them); auto_topk: one of those, sparse or
+    # dense per group. (sparcml: below.)
     # scalecom: every device's values at the cyclic leader's positions.
     n_dev = 4
     trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(4)]
@@ -401,6 +403,44 @@ def test_exchanges_match_the_per_leaf_path(exchange, option):
     new = jaxcomp.top_k(0.02, **kw)
     old = jaxcomp.sparsify(_per_leaf(S1.exact_top_k), 0.02, **kw)
     _assert_mesh_paths_agree(new, old, trees, n_dev)
+
+
+@pytest.mark.parametrize("ratio", [0.02, 0.3])
+def test_sparcml_decides_once_for_all_leaves(ratio):
+    # SparCML's choice between sparse rounds and a dense all-reduce is made
+    # once for the packed leaves, as for one fused buffer: their total count
+    # against the union capacity of their total size. Residuals as each
+    # leaf's own choice, bit for bit; the update the same exact mean (up to
+    # the order of the additions); the bytes the fused buffer's (numpy
+    # formula, checked on the per-leaf path's bytes too). 0.3: dense.
+    n_dev = 4
+    trees = [[_tree(10 * s + d) for d in range(n_dev)] for s in range(3)]
+    kw = dict(axis_name="data", exchange="sparcml")
+    new = _mesh_run(jaxcomp.top_k(ratio, **kw), trees, n_dev)
+    old = _mesh_run(jaxcomp.sparsify(_per_leaf(S1.exact_top_k), ratio, **kw), trees, n_dev)
+    sizes = [x.size for x in jax.tree.leaves(trees[0][0])]
+    # Message capacities: ceil(1.5 k) slots (the default capacity_factor), at most n.
+    caps = [min(n, -(-3 * S1.target_count(ratio, n) // 2)) for n in sizes]
+
+    def wire(cap, n, total):
+        union = sa.sparcml_union_capacity(cap, n, n_dev, 4)
+        counts = 2 * (n_dev - 1) / n_dev * 4
+        if total <= union:
+            return sum(min(cap << i, union) for i in range(2)) * 8 + counts
+        return 2 * (n_dev - 1) / n_dev * n * 4 + counts
+
+    choices = set()
+    for (u1, s1), (u2, s2) in zip(new, old, strict=True):
+        for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        _assert_same(s1._replace(wire_bytes=0), s2._replace(wire_bytes=0))
+        sent = np.asarray(s1.sent_count).sum(0)  # per leaf, over the devices
+        want = wire(sum(caps), sum(sizes), sent.sum())
+        np.testing.assert_allclose(np.asarray(s1.wire_bytes), want, rtol=1e-6)
+        per_leaf = sum(wire(*c) for c in zip(caps, sizes, sent, strict=True))
+        np.testing.assert_allclose(np.asarray(s2.wire_bytes), per_leaf, rtol=1e-6)
+        choices.add(sent.sum() <= sa.sparcml_union_capacity(sum(caps), sum(sizes), n_dev, 4))
+    assert choices == {ratio < 0.1}  # the branch meant
 
 
 @pytest.mark.parametrize("exchange", ["sparse", "dense", "auto"])
@@ -438,7 +478,9 @@ def test_gossip_sends_each_leaf_in_its_smaller_form_as_the_per_leaf_path(ratio):
     _assert_mesh_paths_agree(new, old, trees, n_dev)
 
 
-@pytest.mark.parametrize("exchange", ["sparse", "server", "gossip"])
+@pytest.mark.parametrize(
+    "exchange", ["sparse", "server", "gossip", "gtopk", "oktopk", "sparcml", "auto_topk"]
+)
 def test_one_collective_per_kind_whatever_the_leaf_count(exchange):
     def collectives(n_leaves):
         mesh = jax.make_mesh((4,), ("data",))

@@ -158,6 +158,58 @@ def test_gtopk_segments_give_each_segment_what_gtopk_gives_it_alone(ties):
                 np.testing.assert_array_equal(back_val[d, lo : lo + caps[s]], b_val[d, want])
 
 
+@pytest.mark.parametrize("n_dev, crowd", [(4, False), (3, True), (8, False)])
+def test_oktopk_segments_give_each_segment_what_oktopk_gives_it_alone(n_dev, crowd):
+    # Three segments of different sizes at offsets of a packed index range,
+    # overlapping indices across devices (summed), one segment without slots;
+    # crowd: device 0's pairs of segment 0 all in its first region (overflow
+    # goes back). Update, wire bytes and returned pairs as oktopk_mean alone.
+    caps, sizes, offsets = (6, 0, 9, 4), (40, 30, 96, 20), (0, 40, 80, 180)
+    size = 256
+    parts = []
+    for s, (c, n) in enumerate(zip(caps, sizes, strict=True)):
+        spread = min(2 * c + 3, n)
+        i, v = _messages(n_dev, c, seed=20 + s, spread=spread)
+        if crowd and s == 0:  # device 0 alone in the first region; the others high up
+            i[0] = np.arange(c)
+            i[1:] = np.where(i[1:] < SIZE, i[1:] + n - spread, SIZE)
+        parts.append((np.where(i < SIZE, i, n).astype(np.int32), v))
+    idx = np.concatenate(
+        [np.where(i < n, i + o, size) for (i, _), n, o in zip(parts, sizes, offsets, strict=True)],
+        axis=1,
+    ).astype(np.int32)
+    val = np.concatenate([v for _, v in parts], axis=1)
+    update, wire, back_idx, back_val = _run(
+        lambda i, v: sa.oktopk_mean_segments(i, v, size, "data", caps, offsets, sizes),
+        n_dev, idx, val,
+    )  # fmt: skip
+    assert wire[0] == sum(sa.oktopk_wire_bytes(c, n_dev, 4) for c in caps if c)
+    overflow = sum(caps)
+    first_drop = first_slot = 0
+    for (i, v), c, n, o in zip(parts, caps, sizes, offsets, strict=True):
+        if not c:
+            np.testing.assert_array_equal(update[:, o : o + n], 0)
+            continue
+        u1, _, b_idx, b_val = _run(lambda i, v, n=n: sa.oktopk_mean(i, v, n, "data"), n_dev, i, v)
+        np.testing.assert_array_equal(update[:, o : o + n], u1)
+        per_peer, per_region = sa.oktopk_capacities(c, n_dev)
+        drops = n_dev * per_peer - per_region
+        for d in range(n_dev):
+            # Overflow: this segment's slots; dropped: its block after every overflow.
+            for got, want in [
+                (slice(first_slot, first_slot + c), slice(0, c)),
+                (slice(overflow + first_drop, overflow + first_drop + drops), slice(c, None)),
+            ]:
+                got_i = back_idx[d, got]
+                np.testing.assert_array_equal(np.where(got_i < size, got_i - o, n), b_idx[d, want])
+                np.testing.assert_array_equal(back_val[d, got], b_val[d, want])
+        first_slot += c
+        first_drop += drops
+    assert back_idx.shape[1] == overflow + first_drop
+    if crowd:  # the overflow path ran
+        assert (back_idx[0, : caps[0]] < size).any()
+
+
 def test_gtopk_rejects_non_power_of_two():
     idx, val = _messages(3, 4, seed=0)
     with pytest.raises(ValueError, match="power-of-two"):

@@ -78,6 +78,8 @@ __all__ = [
     "is_power_of_two",
     "oktopk_capacities",
     "oktopk_mean",
+    "oktopk_mean_segments",
+    "oktopk_wire_bytes",
     "scatter_capacity",
     "scatter_mean",
     "sparcml_mean",
@@ -280,6 +282,23 @@ def oktopk_capacities(cap: int, n_dev: int, slack: float = OKTOPK_SLACK) -> tupl
     return per_peer, per_region
 
 
+def oktopk_wire_bytes(cap: int, n_dev: int, itemsize: int, slack: float = OKTOPK_SLACK) -> float:
+    """Bytes one device sends in :func:`oktopk_mean` of a ``cap``-pair message.
+
+    ``(N - 1) (per_peer + per_region)`` pairs (:func:`oktopk_capacities`)
+    and the all-reduce of the region histogram; 0 on one device.
+
+    Example:
+      >>> oktopk_wire_bytes(100, 4, 4)  # 3 * (38 + 25) * 8 + 1.5 * 64 * 4
+      1896.0
+    """
+    if n_dev <= 1:
+        return 0.0
+    per_peer, per_region = oktopk_capacities(cap, n_dev, slack)
+    hist = allreduce_bytes(4 * _BINS_PER_DEVICE * n_dev, n_dev)
+    return (n_dev - 1) * (per_peer + per_region) * (_INDEX_ITEMSIZE + itemsize) + hist
+
+
 def gtopk_mean_segments(indices, values, size: int, axis_name, slots) -> Exchanged:
     """:func:`gtopk_mean` for many segments at once, each keeping its own top.
 
@@ -360,8 +379,7 @@ def _region_bounds(indices, size: int, n_dev: int, axis_name):
     targets = (jnp.arange(1, n_dev) * total + n_dev - 1) // n_dev
     first_bins = jnp.searchsorted(cdf, targets, side="left") + 1
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), (first_bins * width).astype(jnp.int32)])
-    starts = jnp.minimum(starts, size)
-    return starts, hist.shape[0] * 4
+    return jnp.minimum(starts, size)
 
 
 def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_SLACK) -> Exchanged:
@@ -397,10 +415,10 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
     slack = V.check_real("slack", slack, 0, low_open=True)
     cap = indices.shape[0]
     per_peer, per_region = oktopk_capacities(cap, n_dev, slack)
-    pair = 4 + jnp.dtype(values.dtype).itemsize
+    wire = oktopk_wire_bytes(cap, n_dev, jnp.dtype(values.dtype).itemsize, slack)
     if n_dev == 1:
         return Exchanged(_scatter_mean(indices, values, size, 1), jnp.float32(0))
-    starts, hist_bytes = _region_bounds(indices, size, n_dev, axis_name)
+    starts = _region_bounds(indices, size, n_dev, axis_name)
     values, divisor = _mean_first(values, n_dev)
     idx, val = lax.sort((indices, values), num_keys=1)  # padding (size) last
     region = jnp.searchsorted(starts, idx, side="right") - 1
@@ -427,12 +445,131 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
     update = _scatter_mean(all_idx, all_val, size, divisor)
     overflow_idx = jnp.where(valid & ~fits, idx, size)
     overflow_val = jnp.where(valid & ~fits, val, 0)
-    wire = (n_dev - 1) * (per_peer + per_region) * pair + allreduce_bytes(hist_bytes, n_dev)
     return Exchanged(
         update,
         jnp.float32(wire),
         jnp.concatenate([overflow_idx, drop_idx]),
         _returned(jnp.concatenate([overflow_val, drop_val]), n_dev, divisor),
+    )
+
+
+def oktopk_mean_segments(
+    indices, values, size: int, axis_name, slots, offsets, sizes, *, slack: float = OKTOPK_SLACK
+) -> Exchanged:
+    """:func:`oktopk_mean` for many segments at once, each with its own regions and top.
+
+    Segment ``s`` owns ``slots[s]`` consecutive message slots (static; 0
+    leaves it out) and the index range ``[offsets[s], offsets[s] + sizes[s])``
+    of a packed buffer (``size`` = padding index). Each segment gets what
+    :func:`oktopk_mean` gives it alone, pair for pair: its regions balanced by
+    its own histogram, its own ``per_peer`` and ``per_region`` capacities
+    (:func:`oktopk_capacities` of ``slots[s]``), the same sums and ranking
+    (sorts keyed by the segment first), the same returned pairs. For all
+    segments together: one all-reduce of the histograms, one ``all_to_all``
+    of indices and one of values (each peer's row holds every segment's
+    slots for it), one all-gather of each.
+
+    Returns:
+      :class:`Exchanged` over the whole buffer; ``wire_bytes`` is the total
+      (each segment's :func:`oktopk_mean` formula, summed); the returned
+      pairs are every segment's overflow, then every segment's dropped pairs
+      (packed indices).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda i, v: oktopk_mean_segments(i, v, 6, "data", (1, 2), (0, 3), (3, 3)).update,
+      ...     mesh=mesh, in_specs=P(), out_specs=P()))
+      >>> f(jnp.array([1, 3, 6], jnp.int32), jnp.array([2.0, -4.0, 0.0])).tolist()
+      [0.0, 2.0, 0.0, -4.0, 0.0, 0.0]
+    """
+    n_dev = axis_size(axis_name)
+    slack = V.check_real("slack", slack, 0, low_open=True)
+    if n_dev == 1:
+        return Exchanged(_scatter_mean(indices, values, size, 1), jnp.float32(0))
+    slots = np.asarray(slots, np.int64)
+    offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+    n_seg = len(slots)
+    caps = [oktopk_capacities(int(c), n_dev, slack) if c else (0, 0) for c in slots]
+    per_peer, per_region = (np.asarray(c, np.int64) for c in zip(*caps, strict=True))
+    total, width_p = int(slots.sum()), int(per_peer.sum())
+    item = jnp.dtype(values.dtype).itemsize
+    bins = _BINS_PER_DEVICE * n_dev
+    wire = sum(oktopk_wire_bytes(int(c), n_dev, item, slack) for c in slots if c)
+
+    def static(a):  # a per-segment table read per slot
+        return jnp.asarray(np.asarray(a)[np.repeat(np.arange(n_seg), slots)].astype(np.int32))
+
+    seg = static(np.arange(n_seg))
+    # Each segment's local indices (its own padding index: its size), as alone.
+    valid = indices < size
+    local = jnp.where(valid, indices - static(offsets), static(sizes))
+    # _region_bounds per segment: one all-reduce of every segment's histogram.
+    width = -(-sizes // bins)
+    which = jnp.where(valid, local // static(width), bins)
+    hist = jnp.zeros((n_seg, bins), jnp.int32).at[seg, which].add(1, mode="drop")
+    cdf = jnp.cumsum(lax.psum(hist, axis_name), axis=1)
+    count = jnp.maximum(cdf[:, -1], 1)
+    targets = (jnp.arange(1, n_dev)[None, :] * count[:, None] + n_dev - 1) // n_dev
+    first_bins = jnp.sum(cdf[:, None, :] < targets[:, :, None], axis=2, dtype=jnp.int32) + 1
+    starts = jnp.concatenate(
+        [jnp.zeros((n_seg, 1), jnp.int32), first_bins * jnp.asarray(width[:, None], jnp.int32)], 1
+    )
+    starts = jnp.minimum(starts, jnp.asarray(sizes[:, None], jnp.int32))
+    # Each segment's pairs by index (its slots stay its own), split by region.
+    values, divisor = _mean_first(values, n_dev)
+    _, local, idx, val = lax.sort((seg, local, indices, values), num_keys=2)
+    valid = idx < size
+    seg_starts = starts[seg]
+    region = jnp.sum(seg_starts <= local[:, None], axis=1) - 1
+    first = jax.ops.segment_sum(
+        (local[:, None] < seg_starts).astype(jnp.int32), seg, n_seg, indices_are_sorted=True
+    )
+    position = jnp.arange(total) - static(np.cumsum(slots) - slots)
+    rank = position - first[seg, jnp.clip(region, 0, n_dev - 1)]
+    fits = valid & (rank < static(per_peer))
+    # Peer row j: every segment's slots for device j, segment by segment.
+    column = region * width_p + static(np.cumsum(per_peer) - per_peer) + rank
+    slot = jnp.where(fits, column, n_dev * width_p)
+    send_idx = jnp.full((n_dev * width_p,), size, jnp.int32).at[slot].set(idx, mode="drop")
+    send_val = jnp.zeros((n_dev * width_p,), values.dtype).at[slot].set(val, mode="drop")
+    recv_idx = lax.all_to_all(send_idx.reshape(n_dev, width_p), axis_name, 0, 0, tiled=True)
+    recv_val = lax.all_to_all(send_val.reshape(n_dev, width_p), axis_name, 0, 0, tiled=True)
+    # Per segment: equal indices summed in index (then device) order, the largest kept.
+    block = np.repeat(np.arange(n_seg), n_dev * per_peer).astype(np.int32)  # after the sort
+    block_start = n_dev * (np.cumsum(per_peer) - per_peer)
+    recv_seg = jnp.asarray(np.tile(np.repeat(np.arange(n_seg), per_peer), n_dev).astype(np.int32))
+    _, r_idx, r_val = lax.sort((recv_seg, recv_idx.reshape(-1), recv_val.reshape(-1)), num_keys=2)
+    starts_block = np.zeros(n_dev * width_p, bool)
+    starts_block[block_start[per_peer > 0]] = True
+    first_of = jnp.concatenate([jnp.ones((1,), bool), r_idx[1:] != r_idx[:-1]]) | starts_block
+    run = jnp.cumsum(first_of) - 1
+    run = run - run[jnp.asarray(block_start[block])]  # each block's runs from 0
+    at = jnp.asarray(block_start[block].astype(np.int32)) + run
+    sums = jax.ops.segment_sum(r_val, at, num_segments=n_dev * width_p)
+    u_idx = jnp.full((n_dev * width_p,), size, jnp.int32).at[at].set(r_idx)
+    last = jax.ops.segment_max(run, jnp.asarray(block), n_seg, indices_are_sorted=True)
+    in_block = jnp.arange(n_dev * width_p) - jnp.asarray(block_start[block])
+    u_idx = jnp.where(in_block <= last[jnp.asarray(block)], u_idx, size)
+    # _top_and_rest per segment: by |value| down, ties to the lower position.
+    score = jnp.where(u_idx < size, jnp.abs(sums).astype(jnp.float32), -1.0)
+    order = jnp.arange(n_dev * width_p, dtype=jnp.int32)
+    *_, t_idx, t_val = lax.sort((jnp.asarray(block), -score, order, u_idx, sums), num_keys=3)
+    kept = np.concatenate([o + np.arange(r) for o, r in zip(block_start, per_region, strict=True)])
+    spans = zip(block_start, per_region, n_dev * per_peer, strict=True)
+    dropped = np.concatenate([o + np.arange(r, n) for o, r, n in spans])
+    all_idx = all_gather_invariant(t_idx[kept.astype(np.int32)], axis_name).reshape(-1)
+    all_val = all_gather_invariant(t_val[kept.astype(np.int32)], axis_name).reshape(-1)
+    update = _scatter_mean(all_idx, all_val, size, divisor)
+    overflow = valid & ~fits
+    drop = dropped.astype(np.int32)
+    return Exchanged(
+        update,
+        jnp.float32(wire),
+        jnp.concatenate([jnp.where(overflow, idx, size), t_idx[drop]]),
+        _returned(jnp.concatenate([jnp.where(overflow, val, 0), t_val[drop]]), n_dev, divisor),
     )
 
 
@@ -741,9 +878,7 @@ def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: i
     if name == "auto_topk":
         if is_power_of_two(n_dev):
             costs["gtopk"] = gtopk_rounds(n_dev) * capacity * pair
-        per_peer, per_region = oktopk_capacities(capacity, n_dev)
-        hist = allreduce_bytes(4 * _BINS_PER_DEVICE * n_dev, n_dev)
-        costs["oktopk"] = (n_dev - 1) * (per_peer + per_region) * pair + hist
+        costs["oktopk"] = oktopk_wire_bytes(capacity, n_dev, itemsize)
     order = ["sparse", "dense", "gtopk", "oktopk"]  # ties: the exact one first
     return min(costs, key=lambda e: (costs[e], order.index(e)))
 

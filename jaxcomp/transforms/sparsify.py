@@ -650,7 +650,8 @@ def sparsify(
         ``"dense"`` (all-reduce of the decompressed message), ``"server"``
         (parameter server: sparse pushes, dense pull), ``"sparcml"``
         (recursive-doubling union, dense past a density decided from the
-        counts; power-of-two devices), ``"auto"`` (per leaf and warm-up
+        counts, once for all the packed leaves as for one fused buffer;
+        power-of-two devices), ``"auto"`` (per leaf and warm-up
         phase, sparse or dense, whichever moves fewer bytes at full
         capacity: :func:`jaxcomp.comm.prefer_sparse`). A global
         selection of the summed messages, which changes what is applied:
@@ -1138,17 +1139,18 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
 # ---------------------------------------------------------------------------
 
 
-# The exchanges a packed step runs as one collective each (sparse all-gather,
-# dense all-reduce, the server's push and pull, gossip's two neighbour sends
-# per form) for all its groups; "auto" picks one of the first two per group.
-_PACKED_EXCHANGES = ("sparse", "dense", "auto", "server", "gossip")
+# The exchanges a packed step runs for all its groups at once: one collective
+# (or one fixed set) per kind, whatever the number of groups (sparse
+# all-gather, dense all-reduce, the server's push and pull, gossip's two
+# neighbour sends per form, gTop-k's rounds, Ok-Topk's histogram, scatter and
+# gather, SparCML's rounds or all-reduce; "auto" and "auto_topk" pick a kind
+# per group). See _exchange_packed.
+_PACKED_EXCHANGES = (
+    "sparse", "dense", "auto", "server", "gossip", "gtopk", "oktopk", "sparcml", "auto_topk",
+)  # fmt: skip
 # ScaleCom's cyclic leader, for all groups in one all-reduce of indices and
 # one of values: see _scalecom_packed.
 _LEADER_EXCHANGES = ("scalecom",)
-# The exchanges a packed step selects for in one pass but whose merging rules
-# are per group: gTop-k's rounds run for every group at once, the others
-# group by group (see _exchange_pairs_packed).
-_PAIR_EXCHANGES = ("gtopk", "oktopk", "sparcml", "auto_topk")
 
 
 def _packed_selector(cfg: _Config):
@@ -1158,10 +1160,10 @@ def _packed_selector(cfg: _Config):
     Today: a selector with a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
     ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``,
     ``random_k``), one device or one of the exchanges of
-    :data:`_PACKED_EXCHANGES`, :data:`_PAIR_EXCHANGES` and
-    :data:`_LEADER_EXCHANGES` (all but ``scatter``).
+    :data:`_PACKED_EXCHANGES` and :data:`_LEADER_EXCHANGES` (all but
+    ``scatter``).
     """
-    exchanges = _PACKED_EXCHANGES + _PAIR_EXCHANGES + _LEADER_EXCHANGES
+    exchanges = _PACKED_EXCHANGES + _LEADER_EXCHANGES
     if cfg.axis_name is not None and cfg.exchange not in exchanges:
         return None
     return _segmented_form(cfg)
@@ -1509,29 +1511,32 @@ def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
 
 
 def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase, include=None):
-    """The packed messages' mean over ``cfg.axis_name``: one all-gather of the
-    (index, value) pairs of every sparse-sent segment and one all-reduce of
-    every dense-sent one (``"auto"``: per segment and warm-up phase, as
-    :func:`jaxcomp.comm.sparse_allreduce.choose_exchange` picks for the
-    group alone). Returns the packed update, each segment's wire bytes (the
-    formula its own exchange would report, so the step's total is the
-    per-group sum, in the same order) and the packed residual.
-    ``include``: this device's backup-worker flag (the means over the
-    included devices).
+    """The packed messages' mean over ``cfg.axis_name``, one collective (or
+    one fixed set) per kind of exchange for all segments: one all-gather of
+    the (index, value) pairs of every sparse-sent segment, one all-reduce of
+    every dense-sent one, gTop-k's rounds and Ok-Topk's scatter and gather
+    for all their segments at once (``"auto"``, ``"auto_topk"``: a kind per
+    segment and warm-up phase, as
+    :func:`jaxcomp.comm.sparse_allreduce.choose_exchange` picks for the group
+    alone). Returns the packed update, each segment's wire bytes (the formula
+    its own exchange would report, so the step's total is the per-group sum)
+    and the packed residual, with what gTop-k and Ok-Topk dropped added back
+    as the group alone adds it. ``include``: this device's backup-worker flag
+    (the means over the included devices).
 
-    The exchanges of :data:`_PAIR_EXCHANGES` (gTop-k, Ok-Topk, SparCML)
-    merge messages by their own rules per group: every segment's pairs come
-    out of one extraction and go through the group's own exchange (its
-    collectives per group), and what it returns (gTop-k's and Ok-Topk's
-    dropped pairs) is added to the residual as the group alone adds it.
+    Each segment's update is what its group alone gets, bit for bit, except
+    under SparCML: its choice between sparse rounds and a dense all-reduce is
+    made once for all its segments (their total count against the union
+    capacity of their total size), as SparCML decides for one fused buffer,
+    not per group. Its result is the exact mean either way; only the order of
+    the additions, and the bytes, can differ from the per-group choice.
     """
     if include is not None:
         sparse_allreduce.check_include(cfg.exchange)
-    if cfg.exchange in _PAIR_EXCHANGES:
-        return _exchange_pairs_packed(cfg, layout, mask, sent_out, residual, caps, phase, include)
     n_dev = collectives.axis_size(cfg.axis_name)
     item = jnp.dtype(sent_out.dtype).itemsize
     sizes = layout.sizes
+    size = layout.num_rows * layout.row
 
     def branch(p):
         kinds = [
@@ -1545,51 +1550,77 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase
                 for c, n in zip(caps[p], sizes, strict=True)
             ]
             kinds = ["gossip_sparse" if q else "gossip_dense" for q in pairs]
-        sparse = [s for s, kind in enumerate(kinds) if kind == "sparse"]
-        server = [s for s, kind in enumerate(kinds) if kind == "server"]
-        dense = [s for s, kind in enumerate(kinds) if kind == "dense"]
+        of_kind = {k: [s for s, kind in enumerate(kinds) if kind == k] for k in set(kinds)}
+
+        def slots(kind):
+            return [int(caps[p][s]) if kinds[s] == kind else 0 for s in range(len(sizes))]
+
+        def rows(kind):
+            return jnp.asarray(np.isin(layout.row_segment, of_kind[kind])[:, None])
+
         update = jnp.zeros(sent_out.shape, sent_out.dtype)
-        gossip = [s for s, kind in enumerate(kinds) if kind == "gossip_sparse"]
-        if gossip:
-            slots = [int(caps[p][s]) if s in gossip else 0 for s in range(len(sizes))]
-            idx, vals = segmented.extract(layout, sent_out, mask, slots)
-            own = jnp.where(jnp.asarray(np.isin(layout.row_segment, gossip)[:, None]), sent_out, 0)
+        flat_res = residual.reshape(-1)
+        extra_wire = jnp.float32(0)
+        if "gossip_sparse" in of_kind:
+            idx, vals = segmented.extract(layout, sent_out, mask, slots("gossip_sparse"))
+            own = jnp.where(rows("gossip_sparse"), sent_out, 0)
             # This device's ring mix over the whole buffer: zero outside these
             # segments (no message there), where the dense-sent ones go next.
             mixed, _ = collectives.gossip_sparse_mean(
                 idx, vals, update.size, cfg.axis_name, dense=own.reshape(-1)
             )
             update = mixed.reshape(update.shape)
-        gossip_dense = [s for s, kind in enumerate(kinds) if kind == "gossip_dense"]
-        if gossip_dense:
-            flat = segmented.compact(layout, sent_out, gossip_dense)
+        if "gossip_dense" in of_kind:
+            segs = of_kind["gossip_dense"]
+            flat = segmented.compact(layout, sent_out, segs)
             mixed, _ = collectives.gossip_mean(flat, cfg.axis_name)
-            update = segmented.expand(layout, mixed, gossip_dense, update.astype(mixed.dtype))
-        if server:
-            slots = [int(caps[p][s]) if s in server else 0 for s in range(len(sizes))]
-            idx, vals = segmented.extract(layout, sent_out, mask, slots)
+            update = segmented.expand(layout, mixed, segs, update.astype(mixed.dtype))
+        if "server" in of_kind:
+            idx, vals = segmented.extract(layout, sent_out, mask, slots("server"))
             # The server adds into, and sends back, the segments' own elements
             # (no padding rows on the wire): packed positions in compact order.
-            idx, n_compact = _compact_positions(layout, server, slots, idx)
+            idx, n_compact = _compact_positions(layout, of_kind["server"], slots("server"), idx)
             mean, _ = collectives.server_sparse_mean(idx, vals, n_compact, cfg.axis_name)
-            update = segmented.expand(layout, mean, server, update)
-        if dense:
-            flat = segmented.compact(layout, sent_out, dense)
+            update = segmented.expand(layout, mean, of_kind["server"], update)
+        if "sparcml" in of_kind:
+            segs = of_kind["sparcml"]
+            idx, vals = segmented.extract(layout, sent_out, mask, slots("sparcml"))
+            idx, n_compact = _compact_positions(layout, segs, slots("sparcml"), idx)
+            dense = segmented.compact(layout, sent_out, segs)
+            ex = sparse_allreduce.sparcml_mean(idx, vals, n_compact, cfg.axis_name, dense=dense)
+            update = segmented.expand(layout, ex.update, segs, update)
+            extra_wire = ex.wire_bytes
+        if "dense" in of_kind:
+            segs = of_kind["dense"]
+            flat = segmented.compact(layout, sent_out, segs)
             mean, _ = collectives.dense_mean(flat, cfg.axis_name, include=include)
-            update = segmented.expand(layout, mean, dense, update)
-        if sparse:
-            slots = [int(caps[p][s]) if s in sparse else 0 for s in range(len(sizes))]
-            idx, vals = segmented.extract(layout, sent_out, mask, slots)
-            mean, _ = collectives.sparse_mean(
-                idx, vals, update.size, cfg.axis_name, include=include
-            )
+            update = segmented.expand(layout, mean, segs, update)
+        for kind in ("sparse", "gtopk", "oktopk"):
+            if kind not in of_kind:
+                continue
+            idx, vals = segmented.extract(layout, sent_out, mask, slots(kind))
+            if kind == "sparse":
+                mean, _ = collectives.sparse_mean(idx, vals, size, cfg.axis_name, include=include)
+            else:
+                if kind == "gtopk":
+                    ex = sparse_allreduce.gtopk_mean_segments(
+                        idx, vals, size, cfg.axis_name, slots(kind)
+                    )
+                else:
+                    ex = sparse_allreduce.oktopk_mean_segments(
+                        idx, vals, size, cfg.axis_name, slots(kind),
+                        layout.starts * layout.row, sizes,
+                    )  # fmt: skip
+                mean = ex.update
+                if ex.returned_indices is not None:
+                    back_idx, back = _returned_pairs(cfg, ex, residual.dtype)
+                    flat_res = flat_res.at[back_idx].add(back, mode="drop")
             mean = mean.reshape(update.shape)
-            if dense:
-                rows = np.isin(layout.row_segment, sparse)[:, None]
-                mean = jnp.where(jnp.asarray(rows), mean, update)
-            update = mean
+            update = mean if len(of_kind) == 1 else jnp.where(rows(kind), mean, update)
         # include=: each exchange alone would also count its psum of the flags.
         flags = 0 if include is None else 4
+        rounds = sparse_allreduce.gtopk_rounds(n_dev) if n_dev > 1 else 0
+
         wire_of = {
             "sparse": lambda c, n: (
                 collectives.allgather_bytes(c * (4 + item), n_dev)
@@ -1601,16 +1632,17 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase
             ],
             "gossip_sparse": lambda c, n: 2 * c * (4 + item) if n_dev > 1 else 0,
             "gossip_dense": lambda c, n: 2 * n * item if n_dev > 1 else 0,
+            "gtopk": lambda c, n: rounds * c * (4 + item),
+            "oktopk": lambda c, n: sparse_allreduce.oktopk_wire_bytes(c, n_dev, item),
+            "sparcml": lambda c, n: 0,  # one total for all: extra_wire, on the first
         }
         wires = [wire_of[kind](int(c), n) for c, n, kind in zip(caps[p], sizes, kinds, strict=True)]
-        return update, jnp.asarray(np.asarray(wires, np.float32))
+        wires = jnp.asarray(np.asarray(wires, np.float32)).at[0].add(extra_wire)
+        return update, wires, flat_res.reshape(residual.shape)
 
     if phase is None:
-        return (*branch(0), residual)
-    return (
-        *lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])]),
-        residual,
-    )
+        return branch(0)
+    return lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])])
 
 
 def _scalecom_packed(cfg: _Config, layout, acc, u, mask, sent_out, caps, phase, ctx):
@@ -1657,46 +1689,6 @@ def _scalecom_packed(cfg: _Config, layout, acc, u, mask, sent_out, caps, phase, 
             sent,
             leader.reshape(acc.shape),
         )
-
-    if phase is None:
-        return branch(0)
-    return lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])])
-
-
-def _exchange_pairs_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase, include):
-    """:func:`_exchange_packed` for :data:`_PAIR_EXCHANGES`: each segment's
-    pairs through :func:`_exchange_pairs`, as its group alone sends them;
-    gTop-k's rounds for every segment at once
-    (:func:`jaxcomp.comm.sparse_allreduce.gtopk_mean_segments`)."""
-    size = layout.num_rows * layout.row
-    dense = layout.unpack(sent_out)
-
-    def branch(p):
-        idx, vals = segmented.extract(layout, sent_out, mask, caps[p])
-        if cfg.exchange == "gtopk":
-            # Every segment's rounds in one message: the collectives of one group.
-            ex = sparse_allreduce.gtopk_mean_segments(idx, vals, size, cfg.axis_name, caps[p])
-            back_idx, back = _returned_pairs(cfg, ex, residual.dtype)
-            flat = residual.reshape(-1).at[back_idx].add(back, mode="drop")
-            rounds = sparse_allreduce.gtopk_rounds(collectives.axis_size(cfg.axis_name))
-            item = jnp.dtype(sent_out.dtype).itemsize
-            wires = np.asarray([rounds * int(c) * (4 + item) for c in caps[p]], np.float32)
-            update = ex.update.reshape(sent_out.shape)
-            return update, jnp.asarray(wires), flat.reshape(residual.shape)
-        ends = np.cumsum(caps[p])
-        updates, wires, flat = [], [], residual.reshape(-1)
-        for s, n in enumerate(layout.sizes):
-            start = int(layout.starts[s]) * layout.row
-            i, v = idx[ends[s] - caps[p][s] : ends[s]], vals[ends[s] - caps[p][s] : ends[s]]
-            local = jnp.where(i < size, i - start, n)  # the group's own padding index
-            update, wire, back = _exchange_pairs(cfg, local, v, n, dense[s], include, flat)
-            if back is not None:
-                at = jnp.where(back[0] < n, back[0] + start, size)
-                flat = flat.at[at].add(back[1], mode="drop")
-            updates.append(update)
-            wires.append(jnp.asarray(wire, jnp.float32))
-        update = layout.pack(updates, sent_out.dtype)
-        return update, jnp.stack(wires), flat.reshape(residual.shape)
 
     if phase is None:
         return branch(0)
