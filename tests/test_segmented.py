@@ -443,6 +443,60 @@ def test_sparcml_decides_once_for_all_leaves(ratio):
     assert choices == {ratio < 0.1}  # the branch meant
 
 
+def test_scatter_matches_the_per_leaf_path_in_one_all_to_all():
+    # exchange="scatter" (FSDP): the leaves marked split are reduce-scattered
+    # (each device gets its region of the mean), the others go "auto". All
+    # split leaves' pairs travel in one all_to_all of offsets and one of
+    # values; updates (each device's regions), residuals (with the overflow
+    # of a crowded region back in them) and statistics bit for bit as the
+    # per-leaf path, which runs one pair of all_to_alls per split leaf.
+    n_dev, ratio = 4, 0.05
+    shapes = {"a": (40, 30), "b": (30,), "c": (256,), "d": (8, 3, 16), "e": (5,)}
+    split = {"a": True, "b": False, "c": True, "d": True, "e": False}
+
+    def tree(seed):
+        rng = np.random.default_rng(seed)
+        g = {k: rng.laplace(size=v).astype(np.float32) for k, v in shapes.items()}
+        g["a"][:8] *= 100  # region 0 of "a" holds every large value: overflow
+        return {k: jnp.asarray(v) for k, v in g.items()}
+
+    trees = [[tree(10 * s + d) for d in range(n_dev)] for s in range(3)]
+    mesh = jax.make_mesh((n_dev,), ("data",))
+    put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))  # noqa: E731
+    stack = lambda ts: jax.tree.map(lambda *a: jnp.stack(a), *ts)  # noqa: E731
+    first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+    kw = dict(axis_name="data", exchange="scatter")
+    results, all_to_alls = [], []
+    per_leaf = jaxcomp.sparsify(_per_leaf(S1.exact_top_k), ratio, **kw)
+    for tx in (jaxcomp.top_k(ratio, **kw), per_leaf):
+
+        def run(g, state, tx=tx):
+            u, new = tx.update(first(g), first(state), scatter=split)
+            return jax.tree.map(lambda a: jnp.asarray(a)[None], (u, new))
+
+        step = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+        params = jax.tree.map(jnp.zeros_like, trees[0][0])
+        state = put(stack([tx.init(params)] * n_dev))
+        text = step.lower(put(stack(trees[0])), state).compile().as_text()
+        all_to_alls.append(text.count(" all-to-all("))
+        out = []
+        for per_device in trees:
+            u, state = step(put(stack(per_device)), state)
+            out.append((u, state))
+        results.append(out)
+    for (u1, s1), (u2, s2) in zip(*results, strict=True):
+        assert u1["a"].shape == (n_dev, 10, 30)  # this device's region
+        _assert_same(u1, u2)
+        _assert_same(s1, s2)
+    assert all_to_alls == [2, 6]
+    # Step 0, device 0: the cap = 1.5 k largest of "a" all lie in region 0,
+    # of which a peer takes scatter_capacity(cap); the rest stays in the residual.
+    cap = -(-3 * S1.target_count(ratio, 1200) // 2)
+    top = np.argsort(-np.abs(np.asarray(trees[0][0]["a"]).ravel()), kind="stable")[:cap]
+    kept = np.asarray(results[0][0][1].residual["a"])[0].ravel()[top] != 0
+    assert kept.sum() == cap - sa.scatter_capacity(cap, n_dev) > 0
+
+
 @pytest.mark.parametrize("exchange", ["sparse", "dense", "auto"])
 def test_backup_workers_match_the_per_leaf_path(exchange):
     # include=: a left-out device sends nothing and keeps its residual; the

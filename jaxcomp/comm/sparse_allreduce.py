@@ -82,6 +82,7 @@ __all__ = [
     "oktopk_wire_bytes",
     "scatter_capacity",
     "scatter_mean",
+    "scatter_mean_segments",
     "sparcml_mean",
     "sparcml_union_capacity",
 ]
@@ -644,6 +645,92 @@ def scatter_mean(
     return Exchanged(
         update,
         jnp.float32((n_dev - 1) * per_peer * pair),
+        jnp.where(valid & ~fits, idx, size),
+        jnp.where(valid & ~fits, val, 0),
+    )
+
+
+def scatter_mean_segments(
+    indices, values, size: int, axis_name, slots, offsets, sizes, *, slack: float = OKTOPK_SLACK
+) -> Exchanged:
+    """:func:`scatter_mean` for many segments at once: this device's region of each.
+
+    Segment ``s`` owns ``slots[s]`` consecutive message slots (static; 0
+    leaves it out) and the index range ``[offsets[s], offsets[s] + sizes[s])``
+    of a packed buffer (``size`` = padding index); its region ``j`` (of ``N``
+    equal ones, ``sizes[s]`` divisible by ``N``) goes to device ``j``, with
+    :func:`scatter_capacity` of ``slots[s]`` pairs per peer, as
+    :func:`scatter_mean` sends it alone (overflow returned to the sender). One
+    ``all_to_all`` of offsets and one of values for all segments.
+
+    Returns:
+      :class:`Exchanged` whose ``update`` holds this device's region of each
+      segment with slots, segment by segment (``sum(sizes[s] // N)``
+      elements), each what :func:`scatter_mean` gives it alone, bit for bit;
+      ``wire_bytes`` the total; the overflow as returned pairs (packed indices).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.shard_map(
+      ...     lambda i, v: scatter_mean_segments(i, v, 8, "data", (1, 1), (0, 4), (3, 2)).update,
+      ...     mesh=mesh, in_specs=P(), out_specs=P("data"))
+      >>> f(jnp.array([1, 5], jnp.int32), jnp.array([2.0, -1.0])).tolist()
+      [0.0, 2.0, 0.0, 0.0, -1.0]
+    """
+    n_dev = axis_size(axis_name)
+    slack = V.check_real("slack", slack, 0, low_open=True)
+    slots = np.asarray(slots, np.int64)
+    offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+    member = slots > 0
+    if np.any(sizes[member] % n_dev):
+        raise ValueError(
+            f"exchange='scatter' splits a leaf's elements into {n_dev} equal regions (one per "
+            f"device); the sizes must be divisible by the number of devices, got "
+            f"{sizes[member].tolist()}"
+        )
+    n_seg = len(slots)
+    region = np.where(member, sizes // n_dev, 0)
+    out_size = int(region.sum())
+    per_peer = np.asarray([scatter_capacity(int(c), n_dev, slack) if c else 0 for c in slots])
+    width_p = int(per_peer.sum())
+
+    def static(a):  # a per-segment table read per slot
+        return jnp.asarray(np.asarray(a)[np.repeat(np.arange(n_seg), slots)].astype(np.int32))
+
+    seg = static(np.arange(n_seg))
+    valid = indices < size
+    local = jnp.where(valid, indices - static(offsets), static(sizes))
+    # Where a segment's region of this device's output starts.
+    shard_start = static(np.cumsum(region) - region)
+    if n_dev == 1:  # the region is the whole segment
+        at = jnp.where(valid, local + shard_start, out_size)
+        return Exchanged(_scatter_mean(at, values, out_size, 1), jnp.float32(0))
+    _, local, idx, val = lax.sort((seg, local, indices, values), num_keys=2)
+    valid = idx < size
+    owner = jnp.where(valid, local // jnp.maximum(static(region), 1), n_dev)
+    bounds = jnp.arange(n_dev, dtype=jnp.int32)[None, :] * static(region)[:, None]
+    first = jax.ops.segment_sum(
+        (local[:, None] < bounds).astype(jnp.int32), seg, n_seg, indices_are_sorted=True
+    )
+    position = jnp.arange(idx.shape[0]) - static(np.cumsum(slots) - slots)
+    rank = position - first[seg, jnp.clip(owner, 0, n_dev - 1)]
+    fits = valid & (rank < static(per_peer))
+    # Peer row j: every segment's slots for device j, segment by segment.
+    column = owner * width_p + static(np.cumsum(per_peer) - per_peer) + rank
+    slot = jnp.where(fits, column, n_dev * width_p)
+    # Offsets in the owner's output (its regions, segment by segment); out_size: padding.
+    offset = jnp.where(fits, local - owner * static(region) + shard_start, out_size)
+    send_idx = jnp.full((n_dev * width_p,), out_size, jnp.int32).at[slot].set(offset, mode="drop")
+    send_val = jnp.zeros((n_dev * width_p,), values.dtype).at[slot].set(val, mode="drop")
+    recv_idx = lax.all_to_all(send_idx.reshape(n_dev, width_p), axis_name, 0, 0, tiled=True)
+    recv_val = lax.all_to_all(send_val.reshape(n_dev, width_p), axis_name, 0, 0, tiled=True)
+    update = _scatter_mean(recv_idx.reshape(-1), recv_val.reshape(-1), out_size, n_dev)
+    pair = _INDEX_ITEMSIZE + jnp.dtype(values.dtype).itemsize
+    return Exchanged(
+        update,
+        jnp.float32((n_dev - 1) * width_p * pair),
         jnp.where(valid & ~fits, idx, size),
         jnp.where(valid & ~fits, val, 0),
     )

@@ -1085,7 +1085,7 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
     inputs = _step_inputs(cfg, raw, state)
     g_leaves = inputs.treedef.flatten_up_to(raw)
     per_leaf = inputs.layout.per_leaf
-    packed = _packed_selector(cfg) if scatter is None else None
+    packed = _packed_selector(cfg)
     buckets: dict[tuple, list] = {}
     alone = []
     for j, gi in enumerate(inputs.groups):
@@ -1098,7 +1098,7 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
             buckets.setdefault(bucket, []).append((j, gi, gs, flat))
         else:
             alone.append(j)
-    packs = [_pack(items) for items in buckets.values()]
+    packs = [_pack(items, scatter) for items in buckets.values()]
     if per_leaf:
         packs = [_per_leaf_pack(cfg, p, state, inputs.key) for p in packs]
     # The non-finite policy over the packed buffers and the other leaves: a
@@ -1163,7 +1163,7 @@ def _packed_selector(cfg: _Config):
     :data:`_PACKED_EXCHANGES` and :data:`_LEADER_EXCHANGES` (all but
     ``scatter``).
     """
-    exchanges = _PACKED_EXCHANGES + _LEADER_EXCHANGES
+    exchanges = _PACKED_EXCHANGES + _LEADER_EXCHANGES + ("scatter",)
     if cfg.axis_name is not None and cfg.exchange not in exchanges:
         return None
     return _segmented_form(cfg)
@@ -1199,6 +1199,8 @@ class _Pack(NamedTuple):
     v: jax.Array | None  # velocities
     stored: jax.Array | None = None  # the groups' stored thresholds (None: from ``items``)
     keys: jax.Array | None = None  # the groups' PRNG keys (None: from ``items``)
+    # exchange="scatter": per group, whether it is reduce-scattered (else "auto").
+    split: tuple[bool, ...] | None = None
 
 
 def _per_leaf_pack(cfg: _Config, pack: _Pack, state, key) -> _Pack:
@@ -1213,7 +1215,8 @@ def _per_leaf_pack(cfg: _Config, pack: _Pack, state, key) -> _Pack:
     return pack._replace(stored=state.threshold[first], keys=keys)
 
 
-def _pack(items) -> _Pack:
+def _pack(items, scatter=None) -> _Pack:
+    """``items`` packed; ``scatter``: per leaf, whether ``exchange="scatter"`` splits it."""
     flats = [flat for *_, flat in items]
     layout = segmented.SegmentLayout(tuple(int(f.g.shape[0]) for f in flats))
     rdt = flats[0].r.dtype
@@ -1223,6 +1226,8 @@ def _pack(items) -> _Pack:
         g=layout.pack([f.g for f in flats], flats[0].wire),
         r=layout.pack([f.r for f in flats], rdt),
         v=None if flats[0].v is None else layout.pack([f.v for f in flats], rdt),
+        # scatter needs per-leaf groups (checked by the factory).
+        split=None if scatter is None else tuple(bool(scatter[i.members[0]]) for _, i, *_ in items),
     )
 
 
@@ -1316,10 +1321,17 @@ def _compress_packed(
             cfg, layout, acc, u, mask, sent_out, caps, phase, ctx
         )
     else:
-        update, wires, residual = _exchange_packed(
-            cfg, layout, mask, sent_out, residual, caps, phase, ctx.include
+        update, wires, residual, *shards = _exchange_packed(
+            cfg, layout, mask, sent_out, residual, caps, phase, ctx.include, pack.split
         )
     updates, residuals = layout.unpack(update), layout.unpack(residual)
+    if cfg.axis_name is not None and cfg.exchange == "scatter":
+        # A split group's update: this device's region of it (the shards, group by group).
+        n_dev = collectives.axis_size(cfg.axis_name)
+        split = pack.split or (True,) * len(items)
+        ends = np.cumsum([n // n_dev if q else 0 for n, q in zip(sizes, split, strict=True)])
+        for j in np.flatnonzero(split):
+            updates[j] = shards[0][ends[j] - sizes[j] // n_dev : ends[j]]
     masks = layout.unpack(mask)
     velocities = [None] * len(items) if new_u is None else layout.unpack(new_u)
     # The leaves' statistics as whole arrays (pack order: group by group).
@@ -1367,7 +1379,8 @@ def _compress_packed(
             sent_threshold=cut[j] if defer else None,
             sent_limit=limit[j] if defer else None,
         )
-        outs.append(_split_group(cfg, gs, flat, o, ctx))
+        leaf_cfg = cfg if pack.split is None else _leaf_exchange(cfg, pack.split, (j,))
+        outs.append(_split_group(leaf_cfg, gs, flat, o, ctx))
     return outs, stats
 
 
@@ -1510,7 +1523,9 @@ def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
     return _FlatGroup(flat_g, flat_r, flat_v, wire, defer)
 
 
-def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase, include=None):
+def _exchange_packed(
+    cfg: _Config, layout, mask, sent_out, residual, caps, phase, include=None, split=None
+):
     """The packed messages' mean over ``cfg.axis_name``, one collective (or
     one fixed set) per kind of exchange for all segments: one all-gather of
     the (index, value) pairs of every sparse-sent segment, one all-reduce of
@@ -1543,6 +1558,15 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase
             sparse_allreduce.choose_exchange(cfg.exchange, int(c), n, item, n_dev)
             for c, n in zip(caps[p], sizes, strict=True)
         ]
+        if cfg.exchange == "scatter":
+            # split: reduce-scattered; the others "auto" (a one-group pack: split).
+            kinds = [
+                "scatter" if split is None or split[s] else kind
+                for s, kind in enumerate(
+                    sparse_allreduce.choose_exchange("auto", int(c), n, item, n_dev)
+                    for c, n in zip(caps[p], sizes, strict=True)
+                )
+            ]
         if cfg.exchange == "gossip":
             # Each group's message in whichever form is smaller, as it alone would send it.
             pairs = [
@@ -1561,6 +1585,7 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase
         update = jnp.zeros(sent_out.shape, sent_out.dtype)
         flat_res = residual.reshape(-1)
         extra_wire = jnp.float32(0)
+        shards = None
         if "gossip_sparse" in of_kind:
             idx, vals = segmented.extract(layout, sent_out, mask, slots("gossip_sparse"))
             own = jnp.where(rows("gossip_sparse"), sent_out, 0)
@@ -1595,6 +1620,19 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase
             flat = segmented.compact(layout, sent_out, segs)
             mean, _ = collectives.dense_mean(flat, cfg.axis_name, include=include)
             update = segmented.expand(layout, mean, segs, update)
+        if "scatter" in of_kind:
+            segs = of_kind["scatter"]
+            idx, vals = segmented.extract(layout, sent_out, mask, slots("scatter"))
+            starts = layout.starts * layout.row
+            ex = sparse_allreduce.scatter_mean_segments(
+                idx, vals, size, cfg.axis_name, slots("scatter"), starts, sizes
+            )
+            # This device's regions, segment by segment: typed per device, so
+            # apart from the update buffer (whose other segments are averages).
+            shards = ex.update
+            if ex.returned_indices is not None:  # the overflow (none on one device)
+                back_idx, back = _returned_pairs(cfg, ex, residual.dtype)
+                flat_res = flat_res.at[back_idx].add(back, mode="drop")
         for kind in ("sparse", "gtopk", "oktopk"):
             if kind not in of_kind:
                 continue
@@ -1635,10 +1673,14 @@ def _exchange_packed(cfg: _Config, layout, mask, sent_out, residual, caps, phase
             "gtopk": lambda c, n: rounds * c * (4 + item),
             "oktopk": lambda c, n: sparse_allreduce.oktopk_wire_bytes(c, n_dev, item),
             "sparcml": lambda c, n: 0,  # one total for all: extra_wire, on the first
+            "scatter": lambda c, n: (
+                (n_dev - 1) * sparse_allreduce.scatter_capacity(c, n_dev) * (4 + item)
+            ),
         }
         wires = [wire_of[kind](int(c), n) for c, n, kind in zip(caps[p], sizes, kinds, strict=True)]
         wires = jnp.asarray(np.asarray(wires, np.float32)).at[0].add(extra_wire)
-        return update, wires, flat_res.reshape(residual.shape)
+        out = update, wires, flat_res.reshape(residual.shape)
+        return out if cfg.exchange != "scatter" else (*out, shards)
 
     if phase is None:
         return branch(0)
