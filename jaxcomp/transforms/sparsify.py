@@ -1324,7 +1324,10 @@ def _compress_packed(
         update, wires, residual, *shards = _exchange_packed(
             cfg, layout, mask, sent_out, residual, caps, phase, ctx.include, pack.split
         )
-    updates, residuals = layout.unpack(update), layout.unpack(residual)
+    # Sliced at rows read at run time: the leaves of one shape share their
+    # kernels (see SegmentLayout.runtime_rows).
+    rows = layout.runtime_rows(update)
+    updates, residuals = layout.unpack(update, rows), layout.unpack(residual, rows)
     if cfg.axis_name is not None and cfg.exchange == "scatter":
         # A split group's update: this device's region of it (the shards, group by group).
         n_dev = collectives.axis_size(cfg.axis_name)
@@ -1332,8 +1335,8 @@ def _compress_packed(
         ends = np.cumsum([n // n_dev if q else 0 for n, q in zip(sizes, split, strict=True)])
         for j in np.flatnonzero(split):
             updates[j] = shards[0][ends[j] - sizes[j] // n_dev : ends[j]]
-    masks = layout.unpack(mask)
-    velocities = [None] * len(items) if new_u is None else layout.unpack(new_u)
+    masks = layout.unpack(mask, rows)
+    velocities = [None] * len(items) if new_u is None else layout.unpack(new_u, rows)
     # The leaves' statistics as whole arrays (pack order: group by group).
     leaf_sizes = [[x.size for x in gs] for _, _, gs, _ in items]
     seg = np.repeat(np.arange(len(items)), [len(z) for z in leaf_sizes])
@@ -1364,7 +1367,7 @@ def _compress_packed(
         # The filter reads each group's gradients after the non-finite policy
         # (pack.g), as a group compressed alone does.
         items = [(*item[:3], item[3]._replace(g=g)) for item, g in zip(
-            items, layout.unpack(pack.g), strict=True)]  # fmt: skip
+            items, layout.unpack(pack.g, rows), strict=True)]  # fmt: skip
     outs = []
     for j, (_, _, gs, flat) in enumerate(items):
         o = _FlatOut(
