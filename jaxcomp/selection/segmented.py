@@ -185,9 +185,9 @@ class SegmentLayout:
         or 1, from the sign bit of ``like``'s first element) XLA cannot know;
         each is the constant either way. ``like``: a buffer whose device
         variance the rows take (under ``shard_map``: the one sliced with them
-        that varies least). None for an empty buffer.
+        that varies least). None for an empty buffer or one segment.
         """
-        if not like.size or not self.num_segments:
+        if not like.size or self.num_segments < 2:
             return None
         first = like.reshape(-1)[0]
         bits = lax.bitcast_convert_type(first, jnp.dtype(f"uint{8 * first.dtype.itemsize}"))
