@@ -186,6 +186,14 @@ class SegmentLayout:
         each is the constant either way. ``like``: a buffer whose device
         variance the rows take (under ``shard_map``: the one sliced with them
         that varies least). None for an empty buffer or one segment.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> layout = SegmentLayout((3, 5), row=4)
+          >>> buf = layout.pack([jnp.arange(1.0, 4.0), jnp.arange(10.0, 15.0)], jnp.float32)
+          >>> rows = layout.runtime_rows(buf)
+          >>> [int(r) for r in rows], [p.tolist() for p in layout.unpack(buf, rows)]
+          ([0, 1], [[1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0, 14.0]])
         """
         if not like.size or self.num_segments < 2:
             return None
