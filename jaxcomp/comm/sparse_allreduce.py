@@ -367,6 +367,20 @@ def gtopk_mean_segments(indices, values, size: int, axis_name, slots) -> Exchang
     return Exchanged(update, jnp.float32(wire), jnp.concatenate(back_idx), back)
 
 
+def _to_owners(slot, indices, values, padding: int, per_peer: int, axis_name):
+    """A padded ``all_to_all`` of (index, value) pairs: pair ``i`` goes to slot
+    ``slot[i]`` of the ``(N, per_peer)`` send buffer (row ``j`` to device ``j``;
+    out-of-range slots are dropped, empty ones hold ``padding`` and 0).
+    Returns the ``(N, per_peer)`` indices and values received (row ``s`` from device ``s``)."""
+    n_dev = axis_size(axis_name)
+    send_idx = jnp.full((n_dev * per_peer,), padding, jnp.int32).at[slot].set(indices, mode="drop")
+    send_val = jnp.zeros((n_dev * per_peer,), values.dtype).at[slot].set(values, mode="drop")
+    return (
+        lax.all_to_all(send_idx.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True),
+        lax.all_to_all(send_val.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True),
+    )
+
+
 def _region_bounds(indices, size: int, n_dev: int, axis_name):
     """Region starts balancing the devices' selected indices (a psum-ed histogram)."""
     bins = _BINS_PER_DEVICE * n_dev
@@ -428,11 +442,7 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
     valid = idx < size
     fits = valid & (rank < per_peer)
     slot = jnp.where(fits, region * per_peer + rank, n_dev * per_peer)
-    send_idx = jnp.full((n_dev * per_peer,), size, jnp.int32).at[slot].set(idx, mode="drop")
-    send_val = jnp.zeros((n_dev * per_peer,), values.dtype).at[slot].set(val, mode="drop")
-    # Row j goes to device j; the result's row s came from device s.
-    recv_idx = lax.all_to_all(send_idx.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True)
-    recv_val = lax.all_to_all(send_val.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True)
+    recv_idx, recv_val = _to_owners(slot, idx, val, size, per_peer, axis_name)
     # Sum equal indices (up to N copies) in index order, then keep the largest.
     r_idx, r_val = lax.sort((recv_idx.reshape(-1), recv_val.reshape(-1)), num_keys=1)
     first_of = jnp.concatenate([jnp.ones((1,), bool), r_idx[1:] != r_idx[:-1]])
@@ -534,10 +544,7 @@ def oktopk_mean_segments(
     # Peer row j: every segment's slots for device j, segment by segment.
     column = region * width_p + static(np.cumsum(per_peer) - per_peer) + rank
     slot = jnp.where(fits, column, n_dev * width_p)
-    send_idx = jnp.full((n_dev * width_p,), size, jnp.int32).at[slot].set(idx, mode="drop")
-    send_val = jnp.zeros((n_dev * width_p,), values.dtype).at[slot].set(val, mode="drop")
-    recv_idx = lax.all_to_all(send_idx.reshape(n_dev, width_p), axis_name, 0, 0, tiled=True)
-    recv_val = lax.all_to_all(send_val.reshape(n_dev, width_p), axis_name, 0, 0, tiled=True)
+    recv_idx, recv_val = _to_owners(slot, idx, val, size, width_p, axis_name)
     # Per segment: equal indices summed in index (then device) order, the largest kept.
     block = np.repeat(np.arange(n_seg), n_dev * per_peer).astype(np.int32)  # after the sort
     block_start = n_dev * (np.cumsum(per_peer) - per_peer)
@@ -636,10 +643,7 @@ def scatter_mean(
     slot = jnp.where(fits, owner * per_peer + rank, n_dev * per_peer)
     # Offsets within the owner's region; `region` marks padding.
     offset = jnp.where(fits, idx - owner * region, region).astype(jnp.int32)
-    send_idx = jnp.full((n_dev * per_peer,), region, jnp.int32).at[slot].set(offset, mode="drop")
-    send_val = jnp.zeros((n_dev * per_peer,), values.dtype).at[slot].set(val, mode="drop")
-    recv_idx = lax.all_to_all(send_idx.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True)
-    recv_val = lax.all_to_all(send_val.reshape(n_dev, per_peer), axis_name, 0, 0, tiled=True)
+    recv_idx, recv_val = _to_owners(slot, offset, val, region, per_peer, axis_name)
     update = _scatter_mean(recv_idx.reshape(-1), recv_val.reshape(-1), region, n_dev)
     pair = _INDEX_ITEMSIZE + jnp.dtype(values.dtype).itemsize
     return Exchanged(
@@ -722,10 +726,7 @@ def scatter_mean_segments(
     slot = jnp.where(fits, column, n_dev * width_p)
     # Offsets in the owner's output (its regions, segment by segment); out_size: padding.
     offset = jnp.where(fits, local - owner * static(region) + shard_start, out_size)
-    send_idx = jnp.full((n_dev * width_p,), out_size, jnp.int32).at[slot].set(offset, mode="drop")
-    send_val = jnp.zeros((n_dev * width_p,), values.dtype).at[slot].set(val, mode="drop")
-    recv_idx = lax.all_to_all(send_idx.reshape(n_dev, width_p), axis_name, 0, 0, tiled=True)
-    recv_val = lax.all_to_all(send_val.reshape(n_dev, width_p), axis_name, 0, 0, tiled=True)
+    recv_idx, recv_val = _to_owners(slot, offset, val, out_size, width_p, axis_name)
     update = _scatter_mean(recv_idx.reshape(-1), recv_val.reshape(-1), out_size, n_dev)
     pair = _INDEX_ITEMSIZE + jnp.dtype(values.dtype).itemsize
     return Exchanged(
