@@ -54,7 +54,7 @@ def varying_like(tree, ref):
     return jax.tree.map(cast, tree)
 
 
-def _axis_names(axis_name) -> tuple:
+def axis_name_tuple(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
@@ -67,7 +67,7 @@ def vma_checked(axis_name) -> bool:
     nothing is typed and nothing can be checked.
     """
     try:
-        names = _axis_names(axis_name)
+        names = axis_name_tuple(axis_name)
         return all(name in varying_axes(lax.axis_index(name)) for name in names)
     except NameError:  # the axis is not bound: not inside shard_map/pmap
         return False
@@ -88,7 +88,7 @@ def check_per_device(grads, axis_name, who: str) -> None:
     check_not_in_local_branch(axis_name, who)
     if _PROBING.get() or not vma_checked(axis_name):
         return
-    names = set(_axis_names(axis_name))
+    names = set(axis_name_tuple(axis_name))
     leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
     for path, leaf in leaves:
         if not names <= varying_axes(leaf):
@@ -128,7 +128,7 @@ def local_branch():
 
 def _axis_bound(axis_name) -> bool:
     try:
-        for name in _axis_names(axis_name):
+        for name in axis_name_tuple(axis_name):
             lax.axis_size(name)
     except NameError:
         return False
@@ -148,7 +148,7 @@ def _local_branch_wrapper(axis_name) -> str | None:
         return "jaxcomp.apply_if_finite without axis_name"
     import optax  # noqa: PLC0415 (only at trace time)
 
-    names = set(_axis_names(axis_name))
+    names = set(axis_name_tuple(axis_name))
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_globals.get("__name__", "").startswith("optax"):
@@ -234,7 +234,7 @@ def device_identical(x, axis_name):
     """
     if not probing_now():
         return x
-    axes = tuple(a for a in _axis_names(axis_name) if a in varying_axes(x))
+    axes = tuple(a for a in axis_name_tuple(axis_name) if a in varying_axes(x))
     return lax.pmax(x, axes) if axes else x
 
 

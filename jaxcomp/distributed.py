@@ -45,11 +45,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
 from jaxcomp import _vma as vma
-from jaxcomp._vma import _axis_names, check_per_device, varying_axes
+from jaxcomp._vma import axis_name_tuple, check_per_device, varying_axes
 from jaxcomp.comm import collectives
 from jaxcomp.comm import local as local_lib
 from jaxcomp.transforms import overlap as overlap_lib
-from jaxcomp.transforms.sparsify import _all_finite
+from jaxcomp.transforms.base import all_finite
 
 __all__ = [
     "AccumulateState",
@@ -80,7 +80,7 @@ __all__ = [
 
 def _is_varying(x, axis_name) -> bool:
     """Whether ``x`` is already typed device-varying along ``axis_name``."""
-    return all(name in varying_axes(x) for name in _axis_names(axis_name))
+    return all(name in varying_axes(x) for name in axis_name_tuple(axis_name))
 
 
 def _to_varying(tree, axis_name):
@@ -337,7 +337,7 @@ def apply_if_finite(
             _check_no_exchange_inside(inner, updates, state.inner_state, params, extra_args)
         bad = jnp.int32(0)
         for leaf in jax.tree.leaves(updates):
-            bad = bad + (~_all_finite(leaf)).astype(jnp.int32)
+            bad = bad + (~all_finite(leaf)).astype(jnp.int32)
         if axis_name is not None:
             bad = lax.psum(bad, axis_name)
         finite = bad == 0
@@ -622,7 +622,7 @@ def sharded_optimizer(
                     (
                         d
                         for d, e in enumerate(spec)
-                        if e is not None and axis_name in _axis_names(e)
+                        if e is not None and axis_name in axis_name_tuple(e)
                     ),
                     None,
                 )
@@ -742,7 +742,7 @@ def shard_batch(batch, mesh: Mesh, axis_name="data"):
     return jax.tree.map(lambda x: _place(x, sharding), batch)
 
 
-class _Layout(NamedTuple):
+class ParamLayout(NamedTuple):
     """How a step's arrays sit on a mesh with a data axis and optional model axes."""
 
     data_axes: tuple  # the axes the batch is split over (compression exchanges over these)
@@ -771,7 +771,7 @@ def _spec_axes(spec) -> set:
 
 def _keep_axes(spec: P, axes) -> P:
     """``spec`` with only the entries naming ``axes`` (others None)."""
-    return P(*(e if e is not None and set(_axis_names(e)) <= set(axes) else None for e in spec))
+    return P(*(e if e is not None and set(axis_name_tuple(e)) <= set(axes) else None for e in spec))
 
 
 def _check_spec(leaf, spec, mesh, data_axes, model_axes, axis_name):
@@ -791,7 +791,7 @@ def _check_spec(leaf, spec, mesh, data_axes, model_axes, axis_name):
     for dim, entry in enumerate(spec):
         if entry is None:
             continue
-        names = set(_axis_names(entry))
+        names = set(axis_name_tuple(entry))
         if names & set(data_axes):
             if names != set(data_axes) or len(data_axes) != 1 or fsdp_dim is not None:
                 raise ValueError(
@@ -808,9 +808,9 @@ def _check_spec(leaf, spec, mesh, data_axes, model_axes, axis_name):
     return fsdp_dim
 
 
-def _layout(mesh: Mesh, axis_name, params, param_specs) -> _Layout:
+def param_layout(mesh: Mesh, axis_name, params, param_specs) -> ParamLayout:
     """Validates ``param_specs`` against ``mesh`` and the data axis ``axis_name``."""
-    data_axes = _axis_names(axis_name)
+    data_axes = axis_name_tuple(axis_name)
     missing = [a for a in data_axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(
@@ -834,7 +834,7 @@ def _layout(mesh: Mesh, axis_name, params, param_specs) -> _Layout:
     ]
     model_specs = [_keep_axes(spec, model_axes) for spec in specs]
     data_specs = [_keep_axes(spec, data_axes) for spec in specs]
-    return _Layout(
+    return ParamLayout(
         data_axes,
         model_axes,
         jax.tree.unflatten(treedef, model_specs) if model_axes else None,
@@ -867,7 +867,7 @@ def place_params(params, mesh: Mesh, param_specs=None, axis_name="data"):
       >>> w.sharding.spec
       P(None, 'model')
     """
-    _layout(mesh, axis_name, params, param_specs)  # validates
+    param_layout(mesh, axis_name, params, param_specs)  # validates
     if param_specs is None:
         return replicate(params, mesh)
     leaves, treedef = jax.tree.flatten(params)
@@ -914,12 +914,12 @@ def _unstack(tree, n_leading: int):
 
 def _fsdp_specs(param_specs, axis_name) -> bool:
     """Whether ``param_specs`` split some parameter over the data axis."""
-    names = set(_axis_names(axis_name))
+    names = set(axis_name_tuple(axis_name))
     specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
     return any(_spec_axes(s) & names for s in specs if isinstance(s, P))
 
 
-def _gather_fsdp(params, layout: _Layout, axis_name):
+def _gather_fsdp(params, layout: ParamLayout, axis_name):
     """Whole FSDP leaves from this device's slices (all-gather); (params, bytes sent)."""
     if not layout.fsdp:
         return params, jnp.float32(0)
@@ -936,7 +936,7 @@ def _gather_fsdp(params, layout: _Layout, axis_name):
     return jax.tree.unflatten(treedef, out), wire
 
 
-def _own_slices(updates, params, layout: _Layout, axis_name):
+def _own_slices(updates, params, layout: ParamLayout, axis_name):
     """This device's slice of each FSDP leaf's update (already a slice: kept)."""
     if not layout.fsdp:
         return updates
@@ -963,7 +963,7 @@ def _own_slices(updates, params, layout: _Layout, axis_name):
     return jax.tree.unflatten(treedef, out)
 
 
-def _per_model_shard(fn, layout: _Layout, in_specs, out_specs, *, check_vma=False):
+def _per_model_shard(fn, layout: ParamLayout, in_specs, out_specs, *, check_vma=False):
     """Runs ``fn`` once per model shard (manual over the model axes), inside the data map."""
     if not layout.model_axes:
         return fn
@@ -982,7 +982,7 @@ def _per_model_shard(fn, layout: _Layout, in_specs, out_specs, *, check_vma=Fals
     return mapped
 
 
-def _sharded_update(tx, layout: _Layout, *, check_vma=False, stack_updates=False):
+def _sharded_update(tx, layout: ParamLayout, *, check_vma=False, stack_updates=False):
     """``tx.update`` where each model shard compresses its own slice of every leaf.
 
     With model axes the optimizer state is stacked ``(model axes..., *local
@@ -1051,7 +1051,7 @@ def init_opt_state(
       >>> state[0].residual["w"].sharding.spec
       P('data', None)
     """
-    layout = _layout(mesh, axis_name, params, param_specs)
+    layout = param_layout(mesh, axis_name, params, param_specs)
     params = place_params(params, mesh, param_specs, axis_name)
     n_model = len(layout.model_axes)
 
@@ -1075,10 +1075,10 @@ def init_opt_state(
     return jax.jit(init_fn)(params)
 
 
-def _check_stacked_state(
+def check_stacked_state(
     opt_state,
     mesh: Mesh,
-    layout: _Layout,
+    layout: ParamLayout,
     who: str = "make_train_step",
     name: str = "opt_state",
     init: str = "jaxcomp.distributed.init_opt_state(tx, params, mesh)",
@@ -1106,7 +1106,7 @@ def _check_stacked_state(
             )
 
 
-def _wire_bytes_total(state, inner_run_bytes=None):
+def wire_bytes_total(state, inner_run_bytes=None):
     """Sum of every ``wire_bytes`` field in ``state`` (a chain may hold several), or None.
 
     Under ``optax.MultiSteps`` (optax 0.2.x) the inner transformation runs,
@@ -1115,7 +1115,7 @@ def _wire_bytes_total(state, inner_run_bytes=None):
     the last mini-step only: on the others ``wire_bytes`` still holds the
     last kept run's. What was sent is counted on every mini-step that ran:
     ``inner_run_bytes`` when the caller knows one run's bytes (see
-    :func:`_inner_run_wire_bytes`), else the inner state's ``wire_bytes``
+    :func:`inner_run_wire_bytes`), else the inner state's ``wire_bytes``
     (jaxcomp's exchanges send the same bytes on every run, so that is this
     run's, bar the mini-steps before the first kept run, which read 0).
     """
@@ -1123,7 +1123,7 @@ def _wire_bytes_total(state, inner_run_bytes=None):
     total, found = jnp.float32(0), False
     for node in jax.tree.leaves(state, is_leaf=is_multi):
         if is_multi(node):
-            inner = _wire_bytes_total(node.inner_opt_state)
+            inner = wire_bytes_total(node.inner_opt_state)
             if inner_run_bytes is not None:
                 inner = jnp.float32(inner_run_bytes)
             if inner is not None:
@@ -1138,7 +1138,7 @@ def _wire_bytes_total(state, inner_run_bytes=None):
     return total if found else None
 
 
-def _inner_run_wire_bytes(tx, grads, state, params, extra):
+def inner_run_wire_bytes(tx, grads, state, params, extra):
     """Bytes one run of ``optax.MultiSteps``' inner update sends, if they are a constant.
 
     optax keeps the inner state of the last mini-step only, so the bytes of
@@ -1154,7 +1154,7 @@ def _inner_run_wire_bytes(tx, grads, state, params, extra):
     inner = optax.with_extra_args_support(multi.inner_opt)
 
     def wire(g, s, p, e):
-        total = _wire_bytes_total(inner.update(g, s, p, **e)[1])
+        total = wire_bytes_total(inner.update(g, s, p, **e)[1])
         return jnp.float32(0) if total is None else total
 
     try:
@@ -1193,10 +1193,10 @@ def _constant_output(closed) -> float | None:
     return float(env[out])
 
 
-_UNEXCHANGED = ("mean", "error")
+UNEXCHANGED = ("mean", "error")
 
 
-def _unexchanged_paths(
+def unexchanged_paths(
     tx, params, mesh, axis_name, update_args, layout=None, scattered=frozenset(), averaged=()
 ) -> list:
     """Key paths of the update leaves that ``tx`` leaves un-averaged over ``axis_name``.
@@ -1218,12 +1218,12 @@ def _unexchanged_paths(
     """
     found = []
     averaged = frozenset(averaged)
-    names = set(_axis_names(axis_name))
+    names = set(axis_name_tuple(axis_name))
     # MultiSteps averages what its inner transform averages; its own lax.cond
     # cannot be typed on fresh state, so look through it.
     multi = getattr(tx.update, "__self__", tx)
     if isinstance(multi, optax.MultiSteps):
-        return _unexchanged_paths(
+        return unexchanged_paths(
             multi.inner_opt, params, mesh, axis_name, update_args, layout, averaged=averaged
         )
     # sharded_optimizer: the compressor exchanges; the optimizer then works on owned slices.
@@ -1239,11 +1239,11 @@ def _unexchanged_paths(
         # shape than the parameter's): varying by design. A full-shaped
         # varying update of such a leaf is still unexchanged.
         scattered = {path for path, m in jax.tree_util.tree_flatten_with_path(mask)[0] if m}
-        return _unexchanged_paths(
+        return unexchanged_paths(
             probed, params, mesh, axis_name, update_args, layout, scattered, averaged
         )
     if layout is None:
-        layout = _layout(mesh, axis_name, params, None)
+        layout = param_layout(mesh, axis_name, params, None)
     n_model = len(layout.model_axes)
     init_shard = _per_model_shard(
         lambda p: _stack(tx.init(p), n_model),
@@ -1329,7 +1329,7 @@ def _probe_error(axis_name, error: Exception) -> ValueError:
     )
 
 
-def _check_averaged_stay_identical(
+def check_averaged_stay_identical(
     tx, params, mesh, axis_name, update_args, layout, paths, who="make_train_step"
 ):
     """Raises if ``tx`` makes a leaf the step averages itself differ between devices.
@@ -1340,7 +1340,7 @@ def _check_averaged_stay_identical(
     per-device factor) gives every device another update of a replicated
     parameter.
     """
-    diverging = _unexchanged_paths(tx, params, mesh, axis_name, update_args, layout, averaged=paths)
+    diverging = unexchanged_paths(tx, params, mesh, axis_name, update_args, layout, averaged=paths)
     if diverging:
         raise ValueError(
             f"{who}: tx does not average these update leaves, and it makes them "
@@ -1490,8 +1490,8 @@ def make_train_step(
       >>> float(metrics["loss"])
       1.0
     """
-    if unexchanged not in _UNEXCHANGED:
-        raise ValueError(f"unexchanged must be one of {_UNEXCHANGED}, got {unexchanged!r}")
+    if unexchanged not in UNEXCHANGED:
+        raise ValueError(f"unexchanged must be one of {UNEXCHANGED}, got {unexchanged!r}")
     overlap = V.check_bool("overlap", overlap)
     communicate = V.check_bool("communicate", communicate)
     value_and_grad = per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux or mutable)
@@ -1502,7 +1502,7 @@ def make_train_step(
         return lambda params, *args, **kw: vg(_to_varying(params, axis_name), *args, **kw)
 
     overlapped = overlap_lib.value_and_compressed_grad(value_and_grad_with_carriers, tx, axis_name)
-    model_axes = tuple(a for a in mesh.axis_names if a not in _axis_names(axis_name))
+    model_axes = tuple(a for a in mesh.axis_names if a not in axis_name_tuple(axis_name))
     if overlap and (model_axes or _fsdp_specs(param_specs, axis_name)):
         raise ValueError(
             "make_train_step(overlap=True) works with replicated parameters on a mesh with the "
@@ -1537,7 +1537,7 @@ def make_train_step(
             # this device's slice.
             full, gather_wire = _gather_fsdp(params, layout, axis_name)
             loss, grads = value_and_grad(full, batch, **kwargs)
-            grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name, include)
+            grads, dense_wire = mean_leaves(grads, dense_paths, axis_name, include)
             if not layout.model_axes:
                 # optax.MultiSteps(should_skip_update_fn=optax.skip_not_finite)
                 # around an exchange: the probe looks through MultiSteps.
@@ -1545,7 +1545,7 @@ def make_train_step(
                     tx, grads, state, full, extra, axis_name, "make_train_step"
                 )
             inner_run_bytes = (
-                None if layout.model_axes else _inner_run_wire_bytes(tx, grads, state, full, extra)
+                None if layout.model_axes else inner_run_wire_bytes(tx, grads, state, full, extra)
             )
             updates, state = _sharded_update(tx, layout)(grads, state, full, **extra)
             updates = _own_slices(updates, params, layout, axis_name)
@@ -1558,7 +1558,7 @@ def make_train_step(
                 lambda x: _mean_if_float(x, axis_name, include), new_model_state
             )
         metrics = {"loss": lax.pmean(value, axis_name)}
-        wire = _wire_bytes_total(state, inner_run_bytes)
+        wire = wire_bytes_total(state, inner_run_bytes)
         if wire is not None and model_axes:
             # Summed over the model shards' stacked statistics: one device sends its shard's.
             wire = wire / n_model_devices
@@ -1572,8 +1572,8 @@ def make_train_step(
         return params, jax.tree.map(lambda x: x[None], state), model_state, metrics, aux_out
 
     def run(params, opt_state, batch, model_state, rng, update_args):
-        layout = _layout(mesh, axis_name, params, param_specs)
-        _check_stacked_state(opt_state, mesh, layout)
+        layout = param_layout(mesh, axis_name, params, param_specs)
+        check_stacked_state(opt_state, mesh, layout)
         tx_dims = getattr(tx.update, "fsdp_dims", None)
         if tx_dims is not None and tuple(tx_dims(params)) != layout.fsdp_dims:
             raise ValueError(
@@ -1581,7 +1581,7 @@ def make_train_step(
                 f"(split dimensions per leaf {tuple(tx_dims(params))} vs {layout.fsdp_dims}); "
                 "give both the same specs"
             )
-        paths = _unexchanged_paths(tx, params, mesh, axis_name, update_args, layout)
+        paths = unexchanged_paths(tx, params, mesh, axis_name, update_args, layout)
         if paths and unexchanged == "error":
             raise ValueError(
                 "make_train_step: tx does not average these update leaves over "
@@ -1598,7 +1598,7 @@ def make_train_step(
                 f"{axis_name!r}, and put it first in optax.chain, outside optax.masked)."
             )
         if paths:
-            _check_averaged_stay_identical(tx, params, mesh, axis_name, update_args, layout, paths)
+            check_averaged_stay_identical(tx, params, mesh, axis_name, update_args, layout, paths)
             logging.info(
                 "make_train_step: averaging %d leaves densely before tx (not exchanged by tx): %s",
                 len(paths),
@@ -1798,7 +1798,7 @@ def time_split(
             mesh=mesh,
             in_specs=(P(), P(axis_name), P(), P()),
             out_specs=P(),
-            axis_names=frozenset(_axis_names(axis_name)),
+            axis_names=frozenset(axis_name_tuple(axis_name)),
             check_vma=False,
         ),
         donate_argnums=0,
@@ -1824,11 +1824,11 @@ def unexchanged_leaves(
       >>> dist.unexchanged_leaves(tx, params, mesh)
       ["['b']"]
     """
-    paths = _unexchanged_paths(tx, params, mesh, axis_name, update_args or {})
+    paths = unexchanged_paths(tx, params, mesh, axis_name, update_args or {})
     return [jax.tree_util.keystr(p) for p in paths]
 
 
-def _mean_leaves(grads, paths, axis_name, include=None):
+def mean_leaves(grads, paths, axis_name, include=None):
     """Dense all-reduce mean of the leaves at ``paths``; (grads, bytes sent).
 
     One ``pmean`` over all of them: a single multi-operand all-reduce, not one

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp._vma import _axis_names, varying_axes, vma_checked
+from jaxcomp._vma import axis_name_tuple, varying_axes, vma_checked
 
 __all__ = [
     "SAMPLE_MODES",
@@ -410,7 +410,7 @@ def _sum_bwd(axis_name, res, ct):
     # check_vma=False is another psum, N times too large. With check_vma=True
     # the cotangent is typed invariant and the slice's must be varying.
     if vma_checked(axis_name):
-        missing = tuple(a for a in _axis_names(axis_name) if a not in varying_axes(ct))
+        missing = tuple(a for a in axis_name_tuple(axis_name) if a not in varying_axes(ct))
         if missing:
             ct = lax.pcast(ct, missing, to="varying")
     return (ct,)

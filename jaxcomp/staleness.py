@@ -70,18 +70,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
-from jaxcomp._vma import _axis_names
+from jaxcomp._vma import axis_name_tuple
 from jaxcomp.distributed import (
-    _UNEXCHANGED,
-    _check_averaged_stay_identical,
-    _check_stacked_state,
-    _layout,
-    _mean_leaves,
-    _unexchanged_paths,
-    _wire_bytes_total,
+    UNEXCHANGED,
+    check_averaged_stay_identical,
+    check_stacked_state,
     init_opt_state,
+    mean_leaves,
+    param_layout,
     per_device_value_and_grad,
     replicate,
+    unexchanged_paths,
+    wire_bytes_total,
 )
 
 __all__ = [
@@ -104,7 +104,7 @@ ORDERS = ("random", "round_robin")
 
 
 def _mesh_size(mesh: Mesh, axis_name) -> int:
-    names = _axis_names(axis_name)
+    names = axis_name_tuple(axis_name)
     missing = [n for n in names if n not in mesh.shape]
     if missing:
         raise ValueError(f"axis_name {axis_name!r}: the mesh has no axis {missing[0]!r}")
@@ -292,9 +292,9 @@ def _check_stacked(who: str, init: str, state, mesh: Mesh, axis_name, per_device
     and the step reads the first, silently dropping the others (what those
     devices owed: their residuals, or their pulled parameters).
     """
-    layout = _layout(mesh, axis_name, state.params, None)
+    layout = param_layout(mesh, axis_name, state.params, None)
     for name, tree in {"opt_state": state.opt_state, **per_device}.items():
-        _check_stacked_state(tree, mesh, layout, who, f"state.{name}", init)
+        check_stacked_state(tree, mesh, layout, who, f"state.{name}", init)
 
 
 def make_stale_train_step(
@@ -371,8 +371,8 @@ def make_stale_train_step(
       [0]
     """
     max_delay = V.check_int("max_delay", max_delay, 0)
-    if unexchanged not in _UNEXCHANGED:
-        raise ValueError(f"unexchanged must be one of {_UNEXCHANGED}, got {unexchanged!r}")
+    if unexchanged not in UNEXCHANGED:
+        raise ValueError(f"unexchanged must be one of {UNEXCHANGED}, got {unexchanged!r}")
     donate = V.check_bool("donate", donate)
     n_dev = _mesh_size(mesh, axis_name)
     delay = _check_delay(delay, max_delay, n_dev)
@@ -405,7 +405,7 @@ def make_stale_train_step(
                 history,
             )
         loss, grads = value_and_grad(stale, batch)
-        grads, dense_wire = _mean_leaves(grads, dense_paths, axis_name)
+        grads, dense_wire = mean_leaves(grads, dense_paths, axis_name)
         updates, state = tx.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
         if max_delay:
@@ -415,7 +415,7 @@ def make_stale_train_step(
                 params,
             )
         metrics = {"loss": lax.pmean(loss, axis_name), "delay": delays}
-        wire = _wire_bytes_total(state)
+        wire = wire_bytes_total(state)
         if wire is not None or dense_paths:
             wire = dense_wire if wire is None else wire + dense_wire
             metrics["wire_bytes"] = lax.pmean(wire, axis_name)
@@ -427,7 +427,7 @@ def make_stale_train_step(
         _check_stacked(
             "make_stale_train_step", "staleness.init_stale_state", state, mesh, axis_name, {}
         )
-        paths = _unexchanged_paths(tx, state.params, mesh, axis_name, {})
+        paths = unexchanged_paths(tx, state.params, mesh, axis_name, {})
         if paths and unexchanged == "error":
             raise ValueError(
                 "make_stale_train_step: tx does not average these update leaves over "
@@ -435,7 +435,7 @@ def make_stale_train_step(
                 "every leaf an exchange or use unexchanged='mean'."
             )
         if paths:
-            _check_averaged_stay_identical(
+            check_averaged_stay_identical(
                 tx, state.params, mesh, axis_name, {}, None, paths, "make_stale_train_step"
             )
 
@@ -738,7 +738,7 @@ def make_async_train_step(
             axis_name,
             per_worker,
         )
-        paths = _unexchanged_paths(tx, state.params, mesh, axis_name, {})
+        paths = unexchanged_paths(tx, state.params, mesh, axis_name, {})
         all_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
         exchanged = [p for p in all_paths if p not in set(paths)]
         if exchanged:

@@ -61,7 +61,7 @@ _TABLE_VALUES = 1 << 16  # encode lookup table covers values below this
 MAX_VALUE = 2**64 - 1  # values are uint64
 
 
-def _check_code(code: str) -> None:
+def check_code(code: str) -> None:
     if code not in CODES:
         raise ValueError(f"code must be one of {CODES}, got {code!r}")
 
@@ -185,7 +185,7 @@ def codeword_lengths(values, code: str = "omega") -> np.ndarray:
       >>> codeword_lengths([1, 2, 5, 16], "omega").tolist()
       [1, 3, 6, 11]
     """
-    _check_code(code)
+    check_code(code)
     v = _as_positive_uint64(values, "values")
     return codewords(v, code)[2]
 
@@ -270,7 +270,7 @@ def elias_encode(values, code: str = "omega") -> bytes:
       >>> elias_encode([5], "omega").hex()  # 101010 + 11 padding
       'ab'
     """
-    _check_code(code)
+    check_code(code)
     v = _as_positive_uint64(values, "values")
     hi, lo, length = codewords(v, code)
     data, total = pack_items(*codeword_items(hi, lo, length))
@@ -604,7 +604,7 @@ def elias_decode(data: bytes, count: int, code: str = "omega", *, max_value: int
       >>> elias_decode(elias_encode([1, 5, 9], "delta"), 3, "delta").tolist()
       [1, 5, 9]
     """
-    _check_code(code)
+    check_code(code)
     count = V.check_int("count", count, 0)
     max_value = V.check_int("max_value", max_value, 1, MAX_VALUE)
     longest = max_codeword_bits(code, max_value)

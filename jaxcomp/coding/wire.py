@@ -138,7 +138,7 @@ def qsgd_bits(levels, *, s: int, bucket_size: int | None, code: str = "omega") -
       >>> len(data) == -(-bits // 8)
       True
     """
-    elias._check_code(code)
+    elias.check_code(code)
     _, gaps, _, lv, counts, nb = _qsgd_fields(levels, None, s=s, bucket_size=bucket_size)
     count_bits = elias.codeword_lengths(counts + 1, code).sum()
     record_bits = 0
@@ -174,7 +174,7 @@ def encode_qsgd(
       >>> len(data) == -(-qsgd_bits(levels, s=2, bucket_size=None) // 8)
       True
     """
-    elias._check_code(code)
+    elias.check_code(code)
     _, gaps, sg, lv, counts, nb = _qsgd_fields(levels, signs, s=s, bucket_size=bucket_size)
     scales = np.asarray(scales, np.float32).ravel()
     if scales.size != nb:
@@ -232,7 +232,7 @@ def decode_qsgd(data: bytes, *, n: int, s: int, bucket_size: int | None, code: s
       >>> out[0].tolist(), out[1].tolist(), out[2].tolist()
       ([0, 2, 1], [False, True, False], [0.5])
     """
-    elias._check_code(code)
+    elias.check_code(code)
     s = _check_s(s)
     n = V.check_int("n", n, 0, _MAX_N)  # 3.7 is no length
     nb, d = _num_buckets(n, bucket_size)
@@ -417,7 +417,7 @@ def encode_sparse(indices, values, n: int, *, format: str = "rle", code: str = "
         units[end - 2] = bits >> 16
         units[end - 1] = bits & 0xFFFF
         return struct.pack(">I", indices.size) + units.tobytes()
-    elias._check_code(code)
+    elias.check_code(code)
     hi, lo, length = elias.codewords(np.concatenate([[indices.size + 1], gaps]).astype(_U64), code)
     bits = np.concatenate([[0], bits]).astype(_U64)
     vals = np.stack([hi, lo, bits], axis=1).ravel()
@@ -478,7 +478,7 @@ def decode_sparse(data: bytes, n: int, *, format: str = "rle", code: str = "omeg
             raise ValueError(f"index {indices[-1]} out of range for n={n}")
         bits = ((units[ends + 1] << 16) | units[ends + 2]).astype(np.uint32)
         return indices, bits.view(np.float32)
-    elias._check_code(code)
+    elias.check_code(code)
     # Elias(count + 1), then per value an Elias(gap <= n) and 32 bits.
     value_max = elias.max_codeword_bits(code, max(n, 1)) + 32
     head_max = elias.max_codeword_bits(code, n + 1)

@@ -65,7 +65,7 @@ __all__ = [
 # Values of the ``exchange`` argument of :func:`exchange_mean`.
 EXCHANGES = ("auto", "sparse", "dense")
 
-_INDEX_ITEMSIZE = 4  # messages carry int32 indices
+INDEX_ITEMSIZE = 4  # messages carry int32 indices
 
 
 def axis_size(axis_name) -> int:
@@ -106,7 +106,7 @@ def all_gather_invariant(x: jax.Array, axis_name) -> jax.Array:
     return lax.all_gather(x, axis_name, to="invarying")
 
 
-def _nbytes(x: jax.Array) -> int:
+def array_nbytes(x: jax.Array) -> int:
     return x.size * jnp.dtype(x.dtype).itemsize
 
 
@@ -138,7 +138,7 @@ def prefer_sparse(
     itemsize: int,
     n_devices: int,
     *,
-    index_itemsize: int = _INDEX_ITEMSIZE,
+    index_itemsize: int = INDEX_ITEMSIZE,
 ) -> bool:
     """Whether the sparse all-gather moves fewer bytes than a dense all-reduce.
 
@@ -194,7 +194,7 @@ def _over_count(x, count):
     return (x.astype(dt) * inv).astype(x.dtype)
 
 
-def _divides_first(dtype, n_dev: int) -> bool:
+def divides_first(dtype, n_dev: int) -> bool:
     """Whether a mean over ``n_dev`` messages of ``dtype`` divides each before adding.
 
     Adding before dividing by ``N`` (a dense all-reduce; gTop-k, Ok-Topk,
@@ -207,9 +207,9 @@ def _divides_first(dtype, n_dev: int) -> bool:
     return n_dev > 1 and jnp.dtype(dtype) == jnp.float16
 
 
-def _mean_first(values, n_dev: int):
+def mean_first(values, n_dev: int):
     """``(values, divisor)``: what the exchange adds, and what it divides the sum by after."""
-    if _divides_first(values.dtype, n_dev):
+    if divides_first(values.dtype, n_dev):
         return values / jnp.asarray(n_dev, values.dtype), 1
     return values, n_dev
 
@@ -243,17 +243,17 @@ def dense_mean(
     """
     n_dev = axis_size(axis_name)
     if include is None:
-        added, divisor = _mean_first(x, n_dev)
+        added, divisor = mean_first(x, n_dev)
         mean = lax.pmean(added, axis_name) if divisor > 1 else lax.psum(added, axis_name)
-        return mean, jnp.float32(allreduce_bytes(_nbytes(x), n_dev))
+        return mean, jnp.float32(allreduce_bytes(array_nbytes(x), n_dev))
     include, count = _include_count(include, axis_name)
-    if _divides_first(x.dtype, n_dev):
+    if divides_first(x.dtype, n_dev):
         share = _over_count(x, count)
         mean = lax.psum(jnp.where(include, share, jnp.zeros_like(x)), axis_name)
     else:
         total = lax.psum(jnp.where(include, x, jnp.zeros_like(x)), axis_name)
         mean = _over_count(total, count)
-    return mean, jnp.float32(allreduce_bytes(_nbytes(x) + 4, n_dev))
+    return mean, jnp.float32(allreduce_bytes(array_nbytes(x) + 4, n_dev))
 
 
 def dense_scatter_mean(x: jax.Array, axis_name) -> tuple[jax.Array, jax.Array]:
@@ -285,7 +285,7 @@ def dense_scatter_mean(x: jax.Array, axis_name) -> tuple[jax.Array, jax.Array]:
     if n_dev == 1:
         return x, jnp.float32(0)
     total = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-    wire = _nbytes(x) * (n_dev - 1) / n_dev
+    wire = array_nbytes(x) * (n_dev - 1) / n_dev
     return (total / jnp.asarray(n_dev, x.dtype)).astype(x.dtype), jnp.float32(wire)
 
 
@@ -356,7 +356,7 @@ def sparse_mean(
     all_idx = all_gather_invariant(indices, axis_name).reshape(-1)  # [N * capacity]
     all_val = all_gather_invariant(values, axis_name).reshape(-1)
     out = jnp.zeros((size,), values.dtype).at[all_idx].add(all_val, mode="drop")
-    sent = allgather_bytes(_nbytes(indices) + _nbytes(values), n_dev) + extra
+    sent = allgather_bytes(array_nbytes(indices) + array_nbytes(values), n_dev) + extra
     return out, jnp.float32(sent)
 
 
@@ -440,7 +440,7 @@ def weighted_mean(x: jax.Array, weight: jax.Array, axis_name) -> tuple[jax.Array
     w = jnp.asarray(weight, jnp.float32)
     total, wsum = lax.psum((w.astype(x.dtype) * x, w), axis_name)
     mean = (total / wsum.astype(x.dtype)).astype(x.dtype)
-    return mean, jnp.float32(allreduce_bytes(_nbytes(x) + 4, n_dev))
+    return mean, jnp.float32(allreduce_bytes(array_nbytes(x) + 4, n_dev))
 
 
 # --- backup workers --------------------------------------------------------
@@ -616,7 +616,7 @@ def server_mean(x: jax.Array, axis_name, *, root: int = 0) -> tuple[jax.Array, j
     for term in pushed[1:]:
         total = total + term
     mean = _pull(total / n_dev, axis_name, root, n_dev)
-    nbytes = _nbytes(x)
+    nbytes = array_nbytes(x)
     return mean, jnp.float32(server_link_bytes(nbytes, nbytes, n_dev)["worker"])
 
 
@@ -650,7 +650,7 @@ def server_sparse_mean(
     all_val = all_val / jnp.asarray(n_dev, values.dtype)
     total = jnp.zeros((size,), values.dtype).at[all_idx].add(all_val, mode="drop")
     mean = _pull(total, axis_name, root, n_dev)
-    push = _nbytes(indices) + _nbytes(values)
+    push = array_nbytes(indices) + array_nbytes(values)
     link = server_link_bytes(push, size * jnp.dtype(values.dtype).itemsize, n_dev)
     return mean, jnp.float32(link["worker"])
 
@@ -778,10 +778,10 @@ def gossip_mean(
     from_left, from_right = ring_neighbours(x, axis_name)
     if axis_size(axis_name) == 1:
         return x, jnp.float32(0)
-    return _ring_mix(x, from_left, from_right, w), jnp.float32(2 * _nbytes(x))
+    return ring_mix(x, from_left, from_right, w), jnp.float32(2 * array_nbytes(x))
 
 
-def _ring_mix(x, from_left, from_right, weights):
+def ring_mix(x, from_left, from_right, weights):
     """``w_self x + w_left from_left + w_right from_right``, cast back to ``x``'s dtype.
 
     :func:`gossip_mean`'s mix of what :func:`ring_neighbours` received, apart
@@ -849,4 +849,6 @@ def gossip_sparse_mean(
     pairs = jnp.concatenate([w_left * l_val.astype(wide), w_right * r_val.astype(wide)])
     own = w_self * dense.astype(wide)
     mixed = own.at[jnp.concatenate([l_idx, r_idx])].add(pairs, mode="drop")
-    return mixed.astype(values.dtype), jnp.float32(2 * (_nbytes(indices) + _nbytes(values)))
+    return mixed.astype(values.dtype), jnp.float32(
+        2 * (array_nbytes(indices) + array_nbytes(values))
+    )

@@ -49,14 +49,14 @@ from jax import lax
 from jaxcomp import _validation as V
 from jaxcomp import _vma
 from jaxcomp.comm.collectives import (
-    _INDEX_ITEMSIZE,
-    _mean_first,
-    _nbytes,
+    INDEX_ITEMSIZE,
     all_gather_invariant,
     allgather_bytes,
     allreduce_bytes,
+    array_nbytes,
     axis_size,
     dense_mean,
+    mean_first,
 )
 
 __all__ = [
@@ -251,8 +251,8 @@ def gtopk_mean(indices, values, size: int, axis_name) -> Exchanged:
     _check_power_of_two("gtopk", n_dev)
     cap = indices.shape[0]
     me = lax.axis_index(axis_name)
-    wire = gtopk_rounds(n_dev) * (_nbytes(indices) + _nbytes(values))
-    values, divisor = _mean_first(values, n_dev)
+    wire = gtopk_rounds(n_dev) * (array_nbytes(indices) + array_nbytes(values))
+    values, divisor = mean_first(values, n_dev)
     idx, val = indices, jnp.where(indices < size, values, 0)
     back_idx, back_val = [], []
     for i in range(gtopk_rounds(n_dev)):
@@ -297,7 +297,7 @@ def oktopk_wire_bytes(cap: int, n_dev: int, itemsize: int, slack: float = OKTOPK
         return 0.0
     per_peer, per_region = oktopk_capacities(cap, n_dev, slack)
     hist = allreduce_bytes(4 * _BINS_PER_DEVICE * n_dev, n_dev)
-    return (n_dev - 1) * (per_peer + per_region) * (_INDEX_ITEMSIZE + itemsize) + hist
+    return (n_dev - 1) * (per_peer + per_region) * (INDEX_ITEMSIZE + itemsize) + hist
 
 
 def gtopk_mean_segments(indices, values, size: int, axis_name, slots) -> Exchanged:
@@ -330,8 +330,8 @@ def gtopk_mean_segments(indices, values, size: int, axis_name, slots) -> Exchang
     slots = np.asarray(slots, np.int64)
     total = int(slots.sum())
     me = lax.axis_index(axis_name)
-    wire = gtopk_rounds(n_dev) * (_nbytes(indices) + _nbytes(values))
-    values, divisor = _mean_first(values, n_dev)
+    wire = gtopk_rounds(n_dev) * (array_nbytes(indices) + array_nbytes(values))
+    values, divisor = mean_first(values, n_dev)
     idx, val = indices, jnp.where(indices < size, values, 0)
     # The merged message: each segment's own slots, then its partner's.
     spans = list(zip(np.cumsum(slots) - slots, slots, strict=True))  # (first slot, count)
@@ -434,7 +434,7 @@ def oktopk_mean(indices, values, size: int, axis_name, *, slack: float = OKTOPK_
     if n_dev == 1:
         return Exchanged(_scatter_mean(indices, values, size, 1), jnp.float32(0))
     starts = _region_bounds(indices, size, n_dev, axis_name)
-    values, divisor = _mean_first(values, n_dev)
+    values, divisor = mean_first(values, n_dev)
     idx, val = lax.sort((indices, values), num_keys=1)  # padding (size) last
     region = jnp.searchsorted(starts, idx, side="right") - 1
     first = jnp.searchsorted(idx, starts, side="left")  # each region's first slot
@@ -530,7 +530,7 @@ def oktopk_mean_segments(
     )
     starts = jnp.minimum(starts, jnp.asarray(sizes[:, None], jnp.int32))
     # Each segment's pairs by index (its slots stay its own), split by region.
-    values, divisor = _mean_first(values, n_dev)
+    values, divisor = mean_first(values, n_dev)
     _, local, idx, val = lax.sort((seg, local, indices, values), num_keys=2)
     valid = idx < size
     seg_starts = starts[seg]
@@ -645,7 +645,7 @@ def scatter_mean(
     offset = jnp.where(fits, idx - owner * region, region).astype(jnp.int32)
     recv_idx, recv_val = _to_owners(slot, offset, val, region, per_peer, axis_name)
     update = _scatter_mean(recv_idx.reshape(-1), recv_val.reshape(-1), region, n_dev)
-    pair = _INDEX_ITEMSIZE + jnp.dtype(values.dtype).itemsize
+    pair = INDEX_ITEMSIZE + jnp.dtype(values.dtype).itemsize
     return Exchanged(
         update,
         jnp.float32((n_dev - 1) * per_peer * pair),
@@ -728,7 +728,7 @@ def scatter_mean_segments(
     offset = jnp.where(fits, local - owner * static(region) + shard_start, out_size)
     recv_idx, recv_val = _to_owners(slot, offset, val, out_size, width_p, axis_name)
     update = _scatter_mean(recv_idx.reshape(-1), recv_val.reshape(-1), out_size, n_dev)
-    pair = _INDEX_ITEMSIZE + jnp.dtype(values.dtype).itemsize
+    pair = INDEX_ITEMSIZE + jnp.dtype(values.dtype).itemsize
     return Exchanged(
         update,
         jnp.float32((n_dev - 1) * width_p * pair),
@@ -779,9 +779,11 @@ def cyclic_mean(indices, values_at, size: int, axis_name, step) -> tuple[Exchang
     shared = lax.psum(jnp.where(me == leader, indices, 0), axis_name)
     shared = jnp.where(shared >= size, size, shared)
     vals = values_at(shared)
-    added, divisor = _mean_first(vals, n_dev)
+    added, divisor = mean_first(vals, n_dev)
     update = _scatter_mean(shared, lax.psum(added, axis_name), size, divisor)
-    wire = allreduce_bytes(_nbytes(indices), n_dev) + allreduce_bytes(_nbytes(vals), n_dev)
+    wire = allreduce_bytes(array_nbytes(indices), n_dev) + allreduce_bytes(
+        array_nbytes(vals), n_dev
+    )
     return Exchanged(update, jnp.float32(wire)), shared
 
 
@@ -849,7 +851,7 @@ def sparcml_mean(indices, values, size: int, axis_name, *, dense=None) -> Exchan
     count = jnp.sum(indices < size, dtype=jnp.int32)
     total = lax.psum(count, axis_name)
     count_bytes = allreduce_bytes(4, n_dev)
-    added, divisor = _mean_first(values, n_dev)
+    added, divisor = mean_first(values, n_dev)
 
     def sparse(_):
         idx, val = indices, added
@@ -979,7 +981,7 @@ def gossip_sends_pairs(capacity: int, size: int, itemsize: int) -> bool:
       >>> gossip_sends_pairs(100, 10_000, 4), gossip_sends_pairs(600, 1000, 4)
       (True, False)
     """
-    return capacity * (_INDEX_ITEMSIZE + itemsize) < size * itemsize
+    return capacity * (INDEX_ITEMSIZE + itemsize) < size * itemsize
 
 
 def exchange(

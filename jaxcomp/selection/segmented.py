@@ -772,7 +772,7 @@ def _search(layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo_zero, *, upper, searc
     """
     kf = k.astype(jnp.float32)
     target = jnp.log(jnp.sqrt(kf * jnp.maximum(ub.astype(jnp.float32), kf)) + 1.0)
-    fib = S1._fibonacci_fractions(max_iters)
+    fib = S1.fibonacci_fractions(max_iters)
 
     def running(s):
         lo, hi, _, _, _, c, it, _, _, _ = s
@@ -957,7 +957,7 @@ def dgc_sample(
 
     def running(s):
         t, c, it = s
-        return ~whole & S1._too_few(survivors(t, c), k, lo, decay) & (it < max_adaptations)
+        return ~whole & S1.below_decay(survivors(t, c), k, lo, decay) & (it < max_adaptations)
 
     t, c, it = _decay_rounds(layout, x, t, running, decay, _just_below)
     refine = ~whole & (survivors(t, c) > hi) & (it < max_adaptations)
@@ -1035,7 +1035,7 @@ def binary_search(
       >>> float(sel.threshold[0]), int(sel.count[0]), int(sel.iterations[0])
       (1.5, 4, 2)
     """
-    S1._check_search_options("bisect", upper, max_iters, delta)
+    S1.check_search_options("bisect", upper, max_iters, delta)
     V.check_choice("start", start, ("zero", "mean"))
     x = lax.optimization_barrier(x)
     k = targets.k

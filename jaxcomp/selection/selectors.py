@@ -244,7 +244,7 @@ def fixed_threshold(x: jax.Array, k: int, *, threshold: float) -> Selection:
 _SEARCHES = ("bisect", "fibonacci", "interpolate")
 
 
-def _fibonacci_fractions(max_iters: int) -> jax.Array:
+def fibonacci_fractions(max_iters: int) -> jax.Array:
     """Probe positions F[j-1]/F[j] (-> 0.618...) for Fibonacci search."""
     fib = [1, 2]
     while len(fib) < max_iters + 2:
@@ -278,7 +278,7 @@ def _search(
     ub = math.floor(upper * k)
     n = x.shape[0]
     target = math.log(math.sqrt(k * max(ub, k)) + 1.0)
-    fib = _fibonacci_fractions(max_iters)
+    fib = fibonacci_fractions(max_iters)
 
     def cond(s):
         lo, hi, _, _, _, c, it, _, _, _ = s
@@ -365,7 +365,7 @@ def _search(
     return t, c, it
 
 
-def _check_search_options(search: str, upper: float, max_iters: int, delta=0.0):
+def check_search_options(search: str, upper: float, max_iters: int, delta=0.0):
     V.check_choice("search", search, _SEARCHES)
     V.check_real("upper", upper, 1.0)  # the count window is [k, upper * k]
     V.check_int("max_iters", max_iters, 0)
@@ -591,7 +591,7 @@ def ldte_bs(
       >>> bool(100 <= sel.count <= 150)
       True
     """
-    _check_search_options(search, upper, max_iters, delta)
+    check_search_options(search, upper, max_iters, delta)
     exact_below = V.check_int("exact_below", exact_below, 0)
     if x.shape[0] < exact_below:
         return exact_top_k(x, k)
@@ -710,7 +710,7 @@ def binary_search(
       >>> float(sel.threshold), int(sel.count), int(sel.iterations)
       (1.5, 4, 2)
     """
-    _check_search_options("bisect", upper, max_iters, delta)
+    check_search_options("bisect", upper, max_iters, delta)
     V.check_choice("start", start, ("zero", "mean"))
     n = x.shape[0]
     amax = jnp.max(_abs32(x))
@@ -1007,7 +1007,7 @@ def dgc_bounds(k, upper: float, decay) -> tuple[Any, Any]:
     return lo, hi
 
 
-def _too_few(c, k, lo, decay):
+def below_decay(c, k, lo, decay):
     """``c < decay * k``: by the static integer ``lo``, else in float32."""
     if lo is not None:
         return c < lo
@@ -1143,7 +1143,7 @@ def dgc_sample(
 
     def cond(s):
         t, c, it = s
-        return _too_few(survivors(t, c), k, lo, decay) & (it < max_adaptations)
+        return below_decay(survivors(t, c), k, lo, decay) & (it < max_adaptations)
 
     def body(s):
         t, _, it = s

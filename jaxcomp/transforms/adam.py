@@ -57,16 +57,16 @@ from jaxcomp import _validation as V
 from jaxcomp import _vma as vma
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
+from jaxcomp.transforms.base import (
+    apply_nonfinite_policy,
+    check_common_options,
+    resolve_residual_dtype,
+)
 from jaxcomp.transforms.quantize import (
     QuantizeState,
     onebit_quantizer,
     quantize,
     sign_quantizer,
-)
-from jaxcomp.transforms.sparsify import (
-    _NONFINITE,
-    apply_nonfinite_policy,
-    resolve_residual_dtype,
 )
 
 __all__ = [
@@ -250,7 +250,7 @@ def _dense_leaf_mean(g, ok, n_ok, axis_name):
     # gradients overflows 65504 where their mean fits, and mu stayed inf).
     n_dev = collectives.axis_size(axis_name)
     divisor = jnp.maximum(n_ok, 1.0).astype(g.dtype)
-    if collectives._divides_first(g.dtype, n_dev):
+    if collectives.divides_first(g.dtype, n_dev):
         mean = lax.psum(jnp.where(ok, g / divisor, jnp.zeros_like(g)), axis_name)
     else:
         total = lax.psum(jnp.where(ok, g, jnp.zeros_like(g)), axis_name)
@@ -574,12 +574,17 @@ def onebit_adam(
     freeze_step = V.check_int("freeze_step", freeze_step, 1, 2**31 - 1)
     quantizer = _codec(codec, bucket_size, exchange)
     bias_correction = V.check_bool("bias_correction", bias_correction)
-    min_dense_size = V.check_int(
-        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
+    common = check_common_options(
+        axis_name=axis_name,
+        min_dense_size=min_dense_size,
+        residual_dtype=residual_dtype,
+        nonfinite=nonfinite,
     )
-    nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
-    if residual_dtype is not None:
-        residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
+    min_dense_size, residual_dtype, nonfinite = (
+        common.min_dense_size,
+        common.residual_dtype,
+        common.nonfinite,
+    )
     ex = _Exchange(quantizer, axis_name, nonfinite, min_dense_size, residual_dtype, exchange, codec)
 
     def init(params):
@@ -836,12 +841,17 @@ def zero_one_adam(
     )
     quantizer = _codec(codec, bucket_size, exchange)
     bias_correction = V.check_bool("bias_correction", bias_correction)
-    min_dense_size = V.check_int(
-        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
+    common = check_common_options(
+        axis_name=axis_name,
+        min_dense_size=min_dense_size,
+        residual_dtype=residual_dtype,
+        nonfinite=nonfinite,
     )
-    nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
-    if residual_dtype is not None:
-        residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
+    min_dense_size, residual_dtype, nonfinite = (
+        common.min_dense_size,
+        common.residual_dtype,
+        common.nonfinite,
+    )
     ex = _Exchange(quantizer, axis_name, nonfinite, min_dense_size, residual_dtype, exchange, codec)
     local_steps = local_step_clipper > 1
 

@@ -61,15 +61,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp import _validation as V
-from jaxcomp._vma import _axis_names
+from jaxcomp._vma import axis_name_tuple
+from jaxcomp.transforms.base import apply_nonfinite_policy
 from jaxcomp.transforms.sparsify import (
-    _check_updates,
-    _compress_group,
-    _finish,
-    _GroupOut,
-    _step_inputs,
-    _StepContext,
-    apply_nonfinite_policy,
+    GroupOut,
+    StepContext,
+    check_updates,
+    compress_group,
+    finish_step,
+    step_inputs,
 )
 
 __all__ = ["value_and_compressed_grad"]
@@ -112,7 +112,7 @@ class _Probe:
             raise ValueError(f"{_NOT_FIRST}; here it runs inside a nested trace (lax.cond, ...).")
         if not _same_leaves(updates, self.grads):
             raise ValueError(f"{_NOT_FIRST}; here it received other gradients.")
-        _check_updates(cfg, updates, state)
+        check_updates(cfg, updates, state)
         raise _Found(cfg, state, include)
 
 
@@ -136,7 +136,7 @@ class _Apply:
 
 def _check_overlap_config(cfg, axis_name) -> None:
     # ("data",) and "data" name the same axis: compare the normalised tuples.
-    if cfg.axis_name is None or _axis_names(cfg.axis_name) != _axis_names(axis_name):
+    if cfg.axis_name is None or axis_name_tuple(cfg.axis_name) != axis_name_tuple(axis_name):
         raise ValueError(
             f"overlap=True needs the sparsifier's axis_name to be the step's axis "
             f"{axis_name!r} (it exchanges inside the backward pass), got {cfg.axis_name!r}"
@@ -188,7 +188,7 @@ def _slots(name) -> int:
     return 2 if name in _INTS else 1
 
 
-def _pack(o: _GroupOut, finite) -> jax.Array:
+def _pack(o: GroupOut, finite) -> jax.Array:
     head = dict(
         count=o.count,
         threshold=o.threshold,
@@ -219,7 +219,7 @@ def _unpack(vec, updates, residuals, velocities):
         pos += _slots(name)
     ints = [_from_halves(vec[pos + 2 * j], vec[pos + 2 * j + 1]) for j in range(2 * m)]
     counts, nbytes = ints[:m], ints[m:]
-    out = _GroupOut(
+    out = GroupOut(
         updates=list(updates),
         residuals=list(residuals),
         velocities=None if velocities is None else list(velocities),
@@ -267,8 +267,8 @@ def _group_tap(cfg, per_leaf: bool):
         g_leaves, _ = cotangents
         residuals, velocities, stored, key, step, include = saved
         grads, finite, send_ok = apply_nonfinite_policy(list(g_leaves), cfg.nonfinite)
-        ctx = _StepContext(step, send_ok, include)
-        o = _compress_group(
+        ctx = StepContext(step, send_ok, include)
+        o = compress_group(
             cfg,
             grads,
             list(residuals),
@@ -398,7 +398,7 @@ def value_and_compressed_grad(
         include = found.include
         if include is not None:
             include = jnp.asarray(include, jnp.bool_)
-        inputs = _step_inputs(cfg, params, comp_state)
+        inputs = step_inputs(cfg, params, comp_state)
         step = comp_state.step
         taps = [_group_tap(cfg, inputs.layout.per_leaf) for _ in inputs.groups]
         group_of = {i: g for g, gi in enumerate(inputs.groups) for i in gi.members}
@@ -450,7 +450,7 @@ def value_and_compressed_grad(
             outs.append(o)
             finites.append(finite)
         finite = functools.reduce(jnp.logical_and, finites, jnp.bool_(True))
-        updates, new_comp_state = _finish(cfg, comp_state, inputs, outs, finite)
+        updates, new_comp_state = finish_step(cfg, comp_state, inputs, outs, finite)
         handle = _Apply(updates, comp_state, new_comp_state)
         updates, opt_state = tx.update(updates, opt_state, params, **extra, jaxcomp_overlap=handle)
         if not handle.used:  # pragma: no cover (the probe found it)

@@ -94,7 +94,11 @@ from jaxcomp import _sharding, _vma
 from jaxcomp import _validation as V
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
-from jaxcomp.transforms.sparsify import _NONFINITE, apply_nonfinite_policy, resolve_residual_dtype
+from jaxcomp.transforms.base import (
+    apply_nonfinite_policy,
+    check_common_options,
+    resolve_residual_dtype,
+)
 
 __all__ = [
     "POWERSGD_RESHAPES",
@@ -489,9 +493,6 @@ def powersgd(
     min_compression_rate = V.check_real(
         "min_compression_rate", 2.0 if min_compression_rate is None else min_compression_rate, 0.0
     )
-    min_dense_size = V.check_int(
-        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
-    )
     error_feedback = V.check_bool("error_feedback", error_feedback)
     warm_start = V.check_bool("warm_start", warm_start)
     if orthogonalization_epsilon is None:
@@ -503,10 +504,19 @@ def powersgd(
         allow_traced=isinstance(orthogonalization_epsilon, jax.core.Tracer),
     )
     reshape = V.check_choice("reshape", reshape, POWERSGD_RESHAPES)
-    if residual_dtype is not None:  # None: per leaf, see resolve_residual_dtype
-        residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
-    nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
-    seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
+    common = check_common_options(
+        axis_name=axis_name,
+        min_dense_size=min_dense_size,
+        residual_dtype=residual_dtype,
+        nonfinite=nonfinite,
+        seed=seed,
+    )
+    min_dense_size, residual_dtype, nonfinite = (
+        common.min_dense_size,
+        common.residual_dtype,
+        common.nonfinite,
+    )
+    seed = common.seed
 
     def plan(shape):
         return matrix_plan(

@@ -109,9 +109,6 @@ def qsvrg(
             "learning_rate", learning_rate, 0.0, low_open=True, allow_traced=traced_lr
         )
     s = qsgd_levels(levels, bits)
-    min_dense_size = V.check_int(
-        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
-    )
     inner = quantize(
         qsgd_quantizer(s, bucket_size, norm),
         axis_name=axis_name,

@@ -52,9 +52,9 @@ from jaxcomp import _sharding
 from jaxcomp import _validation as V
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
-from jaxcomp.transforms.sparsify import (
-    _NONFINITE,
+from jaxcomp.transforms.base import (
     apply_nonfinite_policy,
+    check_common_options,
     resolve_residual_dtype,
 )
 
@@ -1220,18 +1220,24 @@ def quantize(
     if not isinstance(quantizer, Quantizer):
         raise ValueError(f"quantizer must be a Quantizer, got {quantizer!r}")
     error_feedback = V.check_bool("error_feedback", error_feedback)
-    min_dense_size = V.check_int(
-        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
+    common = check_common_options(
+        axis_name=axis_name,
+        min_dense_size=min_dense_size,
+        residual_dtype=residual_dtype,
+        nonfinite=nonfinite,
+        seed=seed,
     )
-    nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
+    min_dense_size, residual_dtype, nonfinite = (
+        common.min_dense_size,
+        common.residual_dtype,
+        common.nonfinite,
+    )
     exchange = V.check_choice("exchange", exchange, QUANTIZER_EXCHANGES + VOTE_EXCHANGES)
     if exchange in VOTE_EXCHANGES and not quantizer.signs:
         raise ValueError(
             f"exchange={exchange!r} votes with signs: it needs a sign codec "
             f"(Quantizer.signs, e.g. sign_quantizer), got {quantizer.name}"
         )
-    if residual_dtype is not None:  # None: per leaf, see resolve_residual_dtype
-        residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
     acc_dtype = jnp.dtype(
         jnp.float32
         if accumulation_dtype is None
@@ -1239,8 +1245,7 @@ def quantize(
     )
     if acc_dtype == jnp.float64 and not jax.config.jax_enable_x64:
         raise ValueError("accumulation_dtype=float64 needs jax_enable_x64")
-    # Only init reads the seed, so it may be an injected (traced) hyperparameter.
-    seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
+    seed = common.seed  # only init reads it: it may be traced (injected)
     keep_message = V.check_bool("keep_message", keep_message)
     if keep_message and exchange == "allreduce":
         raise ValueError(
@@ -1384,7 +1389,7 @@ def quantize(
             return values, jnp.float32(0)
         weights = collectives.check_gossip_weights(collectives.GOSSIP_WEIGHTS)
         parts = zip(values, packing.unpack(from_left), packing.unpack(from_right), strict=True)
-        mixed = [collectives._ring_mix(x, left, right, weights) for x, left, right in parts]
+        mixed = [collectives.ring_mix(x, left, right, weights) for x, left, right in parts]
         return mixed, jnp.float32(2 * sum(_nbytes(x) for x in values))
 
     def _exchange_messages(leaves, include):

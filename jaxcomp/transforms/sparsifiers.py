@@ -30,6 +30,7 @@ must be named in ``static_args`` (``ratio`` always):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,14 @@ __all__ = [
 ]
 
 _Tx = optax.GradientTransformationExtraArgs
+
+# The keywords every named sparsifier forwards to sparsify unchanged: all of
+# sparsify's but the selector, the ratio and the selector's options.
+COMMON_KEYWORDS = tuple(
+    name
+    for name, p in inspect.signature(sparsify).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name != "selector_options"
+)
 _Float = float | jax.Array
 
 # The options each LDTE-BS variant fixes. "paper" is Algorithm 2 of the ldte_bs
@@ -70,42 +79,10 @@ LDTE_VARIANTS = {
 }
 
 
-def _common(
-    axis_name,
-    min_dense_size,
-    residual_dtype,
-    capacity_factor,
-    momentum,
-    momentum_masking,
-    warmup_ratios,
-    steps_per_epoch,
-    granularity,
-    groups,
-    reuse_period,
-    nonfinite,
-    exchange,
-    low_pass,
-    defer_residual,
-    seed,
-) -> dict:
-    return dict(
-        axis_name=axis_name,
-        min_dense_size=min_dense_size,
-        residual_dtype=residual_dtype,
-        capacity_factor=capacity_factor,
-        momentum=momentum,
-        momentum_masking=momentum_masking,
-        warmup_ratios=warmup_ratios,
-        steps_per_epoch=steps_per_epoch,
-        granularity=granularity,
-        groups=groups,
-        reuse_period=reuse_period,
-        nonfinite=nonfinite,
-        exchange=exchange,
-        low_pass=low_pass,
-        defer_residual=defer_residual,
-        seed=seed,
-    )
+def _common_options(args: dict) -> dict:
+    """:func:`sparsify`'s common keywords, taken by name from a named factory's
+    arguments (its ``locals()``), so no reordering can misbind them."""
+    return {name: args[name] for name in COMMON_KEYWORDS}
 
 
 def top_k(
@@ -147,11 +124,7 @@ def top_k(
       [-0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -9.0]
     """
     method = V.check_choice("method", method, ("top_k", "sort"))
-    common = _common(
-        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, defer_residual, seed,
-    )  # fmt: skip
+    common = _common_options(locals())
     return sparsify("top_k" if method == "top_k" else "sort_top_k", ratio, **common)
 
 
@@ -263,11 +236,7 @@ def ldte_bs(
     )
     # The message holds the whole window [k, upper * k] unless told otherwise.
     capacity_factor = upper if capacity_factor is None else capacity_factor
-    common = _common(
-        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, defer_residual, seed,
-    )  # fmt: skip
+    common = _common_options(locals())
     return sparsify("ldte_bs", ratio, selector_options=opts, **common)
 
 
@@ -332,11 +301,7 @@ def binary_search(
         delta=V.check_real("delta", delta, 0.0, allow_traced=True),
     )
     capacity_factor = upper if capacity_factor is None else capacity_factor
-    common = _common(
-        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, defer_residual, seed,
-    )  # fmt: skip
+    common = _common_options(locals())
     return sparsify("binary_search", ratio, selector_options=opts, **common)
 
 
@@ -418,11 +383,7 @@ def dgc(
         sample_ratio=sample_ratio, upper=upper, decay=decay, max_adaptations=max_adaptations,
         rule=rule,
     )  # fmt: skip
-    common = _common(
-        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, defer_residual, seed,
-    )  # fmt: skip
+    common = _common_options(locals())
     return sparsify("dgc", ratio, selector_options=opts, **common)
 
 
@@ -467,11 +428,7 @@ def trimmed_top_k(
     """
     opts = dict(start=0.8 if start is None else start, step=0.2 if step is None else step)
     trim_rounds(**opts)  # checked here, not at the first update
-    common = _common(
-        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, defer_residual, seed,
-    )  # fmt: skip
+    common = _common_options(locals())
     return sparsify("trimmed_top_k", ratio, selector_options=opts, **common)
 
 
@@ -513,11 +470,7 @@ def gaussian_k(
       ([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0, 9.0], 2)
     """
     corrections = V.check_int("corrections", 3 if corrections is None else corrections, 0)
-    common = _common(
-        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, defer_residual, seed,
-    )  # fmt: skip
+    common = _common_options(locals())
     return sparsify("gaussian_k", ratio, selector_options=dict(corrections=corrections), **common)
 
 
@@ -561,11 +514,7 @@ def random_k(
       >>> (u["w"] + state.residual["w"]).tolist() == g["w"].tolist()  # the rest kept
       True
     """
-    common = _common(
-        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, defer_residual, seed,
-    )  # fmt: skip
+    common = _common_options(locals())
     return sparsify("random_k", ratio, **common)
 
 
@@ -610,9 +559,5 @@ def threshold(
       [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0, 9.0]
     """
     threshold = V.check_real("threshold", threshold, 0.0, allow_traced=True)
-    common = _common(
-        axis_name, min_dense_size, residual_dtype, capacity_factor, momentum, momentum_masking,
-        warmup_ratios, steps_per_epoch, granularity, groups, reuse_period, nonfinite, exchange,
-        low_pass, defer_residual, seed,
-    )  # fmt: skip
+    common = _common_options(locals())
     return sparsify("threshold", ratio, selector_options=dict(threshold=threshold), **common)

@@ -35,10 +35,10 @@ and one device or a packed exchange, the groups of a bucket (one residual
 and wire dtype) are packed as segments of one buffer (:func:`_pack`) and
 compressed together (:func:`_compress_packed`, see
 :mod:`jaxcomp.selection.segmented`); any other group is compressed alone
-(:func:`_compress_group`, :func:`_compress_flat`: accumulate, select or
+(:func:`compress_group`, :func:`_compress_flat`: accumulate, select or
 reuse with :func:`_select`, send with :func:`_send_dense`,
 :func:`_send_masked`, :func:`_send_extracted`). Each result is split back
-into its leaves (:func:`_split_group`) and :func:`_finish` writes the new
+into its leaves (:func:`_split_group`) and :func:`finish_step` writes the new
 state: the per-leaf statistics as one array per field, gathered from each
 pack's or group's :class:`_LeafStats`.
 """
@@ -65,6 +65,12 @@ from jaxcomp._vma import check_per_device, varying_like
 from jaxcomp.comm import collectives, sparse_allreduce
 from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import segmented, selectors
+from jaxcomp.transforms.base import (
+    CommonOptions,
+    apply_nonfinite_policy,
+    check_common_options,
+    resolve_residual_dtype,
+)
 
 __all__ = [
     "DGC_WARMUP",
@@ -77,7 +83,6 @@ __all__ = [
 # DGC's warm-up: one ratio per epoch before the target (Lin et al., 2018).
 DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 
-_NONFINITE = ("skip", "zero")
 _GRANULARITY = ("layer", "global")
 
 
@@ -289,7 +294,7 @@ class _Config:
     defer_residual: bool  # one device: the next step clears the message (DeferredSparsifyState)
 
 
-class _StepContext(NamedTuple):
+class StepContext(NamedTuple):
     step: jax.Array  # int32, drives the warm-up phase and the reuse period
     send_ok: jax.Array  # bool, False on a skipped (non-finite) step
     include: jax.Array | None  # bool, False for a left-out backup worker; None: all in
@@ -324,7 +329,7 @@ class _FlatOut(NamedTuple):
     sent_limit: jax.Array | None = None
 
 
-class _GroupOut(NamedTuple):
+class GroupOut(NamedTuple):
     """One group's results split back into its leaves."""
 
     updates: list
@@ -359,7 +364,7 @@ class _LeafStats(NamedTuple):
     sent_limit: jax.Array | None  # int32
 
 
-def _group_stats(members, o: _GroupOut) -> _LeafStats:
+def _group_stats(members, o: GroupOut) -> _LeafStats:
     """A group's per-leaf statistics (its threshold and iterations at every leaf)."""
     m = len(members)
     return _LeafStats(
@@ -375,23 +380,6 @@ def _group_stats(members, o: _GroupOut) -> _LeafStats:
 
 def _capacity(k: int, n: int, capacity_factor: float) -> int:
     return min(n, max(k, math.ceil(capacity_factor * k)))
-
-
-def resolve_residual_dtype(residual_dtype: Any, leaves: Sequence[Any]) -> jnp.dtype:
-    """The residual dtype for these leaves: ``residual_dtype`` if given, else
-    float32 widened to the widest leaf dtype (float64 under ``jax_enable_x64``).
-
-    A float32 residual would silently round float64 gradients; bfloat16 and
-    float16 leaves still accumulate in float32.
-    """
-    if residual_dtype is not None:
-        return jnp.dtype(residual_dtype)
-    out = jnp.dtype(jnp.float32)
-    for leaf in leaves:
-        dt = jnp.result_type(leaf)  # canonical: float64 only under x64
-        if jnp.issubdtype(dt, jnp.floating) and dt.itemsize > out.itemsize:
-            out = dt
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -723,13 +711,18 @@ def sparsify(
       >>> int((updates["w"] != 0).sum()) <= 15
       True
     """
-    cfg = _make_config(
-        selector,
-        ratio,
-        selector_options=selector_options,
+    common = check_common_options(
         axis_name=axis_name,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
+        nonfinite=nonfinite,
+        seed=seed,
+    )
+    cfg = _make_config(
+        selector,
+        ratio,
+        common,
+        selector_options=selector_options,
         capacity_factor=capacity_factor,
         momentum=momentum,
         momentum_masking=momentum_masking,
@@ -738,15 +731,13 @@ def sparsify(
         granularity=granularity,
         groups=groups,
         reuse_period=reuse_period,
-        nonfinite=nonfinite,
         exchange=exchange,
         low_pass=low_pass,
         defer_residual=defer_residual,
     )
-    seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
 
     def init(params):
-        return _init(cfg, seed, params)
+        return _init(cfg, common.seed, params)
 
     def update(
         updates,
@@ -796,11 +787,9 @@ def _takes_key(select_fn) -> bool:
 def _make_config(
     selector,
     ratio,
+    common: CommonOptions,
     *,
     selector_options,
-    axis_name,
-    min_dense_size,
-    residual_dtype,
     capacity_factor,
     momentum,
     momentum_masking,
@@ -809,7 +798,6 @@ def _make_config(
     granularity,
     groups,
     reuse_period,
-    nonfinite,
     exchange,
     low_pass,
     defer_residual,
@@ -825,9 +813,6 @@ def _make_config(
     else:
         raise ValueError(f"selector must be a name or a callable, got {selector!r}")
     ratio = V.check_ratio("ratio", ratio)
-    min_dense_size = V.check_int(
-        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
-    )
     if selector_options is not None and not isinstance(selector_options, dict):
         raise ValueError(f"selector_options must be a dict or None, got {selector_options!r}")
     options = dict(selector_options or {})
@@ -848,11 +833,11 @@ def _make_config(
     )
     momentum_masking = V.check_bool("momentum_masking", momentum_masking)
     defer_residual = V.check_bool("defer_residual", defer_residual)
-    if defer_residual and axis_name is not None:
+    if defer_residual and common.axis_name is not None:
         raise ValueError(
             "defer_residual=True applies to one device (axis_name=None): with an exchange the "
             f"residual is updated by a k-sized scatter and nothing is deferred; got "
-            f"axis_name={axis_name!r}"
+            f"axis_name={common.axis_name!r}"
         )
     low_pass = V.check_real(
         "low_pass", 1.0 if low_pass is None else low_pass, 0.0, 1.0, low_open=True,
@@ -876,9 +861,6 @@ def _make_config(
             f"it needs per-leaf buffers (groups=None, granularity='layer'), got groups={groups!r}, "
             f"granularity={granularity!r}"
         )
-    nonfinite = V.check_choice("nonfinite", nonfinite, _NONFINITE)
-    if residual_dtype is not None:  # None: per group, see resolve_residual_dtype
-        residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
     phase_ratios = (ratio,)
     warmup_ratios = () if warmup_ratios is None else V.check_ratios("warmup_ratios", warmup_ratios)
     steps_per_epoch = V.check_int("steps_per_epoch", steps_per_epoch, 1, 2**31 - 1, allow_none=True)
@@ -927,16 +909,16 @@ def _make_config(
         phase_ratios=phase_ratios,
         steps_per_epoch=steps_per_epoch,
         capacity_factor=capacity_factor,
-        min_dense_size=min_dense_size,
+        min_dense_size=common.min_dense_size,
         momentum=momentum,
         # A JAX-array momentum (injected hyperparameter) keeps a velocity even
         # at 0, so init and update agree on the state's structure.
         use_velocity=V.is_dynamic(momentum) or momentum > 0,
         momentum_masking=momentum_masking,
-        residual_dtype=residual_dtype,
-        axis_name=axis_name,
+        residual_dtype=common.residual_dtype,
+        axis_name=common.axis_name,
         exchange=exchange,
-        nonfinite=nonfinite,
+        nonfinite=common.nonfinite,
         granularity=granularity,
         groups=groups,
         reuse_period=reuse_period,
@@ -1012,7 +994,7 @@ class _StepInputs(NamedTuple):
     key: jax.Array  # this step's PRNG key (per-leaf layouts fold in each group's first leaf)
 
 
-def _check_updates(cfg: _Config, updates, state) -> None:
+def check_updates(cfg: _Config, updates, state) -> None:
     V.check_gradient_leaves(updates, "jaxcomp.sparsify")
     V.check_state_type(state, (SparsifyState, DeferredSparsifyState), "jaxcomp.sparsify")
     if cfg.defer_residual != isinstance(state, DeferredSparsifyState):
@@ -1027,7 +1009,7 @@ def _check_updates(cfg: _Config, updates, state) -> None:
     check_per_device(updates, cfg.axis_name, "jaxcomp.sparsify")
 
 
-def _step_inputs(cfg: _Config, tree, state) -> _StepInputs:
+def step_inputs(cfg: _Config, tree, state) -> _StepInputs:
     """Groups the state's per-leaf arrays the way this step compresses ``tree``."""
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     # Per device (random_k: each device its own coordinates), except dgc's sample
@@ -1078,11 +1060,11 @@ def _scatter_leaves(updates, scatter) -> tuple:
 
 
 def _update(cfg: _Config, updates, state, include, scatter=None):
-    _check_updates(cfg, updates, state)
+    check_updates(cfg, updates, state)
     raw = jax.tree.map(jnp.asarray, updates)
     if include is not None:
         include = jnp.asarray(include, jnp.bool_)
-    inputs = _step_inputs(cfg, raw, state)
+    inputs = step_inputs(cfg, raw, state)
     g_leaves = inputs.treedef.flatten_up_to(raw)
     per_leaf = inputs.layout.per_leaf
     packed = _packed_selector(cfg)
@@ -1111,11 +1093,11 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
     g_leaves = list(g_leaves)
     for i, g in zip(alone_leaves, arrays[len(packs) :], strict=True):
         g_leaves[i] = g
-    ctx = _StepContext(state.step, send_ok, include)
+    ctx = StepContext(state.step, send_ok, include)
     outs: list[Any] = [None] * len(inputs.groups)
     for j in alone:
         gi = inputs.groups[j]
-        outs[j] = _compress_group(
+        outs[j] = compress_group(
             _leaf_exchange(cfg, scatter, gi.members),
             [g_leaves[i] for i in gi.members],
             gi.residuals,
@@ -1131,7 +1113,7 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
         for (j, *_), o in zip(pack.items, results, strict=True):
             outs[j] = o
         stats.append(pack_stats)
-    return _finish(cfg, state, inputs, outs, finite, stats)
+    return finish_step(cfg, state, inputs, outs, finite, stats)
 
 
 # ---------------------------------------------------------------------------
@@ -1233,11 +1215,11 @@ def _pack(items, scatter=None) -> _Pack:
 
 def _compress_packed(
     cfg: _Config, packed, pack: _Pack, ctx, per_leaf: bool
-) -> tuple[list[_GroupOut], _LeafStats]:
+) -> tuple[list[GroupOut], _LeafStats]:
     """One device: the groups of ``items`` selected, cut and sent together.
 
     Each group is a segment of one packed buffer (one residual and wire dtype);
-    its result is what :func:`_compress_group` gives it alone: the same
+    its result is what :func:`compress_group` gives it alone: the same
     accumulation, the segment's own selection (see
     :mod:`jaxcomp.selection.segmented`), the capacity cut per segment, the
     mask, then the same split into leaves.
@@ -1401,7 +1383,7 @@ def _leaf_array(parts: list, order: np.ndarray | None) -> jax.Array:
     return x if order is None else x[order]
 
 
-def _finish(cfg: _Config, state, inputs: _StepInputs, outs, finite, stats=None):
+def finish_step(cfg: _Config, state, inputs: _StepInputs, outs, finite, stats=None):
     """``(updates, new_state)`` from the groups' results, scattered back to leaf order.
 
     ``stats``: the per-leaf statistics as :class:`_LeafStats` covering every
@@ -1471,7 +1453,7 @@ def _finish(cfg: _Config, state, inputs: _StepInputs, outs, finite, stats=None):
 # ---------------------------------------------------------------------------
 
 
-def _compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> _GroupOut:
+def compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> GroupOut:
     """Compresses a group of leaves as one buffer (a one-leaf group: the leaf itself)."""
     flat = _flatten_group(cfg, gs, rs, vs)
     packed = _packed_selector(cfg)
@@ -1754,7 +1736,7 @@ def _compact_positions(layout, segments, slots, idx):
     return jnp.where(padding, n_compact, idx + shift), n_compact
 
 
-def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> _GroupOut:
+def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> GroupOut:
     """One group's compressed buffer split back into its leaves."""
     sizes = [g.size for g in gs]
     flat_g, flat_r, flat_v, wire = flat.g, flat.r, flat.v, flat.wire
@@ -1814,7 +1796,7 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> _Group
         leaf_counts = jnp.broadcast_to(o.count, (len(gs),))
     else:
         leaf_counts = jnp.stack(o.segment_counts)
-    return _GroupOut(
+    return GroupOut(
         updates=updates,
         residuals=residuals,
         velocities=velocities,
@@ -1884,7 +1866,7 @@ def _low_pass_on(cfg: _Config) -> bool:
     return V.is_dynamic(cfg.low_pass) or cfg.low_pass != 1.0
 
 
-def _residual_from_accumulator(cfg: _Config, g, residual, velocity, ctx: _StepContext):
+def _residual_from_accumulator(cfg: _Config, g, residual, velocity, ctx: StepContext):
     """The old residual as ``acc - increment``, for the low-pass filter.
 
     Reading ``residual`` itself after the accumulation made XLA copy it
@@ -1947,7 +1929,7 @@ def _rounded(g, step):
     return lax.bitcast_convert_type(lax.bitcast_convert_type(g, bits) ^ zero.astype(bits), g.dtype)
 
 
-def _accumulate(cfg: _Config, g, residual, velocity, ctx: _StepContext):
+def _accumulate(cfg: _Config, g, residual, velocity, ctx: StepContext):
     """``(R, u)``: the accumulator in the residual dtype and the new velocity (or None)."""
     rdt = residual.dtype  # fixed per group by init (resolve_residual_dtype)
     send_ok = ctx.send_ok
@@ -2323,44 +2305,6 @@ def _scatter_message(cfg: _Config, acc, u, idx, vals, out_dtype):
     if u is not None and cfg.momentum_masking:
         new_u = u.at[idx].set(0, mode="drop")
     return sent_out, new_res, new_u
-
-
-# ---------------------------------------------------------------------------
-# Non-finite gradients (shared with the quantizers).
-# ---------------------------------------------------------------------------
-
-
-def apply_nonfinite_policy(updates, nonfinite: str):
-    """Gradients to compress, whether all were finite, and whether to send.
-
-    ``"zero"`` replaces non-finite elements by 0 and always sends. ``"skip"``
-    zeroes the whole step's gradients when any element is NaN/Inf and sends
-    nothing: compressors then accumulate zero and select nothing, so residual
-    and velocity stay as they were. No ``lax.cond`` around the step: XLA:CPU
-    runs conditional branches as separate computations (a cond around the
-    whole step measured ~2x slower at 2^22).
-    """
-    grads = jax.tree.map(jnp.asarray, updates)
-    finite = jnp.all(jnp.stack([_all_finite(g) for g in jax.tree.leaves(grads)] or [True]))
-    if nonfinite == "zero":
-        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0).astype(g.dtype), grads)
-        return grads, finite, jnp.bool_(True)
-    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0).astype(g.dtype), grads)
-    return grads, finite, finite
-
-
-def _all_finite(g: jax.Array) -> jax.Array:
-    """Whether every element of ``g`` is finite, in one fast pass.
-
-    ``sum(g - g)`` is 0 for finite ``g`` and NaN as soon as one element is NaN
-    or +-Inf (``inf - inf`` is NaN), and cannot overflow. It is a plain float
-    reduction that XLA:CPU streams like ``sum(|g|)``; ``all(isfinite(g))``
-    writes an n-sized boolean temporary first (measured 1.2 vs 10.7 passes),
-    and ``sum(g * 0)`` materialises the broadcast zero as an n-sized array.
-    """
-    if g.size == 0:
-        return jnp.bool_(True)
-    return jnp.isfinite(jnp.sum(g - g))
 
 
 def _concat(parts, dtype):

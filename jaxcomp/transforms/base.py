@@ -1,0 +1,163 @@
+"""What every compressor shares: its common options, the non-finite policy, the residual dtype.
+
+Every error-feedback compressor in jaxcomp (the sparsifiers, the quantizers,
+PowerSGD, 1-bit and 0/1 Adam, QSVRG) takes the same five options and treats
+them the same way; this module is their one definition:
+
+- ``axis_name``: the mesh axis (or axes) the messages are averaged over
+  inside ``shard_map``; ``None`` for one device.
+- ``min_dense_size``: leaves (groups) with at most this many elements are
+  sent dense (``None``: 0).
+- ``residual_dtype``: the error-feedback memory's float dtype; ``None``
+  resolves per leaf or group with :func:`resolve_residual_dtype`.
+- ``nonfinite``: what a step does with NaN/Inf gradients
+  (:data:`NONFINITE_POLICIES`, applied by :func:`apply_nonfinite_policy`):
+  ``"skip"`` sends nothing and leaves residual and velocity as they were,
+  ``"zero"`` replaces the non-finite elements by 0. Either way a NaN never
+  reaches the residual (the conformance suite checks it).
+- ``seed``: the PRNG stream of random selectors and codecs; only ``init``
+  reads it, so it may be a traced (injected) hyperparameter.
+
+A factory validates them once with :func:`check_common_options` (each error
+names its argument) and keeps the returned :class:`CommonOptions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp import _validation as V
+
+__all__ = [
+    "NONFINITE_POLICIES",
+    "CommonOptions",
+    "all_finite",
+    "apply_nonfinite_policy",
+    "check_common_options",
+    "resolve_residual_dtype",
+]
+
+NONFINITE_POLICIES = ("skip", "zero")
+
+
+class CommonOptions(NamedTuple):
+    """The validated options every compressor takes (see the module docstring).
+
+    Attributes:
+      axis_name: mesh axis name(s), or ``None`` (one device).
+      min_dense_size: int >= 0.
+      residual_dtype: a float ``jnp.dtype``, or ``None`` (per leaf or group,
+        :func:`resolve_residual_dtype`).
+      nonfinite: one of :data:`NONFINITE_POLICIES`.
+      seed: an int in the int32 range, or a traced integer (an injected
+        hyperparameter).
+    """
+
+    axis_name: Any
+    min_dense_size: int
+    residual_dtype: Any
+    nonfinite: str
+    seed: Any
+
+
+def check_common_options(
+    *,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    nonfinite: str = "skip",
+    seed: int | jax.Array = 0,
+) -> CommonOptions:
+    """Validates the common options once; each error names its argument.
+
+    ``min_dense_size=None`` means 0 (a factory with another default resolves
+    it first). ``None`` defaults keep ``optax.inject_hyperparams`` from
+    tracing options the user never passed.
+
+    Raises:
+      ValueError: for a negative ``min_dense_size``, a non-float
+        ``residual_dtype``, an unknown ``nonfinite`` or a ``seed`` outside
+        the int32 range.
+
+    Example:
+      >>> from jaxcomp.transforms.base import check_common_options
+      >>> check_common_options(min_dense_size=None, nonfinite="zero").min_dense_size
+      0
+      >>> check_common_options(nonfinite="drop")
+      Traceback (most recent call last):
+      ...
+      ValueError: nonfinite must be one of ('skip', 'zero'), got 'drop'
+    """
+    min_dense_size = V.check_int(
+        "min_dense_size", 0 if min_dense_size is None else min_dense_size, 0
+    )
+    if residual_dtype is not None:
+        residual_dtype = V.check_float_dtype("residual_dtype", residual_dtype)
+    nonfinite = V.check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+    seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
+    return CommonOptions(axis_name, min_dense_size, residual_dtype, nonfinite, seed)
+
+
+def resolve_residual_dtype(residual_dtype: Any, leaves: Sequence[Any]) -> jnp.dtype:
+    """The residual dtype for these leaves: ``residual_dtype`` if given, else
+    float32 widened to the widest leaf dtype (float64 under ``jax_enable_x64``).
+
+    A float32 residual would silently round float64 gradients; bfloat16 and
+    float16 leaves still accumulate in float32.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.transforms.base import resolve_residual_dtype
+      >>> str(resolve_residual_dtype(None, [jnp.ones(2, jnp.bfloat16)]))
+      'float32'
+    """
+    if residual_dtype is not None:
+        return jnp.dtype(residual_dtype)
+    out = jnp.dtype(jnp.float32)
+    for leaf in leaves:
+        dt = jnp.result_type(leaf)  # canonical: float64 only under x64
+        if jnp.issubdtype(dt, jnp.floating) and dt.itemsize > out.itemsize:
+            out = dt
+    return out
+
+
+def apply_nonfinite_policy(updates: Any, nonfinite: str):
+    """Gradients to compress, whether all were finite, and whether to send.
+
+    ``"zero"`` replaces non-finite elements by 0 and always sends. ``"skip"``
+    zeroes the whole step's gradients when any element is NaN/Inf and sends
+    nothing: compressors then accumulate zero and select nothing, so residual
+    and velocity stay as they were. No ``lax.cond`` around the step: XLA:CPU
+    runs conditional branches as separate computations (a cond around the
+    whole step measured ~2x slower at 2^22).
+
+    Returns:
+      ``(grads, finite, send_ok)``: the gradients to compress (a pytree like
+      ``updates``), a bool scalar (every element was finite) and a bool
+      scalar (this step's message counts).
+    """
+    grads = jax.tree.map(jnp.asarray, updates)
+    finite = jnp.all(jnp.stack([all_finite(g) for g in jax.tree.leaves(grads)] or [True]))
+    if nonfinite == "zero":
+        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0).astype(g.dtype), grads)
+        return grads, finite, jnp.bool_(True)
+    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0).astype(g.dtype), grads)
+    return grads, finite, finite
+
+
+def all_finite(g: jax.Array) -> jax.Array:
+    """Whether every element of ``g`` is finite, in one fast pass.
+
+    ``sum(g - g)`` is 0 for finite ``g`` and NaN as soon as one element is NaN
+    or +-Inf (``inf - inf`` is NaN), and cannot overflow. It is a plain float
+    reduction that XLA:CPU streams like ``sum(|g|)``; ``all(isfinite(g))``
+    writes an n-sized boolean temporary first (measured 1.2 vs 10.7 passes),
+    and ``sum(g * 0)`` materialises the broadcast zero as an n-sized array.
+    """
+    if g.size == 0:
+        return jnp.bool_(True)
+    return jnp.isfinite(jnp.sum(g - g))

@@ -1,0 +1,157 @@
+"""The package's shape: one home per concept, kept that way.
+
+* No module of ``jaxcomp`` reaches into another module's private names
+  (``from m import _x`` or ``m._x``): a name another module needs is public in
+  its own module, even if not in ``__all__``. Modules whose own name starts
+  with ``_`` (``jaxcomp._validation``, ``jaxcomp._vma``, ...) are the
+  package's shared internals, as optax's ``_src`` is: any module may import
+  them, and their names inside are public to the package.
+* The common options (``axis_name``, ``min_dense_size``, ``residual_dtype``,
+  ``nonfinite``, ``seed``) are checked in one place
+  (:func:`jaxcomp.transforms.base.check_common_options`): every compressor
+  rejects the same bad value with the same message.
+* The named sparsifiers forward every common keyword of ``sparsify`` by name,
+  with ``sparsify``'s default.
+"""
+
+import ast
+import inspect
+import pathlib
+
+import jax.numpy as jnp
+import pytest
+
+import jaxcomp
+from jaxcomp.transforms import sparsifiers
+from jaxcomp.transforms.base import NONFINITE_POLICIES
+
+PACKAGE = pathlib.Path(jaxcomp.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _private_uses():
+    """``(user module, "owner.name")`` for every private name used across modules."""
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        user = _module_name(path)
+        tree = ast.parse(path.read_text())
+        bound = {}  # local alias -> jaxcomp module it names
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                owner = _resolve(user, node, path.name == "__init__.py")
+                for alias in node.names:
+                    full = f"{owner}.{alias.name}"
+                    if full in modules:  # a module imported from its package
+                        bound[alias.asname or alias.name] = full
+                    elif owner in modules and owner != user and _private(alias.name):
+                        out.append((user, full))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules and alias.asname:
+                        bound[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and bound[node.value.id] != user
+                and _private(node.attr)
+            ):
+                out.append((user, f"{bound[node.value.id]}.{node.attr}"))
+    return sorted(set(out))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_private_name_is_used_across_modules():
+    uses = _private_uses()
+    assert not uses, "private names used across modules (make them public in their own):\n" + (
+        "\n".join(f"  {user}: {name}" for user, name in uses)
+    )
+
+
+def test_the_scan_sees_a_private_use(tmp_path, monkeypatch):
+    """The check above can fail: a planted ``from jaxcomp.x import _y`` is found."""
+    fake = tmp_path / "jaxcomp"
+    (fake / "sub").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "sub" / "__init__.py").write_text("")
+    (fake / "sub" / "a.py").write_text("_secret = 1\n")
+    (fake / "b.py").write_text(
+        "from jaxcomp.sub.a import _secret\nfrom jaxcomp.sub import a\nx = a._secret\n"
+    )
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert _private_uses() == [("jaxcomp.b", "jaxcomp.sub.a._secret")]
+
+
+# Each compressor factory with its required arguments.
+FACTORIES = {
+    "sparsify": lambda **kw: jaxcomp.sparsify("top_k", 0.1, **kw),
+    "top_k": lambda **kw: jaxcomp.top_k(0.1, **kw),
+    "ldte_bs": lambda **kw: jaxcomp.ldte_bs(0.1, **kw),
+    "dgc": lambda **kw: jaxcomp.dgc(0.1, **kw),
+    "qsgd": lambda **kw: jaxcomp.qsgd(bits=4, **kw),
+    "onebit": lambda **kw: jaxcomp.onebit(**kw),
+    "terngrad": lambda **kw: jaxcomp.terngrad(**kw),
+    "powersgd": lambda **kw: jaxcomp.powersgd(1, **kw),
+    "onebit_adam": lambda **kw: jaxcomp.onebit_adam(0.1, freeze_step=2, **kw),
+    "zero_one_adam": lambda **kw: jaxcomp.zero_one_adam(0.1, var_freeze_step=2, **kw),
+}
+
+# A bad value of each common option and the one message every factory gives.
+BAD_COMMON = {
+    "nonfinite": ("drop", f"nonfinite must be one of {NONFINITE_POLICIES}, got 'drop'"),
+    "min_dense_size": (-1, "min_dense_size must be"),
+    "residual_dtype": (jnp.int32, "residual_dtype must be"),
+    "seed": (2**40, "seed must be"),
+}
+
+
+def _takes(factory_name: str, option: str) -> bool:
+    fn = jaxcomp.sparsify if factory_name == "sparsify" else getattr(jaxcomp, factory_name)
+    return option in inspect.signature(fn).parameters
+
+
+@pytest.mark.parametrize("option", sorted(BAD_COMMON))
+def test_every_compressor_rejects_a_bad_common_option_with_one_message(option):
+    value, start = BAD_COMMON[option]
+    messages = {}
+    for name, make in FACTORIES.items():
+        if not _takes(name, option):
+            continue
+        with pytest.raises(ValueError) as info:
+            make(**{option: value})
+        messages[name] = str(info.value)
+    assert len(messages) >= 6, messages
+    assert all(m.startswith(start) for m in messages.values()), messages
+    assert len(set(messages.values())) == 1, messages
+
+
+def test_named_sparsifiers_forward_every_common_keyword():
+    sparsify_params = inspect.signature(jaxcomp.sparsify).parameters
+    assert set(sparsifiers.COMMON_KEYWORDS) <= set(sparsify_params)
+    assert len(sparsifiers.COMMON_KEYWORDS) >= 16
+    for name in sparsifiers.__all__:
+        factory = getattr(sparsifiers, name)
+        if not callable(factory):
+            continue
+        params = inspect.signature(factory).parameters
+        for keyword in sparsifiers.COMMON_KEYWORDS:
+            assert keyword in params, f"{name} lacks {keyword}"
+            assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY, (name, keyword)
+            assert params[keyword].default == sparsify_params[keyword].default, (name, keyword)
