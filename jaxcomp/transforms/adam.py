@@ -40,12 +40,35 @@ sign(x)``, DeepSpeed's, with ``codec="sign_l2"``; or
   Each device stores the server error as a ``d``-vector that is zero outside
   its own chunk (``N``-independent state, ``d`` rather than ``d / N``
   floats).
+
+Layout of the code: :func:`onebit_adam` and :func:`zero_one_adam` validate
+their arguments into a frozen config, :class:`_OnebitAdamConfig` or
+:class:`_ZeroOneAdamConfig`: the optimizer's own schedule over
+:class:`_AdamConfig`, the options both take (Adam's hyperparameters, checked
+by :func:`_check_hyperparameters`; codec, exchange and the common options,
+checked by :func:`_make_config`; 0/1 Adam's schedule by
+:func:`_check_zero_one_schedule`). ``init`` and ``update`` are module-level
+functions over it (:func:`_onebit_init`, :func:`_onebit_update`,
+:func:`_zero_one_init`, :func:`_zero_one_update`). The exchanges are
+functions of :class:`_AdamConfig`: :func:`_count_ok`, :func:`_dense_mean`,
+:func:`_server_init` and :func:`_compressed_mean` (single-stage through
+:func:`jaxcomp.transforms.quantize.quantize`, or :func:`_two_stage_mean`
+around :func:`_compressed_allreduce`). A 1-bit Adam step
+(:func:`_onebit_step`) is the warm-up (:func:`_warm_up_step`) or the
+compressed stage (:func:`_compressed_momentum_step`). A 0/1 Adam step
+(:func:`_zero_one_step`) is stage 1, :func:`_variance_stage` (a dense
+variance step, :func:`_dense_variance_step`, or a 1-bit gradient step,
+:func:`_onebit_gradient_step`), or stage 2, :func:`_frozen_variance_stage`
+(:func:`_local_step` or :func:`_sync_step`); :func:`_zero_one_result` writes
+the new state, dropping a step that no device could take.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +81,7 @@ from jaxcomp import _vma as vma
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
 from jaxcomp.transforms.base import (
+    CommonOptions,
     apply_nonfinite_policy,
     check_common_options,
     resolve_residual_dtype,
@@ -85,29 +109,67 @@ ADAM_EXCHANGES = ("allgather", "two_stage")
 
 
 # ---------------------------------------------------------------------------
-# Shared pieces.
+# Static configuration.
 # ---------------------------------------------------------------------------
 
 
-def _check_learning_rate(learning_rate):
+@dataclasses.dataclass(frozen=True, eq=False)
+class _AdamConfig:
+    """The validated static options both optimizers take (see :func:`_make_config`).
+
+    :class:`_OnebitAdamConfig` and :class:`_ZeroOneAdamConfig` add each
+    optimizer's schedule and its name for error messages (``who``).
+    """
+
+    who: ClassVar[str]
+    learning_rate: Any  # float > 0, an optax schedule, or a traced (injected) value
+    b1: Any  # b1, b2, eps: floats, or traced (injected) values
+    b2: Any
+    eps: Any
+    bias_correction: bool
+    common: CommonOptions  # axis_name, min_dense_size, residual_dtype, nonfinite
+    two_stage: bool  # exchange="two_stage" (module docstring); else "allgather"
+    sign_scale: str  # "l1", or "l2" with codec="sign_l2": the two-stage exchange's scales
+    single_stage: optax.GradientTransformationExtraArgs  # exchange="allgather": quantize(codec)
+
+
+def _check_hyperparameters(learning_rate, b1, b2, eps):
+    """``(learning_rate, b1, b2, eps)``, checked: Adam's arithmetic, which may be traced."""
     # A traced rate (optax.inject_hyperparams) only scales the update: nothing static
     # depends on it, so it is taken as it is, like a schedule.
-    if callable(learning_rate) or V.is_traced(learning_rate):
-        return learning_rate
-    return V.check_real("learning_rate", learning_rate, 0.0, low_open=True)
-
-
-def _check_betas_eps(b1, b2, eps):
+    if not (callable(learning_rate) or V.is_traced(learning_rate)):
+        learning_rate = V.check_real("learning_rate", learning_rate, 0.0, low_open=True)
     # Traced values (optax.inject_hyperparams) are taken as they are: they only enter
     # the arithmetic, never a shape or the schedule.
     b1 = V.check_real("b1", b1, 0.0, 1.0, high_open=True, allow_traced=True)
     b2 = V.check_real("b2", b2, 0.0, 1.0, high_open=True, allow_traced=True)
     # eps > 0: a frozen variance can be 0 where a coordinate never had a gradient.
     eps = V.check_real("eps", eps, 0.0, low_open=True, allow_traced=True)
-    return b1, b2, eps
+    return learning_rate, b1, b2, eps
 
 
-def _codec(codec: str, bucket_size, exchange: str):
+def _make_config(
+    cls,
+    hyperparameters,
+    schedule: dict,
+    *,
+    codec,
+    bucket_size,
+    exchange,
+    bias_correction,
+    axis_name,
+    min_dense_size,
+    residual_dtype,
+    nonfinite,
+):
+    """The config ``cls`` of one optimizer, from the checked ``hyperparameters``
+    (:func:`_check_hyperparameters`) and ``schedule`` (its own options, checked
+    by its factory) and the other options both optimizers take, checked here.
+
+    The factory checks in the order of its signature (hyperparameters, its
+    schedule, then these), so a call with several bad arguments reports the
+    first one; each error names its argument.
+    """
     codec = V.check_choice("codec", codec, ADAM_CODECS)
     bucket_size = V.check_int("bucket_size", bucket_size, 1, allow_none=True)
     exchange = V.check_choice("exchange", exchange, ADAM_EXCHANGES)
@@ -117,9 +179,45 @@ def _codec(codec: str, bucket_size, exchange: str):
             f"(DeepSpeed's compressed_allreduce): codec must be 'sign' or 'sign_l2' and "
             f"bucket_size None, got codec={codec!r}, bucket_size={bucket_size!r}"
         )
+    sign_scale = "l2" if codec == "sign_l2" else "l1"
     if codec == "onebit":
-        return onebit_quantizer(bucket_size)
-    return sign_quantizer(bucket_size, scale="l2" if codec == "sign_l2" else "l1")
+        quantizer = onebit_quantizer(bucket_size)
+    else:
+        quantizer = sign_quantizer(bucket_size, scale=sign_scale)
+    bias_correction = V.check_bool("bias_correction", bias_correction)
+    common = check_common_options(
+        axis_name=axis_name,
+        min_dense_size=min_dense_size,
+        residual_dtype=residual_dtype,
+        nonfinite=nonfinite,
+    )
+    learning_rate, b1, b2, eps = hyperparameters
+    return cls(
+        learning_rate=learning_rate,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        bias_correction=bias_correction,
+        common=common,
+        two_stage=exchange == "two_stage",
+        sign_scale=sign_scale,
+        # Nonfinite steps are filtered before the codec (apply_nonfinite_policy in
+        # each step); the inner policy only matters for a device's own message.
+        single_stage=quantize(
+            quantizer,
+            axis_name=common.axis_name,
+            error_feedback=True,
+            min_dense_size=common.min_dense_size,
+            residual_dtype=common.residual_dtype,
+            nonfinite="skip",
+        ),
+        **schedule,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Shared arithmetic.
+# ---------------------------------------------------------------------------
 
 
 def _step_size(learning_rate, count):
@@ -154,90 +252,74 @@ def _leaf_bytes(tree) -> Any:
     )
 
 
-class _Exchange:
-    """The two exchanges both optimizers use: dense mean and 1-bit mean with error feedback."""
+# ---------------------------------------------------------------------------
+# The exchanges both optimizers use: dense mean and 1-bit mean with error feedback.
+# ---------------------------------------------------------------------------
 
-    def __init__(
-        self, quantizer, axis_name, nonfinite, min_dense_size, residual_dtype, exchange, codec
-    ):
-        self.axis_name = axis_name
-        self.two_stage = exchange == "two_stage"
-        self.scale = "l2" if codec == "sign_l2" else "l1"
-        self.min_dense_size = min_dense_size
-        self.skip = nonfinite == "skip"
-        # Nonfinite steps are filtered before the codec (see update); the inner
-        # policy only matters for a device's own message.
-        self.inner = quantize(
-            quantizer,
-            axis_name=axis_name,
-            error_feedback=True,
-            min_dense_size=min_dense_size,
-            residual_dtype=residual_dtype,
-            nonfinite="skip",
-        )
-        self.residual_dtype = residual_dtype
 
-    def count_ok(self, ok):
-        """(devices that contribute, as float32; bytes of that all-reduce)."""
-        if self.axis_name is None:
-            return ok.astype(jnp.float32), jnp.float32(0)
-        if not self.skip:  # every device always contributes: no collective needed
-            return jnp.float32(collectives.axis_size(self.axis_name)), jnp.float32(0)
-        n_dev = collectives.axis_size(self.axis_name)
-        n_ok = lax.psum(ok.astype(jnp.float32), self.axis_name)
-        return n_ok, jnp.float32(collectives.allreduce_bytes(4, n_dev))
+def _count_ok(cfg: _AdamConfig, ok):
+    """(devices that contribute, as float32; bytes of that all-reduce)."""
+    axis_name = cfg.common.axis_name
+    if axis_name is None:
+        return ok.astype(jnp.float32), jnp.float32(0)
+    if cfg.common.nonfinite != "skip":  # every device always contributes: no collective needed
+        return jnp.float32(collectives.axis_size(axis_name)), jnp.float32(0)
+    n_dev = collectives.axis_size(axis_name)
+    n_ok = lax.psum(ok.astype(jnp.float32), axis_name)
+    return n_ok, jnp.float32(collectives.allreduce_bytes(4, n_dev))
 
-    def dense_mean(self, grads, ok, n_ok, dtypes):
-        """Uncompressed mean over the devices that contribute, cast to ``dtypes``."""
-        wire = jnp.float32(0)
-        out = []
-        g_leaves, treedef = jax.tree.flatten(grads)
-        for g, d in zip(g_leaves, treedef.flatten_up_to(dtypes), strict=True):
-            mean, leaf_wire = _dense_leaf_mean(g, ok, n_ok, self.axis_name)
-            out.append(mean.astype(d.dtype))
-            wire = wire + leaf_wire
-        return treedef.unflatten(out), wire
 
-    def server_init(self, zeros):
-        """The two-stage exchange's server error (module docstring): flat, ``d`` values.
+def _dense_mean(cfg: _AdamConfig, grads, ok, n_ok, dtypes):
+    """Uncompressed mean over the devices that contribute, cast to ``dtypes``."""
+    wire = jnp.float32(0)
+    out = []
+    g_leaves, treedef = jax.tree.flatten(grads)
+    for g, d in zip(g_leaves, treedef.flatten_up_to(dtypes), strict=True):
+        mean, leaf_wire = _dense_leaf_mean(g, ok, n_ok, cfg.common.axis_name)
+        out.append(mean.astype(d.dtype))
+        wire = wire + leaf_wire
+    return treedef.unflatten(out), wire
 
-        None when there is none to keep (``exchange="allgather"``, or no leaf
-        above ``min_dense_size``): orbax refuses to save a zero-size array, and
-        None is an empty pytree node that orbax, ``jaxcomp.elastic`` and
-        ``jax.tree`` all pass through.
-        """
-        big = [z for z in jax.tree.leaves(zeros) if z.size > self.min_dense_size]
-        d = sum(z.size for z in big) if self.two_stage else 0
-        if d == 0:
-            return None
-        # The widest of the leaves' dtypes: one flat buffer carries them all, and a
-        # float64 leaf beside a float32 one must not be rounded to float32.
-        return jnp.zeros([d], jnp.result_type(*big))
 
-    def compressed_mean(self, x, residual, server, message_bytes, ok, n_ok, step):
-        """Mean over devices of the 1-bit messages of ``x + residual``.
+def _server_init(cfg: _AdamConfig, zeros):
+    """The two-stage exchange's server error (module docstring): flat, ``d`` values.
 
-        Returns (mean, new residual, new server error, message bytes, wire bytes).
-        """
-        if self.two_stage:
-            return _two_stage_mean(
-                x, residual, server, ok, n_ok, self.axis_name, self.scale, self.min_dense_size
-            )
-        qs = QuantizeState(
-            step=step,
-            residual=residual,
-            key=jax.random.key_data(jax.random.key(0)),  # the 1-bit codecs draw nothing
-            message_bytes=message_bytes,
-            wire_bytes=jnp.zeros([], jnp.float32),
-            nonfinite_steps=jnp.zeros([], jnp.int32),
-        )
-        include = ok if (self.axis_name is not None and self.skip) else None
-        mean, qs = self.inner.update(x, qs, include=include)
-        # A device that sends nothing keeps its residual as it was (quantize
-        # would file the unsent x under it, to be sent later a second time).
-        new_res = _where(ok, qs.residual, residual)
-        mean = jax.tree.map(lambda m, r: m.astype(r.dtype), mean, x)
-        return mean, new_res, server, qs.message_bytes, qs.wire_bytes
+    None when there is none to keep (``exchange="allgather"``, or no leaf
+    above ``min_dense_size``): orbax refuses to save a zero-size array, and
+    None is an empty pytree node that orbax, ``jaxcomp.elastic`` and
+    ``jax.tree`` all pass through.
+    """
+    big = [z for z in jax.tree.leaves(zeros) if z.size > cfg.common.min_dense_size]
+    d = sum(z.size for z in big) if cfg.two_stage else 0
+    if d == 0:
+        return None
+    # The widest of the leaves' dtypes: one flat buffer carries them all, and a
+    # float64 leaf beside a float32 one must not be rounded to float32.
+    return jnp.zeros([d], jnp.result_type(*big))
+
+
+def _compressed_mean(cfg: _AdamConfig, x, residual, server, message_bytes, ok, n_ok, step):
+    """Mean over devices of the 1-bit messages of ``x + residual``.
+
+    Returns (mean, new residual, new server error, message bytes, wire bytes).
+    """
+    if cfg.two_stage:
+        return _two_stage_mean(cfg, x, residual, server, ok, n_ok)
+    qs = QuantizeState(
+        step=step,
+        residual=residual,
+        key=jax.random.key_data(jax.random.key(0)),  # the 1-bit codecs draw nothing
+        message_bytes=message_bytes,
+        wire_bytes=jnp.zeros([], jnp.float32),
+        nonfinite_steps=jnp.zeros([], jnp.int32),
+    )
+    skip = cfg.common.axis_name is not None and cfg.common.nonfinite == "skip"
+    mean, qs = cfg.single_stage.update(x, qs, include=ok if skip else None)
+    # A device that sends nothing keeps its residual as it was (quantize
+    # would file the unsent x under it, to be sent later a second time).
+    new_res = _where(ok, qs.residual, residual)
+    mean = jax.tree.map(lambda m, r: m.astype(r.dtype), mean, x)
+    return mean, new_res, server, qs.message_bytes, qs.wire_bytes
 
 
 def _dense_leaf_mean(g, ok, n_ok, axis_name):
@@ -271,17 +353,19 @@ def _signed(bits, scale):
     return jnp.where(bits, scale, -scale)
 
 
-def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_size):
+def _two_stage_mean(cfg: _AdamConfig, x, residual, server, ok, n_ok):
     """DeepSpeed's ``compressed_allreduce`` over ``axis_name`` (module docstring).
 
     Leaves with at most ``min_dense_size`` elements are averaged dense (their
     residual stays 0); the others are flattened into one vector of ``d``
-    values, zero-padded to ``N`` chunks of ``c`` values (``c`` a multiple of 8,
-    so a chunk's signs pack into whole bytes).
+    values and exchanged by :func:`_compressed_allreduce`.
+
+    Returns (mean, new residual, new server error, message bytes, wire bytes).
     """
+    axis_name = cfg.common.axis_name
     x_leaves, treedef = jax.tree.flatten(x)
     r_leaves = treedef.flatten_up_to(residual)
-    big = [v.size > min_dense_size for v in x_leaves]
+    big = [v.size > cfg.common.min_dense_size for v in x_leaves]
     n = 1 if axis_name is None else collectives.axis_size(axis_name)
     me = 0 if axis_name is None else lax.axis_index(axis_name)
     denom = jnp.maximum(n_ok, 1.0)
@@ -301,54 +385,18 @@ def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_s
     # None: nothing to compress two-stage (states made before it was None held shape (0,)).
     d = 0 if server is None else server.shape[0]
     if d:
-        dtype = server.dtype
-        chunk = -(-d // (8 * n)) * 8
-        padded = n * chunk
         flat = jnp.concatenate(
             [
-                (v + r).astype(dtype).reshape(-1)
+                (v + r).astype(server.dtype).reshape(-1)
                 for v, r, b in zip(x_leaves, r_leaves, big, strict=True)
                 if b
             ]
         )
         # A device that sends nothing (non-finite gradient) contributes scale 0.
         flat = jnp.where(ok, flat, jnp.zeros_like(flat))
-        worker_scale = jnp.where(ok, _sign_scale(flat, d, scale), 0).astype(dtype)
-        worker_bits = flat >= 0  # 0 goes as +, as DeepSpeed's sign().add_(1).bool()
-        worker_err = flat - _signed(worker_bits, worker_scale)
-        bits = jnp.pad(worker_bits, (0, padded - d)).reshape(n, chunk)
-        packed = jnp.packbits(bits, axis=1, bitorder="little")  # (n, c / 8) uint8
-        if axis_name is not None:
-            # Row j of what a device receives: worker j's signs of this device's chunk.
-            packed = lax.all_to_all(packed, axis_name, 0, 0)
-            scales = lax.all_gather(worker_scale, axis_name)
-        else:
-            packed, scales = packed[me : me + 1], worker_scale[None]
-        recv = jnp.unpackbits(packed, axis=1, count=chunk, bitorder="little").astype(bool)
-        # Server: the mean of the decoded chunks, in device order, plus its error.
-        avg = jnp.sum(_signed(recv, scales[:, None]), axis=0) / denom.astype(dtype)
-        valid = me * chunk + jnp.arange(chunk) < d
-        server_pad = jnp.pad(server, (0, padded - d))
-        server_old = lax.dynamic_slice(server_pad, (me * chunk,), (chunk,))
-        server_buf = jnp.where(valid, avg + server_old, 0)
-        server_scale = _sign_scale(server_buf, jnp.clip(d - me * chunk, 0, chunk), scale)
-        server_bits = server_buf >= 0
-        server_new = jnp.where(valid, server_buf - _signed(server_bits, server_scale), 0)
-        server = lax.dynamic_update_slice(server_pad, server_new, (me * chunk,))[:d]
-        out_packed = jnp.packbits(server_bits, bitorder="little")
-        if axis_name is not None:
-            # Typed device-invariant (every device gets the same servers' chunks): with
-            # plain all_gather make_train_step's probe took the result for unexchanged
-            # and averaged the gradients densely before the optimizer.
-            out_packed = collectives.all_gather_invariant(out_packed, axis_name)
-            out_scales = collectives.all_gather_invariant(server_scale, axis_name)
-            c8, f = chunk // 8, dtype.itemsize
-            # all_to_all (n - 1 chunks), worker scale, servers' chunks and scales.
-            wire = wire + jnp.float32((n - 1) * (c8 + f) + collectives.allgather_bytes(c8 + f, n))
-        else:
-            out_packed, out_scales = out_packed[None], server_scale[None]
-        out_bits = jnp.unpackbits(out_packed, axis=1, count=chunk, bitorder="little")
-        mean_flat = _signed(out_bits.astype(bool), out_scales[:, None]).reshape(-1)[:d]
+        mean_flat, worker_err, server, wire = _compressed_allreduce(
+            cfg, flat, server, ok, denom, n, me, wire
+        )
         offset = 0
         for i, (v, r, b) in enumerate(zip(x_leaves, r_leaves, big, strict=True)):
             if not b:
@@ -360,6 +408,64 @@ def _two_stage_mean(x, residual, server, ok, n_ok, axis_name, scale, min_dense_s
             offset += size
     mean = treedef.unflatten(out)
     return mean, treedef.unflatten(new_res), server, treedef.unflatten(message_bytes), wire
+
+
+def _compressed_allreduce(cfg: _AdamConfig, flat, server, ok, denom, n, me, wire):
+    """The two stages over the flat vector ``flat`` of ``d`` values (module docstring).
+
+    ``flat`` is zero-padded to ``n`` chunks of ``c`` values (``c`` a multiple
+    of 8, so a chunk's signs pack into whole bytes); this device (``me``)
+    serves its chunk, with ``server`` its server error and ``denom`` the
+    number of devices that contribute. Returns (the decoded mean of ``flat``,
+    this device's worker error, the new server error, ``wire`` plus the bytes
+    of this exchange).
+    """
+    axis_name, scale = cfg.common.axis_name, cfg.sign_scale
+    d, dtype = server.shape[0], server.dtype
+    chunk = -(-d // (8 * n)) * 8
+    padded = n * chunk
+    worker_scale = jnp.where(ok, _sign_scale(flat, d, scale), 0).astype(dtype)
+    worker_bits = flat >= 0  # 0 goes as +, as DeepSpeed's sign().add_(1).bool()
+    worker_err = flat - _signed(worker_bits, worker_scale)
+    bits = jnp.pad(worker_bits, (0, padded - d)).reshape(n, chunk)
+    packed = jnp.packbits(bits, axis=1, bitorder="little")  # (n, c / 8) uint8
+    if axis_name is not None:
+        # Row j of what a device receives: worker j's signs of this device's chunk.
+        packed = lax.all_to_all(packed, axis_name, 0, 0)
+        scales = lax.all_gather(worker_scale, axis_name)
+    else:
+        packed, scales = packed[me : me + 1], worker_scale[None]
+    recv = jnp.unpackbits(packed, axis=1, count=chunk, bitorder="little").astype(bool)
+    # Server: the mean of the decoded chunks, in device order, plus its error.
+    avg = jnp.sum(_signed(recv, scales[:, None]), axis=0) / denom.astype(dtype)
+    valid = me * chunk + jnp.arange(chunk) < d
+    server_pad = jnp.pad(server, (0, padded - d))
+    server_old = lax.dynamic_slice(server_pad, (me * chunk,), (chunk,))
+    server_buf = jnp.where(valid, avg + server_old, 0)
+    server_scale = _sign_scale(server_buf, jnp.clip(d - me * chunk, 0, chunk), scale)
+    server_bits = server_buf >= 0
+    server_new = jnp.where(valid, server_buf - _signed(server_bits, server_scale), 0)
+    server = lax.dynamic_update_slice(server_pad, server_new, (me * chunk,))[:d]
+    out_packed = jnp.packbits(server_bits, bitorder="little")
+    if axis_name is not None:
+        # Typed device-invariant (every device gets the same servers' chunks): with
+        # plain all_gather make_train_step's probe took the result for unexchanged
+        # and averaged the gradients densely before the optimizer.
+        out_packed = collectives.all_gather_invariant(out_packed, axis_name)
+        out_scales = collectives.all_gather_invariant(server_scale, axis_name)
+        c8, f = chunk // 8, dtype.itemsize
+        # all_to_all (n - 1 chunks), worker scale, servers' chunks and scales.
+        wire = wire + jnp.float32((n - 1) * (c8 + f) + collectives.allgather_bytes(c8 + f, n))
+    else:
+        out_packed, out_scales = out_packed[None], server_scale[None]
+    out_bits = jnp.unpackbits(out_packed, axis=1, count=chunk, bitorder="little")
+    mean_flat = _signed(out_bits.astype(bool), out_scales[:, None]).reshape(-1)[:d]
+    return mean_flat, worker_err, server, wire
+
+
+# ---------------------------------------------------------------------------
+# Adam's arithmetic and the checks both optimizers make.
+# ---------------------------------------------------------------------------
 
 
 def _moment_dtypes(params, residual_dtype):
@@ -449,6 +555,14 @@ class OnebitAdamState(NamedTuple):
     message_bytes: Any
     wire_bytes: jax.Array
     nonfinite_steps: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _OnebitAdamConfig(_AdamConfig):
+    """The validated static options of one :func:`onebit_adam` transform."""
+
+    who: ClassVar[str] = "jaxcomp.onebit_adam"
+    freeze_step: int  # >= 1: warm-up steps (dense exchange) before v is frozen
 
 
 def onebit_adam(
@@ -567,95 +681,107 @@ def onebit_adam(
       >>> int(state.count), int(state.message_bytes["w"])  # 4 bits: 1 byte + a float32 scale
       (2, 5)
     """
-    who = "jaxcomp.onebit_adam"
-    learning_rate = _check_learning_rate(learning_rate)
-    b1, b2, eps = _check_betas_eps(b1, b2, eps)
+    hyperparameters = _check_hyperparameters(learning_rate, b1, b2, eps)
     # freeze_step 0 would freeze v at 0: every coordinate "dead", no step ever.
     freeze_step = V.check_int("freeze_step", freeze_step, 1, 2**31 - 1)
-    quantizer = _codec(codec, bucket_size, exchange)
-    bias_correction = V.check_bool("bias_correction", bias_correction)
-    common = check_common_options(
+    cfg = _make_config(
+        _OnebitAdamConfig,
+        hyperparameters,
+        {"freeze_step": freeze_step},
+        codec=codec,
+        bucket_size=bucket_size,
+        exchange=exchange,
+        bias_correction=bias_correction,
         axis_name=axis_name,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
     )
-    min_dense_size, residual_dtype, nonfinite = (
-        common.min_dense_size,
-        common.residual_dtype,
-        common.nonfinite,
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(_onebit_init, cfg), functools.partial(_onebit_update, cfg)
     )
-    ex = _Exchange(quantizer, axis_name, nonfinite, min_dense_size, residual_dtype, exchange, codec)
 
-    def init(params):
-        V.check_gradient_leaves(params, f"{who}.init", "parameter")
-        zeros = _moment_dtypes(params, residual_dtype)
-        return OnebitAdamState(
-            count=jnp.zeros([], jnp.int32),
-            mu=zeros,
-            nu=_zeros_like_tree(zeros),
-            residual=_zeros_like_tree(zeros),
-            server_residual=ex.server_init(zeros),
-            message_bytes=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params),
-            wire_bytes=jnp.zeros([], jnp.float32),
-            nonfinite_steps=jnp.zeros([], jnp.int32),
-        )
 
-    def update(updates, state, params=None, *, include=None, **extra_args):
-        del params, extra_args
-        _reject_include(who, include)
-        # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
-        # handled whole, as on one device (see jaxcomp._sharding).
-        return _sharding.whole_leaves(update_leaves, fields=("mu", "nu", "residual"))(
-            updates, state
-        )
+def _onebit_init(cfg: _OnebitAdamConfig, params) -> OnebitAdamState:
+    V.check_gradient_leaves(params, f"{cfg.who}.init", "parameter")
+    zeros = _moment_dtypes(params, cfg.common.residual_dtype)
+    return OnebitAdamState(
+        count=jnp.zeros([], jnp.int32),
+        mu=zeros,
+        nu=_zeros_like_tree(zeros),
+        residual=_zeros_like_tree(zeros),
+        server_residual=_server_init(cfg, zeros),
+        message_bytes=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), params),
+        wire_bytes=jnp.zeros([], jnp.float32),
+        nonfinite_steps=jnp.zeros([], jnp.int32),
+    )
 
-    def update_leaves(updates, state):
-        V.check_state_type(state, OnebitAdamState, who)
-        _check_common(who, updates, state.mu, axis_name)
-        grads, finite, ok = apply_nonfinite_policy(updates, nonfinite)
-        g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
-        n_ok, ok_wire = ex.count_ok(ok)
-        count_inc = optax.safe_increment(state.count)
 
-        def warm(operands):
-            mu, nu, residual, server, _ = operands
-            mean, wire = ex.dense_mean(grads, ok, n_ok, mu)
-            mu = optax.tree.update_moment(mean, mu, b1, 1)
-            nu = optax.tree.update_moment_per_elem_norm(mean, nu, b2, 2)
-            return mu, nu, residual, server, _leaf_bytes(grads), wire
+def _onebit_update(
+    cfg: _OnebitAdamConfig, updates, state, params=None, *, include=None, **extra_args
+):
+    del params, extra_args
+    _reject_include(cfg.who, include)
+    # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
+    # handled whole, as on one device (see jaxcomp._sharding).
+    return _sharding.whole_leaves(
+        functools.partial(_onebit_step, cfg), fields=("mu", "nu", "residual")
+    )(updates, state)
 
-        def compressed(operands):
-            mu, nu, residual, server, message_bytes = operands
-            m_local = optax.tree.update_moment(g, mu, b1, 1)
-            mean, residual, server, message_bytes, wire = ex.compressed_mean(
-                m_local, residual, server, message_bytes, ok, n_ok, state.count
-            )
-            return _mask_dead(mean, nu), nu, residual, server, message_bytes, wire
 
-        operands = (state.mu, state.nu, state.residual, state.server_residual, state.message_bytes)
-        mu, nu, residual, server, message_bytes, wire = vma.cond(
-            state.count < freeze_step, warm, compressed, operands
-        )
-        nu_count = jnp.minimum(count_inc, max(freeze_step, 1))
-        direction = _precondition(mu, nu, b1, b2, eps, count_inc, nu_count, bias_correction)
-        new_updates = _scale(_step_size(learning_rate, state.count), direction, updates)
+def _onebit_step(cfg: _OnebitAdamConfig, updates, state):
+    """One step of :func:`onebit_adam` on whole leaves: the warm-up or the compressed stage."""
+    V.check_state_type(state, OnebitAdamState, cfg.who)
+    _check_common(cfg.who, updates, state.mu, cfg.common.axis_name)
+    grads, finite, ok = apply_nonfinite_policy(updates, cfg.common.nonfinite)
+    g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
+    n_ok, ok_wire = _count_ok(cfg, ok)
+    count_inc = optax.safe_increment(state.count)
+    operands = (state.mu, state.nu, state.residual, state.server_residual, state.message_bytes)
+    mu, nu, residual, server, message_bytes, wire = vma.cond(
+        state.count < cfg.freeze_step,
+        functools.partial(_warm_up_step, cfg, grads, ok, n_ok),
+        functools.partial(_compressed_momentum_step, cfg, g, ok, n_ok, state.count),
+        operands,
+    )
+    nu_count = jnp.minimum(count_inc, max(cfg.freeze_step, 1))
+    direction = _precondition(
+        mu, nu, cfg.b1, cfg.b2, cfg.eps, count_inc, nu_count, cfg.bias_correction
+    )
+    new_updates = _scale(_step_size(cfg.learning_rate, state.count), direction, updates)
 
-        live = n_ok > 0  # some device contributed: else the step is dropped everywhere
-        new_state = OnebitAdamState(
-            count=jnp.where(live, count_inc, state.count),
-            mu=_where(live, mu, state.mu),
-            nu=_where(live, nu, state.nu),
-            residual=_where(live, residual, state.residual),
-            server_residual=_where(live, server, state.server_residual),  # None stays None
-            message_bytes=message_bytes,
-            wire_bytes=wire + ok_wire,
-            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
-        )
-        new_updates = _where(live, new_updates, _zeros_like_tree(new_updates))
-        return new_updates, new_state
+    live = n_ok > 0  # some device contributed: else the step is dropped everywhere
+    new_state = OnebitAdamState(
+        count=jnp.where(live, count_inc, state.count),
+        mu=_where(live, mu, state.mu),
+        nu=_where(live, nu, state.nu),
+        residual=_where(live, residual, state.residual),
+        server_residual=_where(live, server, state.server_residual),  # None stays None
+        message_bytes=message_bytes,
+        wire_bytes=wire + ok_wire,
+        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+    )
+    new_updates = _where(live, new_updates, _zeros_like_tree(new_updates))
+    return new_updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init, update)
+
+def _warm_up_step(cfg: _OnebitAdamConfig, grads, ok, n_ok, operands):
+    """Warm-up (``count < freeze_step``): Adam's moments from the dense mean gradient."""
+    mu, nu, residual, server, _ = operands
+    mean, wire = _dense_mean(cfg, grads, ok, n_ok, mu)
+    mu = optax.tree.update_moment(mean, mu, cfg.b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(mean, nu, cfg.b2, 2)
+    return mu, nu, residual, server, _leaf_bytes(grads), wire
+
+
+def _compressed_momentum_step(cfg: _OnebitAdamConfig, g, ok, n_ok, count, operands):
+    """Compression stage: ``m`` the 1-bit mean of the local momenta, ``v`` frozen."""
+    mu, nu, residual, server, message_bytes = operands
+    m_local = optax.tree.update_moment(g, mu, cfg.b1, 1)
+    mean, residual, server, message_bytes, wire = _compressed_mean(
+        cfg, m_local, residual, server, message_bytes, ok, n_ok, count
+    )
+    return _mask_dead(mean, nu), nu, residual, server, message_bytes, wire
 
 
 # ---------------------------------------------------------------------------
@@ -705,6 +831,22 @@ class ZeroOneAdamState(NamedTuple):
     message_bytes: Any
     wire_bytes: jax.Array
     nonfinite_steps: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ZeroOneAdamConfig(_AdamConfig):
+    """The validated static options of one :func:`zero_one_adam` transform."""
+
+    who: ClassVar[str] = "jaxcomp.zero_one_adam"
+    var_freeze_step: int  # the last step (t, from 1) that may update v
+    var_update_scaler: int  # variance updates per doubling of var_interval
+    local_step_scaler: int  # stage-2 steps per doubling of local_interval
+    local_step_clipper: int  # the largest local_interval
+
+    @property
+    def local_steps(self) -> bool:
+        """Whether stage 2 takes local steps between syncs (else every step syncs)."""
+        return self.local_step_clipper > 1
 
 
 def zero_one_adam(
@@ -823,9 +965,32 @@ def zero_one_adam(
       >>> int(state.nu_count)  # variance updated at steps 1 and 2
       2
     """
-    who = "jaxcomp.zero_one_adam"
-    learning_rate = _check_learning_rate(learning_rate)
-    b1, b2, eps = _check_betas_eps(b1, b2, eps)
+    hyperparameters = _check_hyperparameters(learning_rate, b1, b2, eps)
+    schedule = _check_zero_one_schedule(
+        var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
+    )
+    cfg = _make_config(
+        _ZeroOneAdamConfig,
+        hyperparameters,
+        schedule,
+        codec=codec,
+        bucket_size=bucket_size,
+        exchange=exchange,
+        bias_correction=bias_correction,
+        axis_name=axis_name,
+        min_dense_size=min_dense_size,
+        residual_dtype=residual_dtype,
+        nonfinite=nonfinite,
+    )
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(_zero_one_init, cfg), functools.partial(_zero_one_update, cfg)
+    )
+
+
+def _check_zero_one_schedule(
+    var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
+) -> dict:
+    """:func:`zero_one_adam`'s schedule, checked: the :class:`_ZeroOneAdamConfig` fields."""
     # var_freeze_step 0 would start stage 2 with no variance update (v = 0: NaN
     # through the bias correction 1 - b2^0, or no step without it).
     var_freeze_step = V.check_int("var_freeze_step", var_freeze_step, 1, 2**31 - 2)
@@ -839,205 +1004,248 @@ def zero_one_adam(
     local_step_clipper = V.check_int(
         "local_step_clipper", 16 if local_step_clipper is None else local_step_clipper, 1, 2**30
     )
-    quantizer = _codec(codec, bucket_size, exchange)
-    bias_correction = V.check_bool("bias_correction", bias_correction)
-    common = check_common_options(
-        axis_name=axis_name,
-        min_dense_size=min_dense_size,
-        residual_dtype=residual_dtype,
-        nonfinite=nonfinite,
+    return {
+        "var_freeze_step": var_freeze_step,
+        "var_update_scaler": var_update_scaler,
+        "local_step_scaler": local_step_scaler,
+        "local_step_clipper": local_step_clipper,
+    }
+
+
+def _zero_one_init(cfg: _ZeroOneAdamConfig, params) -> ZeroOneAdamState:
+    V.check_gradient_leaves(params, f"{cfg.who}.init", "parameter")
+    zeros = _moment_dtypes(params, cfg.common.residual_dtype)
+    i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
+    return ZeroOneAdamState(
+        count=i32(0),
+        mu=zeros,
+        nu=_zeros_like_tree(zeros),
+        nu_count=i32(0),
+        residual=_zeros_like_tree(zeros),
+        server_residual=_server_init(cfg, zeros),
+        accumulator=_zeros_like_tree(zeros),
+        lr_sum=jnp.zeros([], jnp.float32),
+        var_interval=i32(1),
+        var_counter=i32(0),
+        local_interval=i32(1),
+        local_counter=i32(0),
+        message_bytes=jax.tree.map(lambda _: i32(0), params),
+        wire_bytes=jnp.zeros([], jnp.float32),
+        nonfinite_steps=i32(0),
     )
-    min_dense_size, residual_dtype, nonfinite = (
-        common.min_dense_size,
-        common.residual_dtype,
-        common.nonfinite,
+
+
+def _zero_one_update(
+    cfg: _ZeroOneAdamConfig, updates, state, params=None, *, include=None, **extra_args
+):
+    del params, extra_args
+    _reject_include(cfg.who, include)
+    # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
+    # handled whole, as on one device (see jaxcomp._sharding).
+    return _sharding.whole_leaves(
+        functools.partial(_zero_one_step, cfg), fields=("mu", "nu", "residual", "accumulator")
+    )(updates, state)
+
+
+class _StepInputs(NamedTuple):
+    """What the branches of one 0/1 Adam step read besides the state (:func:`_zero_one_step`)."""
+
+    grads: Any  # after the non-finite policy, in the gradients' dtypes (the dense exchange)
+    g: Any  # grads in the moments' dtypes
+    ok: jax.Array  # bool: this device's gradients count (see apply_nonfinite_policy)
+    count: jax.Array  # int32, steps taken before this one
+    t: jax.Array  # int32, count + 1: this step's number
+    lr: Any  # the learning rate at count (float32 from a schedule)
+    lr32: jax.Array  # lr as float32, summed into lr_sum
+    no_message: Any  # int32 0 per leaf: message_bytes of a local step
+
+
+def _zero_one_step(cfg: _ZeroOneAdamConfig, updates, state):
+    """One step of :func:`zero_one_adam` on whole leaves: stage 1 or stage 2."""
+    V.check_state_type(state, ZeroOneAdamState, cfg.who)
+    _check_common(cfg.who, updates, state.mu, cfg.common.axis_name)
+    if cfg.local_steps and cfg.common.axis_name is not None and vma.probing_now():
+        # make_train_step is tracing tx to find un-averaged update leaves.
+        raise vma.ProbeError(
+            f"{cfg.who}: local steps (local_step_clipper={cfg.local_step_clipper} > 1) give "
+            "every device its own parameters between syncs, which replicated parameters cannot "
+            "hold. Train with jaxcomp.aggregation.make_gossip_train_step(..., "
+            "mix_params=False) (one replica per device), or set local_step_clipper=1."
+        )
+    grads, finite, ok = apply_nonfinite_policy(updates, cfg.common.nonfinite)
+    g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
+    t = optax.safe_increment(state.count)
+    lr = -_step_size(cfg.learning_rate, state.count)
+    inputs = _StepInputs(
+        grads=grads,
+        g=g,
+        ok=ok,
+        count=state.count,
+        t=t,
+        lr=lr,
+        lr32=jnp.asarray(lr, jnp.float32),
+        no_message=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), state.message_bytes),
     )
-    ex = _Exchange(quantizer, axis_name, nonfinite, min_dense_size, residual_dtype, exchange, codec)
-    local_steps = local_step_clipper > 1
+    upd, new, live = vma.cond(
+        t <= cfg.var_freeze_step,
+        functools.partial(_variance_stage, cfg, inputs),
+        functools.partial(_frozen_variance_stage, cfg, inputs),
+        state,
+    )
+    return _zero_one_result(state, new._replace(count=t), upd, updates, live, finite)
 
-    def init(params):
-        V.check_gradient_leaves(params, f"{who}.init", "parameter")
-        zeros = _moment_dtypes(params, residual_dtype)
-        i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
-        return ZeroOneAdamState(
-            count=i32(0),
-            mu=zeros,
-            nu=_zeros_like_tree(zeros),
-            nu_count=i32(0),
-            residual=_zeros_like_tree(zeros),
-            server_residual=ex.server_init(zeros),
-            accumulator=_zeros_like_tree(zeros),
-            lr_sum=jnp.zeros([], jnp.float32),
-            var_interval=i32(1),
-            var_counter=i32(0),
-            local_interval=i32(1),
-            local_counter=i32(0),
-            message_bytes=jax.tree.map(lambda _: i32(0), params),
-            wire_bytes=jnp.zeros([], jnp.float32),
-            nonfinite_steps=i32(0),
+
+def _zero_one_result(state, new, upd, updates, live, finite):
+    """The step's updates and new state (``new``, or ``state`` where not ``live``)."""
+    # A communicating step where no device had finite gradients is dropped
+    # everywhere (the devices agree on it, so their schedules stay aligned).
+    keep = ("message_bytes", "wire_bytes", "nonfinite_steps")
+    merged = ZeroOneAdamState(
+        *(
+            getattr(new, f) if f in keep else _where(live, getattr(new, f), getattr(state, f))
+            for f in ZeroOneAdamState._fields
         )
+    )
+    merged = merged._replace(nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
+    upd = _where(live, upd, _zeros_like_tree(upd))
+    upd = jax.tree.map(lambda u, x: u.astype(jnp.result_type(x)), upd, updates)
+    return upd, merged
 
-    def update(updates, state, params=None, *, include=None, **extra_args):
-        del params, extra_args
-        _reject_include(who, include)
-        # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
-        # handled whole, as on one device (see jaxcomp._sharding).
-        return _sharding.whole_leaves(
-            update_leaves, fields=("mu", "nu", "residual", "accumulator")
-        )(updates, state)
 
-    def update_leaves(updates, state):
-        V.check_state_type(state, ZeroOneAdamState, who)
-        _check_common(who, updates, state.mu, axis_name)
-        if local_steps and axis_name is not None and vma.probing_now():
-            # make_train_step is tracing tx to find un-averaged update leaves.
-            raise vma.ProbeError(
-                f"{who}: local steps (local_step_clipper={local_step_clipper} > 1) give every "
-                "device its own parameters between syncs, which replicated parameters cannot "
-                "hold. Train with jaxcomp.aggregation.make_gossip_train_step(..., "
-                "mix_params=False) (one replica per device), or set local_step_clipper=1."
-            )
-        grads, finite, ok = apply_nonfinite_policy(updates, nonfinite)
-        g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
-        t = optax.safe_increment(state.count)
-        lr = -_step_size(learning_rate, state.count)
-        lr32 = jnp.asarray(lr, jnp.float32)
-        zero_mb = jax.tree.map(lambda _: jnp.zeros([], jnp.int32), state.message_bytes)
+def _variance_stage(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, s):
+    """Stage 1 (``t <= var_freeze_step``): a dense variance step every
+    ``var_interval`` steps, a 1-bit gradient step in between.
 
-        def stage_one(s):
-            n_ok, ok_wire = ex.count_ok(ok)
-            is_var = t % s.var_interval == 0
+    Returns (updates, new state, whether some device contributed).
+    """
+    n_ok, ok_wire = _count_ok(cfg, inputs.ok)
+    is_var = inputs.t % s.var_interval == 0
+    mu, nu, nu_count, residual, server, message_bytes, wire = vma.cond(
+        is_var,
+        functools.partial(_dense_variance_step, cfg, inputs, n_ok),
+        functools.partial(_onebit_gradient_step, cfg, inputs, n_ok),
+        s,
+    )
+    direction = _precondition(
+        mu, nu, cfg.b1, cfg.b2, cfg.eps, inputs.t, nu_count, cfg.bias_correction
+    )
+    upd = jax.tree.map(lambda x: -inputs.lr * x, direction)
+    counter = s.var_counter + is_var.astype(jnp.int32)
+    wrap = counter == cfg.var_update_scaler
+    new = s._replace(
+        mu=mu,
+        nu=nu,
+        nu_count=nu_count,
+        residual=residual,
+        server_residual=server,
+        var_counter=jnp.where(wrap, 0, counter),
+        var_interval=jnp.where(wrap, s.var_interval * 2, s.var_interval),
+        message_bytes=message_bytes,
+        wire_bytes=wire + ok_wire,
+    )
+    return upd, new, n_ok > 0
 
-            def dense(s):
-                mean, wire = ex.dense_mean(grads, ok, n_ok, s.mu)
-                mu = optax.tree.update_moment(mean, s.mu, b1, 1)
-                nu = optax.tree.update_moment_per_elem_norm(mean, s.nu, b2, 2)
-                return (
-                    mu,
-                    nu,
-                    s.nu_count + 1,
-                    s.residual,
-                    s.server_residual,
-                    _leaf_bytes(grads),
-                    wire,
-                )
 
-            def onebit(s):
-                mean, residual, server, message_bytes, wire = ex.compressed_mean(
-                    g, s.residual, s.server_residual, s.message_bytes, ok, n_ok, state.count
-                )
-                mu = optax.tree.update_moment(_mask_dead(mean, s.nu), s.mu, b1, 1)
-                return mu, s.nu, s.nu_count, residual, server, message_bytes, wire
+def _dense_variance_step(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, n_ok, s):
+    """A variance step: ``m`` and ``v`` from the dense mean gradient."""
+    mean, wire = _dense_mean(cfg, inputs.grads, inputs.ok, n_ok, s.mu)
+    mu = optax.tree.update_moment(mean, s.mu, cfg.b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(mean, s.nu, cfg.b2, 2)
+    message_bytes = _leaf_bytes(inputs.grads)
+    return mu, nu, s.nu_count + 1, s.residual, s.server_residual, message_bytes, wire
 
-            mu, nu, nu_count, residual, server, message_bytes, wire = vma.cond(
-                is_var, dense, onebit, s
-            )
-            direction = _precondition(mu, nu, b1, b2, eps, t, nu_count, bias_correction)
-            upd = jax.tree.map(lambda x: -lr * x, direction)
-            counter = s.var_counter + is_var.astype(jnp.int32)
-            wrap = counter == var_update_scaler
-            new = s._replace(
-                mu=mu,
-                nu=nu,
-                nu_count=nu_count,
-                residual=residual,
-                server_residual=server,
-                var_counter=jnp.where(wrap, 0, counter),
-                var_interval=jnp.where(wrap, s.var_interval * 2, s.var_interval),
-                message_bytes=message_bytes,
-                wire_bytes=wire + ok_wire,
-            )
-            return upd, new, n_ok > 0
 
-        def stage_two(s):
-            # DeepSpeed resets the error buffers when stage 2 begins: they held
-            # gradient errors, from now on they hold accumulated-momentum errors.
-            first = t == var_freeze_step + 1
-            s = s._replace(
-                residual=_where(first, _zeros_like_tree(s.residual), s.residual),
-                server_residual=jax.tree.map(lambda x: jnp.where(first, 0, x), s.server_residual),
-            )
-            d = _denominator(s.nu, b2, eps, s.nu_count, bias_correction)
-            m_local = _where(ok, optax.tree.update_moment(g, s.mu, b1, 1), s.mu)
-            m_hat = optax.tree.bias_correction(m_local, b1, t) if bias_correction else m_local
-            step = jax.tree.map(lambda m, dd: jnp.where(ok, lr * m / dd, 0), m_hat, d)
-            lr_sum = s.lr_sum + lr32
+def _onebit_gradient_step(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, n_ok, s):
+    """Between variance steps: ``m`` from the 1-bit mean gradient, ``v`` left alone."""
+    mean, residual, server, message_bytes, wire = _compressed_mean(
+        cfg, inputs.g, s.residual, s.server_residual, s.message_bytes, inputs.ok, n_ok, inputs.count
+    )
+    mu = optax.tree.update_moment(_mask_dead(mean, s.nu), s.mu, cfg.b1, 1)
+    return mu, s.nu, s.nu_count, residual, server, message_bytes, wire
 
-            def local(s):
-                upd = jax.tree.map(jnp.negative, step)
-                acc = jax.tree.map(jnp.subtract, s.accumulator, step)
-                new = s._replace(
-                    mu=m_local,
-                    accumulator=acc,
-                    lr_sum=lr_sum,
-                    message_bytes=zero_mb,
-                    wire_bytes=jnp.zeros([], jnp.float32),
-                )
-                # One device (no axis): nobody else's schedule to keep aligned, drop the step.
-                return upd, new, ok if axis_name is None else jnp.bool_(True)
 
-            def sync(s):
-                n_ok, ok_wire = ex.count_ok(ok)
-                c_local = jax.tree.map(lambda a, st, dd: (a - st) * dd, s.accumulator, step, d)
-                c, residual, server, message_bytes, wire = ex.compressed_mean(
-                    c_local, s.residual, s.server_residual, s.message_bytes, ok, n_ok, state.count
-                )
-                c = _mask_dead(c, s.nu)
-                # Parameters stand at (last sync + accumulator): move them to
-                # last sync + c / d, the same point on every device.
-                upd = jax.tree.map(lambda cc, dd, a: cc / dd - a, c, d, s.accumulator)
-                scale = (1 - jnp.float32(b1) ** t) if bias_correction else jnp.float32(1)
-                # With lr_sum == 0 (a schedule at 0 since the last sync) the messages
-                # carried no momentum, only the error feedback, and -c / 0 was inf:
-                # the momentum stays this device's own, as after a local step.
-                moved = lr_sum != 0
-                divisor = jnp.where(moved, lr_sum, 1)
-                mu = jax.tree.map(
-                    lambda cc, ml: jnp.where(moved, -cc / divisor * scale, ml).astype(cc.dtype),
-                    c,
-                    m_local,
-                )
-                new = s._replace(
-                    mu=mu,
-                    residual=residual,
-                    server_residual=server,
-                    accumulator=_zeros_like_tree(s.accumulator),
-                    lr_sum=jnp.zeros([], jnp.float32),
-                    message_bytes=message_bytes,
-                    wire_bytes=wire + ok_wire,
-                )
-                return upd, new, n_ok > 0
+def _frozen_variance_stage(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, s):
+    """Stage 2 (``t > var_freeze_step``): ``v`` frozen; local steps, and a 1-bit
+    sync every ``local_interval`` steps.
 
-            if local_steps:
-                upd, new, live = vma.cond(t % s.local_interval == 0, sync, local, s)
-            else:
-                upd, new, live = sync(s)
-            counter = s.local_counter + 1
-            wrap = counter == local_step_scaler
-            new = new._replace(
-                local_counter=jnp.where(wrap, 0, counter),
-                local_interval=jnp.where(
-                    wrap, jnp.minimum(s.local_interval * 2, local_step_clipper), s.local_interval
-                ),
-            )
-            return upd, new, live
+    Returns (updates, new state, whether the step counts).
+    """
+    # DeepSpeed resets the error buffers when stage 2 begins: they held
+    # gradient errors, from now on they hold accumulated-momentum errors.
+    first = inputs.t == cfg.var_freeze_step + 1
+    s = s._replace(
+        residual=_where(first, _zeros_like_tree(s.residual), s.residual),
+        server_residual=jax.tree.map(lambda x: jnp.where(first, 0, x), s.server_residual),
+    )
+    d = _denominator(s.nu, cfg.b2, cfg.eps, s.nu_count, cfg.bias_correction)
+    m_local = _where(inputs.ok, optax.tree.update_moment(inputs.g, s.mu, cfg.b1, 1), s.mu)
+    m_hat = (
+        optax.tree.bias_correction(m_local, cfg.b1, inputs.t) if cfg.bias_correction else m_local
+    )
+    # lr * m_hat / d: this device's own Adam step (0 with non-finite gradients).
+    adam_step = jax.tree.map(lambda m, dd: jnp.where(inputs.ok, inputs.lr * m / dd, 0), m_hat, d)
+    lr_sum = s.lr_sum + inputs.lr32
+    sync = functools.partial(_sync_step, cfg, inputs, d, m_local, adam_step, lr_sum)
+    if cfg.local_steps:
+        local = functools.partial(_local_step, cfg, inputs, m_local, adam_step, lr_sum)
+        upd, new, live = vma.cond(inputs.t % s.local_interval == 0, sync, local, s)
+    else:
+        upd, new, live = sync(s)
+    counter = s.local_counter + 1
+    wrap = counter == cfg.local_step_scaler
+    new = new._replace(
+        local_counter=jnp.where(wrap, 0, counter),
+        local_interval=jnp.where(
+            wrap, jnp.minimum(s.local_interval * 2, cfg.local_step_clipper), s.local_interval
+        ),
+    )
+    return upd, new, live
 
-        upd, new, live = vma.cond(t <= var_freeze_step, stage_one, stage_two, state)
-        new = new._replace(count=t)
-        # A communicating step where no device had finite gradients is dropped
-        # everywhere (the devices agree on it, so their schedules stay aligned).
-        keep = ("message_bytes", "wire_bytes", "nonfinite_steps")
-        merged = ZeroOneAdamState(
-            *(
-                getattr(new, f) if f in keep else _where(live, getattr(new, f), getattr(state, f))
-                for f in ZeroOneAdamState._fields
-            )
-        )
-        merged = merged._replace(
-            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32)
-        )
-        upd = _where(live, upd, _zeros_like_tree(upd))
-        upd = jax.tree.map(lambda u, x: u.astype(jnp.result_type(x)), upd, updates)
-        return upd, merged
 
-    return optax.GradientTransformationExtraArgs(init, update)
+def _local_step(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, m_local, adam_step, lr_sum, s):
+    """A local step: this device's own Adam step, accumulated until the next sync."""
+    upd = jax.tree.map(jnp.negative, adam_step)
+    acc = jax.tree.map(jnp.subtract, s.accumulator, adam_step)
+    new = s._replace(
+        mu=m_local,
+        accumulator=acc,
+        lr_sum=lr_sum,
+        message_bytes=inputs.no_message,
+        wire_bytes=jnp.zeros([], jnp.float32),
+    )
+    # One device (no axis): nobody else's schedule to keep aligned, drop the step.
+    return upd, new, inputs.ok if cfg.common.axis_name is None else jnp.bool_(True)
+
+
+def _sync_step(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, d, m_local, adam_step, lr_sum, s):
+    """A sync: the 1-bit mean of the accumulated momenta moves every device to the same point."""
+    n_ok, ok_wire = _count_ok(cfg, inputs.ok)
+    c_local = jax.tree.map(lambda a, st, dd: (a - st) * dd, s.accumulator, adam_step, d)
+    c, residual, server, message_bytes, wire = _compressed_mean(
+        cfg, c_local, s.residual, s.server_residual, s.message_bytes, inputs.ok, n_ok, inputs.count
+    )
+    c = _mask_dead(c, s.nu)
+    # Parameters stand at (last sync + accumulator): move them to
+    # last sync + c / d, the same point on every device.
+    upd = jax.tree.map(lambda cc, dd, a: cc / dd - a, c, d, s.accumulator)
+    scale = (1 - jnp.float32(cfg.b1) ** inputs.t) if cfg.bias_correction else jnp.float32(1)
+    # With lr_sum == 0 (a schedule at 0 since the last sync) the messages
+    # carried no momentum, only the error feedback, and -c / 0 was inf:
+    # the momentum stays this device's own, as after a local step.
+    moved = lr_sum != 0
+    divisor = jnp.where(moved, lr_sum, 1)
+    mu = jax.tree.map(
+        lambda cc, ml: jnp.where(moved, -cc / divisor * scale, ml).astype(cc.dtype),
+        c,
+        m_local,
+    )
+    new = s._replace(
+        mu=mu,
+        residual=residual,
+        server_residual=server,
+        accumulator=_zeros_like_tree(s.accumulator),
+        lr_sum=jnp.zeros([], jnp.float32),
+        message_bytes=message_bytes,
+        wire_bytes=wire + ok_wire,
+    )
+    return upd, new, n_ok > 0
