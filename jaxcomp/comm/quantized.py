@@ -7,16 +7,51 @@ per leaf: the messages of all leaves travel in one buffer per dtype, and one
 collective per buffer, so the collectives of a step do not grow with the
 number of leaves:
 
-- ``"allgather"``: every device decodes all ``N`` messages and averages them
-  in device order (:func:`_mean_of_messages`: a ``lax.scan`` adding one
-  device's decoded messages per step, in the accumulation dtype);
-- ``"allreduce"``: each leaf cut into ``N`` chunk messages, reduce-scattered
-  by ``all_to_all``, averaged, encoded again and all-gathered;
-- ``"server"``: device 0 decodes and averages, and sends the dense mean back;
-- ``"gossip"``: each device mixes its own and its two ring neighbours'
-  decoded messages (decentralized, not an average);
-- ``"majority"``: the sign of the devices' summed sign votes, times their
-  mean magnitude.
+- ``"allgather"``: the packed codes and the scales are all-gathered; every
+  device decodes all ``N`` messages and averages them in device order (a
+  ``lax.scan`` adding one device's decoded messages per step in the
+  accumulation dtype, :func:`_mean_of_messages`), so all devices get
+  bit-identical updates.
+- ``"server"``: a parameter server (device 0) receives every message,
+  decodes and averages them in device order and sends the dense mean back
+  (:func:`jaxcomp.comm.server_mean`'s pattern; bytes per worker link: its
+  message plus the dense pull; ``N - 1`` single-pair ppermutes per buffer
+  each way).
+- ``"gossip"``: decentralized, not an average: each device sends its message
+  to its two ring neighbours and its update is the mix (1/3 each) of its own
+  and their decoded messages (:func:`jaxcomp.comm.gossip_mean`'s ring),
+  different per device; two messages on the wire, one ppermute per buffer
+  and direction.
+- ``"allreduce"``: a compressed all-reduce whose bytes scale like a ring
+  all-reduce's: the leaf is cut into ``N`` chunks, each encoded as its own
+  message; an all-to-all gives device ``j`` chunk ``j`` of every device
+  (row ``j`` of the buffers holds chunk ``j`` of every leaf), which it
+  decodes, averages (in the accumulation dtype) and encodes again; an
+  all-gather of the ``N`` re-encoded mean chunks gives every device the
+  update. ``2 (N - 1)`` chunk messages per device, about ``2 (N-1)/N``
+  messages against the all-gather's ``N - 1``. The last chunk is zero-padded
+  to the common length and its codec sees the zeros (a sign codec's last
+  bucket counts them in ``||x||_1 / d``; elementwise codecs, casts and
+  natural compression, are unaffected). The mean is quantized a second
+  time: a cast rounds the float32 mean to 16 bits once more (as the DDP
+  hooks' result is 16-bit), a randomized codec draws again (still unbiased).
+- ``"majority"`` (sign codecs only; signSGD with majority vote, Bernstein et
+  al. 2018): the messages are all-gathered as for ``"allgather"`` (same
+  bytes) but aggregated by vote: per coordinate ``sign(sum_d sign(S_d))``, a
+  tie giving 0, times the mean ``|S_d|`` over the devices that voted (a
+  device that sends nothing abstains). For unit signs (Signum) that is
+  exactly ``+-1`` or 0; for scaled signs, the majority sign at the devices'
+  mean scale. Leaves sent dense are all-gathered and voted on the same way,
+  with their full-precision values.
+
+The leaves are decoded from their slices of the buffers (those of one size
+together, by one vmapped decoder) and averaged (or voted on) in one loop over
+the devices; the results are those of exchanging each leaf on its own, bit
+for bit (compiled as the tests compile; at XLA:CPU's default backend
+optimisation, which contracts ``a * b + c`` into FMAs kernel by kernel, a
+gossip mix can round a few ulp apart: seen for a dense scalar leaf and for
+the cast codec). With ``include=`` (backup workers) the included-device
+count (a float32) is all-reduced once per buffer, not once per leaf.
 
 :func:`exchange_leaves` is the entry point: it takes each leaf's
 :class:`Encoded` (this device's half of the step) and returns the updates,

@@ -214,59 +214,20 @@ def quantize(
         packed codes and the scales are all-gathered, every device decodes all
         ``N`` messages and averages them (in device order, so all devices get
         bit-identical updates). ``None``: return the local decoded update.
-      exchange: ``"allgather"`` (above) or ``"server"``: a parameter server
-        (device 0) receives every message, decodes and averages them in
-        device order and sends the dense mean back
-        (:func:`jaxcomp.comm.server_mean`'s pattern; bytes per worker link:
-        its message plus the dense pull). No ``include=`` with the server.
-        ``"gossip"``: decentralized, not an average: each device sends its
-        message to its two ring neighbours and its update is the mix (1/3
-        each) of its own and their decoded messages
-        (:func:`jaxcomp.comm.gossip_mean`'s ring), different per device; two
-        messages on the wire. Train with
-        :func:`jaxcomp.aggregation.make_gossip_train_step` (``make_train_step``
-        rejects it); no ``include=``.
-        ``"allreduce"``: a compressed all-reduce whose bytes scale like a
-        ring all-reduce's: the leaf is cut into ``N`` chunks, each encoded as
-        its own message (``message_bytes``: the ``N`` chunk messages); an
-        all-to-all gives device ``j`` chunk ``j`` of every device, which it
-        decodes, averages (in ``accumulation_dtype``) and encodes again; an
-        all-gather of the ``N`` re-encoded mean chunks gives every device the
-        update. ``2 (N - 1)`` chunk messages per device, about ``2 (N-1)/N``
-        messages against the all-gather's ``N - 1``. The last chunk is
-        zero-padded to the common length and its codec sees the zeros (a
-        sign codec's last bucket counts them in ``||x||_1 / d``; elementwise
-        codecs, casts and natural compression, are unaffected). The mean is
-        quantized a second time: a cast rounds the float32 mean to 16 bits
-        once more (as the DDP hooks' result is 16-bit), a randomized codec
-        draws again (still unbiased). No ``keep_message``.
-        ``"majority"`` (sign codecs only, ``quantizer.signs``; signSGD with
-        majority vote, Bernstein et al. 2018): the messages are all-gathered
-        as for ``"allgather"`` (same bytes) but aggregated by vote, not
-        averaged: per coordinate ``sign(sum_d sign(S_d))``, a tie giving 0,
-        times the mean ``|S_d|`` over the devices that voted (a device that
-        sends nothing abstains). For unit signs (Signum) that is exactly
-        ``+-1`` or 0; for scaled signs, the majority sign at the devices'
-        mean scale. Leaves sent dense (``min_dense_size``) are all-gathered
-        and voted on the same way, with their full-precision values.
-        ``include=`` works (a left-out device abstains).
-        Every exchange moves all leaves of a step together: the messages of
-        all leaves are concatenated into one buffer per dtype (the packed
-        codes, the scales), the leaves sent dense into one buffer per
-        dtype, and each buffer travels in one collective (the server's push
-        and pull: ``N - 1`` single-pair ppermutes per buffer; gossip: one
-        ppermute per buffer and direction; ``"allreduce"``: one all-to-all
-        and one all-gather per buffer, row ``j`` holding chunk ``j`` of
-        every leaf), so the collectives per step do not grow with the
-        number of leaves. The leaves are decoded from their slices (those of
-        one size together) and averaged (or voted on) in one loop over the
-        devices; the results are those of exchanging each leaf on its own,
-        bit for bit (compiled as the tests compile; at XLA:CPU's default
-        backend optimisation, which contracts ``a * b + c`` into FMAs kernel
-        by kernel, a gossip mix can round a few ulp apart: seen for a dense
-        scalar leaf and for the cast codec). With ``include=`` the
-        included-device count (a float32) is all-reduced once per buffer,
-        not once per leaf, and counted so in ``wire_bytes``.
+      exchange: one of :data:`jaxcomp.comm.quantized.QUANTIZER_EXCHANGES`
+        (:mod:`jaxcomp.comm.quantized` describes each): ``"allgather"``
+        (above); ``"server"`` (device 0 decodes, averages and sends the dense
+        mean back; no ``include=``); ``"gossip"`` (each device mixes its own
+        and its two ring neighbours' decoded messages: decentralized, train
+        with :func:`jaxcomp.aggregation.make_gossip_train_step`; no
+        ``include=``); ``"allreduce"`` (a compressed all-reduce of ``N``
+        chunk messages per leaf, bytes like a ring all-reduce's, the mean
+        quantized a second time; no ``keep_message``); or ``"majority"``
+        (sign codecs only, ``quantizer.signs``: signSGD with majority vote).
+        Every exchange moves all leaves of a step together, one collective
+        per buffer, with the results of exchanging each leaf on its own, bit
+        for bit; with ``include=`` the included-device count (a float32) is
+        all-reduced once per buffer and counted so in ``wire_bytes``.
       error_feedback: keep ``residual = R - decoded`` and add it to the next
         gradient (1-bit SGD, EF-signSGD). ``False``: send the quantized
         gradient itself (unbiased QSGD, signSGD); no residual is allocated
@@ -328,47 +289,20 @@ def quantize(
       >>> u["w"].tolist(), state.residual["w"].tolist()
       ([1.5, -1.5, 1.5, 1.5], [-0.5, -1.5, 0.5, -1.5])
     """
-    if not isinstance(quantizer, Quantizer):
-        raise ValueError(f"quantizer must be a Quantizer, got {quantizer!r}")
-    error_feedback = V.check_bool("error_feedback", error_feedback)
-    common = check_common_options(
-        axis_name=axis_name,
-        min_dense_size=min_dense_size,
-        residual_dtype=residual_dtype,
-        nonfinite=nonfinite,
-        seed=seed,
-    )
-    exchange = V.check_choice("exchange", exchange, QUANTIZER_EXCHANGES + VOTE_EXCHANGES)
-    if exchange in VOTE_EXCHANGES and not quantizer.signs:
-        raise ValueError(
-            f"exchange={exchange!r} votes with signs: it needs a sign codec "
-            f"(Quantizer.signs, e.g. sign_quantizer), got {quantizer.name}"
-        )
-    acc_dtype = jnp.dtype(
-        jnp.float32
-        if accumulation_dtype is None
-        else V.check_float_dtype("accumulation_dtype", accumulation_dtype)
-    )
-    if acc_dtype == jnp.float64 and not jax.config.jax_enable_x64:
-        raise ValueError("accumulation_dtype=float64 needs jax_enable_x64")
-    keep_message = V.check_bool("keep_message", keep_message)
-    if keep_message and exchange == "allreduce":
-        raise ValueError(
-            "keep_message=True is for one message per leaf; exchange='allreduce' sends N "
-            "chunk messages (use exchange='allgather' to measure messages)"
-        )
-    with_momentum = momentum is not None
-    if with_momentum:
-        momentum = V.check_real("momentum", momentum, 0.0, 1.0, high_open=True, allow_traced=True)
-    cfg = _Config(
-        exchange=QuantizedExchange(quantizer, axis_name, exchange, acc_dtype, error_feedback),
-        common=common,
+    cfg = _make_config(
+        quantizer,
+        check_common_options(
+            axis_name=axis_name,
+            min_dense_size=min_dense_size,
+            residual_dtype=residual_dtype,
+            nonfinite=nonfinite,
+            seed=seed,
+        ),
+        exchange=exchange,
+        error_feedback=error_feedback,
         keep_message=keep_message,
         momentum=momentum,
-        # A JAX-array momentum (injected hyperparameter) keeps a velocity even when 0.
-        use_velocity=with_momentum and (V.is_dynamic(momentum) or momentum > 0),
-        state_type=MomentumQuantizeState if with_momentum else QuantizeState,
-        merge_leaves=_MERGE_LEAVES,
+        accumulation_dtype=accumulation_dtype,
     )
 
     def update(updates, state, params=None, *, include=None, **extra_args):
@@ -396,6 +330,56 @@ class _Config:
     @property
     def error_feedback(self) -> bool:
         return self.exchange.error_feedback
+
+
+def _make_config(
+    quantizer,
+    common: CommonOptions,
+    *,
+    exchange,
+    error_feedback,
+    keep_message,
+    momentum,
+    accumulation_dtype,
+) -> _Config:
+    """Validates :func:`quantize`'s arguments (each error names its argument)."""
+    if not isinstance(quantizer, Quantizer):
+        raise ValueError(f"quantizer must be a Quantizer, got {quantizer!r}")
+    error_feedback = V.check_bool("error_feedback", error_feedback)
+    exchange = V.check_choice("exchange", exchange, QUANTIZER_EXCHANGES + VOTE_EXCHANGES)
+    if exchange in VOTE_EXCHANGES and not quantizer.signs:
+        raise ValueError(
+            f"exchange={exchange!r} votes with signs: it needs a sign codec "
+            f"(Quantizer.signs, e.g. sign_quantizer), got {quantizer.name}"
+        )
+    acc_dtype = jnp.dtype(
+        jnp.float32
+        if accumulation_dtype is None
+        else V.check_float_dtype("accumulation_dtype", accumulation_dtype)
+    )
+    if acc_dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("accumulation_dtype=float64 needs jax_enable_x64")
+    keep_message = V.check_bool("keep_message", keep_message)
+    if keep_message and exchange == "allreduce":
+        raise ValueError(
+            "keep_message=True is for one message per leaf; exchange='allreduce' sends N "
+            "chunk messages (use exchange='allgather' to measure messages)"
+        )
+    with_momentum = momentum is not None
+    if with_momentum:
+        momentum = V.check_real("momentum", momentum, 0.0, 1.0, high_open=True, allow_traced=True)
+    return _Config(
+        exchange=QuantizedExchange(
+            quantizer, common.axis_name, exchange, acc_dtype, error_feedback
+        ),
+        common=common,
+        keep_message=keep_message,
+        momentum=momentum,
+        # A JAX-array momentum (injected hyperparameter) keeps a velocity even when 0.
+        use_velocity=with_momentum and (V.is_dynamic(momentum) or momentum > 0),
+        state_type=MomentumQuantizeState if with_momentum else QuantizeState,
+        merge_leaves=_MERGE_LEAVES,
+    )
 
 
 def _init(cfg: _Config, params) -> QuantizeState | MomentumQuantizeState:
