@@ -59,7 +59,7 @@ import numpy as np  # noqa: E402
 from experiments import jsonio  # noqa: E402
 from experiments.timing import environment  # noqa: E402
 from jaxcomp import coding  # noqa: E402
-from jaxcomp.transforms.quantize import (  # noqa: E402
+from jaxcomp.quantization import (  # noqa: E402
     cast_quantizer,
     message_nbytes,
     natural_dithering_quantizer,

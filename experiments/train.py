@@ -62,8 +62,8 @@ from experiments import data as data_lib
 from experiments import jsonio, models, timing
 from jaxcomp import cssgd, planning
 from jaxcomp import sampling as sampling_lib
-from jaxcomp.transforms.quantize import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
-from jaxcomp.transforms.quantize import qsgd_levels
+from jaxcomp.comm.quantized import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
+from jaxcomp.quantization import qsgd_levels
 
 __all__ = [
     "CODED_EXCHANGES",

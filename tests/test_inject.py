@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jaxcomp
-from jaxcomp.transforms.quantize import sign_quantizer
+from jaxcomp.quantization import sign_quantizer
 
 RATIO = 0.05
 

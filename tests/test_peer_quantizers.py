@@ -26,17 +26,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp.transforms.quantize import (
+from jaxcomp.quantization import (
     cast_quantizer,
     message_nbytes,
     natural_dithering_quantizer,
     natural_quantizer,
     qsgd_quantizer,
-    quantize,
     sign_quantizer,
     terngrad_quantizer,
     unpack_codes,
 )
+from jaxcomp.transforms.quantize import quantize
 
 T = 4000
 N_DEV = 8

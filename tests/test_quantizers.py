@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp.comm import collectives
-from jaxcomp.transforms.quantize import (
+from jaxcomp.quantization import (
     bounded_sign_quantizer,
     message_nbytes,
     pack_codes,

@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxcomp import _validation as V
 from jaxcomp.coding import wire
+from jaxcomp.quantization import qsgd_bits, unpack_codes
 
 __all__ = ["coded_message_bytes", "qsgd_message_bits", "qsgd_message_fields"]
 
@@ -73,8 +74,6 @@ def qsgd_message_fields(codes, scales, n: int, *, s: int, bucket_size: int | Non
       >>> levels.tolist(), signs.tolist()[:4], scales.tolist()  # |x| / ||bucket|| * s
       ([2, 2, 2, 2, 4, 0, 0, 0], [False, True, False, False], [2.0, 2.0])
     """
-    from jaxcomp.transforms.quantize import qsgd_bits, unpack_codes  # noqa: PLC0415
-
     s = _check_s(s)
     n = V.check_int("n", n, 0)  # 3.7 is no length
     bucket_size = V.check_int("bucket_size", bucket_size, 1, allow_none=True)

@@ -1,5 +1,6 @@
 """Optax gradient transformations: the compressors users call."""
 
+from jaxcomp.quantization import Quantizer
 from jaxcomp.transforms.adam import (
     OnebitAdamState,
     ZeroOneAdamState,
@@ -8,7 +9,7 @@ from jaxcomp.transforms.adam import (
 )
 from jaxcomp.transforms.powersgd import PowerSGDState, powersgd
 from jaxcomp.transforms.qsvrg import qsvrg
-from jaxcomp.transforms.quantize import MomentumQuantizeState, Quantizer, QuantizeState, quantize
+from jaxcomp.transforms.quantize import MomentumQuantizeState, QuantizeState, quantize
 from jaxcomp.transforms.quantizers import (
     bounded_sign,
     cast,

@@ -39,7 +39,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
 from jaxcomp.comm import collectives
-from jaxcomp.transforms.quantize import qsgd_levels, qsgd_quantizer, quantize
+from jaxcomp.quantization import qsgd_levels, qsgd_quantizer
+from jaxcomp.transforms.quantize import quantize
 
 __all__ = ["make_qsvrg_epoch", "qsvrg"]
 
@@ -63,7 +64,7 @@ def qsvrg(
     snapshot, ``full_grad`` the full gradient at the snapshot averaged over
     all devices (the same on every device; exchanged dense once per epoch,
     which :func:`make_qsvrg_epoch` does). The variance-reduced gradient is
-    quantized with QSGD's codec (:func:`jaxcomp.transforms.quantize.qsgd_quantizer`,
+    quantized with QSGD's codec (:func:`jaxcomp.quantization.qsgd_quantizer`,
     unbiased, no error feedback) and exchanged by
     :func:`jaxcomp.transforms.quantize.quantize` (all-gather of the packed
     messages, identical mean on every device). ``include`` (optional bool

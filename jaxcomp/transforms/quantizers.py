@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp import _validation as V
-from jaxcomp.transforms.quantize import (
+from jaxcomp.quantization import (
     bounded_sign_quantizer,
     cast_quantizer,
     natural_dithering_quantizer,
@@ -40,10 +40,10 @@ from jaxcomp.transforms.quantize import (
     onebit_quantizer,
     qsgd_levels,
     qsgd_quantizer,
-    quantize,
     sign_quantizer,
     terngrad_quantizer,
 )
+from jaxcomp.transforms.quantize import quantize
 
 __all__ = [
     "bounded_sign",
@@ -77,7 +77,7 @@ def qsgd(
 ) -> _Tx:
     """QSGD (Alistarh et al., 2017): unbiased stochastic quantization with ``s`` levels.
 
-    See :func:`jaxcomp.transforms.quantize.qsgd_quantizer` for the formula and
+    See :func:`jaxcomp.quantization.qsgd_quantizer` for the formula and
     the wire format. "b-bit" means what the paper means: ``s = 2**b`` levels,
     the sign apart (its "4-bit, bucket 512" has variance factor
     ``sqrt(512) / 2**4 = 1.41``). The paper's settings: ``bits=2,
@@ -149,7 +149,7 @@ def onebit(
     the non-negative values and ``-`` to the mean of the negative ones (the
     squared-error-optimal reconstruction for that split); what is not sent
     stays in the residual. See
-    :func:`jaxcomp.transforms.quantize.onebit_quantizer`.
+    :func:`jaxcomp.quantization.onebit_quantizer`.
 
     Example:
       >>> import jax.numpy as jnp, jaxcomp
@@ -185,7 +185,7 @@ def sign_sgd(
     """Scaled signSGD: ``C[x] = (||x||_1 / d) * sign(x)``, no error feedback.
 
     The patent's 1-bit compressor (docs/algorithms.md section 6); zeros are sent
-    as ``+``. See :func:`jaxcomp.transforms.quantize.sign_quantizer`.
+    as ``+``. See :func:`jaxcomp.quantization.sign_quantizer`.
 
     Example:
       >>> import jax.numpy as jnp, jaxcomp
@@ -261,7 +261,7 @@ def bounded_sign(
     The scale is clipped into the interval where ``||C[x] - x||_2 <=
     error_bound * ||x||_2`` (exactly: the error is a quadratic in the
     scale), or set to the error-minimising ``||x||_1 / d`` when no scale meets
-    the bound. See :func:`jaxcomp.transforms.quantize.bounded_sign_quantizer`.
+    the bound. See :func:`jaxcomp.quantization.bounded_sign_quantizer`.
 
     Args:
       lam: ``0 < lambda < 1``, the factor on the L2 scale (traceable).
@@ -309,7 +309,7 @@ def terngrad(
 
     Each coordinate becomes ``s * sign(g_i) * b_i`` with ``s = max|g|`` of its
     layer (or bucket) and ``b_i ~ Bernoulli(|g_i| / s)``: ``E[update] = g``.
-    See :func:`jaxcomp.transforms.quantize.terngrad_quantizer`.
+    See :func:`jaxcomp.quantization.terngrad_quantizer`.
 
     Args:
       clip: the paper's gradient clipping, ``|g_i| <= clip * sigma`` with
@@ -362,12 +362,12 @@ def natural_compression(
     to one of the two powers of two around it, sign kept, so ``E[update] =
     g`` and the variance is at most ``g^2 / 8``; 9 bits per value on the wire
     (sign + float32 exponent). See
-    :func:`jaxcomp.transforms.quantize.natural_quantizer`.
+    :func:`jaxcomp.quantization.natural_quantizer`.
 
     ``levels=s``: natural dithering ``C_nd`` from the same paper, QSGD with
     the levels ``{0, 2^(1-s), ..., 1/2, 1}`` of the bucket's norm (``norm``,
     ``bucket_size``); ``1 + ceil(log2(s + 1))`` bits per value. See
-    :func:`jaxcomp.transforms.quantize.natural_dithering_quantizer`.
+    :func:`jaxcomp.quantization.natural_dithering_quantizer`.
 
     Args:
       levels: None (natural compression) or ``s`` in [1, 126] (natural
@@ -502,7 +502,7 @@ def cast(
     bit: ``update + residual == gradient + old residual`` exactly (float32
     residual). Values beyond float16's range (``|x| >= 65520``) never become
     inf: the leaf is scaled by a power of two that the message carries (see
-    :func:`jaxcomp.transforms.quantize.cast_quantizer`).
+    :func:`jaxcomp.quantization.cast_quantizer`).
 
     Args:
       dtype: ``jnp.bfloat16`` (default) or ``jnp.float16``.
