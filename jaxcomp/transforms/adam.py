@@ -15,10 +15,10 @@ that is compressed with error feedback. 0/1 Adam (Lu et al., 2022) updates
 ``v`` on an exponentially sparser schedule instead of a fixed warm-up, and
 adds local steps that skip the synchronisation.
 
-Both reuse jaxcomp's 1-bit codecs (:func:`jaxcomp.transforms.quantize.sign_quantizer`,
+Both reuse jaxcomp's 1-bit codecs (:func:`jaxcomp.quantization.sign_quantizer`,
 ``||x||_1 / d * sign(x)`` per bucket, by default; ``||x||_2 / sqrt(d) *
 sign(x)``, DeepSpeed's, with ``codec="sign_l2"``; or
-:func:`jaxcomp.transforms.quantize.onebit_quantizer`) and offer two exchanges:
+:func:`jaxcomp.quantization.onebit_quantizer`) and offer two exchanges:
 
 - ``exchange="allgather"`` (default), *single-stage*: every device
   all-gathers the ``N`` 1-bit messages (through
@@ -80,18 +80,14 @@ from jaxcomp import _validation as V
 from jaxcomp import _vma as vma
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
+from jaxcomp.quantization import onebit_quantizer, sign_quantizer
 from jaxcomp.transforms.base import (
     CommonOptions,
     apply_nonfinite_policy,
     check_common_options,
     resolve_residual_dtype,
 )
-from jaxcomp.transforms.quantize import (
-    QuantizeState,
-    onebit_quantizer,
-    quantize,
-    sign_quantizer,
-)
+from jaxcomp.transforms.quantize import QuantizeState, quantize
 
 __all__ = [
     "ADAM_CODECS",
