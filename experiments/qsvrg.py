@@ -5,7 +5,7 @@ convex) on synthetic data split over every device (8 simulated CPU devices by
 default; ``--num_devices`` takes fewer); the exact
 optimum comes from numpy (``(A^T A / M + lam I) w = A^T y / M``). Both methods
 use the same QSGD codec, step size, sampler and epoch length
-(:func:`jaxcomp.transforms.qsvrg.make_qsvrg_epoch`): QSVRG with an unquantized
+(:func:`jaxcomp.distributed.make_qsvrg_epoch`): QSVRG with an unquantized
 full gradient per epoch, the baseline (``variance_reduced=False``) plain
 quantized SGD. Log suboptimality against epochs is a straight line for QSVRG
 (linear rate) and flattens at a noise floor for quantized SGD::
@@ -35,7 +35,8 @@ from absl import app, flags  # noqa: E402
 
 from experiments import jsonio  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
-from jaxcomp.transforms.qsvrg import make_qsvrg_epoch, qsvrg  # noqa: E402
+from jaxcomp.distributed import make_qsvrg_epoch  # noqa: E402
+from jaxcomp.transforms.qsvrg import qsvrg  # noqa: E402
 
 __all__ = ["ridge_problem", "run", "write"]
 

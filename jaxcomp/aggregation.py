@@ -544,11 +544,11 @@ def _make_replica_step(
             local_lib.check_no_local_branch_around_exchange(
                 tx, grads, state, params, extra, axis_name, who
             )
-        inner_run_bytes = distributed.inner_run_wire_bytes(tx, grads, state, params, extra)
+        inner_run_bytes = distributed.step.inner_run_wire_bytes(tx, grads, state, params, extra)
         updates, state = tx.update(grads, state, params, **extra)
         # make_train_step's count: under optax.MultiSteps every mini-step that ran the
         # inner update sent its exchange.
-        wire = distributed.wire_bytes_total(state, inner_run_bytes)
+        wire = distributed.step.wire_bytes_total(state, inner_run_bytes)
         wire = jnp.float32(0) if wire is None else wire
         base = params
         if mix_weights is not None:

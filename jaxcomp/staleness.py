@@ -71,15 +71,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
 from jaxcomp._vma import axis_name_tuple
-from jaxcomp.distributed import (
+from jaxcomp.distributed.grads import per_device_value_and_grad
+from jaxcomp.distributed.placement import param_layout, replicate
+from jaxcomp.distributed.step import (
     UNEXCHANGED,
     check_averaged_stay_identical,
     check_stacked_state,
     init_opt_state,
     mean_leaves,
-    param_layout,
-    per_device_value_and_grad,
-    replicate,
     unexchanged_paths,
     wire_bytes_total,
 )

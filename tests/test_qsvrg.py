@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import distributed as dist
-from jaxcomp.transforms.qsvrg import make_qsvrg_epoch, qsvrg
+from jaxcomp.distributed import make_qsvrg_epoch
+from jaxcomp.transforms.qsvrg import qsvrg
 
 N = 8
 FINE = 2**22  # QSGD levels fine enough that Q(v) equals v to ~1e-6 relative
