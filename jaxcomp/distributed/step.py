@@ -12,10 +12,12 @@ once that the averaged leaves stay identical (:func:`check_averaged_stay_identic
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.extend
@@ -531,139 +533,19 @@ def make_train_step(
     """
     if unexchanged not in UNEXCHANGED:
         raise ValueError(f"unexchanged must be one of {UNEXCHANGED}, got {unexchanged!r}")
-    overlap = V.check_bool("overlap", overlap)
-    communicate = V.check_bool("communicate", communicate)
-    value_and_grad = per_device_value_and_grad(loss_fn, axis_name, has_aux=has_aux or mutable)
-
-    def value_and_grad_with_carriers(fun):
-        # d/d(params, carriers) with per-device gradients (see per_device_value_and_grad).
-        vg = jax.value_and_grad(fun, argnums=(0, 1), has_aux=has_aux or mutable)
-        return lambda params, *args, **kw: vg(to_varying(params, axis_name), *args, **kw)
-
-    overlapped = overlap_lib.value_and_compressed_grad(value_and_grad_with_carriers, tx, axis_name)
-    model_axes = tuple(a for a in mesh.axis_names if a not in axis_name_tuple(axis_name))
-    if overlap and (model_axes or fsdp_specs(param_specs, axis_name)):
-        raise ValueError(
-            "make_train_step(overlap=True) works with replicated parameters on a mesh with the "
-            f"data axis only; this mesh has {mesh.axis_names} and param_specs {param_specs} "
-            "(compress after the backward pass with model axes or FSDP)"
-        )
-    n_model_devices = int(np.prod([mesh.shape[a] for a in model_axes]))
-    if model_axes and getattr(tx.update, "sharded_compressor", None) is not None:
-        raise ValueError(
-            "make_train_step: sharded_optimizer (FSDP) on a mesh with model axes "
-            f"{model_axes} is not supported; use optax.chain(compressor, optimizer) there"
-        )
-
-    def step(params, opt_state, batch, model_state, rng, update_args, dense_paths, layout):
-        state = jax.tree.map(lambda x: x[0], opt_state)
-        extra = jax.tree.map(lambda x: x[0], update_args)
-        # Backup workers: what the step averages itself counts the included devices only.
-        include = extra.get("include") if isinstance(extra, dict) else None
-        kwargs = {}
-        if mutable:
-            kwargs["model_state"] = model_state
-        if rng is not None:
-            kwargs["rng"] = jax.random.fold_in(rng, lax.axis_index(axis_name))
-        if overlap:
-            loss, updates, state = overlapped(
-                loss_fn, params, state, extra, batch, has_aux=has_aux or mutable, **kwargs
-            )
-            dense_wire, inner_run_bytes = jnp.float32(0), None
-        else:
-            # FSDP leaves: this device holds a slice; the forward and the
-            # compressor see the whole parameter (gathered), the update keeps
-            # this device's slice.
-            full, gather_wire = gather_fsdp(params, layout, axis_name)
-            loss, grads = value_and_grad(full, batch, **kwargs)
-            grads, dense_wire = mean_leaves(grads, dense_paths, axis_name, include)
-            if not layout.model_axes:
-                # optax.MultiSteps(should_skip_update_fn=optax.skip_not_finite)
-                # around an exchange: the probe looks through MultiSteps.
-                local_lib.check_no_local_branch_around_exchange(
-                    tx, grads, state, full, extra, axis_name, "make_train_step"
-                )
-            inner_run_bytes = (
-                None if layout.model_axes else inner_run_wire_bytes(tx, grads, state, full, extra)
-            )
-            updates, state = sharded_update(tx, layout)(grads, state, full, **extra)
-            updates = own_slices(updates, params, layout, axis_name)
-            dense_wire = dense_wire + gather_wire
-        params = optax.apply_updates(params, updates)
-        value, aux = (loss[0], loss[1]) if (has_aux or mutable) else (loss, None)
-        if mutable:
-            new_model_state, aux = aux if has_aux else (aux, None)
-            model_state = jax.tree.map(
-                lambda x: _mean_if_float(x, axis_name, include), new_model_state
-            )
-        metrics = {"loss": lax.pmean(value, axis_name)}
-        wire = wire_bytes_total(state, inner_run_bytes)
-        if wire is not None and model_axes:
-            # Summed over the model shards' stacked statistics: one device sends its shard's.
-            wire = wire / n_model_devices
-        if dense_paths or layout.fsdp:
-            # The dense all-reduce of whole leaves, split among the model shards.
-            dense_wire = dense_wire / n_model_devices
-        if wire is not None or dense_paths or layout.fsdp:
-            wire = dense_wire if wire is None else wire + dense_wire
-            metrics["wire_bytes"] = lax.pmean(wire, axis_name)
-        aux_out = jax.tree.map(lambda x: jnp.asarray(x)[None], aux) if has_aux else None
-        return params, jax.tree.map(lambda x: x[None], state), model_state, metrics, aux_out
-
-    def run(params, opt_state, batch, model_state, rng, update_args):
-        layout = param_layout(mesh, axis_name, params, param_specs)
-        check_stacked_state(opt_state, mesh, layout)
-        tx_dims = getattr(tx.update, "fsdp_dims", None)
-        if tx_dims is not None and tuple(tx_dims(params)) != layout.fsdp_dims:
-            raise ValueError(
-                "make_train_step: sharded_optimizer was given other param_specs than the step "
-                f"(split dimensions per leaf {tuple(tx_dims(params))} vs {layout.fsdp_dims}); "
-                "give both the same specs"
-            )
-        paths = unexchanged_paths(tx, params, mesh, axis_name, update_args, layout)
-        if paths and unexchanged == "error":
-            raise ValueError(
-                "make_train_step: tx does not average these update leaves over "
-                f"{axis_name!r}, so the replicated parameters would diverge between devices: "
-                f"{', '.join(jax.tree_util.keystr(p) for p in paths)}. Give every leaf an "
-                "exchange (a compressor with axis_name, or jaxcomp.dense_exchange) or use "
-                "unexchanged='mean' to average them densely before tx."
-            )
-        if paths and overlap:
-            raise ValueError(
-                "make_train_step(overlap=True): tx does not average these update leaves over "
-                f"{axis_name!r}: {', '.join(jax.tree_util.keystr(p) for p in paths)}. With "
-                "overlap the sparsifier must exchange every leaf (give it axis_name="
-                f"{axis_name!r}, and put it first in optax.chain, outside optax.masked)."
-            )
-        if paths:
-            check_averaged_stay_identical(tx, params, mesh, axis_name, update_args, layout, paths)
-            logging.info(
-                "make_train_step: averaging %d leaves densely before tx (not exchanged by tx): %s",
-                len(paths),
-                ", ".join(jax.tree_util.keystr(p) for p in paths),
-            )
-        per_device = functools.partial(step, dense_paths=frozenset(paths), layout=layout)
-        if not communicate:
-            per_device = local_lib.without_communication(per_device)
-        sharded = jax.shard_map(
-            per_device,
-            mesh=mesh,
-            # Replicated params, model state and key; per-device state, batch
-            # and extra args.
-            in_specs=(layout.data_specs, P(axis_name), P(axis_name), P(), P(), P(axis_name)),
-            out_specs=(layout.data_specs, P(axis_name), P(), P(), P(axis_name)),
-            # Manual over the data axis; model axes (if any) stay XLA's to partition.
-            axis_names=layout.manual_data,
-            # Exchanged updates are bit-identical on every device; the
-            # optimizer state that produced them is per device (typed varying),
-            # so the check would reject replicated parameters. What the check
-            # would guard is verified by the trace-time probe above instead.
-            check_vma=False,
-        )
-        return sharded(params, opt_state, batch, model_state, rng, update_args)
-
-    jitted = jax.jit(run, donate_argnums=(0, 1, 3) if donate else ())
+    cfg = _step_config(
+        loss_fn,
+        tx,
+        mesh,
+        axis_name,
+        has_aux=has_aux,
+        mutable=mutable,
+        unexchanged=unexchanged,
+        overlap=V.check_bool("overlap", overlap),
+        communicate=V.check_bool("communicate", communicate),
+        param_specs=param_specs,
+    )
+    jitted = jax.jit(functools.partial(_run, cfg), donate_argnums=(0, 1, 3) if donate else ())
 
     def train_step(params, opt_state, batch, update_args=None, *, model_state=None, rng=None):
         if mutable and model_state is None:
@@ -683,6 +565,201 @@ def make_train_step(
     # For inspection (HLO, cost analysis): train_step.lower(...).compile().as_text().
     train_step.lower = lower
     return train_step
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepConfig:
+    """The validated static options of one :func:`make_train_step` step."""
+
+    loss_fn: Callable
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    axis_name: Any
+    has_aux: bool
+    mutable: bool
+    unexchanged: str
+    overlap: bool
+    communicate: bool
+    param_specs: Any
+    model_axes: tuple  # mesh axes besides the data axis (XLA partitions over them)
+    n_model_devices: int
+    value_and_grad: Callable  # per-device (loss, grads) of loss_fn
+    overlapped: Callable  # overlap=True: (loss, updates, state) from inside the backward
+
+    @property
+    def returns_aux(self) -> bool:
+        """Whether ``loss_fn`` returns ``(loss, aux)`` (aux: model state and/or has_aux)."""
+        return self.has_aux or self.mutable
+
+
+def _step_config(loss_fn, tx, mesh, axis_name, *, overlap, param_specs, **options) -> _StepConfig:
+    """Builds and checks the step's static options (errors name the argument)."""
+    returns_aux = options["has_aux"] or options["mutable"]
+
+    def value_and_grad_with_carriers(fun):
+        # d/d(params, carriers) with per-device gradients (see per_device_value_and_grad).
+        vg = jax.value_and_grad(fun, argnums=(0, 1), has_aux=returns_aux)
+        return lambda params, *args, **kw: vg(to_varying(params, axis_name), *args, **kw)
+
+    model_axes = tuple(a for a in mesh.axis_names if a not in axis_name_tuple(axis_name))
+    if overlap and (model_axes or fsdp_specs(param_specs, axis_name)):
+        raise ValueError(
+            "make_train_step(overlap=True) works with replicated parameters on a mesh with the "
+            f"data axis only; this mesh has {mesh.axis_names} and param_specs {param_specs} "
+            "(compress after the backward pass with model axes or FSDP)"
+        )
+    if model_axes and getattr(tx.update, "sharded_compressor", None) is not None:
+        raise ValueError(
+            "make_train_step: sharded_optimizer (FSDP) on a mesh with model axes "
+            f"{model_axes} is not supported; use optax.chain(compressor, optimizer) there"
+        )
+    return _StepConfig(
+        loss_fn=loss_fn,
+        tx=tx,
+        mesh=mesh,
+        axis_name=axis_name,
+        overlap=overlap,
+        param_specs=param_specs,
+        model_axes=model_axes,
+        n_model_devices=int(np.prod([mesh.shape[a] for a in model_axes])),
+        value_and_grad=per_device_value_and_grad(loss_fn, axis_name, has_aux=returns_aux),
+        overlapped=overlap_lib.value_and_compressed_grad(
+            value_and_grad_with_carriers, tx, axis_name
+        ),
+        **options,
+    )
+
+
+def _run(cfg: _StepConfig, params, opt_state, batch, model_state, rng, update_args):
+    """The jitted step: checks what ``tx`` exchanges, then the per-device step under shard_map."""
+    axis_name = cfg.axis_name
+    layout = param_layout(cfg.mesh, axis_name, params, cfg.param_specs)
+    check_stacked_state(opt_state, cfg.mesh, layout)
+    paths = _dense_paths(cfg, params, update_args, layout)
+    per_device = functools.partial(
+        _per_device_step, cfg, dense_paths=frozenset(paths), layout=layout
+    )
+    if not cfg.communicate:
+        per_device = local_lib.without_communication(per_device)
+    sharded = jax.shard_map(
+        per_device,
+        mesh=cfg.mesh,
+        # Replicated params, model state and key; per-device state, batch
+        # and extra args.
+        in_specs=(layout.data_specs, P(axis_name), P(axis_name), P(), P(), P(axis_name)),
+        out_specs=(layout.data_specs, P(axis_name), P(), P(), P(axis_name)),
+        # Manual over the data axis; model axes (if any) stay XLA's to partition.
+        axis_names=layout.manual_data,
+        # Exchanged updates are bit-identical on every device; the
+        # optimizer state that produced them is per device (typed varying),
+        # so the check would reject replicated parameters. What the check
+        # would guard is verified by the trace-time probe instead
+        # (_dense_paths: check_averaged_stay_identical).
+        check_vma=False,
+    )
+    return sharded(params, opt_state, batch, model_state, rng, update_args)
+
+
+def _dense_paths(cfg: _StepConfig, params, update_args, layout) -> list:
+    """The update leaves ``tx`` leaves un-averaged (averaged densely before it), checked."""
+    axis_name, tx = cfg.axis_name, cfg.tx
+    tx_dims = getattr(tx.update, "fsdp_dims", None)
+    if tx_dims is not None and tuple(tx_dims(params)) != layout.fsdp_dims:
+        raise ValueError(
+            "make_train_step: sharded_optimizer was given other param_specs than the step "
+            f"(split dimensions per leaf {tuple(tx_dims(params))} vs {layout.fsdp_dims}); "
+            "give both the same specs"
+        )
+    paths = unexchanged_paths(tx, params, cfg.mesh, axis_name, update_args, layout)
+    names = ", ".join(jax.tree_util.keystr(p) for p in paths)
+    if paths and cfg.unexchanged == "error":
+        raise ValueError(
+            "make_train_step: tx does not average these update leaves over "
+            f"{axis_name!r}, so the replicated parameters would diverge between devices: "
+            f"{names}. Give every leaf an "
+            "exchange (a compressor with axis_name, or jaxcomp.dense_exchange) or use "
+            "unexchanged='mean' to average them densely before tx."
+        )
+    if paths and cfg.overlap:
+        raise ValueError(
+            "make_train_step(overlap=True): tx does not average these update leaves over "
+            f"{axis_name!r}: {names}. With "
+            "overlap the sparsifier must exchange every leaf (give it axis_name="
+            f"{axis_name!r}, and put it first in optax.chain, outside optax.masked)."
+        )
+    if paths:
+        check_averaged_stay_identical(tx, params, cfg.mesh, axis_name, update_args, layout, paths)
+        logging.info(
+            "make_train_step: averaging %d leaves densely before tx (not exchanged by tx): %s",
+            len(paths),
+            names,
+        )
+    return paths
+
+
+def _per_device_step(
+    cfg: _StepConfig, params, opt_state, batch, model_state, rng, update_args, dense_paths, layout
+):
+    """One device's step inside ``shard_map``: gradients, ``tx``, the update and the metrics."""
+    axis_name, tx = cfg.axis_name, cfg.tx
+    state = jax.tree.map(lambda x: x[0], opt_state)
+    extra = jax.tree.map(lambda x: x[0], update_args)
+    # Backup workers: what the step averages itself counts the included devices only.
+    include = extra.get("include") if isinstance(extra, dict) else None
+    kwargs = {}
+    if cfg.mutable:
+        kwargs["model_state"] = model_state
+    if rng is not None:
+        kwargs["rng"] = jax.random.fold_in(rng, lax.axis_index(axis_name))
+    if cfg.overlap:
+        loss, updates, state = cfg.overlapped(
+            cfg.loss_fn, params, state, extra, batch, has_aux=cfg.returns_aux, **kwargs
+        )
+        dense_wire, inner_run_bytes = jnp.float32(0), None
+    else:
+        # FSDP leaves: this device holds a slice; the forward and the
+        # compressor see the whole parameter (gathered), the update keeps
+        # this device's slice.
+        full, gather_wire = gather_fsdp(params, layout, axis_name)
+        loss, grads = cfg.value_and_grad(full, batch, **kwargs)
+        grads, dense_wire = mean_leaves(grads, dense_paths, axis_name, include)
+        if not layout.model_axes:
+            # optax.MultiSteps(should_skip_update_fn=optax.skip_not_finite)
+            # around an exchange: the probe looks through MultiSteps.
+            local_lib.check_no_local_branch_around_exchange(
+                tx, grads, state, full, extra, axis_name, "make_train_step"
+            )
+        inner_run_bytes = (
+            None if layout.model_axes else inner_run_wire_bytes(tx, grads, state, full, extra)
+        )
+        updates, state = sharded_update(tx, layout)(grads, state, full, **extra)
+        updates = own_slices(updates, params, layout, axis_name)
+        dense_wire = dense_wire + gather_wire
+    params = optax.apply_updates(params, updates)
+    value, aux = (loss[0], loss[1]) if cfg.returns_aux else (loss, None)
+    if cfg.mutable:
+        new_model_state, aux = aux if cfg.has_aux else (aux, None)
+        model_state = jax.tree.map(lambda x: _mean_if_float(x, axis_name, include), new_model_state)
+    metrics = {"loss": lax.pmean(value, axis_name)}
+    wire = _step_wire_bytes(cfg, state, inner_run_bytes, dense_wire, dense_paths, layout)
+    if wire is not None:
+        metrics["wire_bytes"] = lax.pmean(wire, axis_name)
+    aux_out = jax.tree.map(lambda x: jnp.asarray(x)[None], aux) if cfg.has_aux else None
+    return params, jax.tree.map(lambda x: x[None], state), model_state, metrics, aux_out
+
+
+def _step_wire_bytes(cfg: _StepConfig, state, inner_run_bytes, dense_wire, dense_paths, layout):
+    """Bytes this device put on the wire this step (None: nothing reports any)."""
+    wire = wire_bytes_total(state, inner_run_bytes)
+    if wire is not None and cfg.model_axes:
+        # Summed over the model shards' stacked statistics: one device sends its shard's.
+        wire = wire / cfg.n_model_devices
+    if dense_paths or layout.fsdp:
+        # The dense all-reduce of whole leaves, split among the model shards.
+        dense_wire = dense_wire / cfg.n_model_devices
+    if wire is not None or dense_paths or layout.fsdp:
+        return dense_wire if wire is None else wire + dense_wire
+    return None
 
 
 def unexchanged_leaves(
