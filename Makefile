@@ -5,13 +5,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-compressors lint bench clean
+.PHONY: test demo demo-compressors lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,docs]"
 	touch $(STAMP)
+
+# The documentation site (docs/*.md and the API reference from the
+# docstrings) into docs/_build/html, warnings as errors. -E reads every page
+# at every build: an incremental build would not repeat an unchanged page's
+# warnings.
+docs: $(STAMP)
+	$(PY) -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(PY) -m ruff check jaxcomp experiments tests colab
@@ -41,7 +48,7 @@ DEFAULT_CODEGEN := JAXCOMP_TEST_CODEGEN=default
 # `make test` starts it empty, so a run's time does not depend on the last one.
 TEST_CACHE := .pytest_cache/jax
 
-test: $(STAMP) lint
+test: $(STAMP) lint docs
 	rm -rf $(TEST_CACHE)
 	$(PY) -m pytest -q -n 2 --durations=10 $(UNIT_FILES)
 	$(PY) -m pytest -q -n 2 --durations=30 tests $(addprefix --ignore=,$(UNIT_FILES))
@@ -59,4 +66,4 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench_selection
 
 clean:
-	rm -rf $(VENV) build *.egg-info $(TEST_CACHE)
+	rm -rf $(VENV) build *.egg-info $(TEST_CACHE) docs/_build docs/api

@@ -16,7 +16,7 @@ compressor, layout, devices) it records:
   lowering, ``lower_s``, included): what the first step of a run waits;
 - ``step_ms``: the median of ``--steps`` timed calls after ``--warmup``
   calls, each blocked on (with simulated devices more than one collective
-  step in flight can deadlock, see the README's *Data-parallel training*);
+  step in flight can deadlock, see docs/distributed.md);
 - ``hlo``: from ``compiled.as_text()``, the ``while`` loops and the
   collectives (all-reduce, all-gather, reduce-scatter, all-to-all,
   collective-permute; an async ``-start``/``-done`` pair counts once) of the

@@ -2233,7 +2233,7 @@ def train_and_evaluate(
             *carry, m = train_step(*carry, *batch)
             params, opt_state = carry[0], carry[1]
             # Block every step: many collective steps in flight deadlock the
-            # simulated CPU devices' rendezvous (README, *Data-parallel training*).
+            # simulated CPU devices' rendezvous (docs/distributed.md).
             m = jax.device_get(jax.block_until_ready(m))
             if coded_cfg is not None:
                 # A CSSGD device's own message is its packets, each multicast once.

@@ -359,7 +359,7 @@ def _by_dtype(leaves) -> dict:
 
 
 def _gossip_tree(tree, axis_name, weights) -> tuple[Any, jax.Array]:
-    """Ring mix of every leaf of ``tree``: one flat buffer (two ``ppermute``s) per dtype."""
+    """Ring mix of every leaf of ``tree``: one flat buffer (two ``ppermute`` calls) per dtype."""
     leaves, treedef = jax.tree.flatten(tree)
     leaves = [jnp.asarray(x) for x in leaves]
     out = list(leaves)
@@ -394,7 +394,7 @@ def gossip_exchange(
     ``N`` along the axis), the uncompressed counterpart of the compressors'
     ``exchange="gossip"``. Updates differ per device: train with
     :func:`make_gossip_train_step` (``make_train_step`` rejects it). Leaves
-    of one dtype travel as one buffer: two ``ppermute``s per dtype;
+    of one dtype travel as one buffer: two ``ppermute`` calls per dtype;
     ``wire_bytes`` is ``2 B``, ``B`` the gradients' bytes.
 
     Args:

@@ -41,7 +41,7 @@ sends ``C(n-1, r) / r`` gradients: 7 on 8 workers at ``r = 1`` (an
 all-to-all of whole gradients), 10.5 at ``r = 2``, 11.7 at ``r = 3``, 8.75 at
 ``r = 4``, 0.14 at ``r = 7``, where a ring all-reduce of plain data-parallel
 gradients sends ``2 (n-1)/n < 2``. :func:`bytes_per_worker` gives the
-numbers; the README says where CSSGD wins.
+numbers; docs/cssgd.md says where CSSGD wins.
 
 On a device mesh (inside ``shard_map``) the multicast is emulated by an
 ``all_gather`` of every worker's packets (a broadcast medium); the byte

@@ -546,7 +546,7 @@ def test_gossip_weights_near_1_are_renormalised_no_drift(mesh):
     batch = dist.shard_batch(np.zeros(N, np.float32), mesh)
     for _ in range(300):  # as given: 1.00001^300 - 1 = 3e-3 off
         reps, state, _ = step(reps, state, batch)
-        jax.block_until_ready(reps)  # one collective step in flight (see the README)
+        jax.block_until_ready(reps)  # one collective step in flight (see docs/distributed.md)
     np.testing.assert_allclose(np.asarray(reps), np.broadcast_to(start, (N, 2)), rtol=1e-6)
 
 

@@ -1,8 +1,8 @@
 """Data-parallel training on 8 simulated devices against numpy references.
 
 Every loop blocks on each step's output: with many collective steps in flight
-on simulated CPU devices the in-process rendezvous deadlocks (the README,
-*Data-parallel training*).
+on simulated CPU devices the in-process rendezvous deadlocks
+(docs/distributed.md).
 """
 
 import inspect

@@ -4,7 +4,7 @@ A linear least-squares problem on 4 of the 8 simulated devices: the
 references are python loops in numpy (float64) that keep the parameter
 history (bounded delay) or the server and each worker's pulled copy
 (asynchronous parameter server), with top-k error feedback written out.
-Every step is blocked on (simulated devices: see the README, *Data-parallel training*).
+Every step is blocked on (simulated devices: see docs/distributed.md).
 """
 
 import json

@@ -169,8 +169,8 @@ def fit_distances(x) -> dict:
       x: an array of any shape (flattened), with at least one element.
 
     Returns:
-      ``{"laplace": W1 to the Laplace fit, "gaussian": W1 to the Gaussian
-      fit}``, scalar arrays.
+      ``{"laplace": d_laplace, "gaussian": d_gaussian}``, scalar arrays: the W1
+      distances to the Laplace fit and to the Gaussian fit.
 
     Raises:
       ValueError: ``x`` is empty; or, outside ``jax.jit``, it holds NaN or

@@ -541,7 +541,7 @@ def _pull(x, axis_name, root, n_dev):
 
 
 def push_to_root(x: jax.Array, axis_name, *, root: int = 0) -> list:
-    """Every device's ``x`` sent to ``root`` (single-pair ``ppermute``s), in device order.
+    """Every device's ``x`` sent to ``root`` (single-pair ``ppermute`` calls), in device order.
 
     The list's entries are meaningful on ``root`` only (zeros elsewhere for
     remote entries); the parameter server's push.
@@ -585,7 +585,7 @@ def server_mean(x: jax.Array, axis_name, *, root: int = 0) -> tuple[jax.Array, j
     """Parameter-server averaging (DLGS): workers push, the server averages, workers pull.
 
     Device ``root`` plays the server: every other device pushes its ``x`` to it
-    (single-pair ``ppermute``s, so nothing moves between workers), the server
+    (single-pair ``ppermute`` calls, so nothing moves between workers), the server
     sums the pushes in device order and divides by ``N``, and sends the mean
     back to every worker. All devices end with the root's bit-identical mean.
 
@@ -705,7 +705,7 @@ def check_gossip_weights(weights: Sequence[float]) -> tuple[float, float, float]
 
 
 def ring_neighbours(x, axis_name):
-    """``(from_left, from_right)``: the ring neighbours' ``x`` (two ``ppermute``s).
+    """``(from_left, from_right)``: the ring neighbours' ``x`` (two ``ppermute`` calls).
 
     ``from_left`` on device ``i`` is device ``i - 1``'s ``x``, ``from_right``
     device ``i + 1``'s (indices mod ``N``); ``x`` may be a pytree (one
@@ -746,7 +746,7 @@ def gossip_mean(
     """One gossip step on a ring (D-PSGD): mix with the two ring neighbours.
 
     ``x_i <- w_self x_i + w_left x_{i-1} + w_right x_{i+1}`` (indices mod
-    ``N``), with two ``ppermute``s. Replicas may differ (``x`` is per device);
+    ``N``), with two ``ppermute`` calls. Replicas may differ (``x`` is per device);
     with a doubly stochastic mixing matrix (these symmetric weights, summing
     to 1) repeated steps converge to the average of the initial replicas.
     With ``N = 2`` both neighbours are the other device.

@@ -212,7 +212,7 @@ def place_params(params, mesh: Mesh, param_specs=None, axis_name="data"):
 
 
 def flax_param_specs(boxed_params, rules=None):
-    """Mesh ``PartitionSpec``s read from Flax's (logical) partitioning metadata.
+    """Mesh ``PartitionSpec`` objects read from Flax's (logical) partitioning metadata.
 
     ``boxed_params`` are the parameters as ``model.init`` returns them when
     the model annotates its kernels with ``nn.with_partitioning`` (mesh axes)

@@ -934,8 +934,8 @@ def zero_one_adam(
       local_step_scaler: ``>= 1``, stage-2 steps per local-interval doubling
         (None: DeepSpeed's default 32678).
       local_step_clipper: ``>= 1``, the largest local interval (None: 16).
-      axis_name, codec, bucket_size, exchange, bias_correction,
-        min_dense_size, residual_dtype: as in :func:`onebit_adam`.
+      axis_name, codec, bucket_size, exchange, bias_correction, min_dense_size, residual_dtype:
+        as in :func:`onebit_adam`.
       nonfinite: as in :func:`onebit_adam`, for the steps that communicate; on
         a local step a device with non-finite gradients takes no step (its
         ``m`` and accumulator are kept, its update is 0) while the schedule

@@ -318,8 +318,8 @@ def terngrad(
       bucket_size: values sharing one scale (None: the whole leaf, the
         paper's per-layer scale).
       error_feedback: off by default (TernGrad is unbiased).
-      axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed,
-        keep_message: as in :func:`jaxcomp.transforms.quantize.quantize`.
+      axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed, keep_message: as
+        in :func:`jaxcomp.transforms.quantize.quantize`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxcomp
@@ -376,8 +376,8 @@ def natural_compression(
         paper's ``p = 2``, or ``"max"``); natural compression has neither
         (passing them raises).
       error_feedback: off by default (both are unbiased).
-      axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed,
-        keep_message: as in :func:`jaxcomp.transforms.quantize.quantize`.
+      axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed, keep_message: as
+        in :func:`jaxcomp.transforms.quantize.quantize`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxcomp
@@ -448,8 +448,8 @@ def signum(
       bucket_size: values sharing one abstain/vote scale (None: the whole
         leaf). Set it to an embedding's row length so that rows not in the
         batch abstain rather than vote ``+``.
-      axis_name, exchange, error_feedback, min_dense_size, residual_dtype,
-        nonfinite, seed: as in :func:`jaxcomp.transforms.quantize.quantize`.
+      axis_name, exchange, error_feedback, min_dense_size, residual_dtype, nonfinite, seed: as
+        in :func:`jaxcomp.transforms.quantize.quantize`.
 
     Returns:
       The transform; its state is a
@@ -513,8 +513,8 @@ def cast(
         by the device count, partial sums rounded). A float16 sum past 65504
         saturates there, never inf; with ``error_feedback=True`` the excess
         stays in the residuals (see :func:`jaxcomp.transforms.quantize.quantize`).
-      axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed,
-        keep_message: as in :func:`jaxcomp.transforms.quantize.quantize`.
+      axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed, keep_message: as
+        in :func:`jaxcomp.transforms.quantize.quantize`.
         ``exchange="allgather"`` (default): every device receives the ``N``
         16-bit messages, ``(N - 1) * 2`` bytes per value sent, and sums them
         in ``accumulation_dtype`` (the update: the mean of the messages).
