@@ -12,6 +12,7 @@
   rejects the same bad value with the same message.
 * The named sparsifiers forward every common keyword of ``sparsify`` by name,
   with ``sparsify``'s default.
+* Imports run down the layers only (:data:`LAYERS`), and none is circular.
 """
 
 import ast
@@ -155,3 +156,104 @@ def test_named_sparsifiers_forward_every_common_keyword():
             assert keyword in params, f"{name} lacks {keyword}"
             assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY, (name, keyword)
             assert params[keyword].default == sparsify_params[keyword].default, (name, keyword)
+
+
+# The package's layers, lowest first: a module imports only from its own unit
+# or a lower layer (a unit is a subpackage or a top-level module of jaxcomp).
+LAYERS = (
+    ("_validation", "_vma", "_sharding"),
+    ("selection", "quantization", "sampling", "analysis"),
+    ("comm", "coding"),
+    ("planning", "transforms"),
+    ("distributed",),
+    ("aggregation", "cssgd", "staleness"),
+    ("elastic",),
+)
+
+
+def _imports():
+    """``(importing module, imported jaxcomp module)`` pairs, lazy imports included."""
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    out = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        user = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                owner = _resolve(user, node, path.name == "__init__.py")
+                for alias in node.names:
+                    full = f"{owner}.{alias.name}"
+                    target = full if full in modules else owner
+                    if target in modules and target != user:
+                        out.add((user, target))
+            elif isinstance(node, ast.Import):
+                out |= {(user, a.name) for a in node.names if a.name in modules and a.name != user}
+    return sorted(out)
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _upward_imports(layers) -> list:
+    layer = {unit: i for i, units in enumerate(layers) for unit in units}
+    units = {_unit(_module_name(p)) for p in PACKAGE.rglob("*.py")} - {""}
+    assert units == set(layer), f"units without a layer: {units - set(layer)}"
+    return [
+        (user, target)
+        for user, target in _imports()
+        if _unit(user)
+        and _unit(target) != _unit(user)
+        and layer[_unit(target)] >= layer[_unit(user)]
+    ]
+
+
+def test_no_import_runs_up_the_layers():
+    up = _upward_imports(LAYERS)
+    assert not up, "imports running up (or across) the layers:\n" + "\n".join(
+        f"  {u} -> {t}" for u, t in up
+    )
+
+
+def test_no_circular_imports():
+    graph = {}
+    for user, target in _imports():
+        graph.setdefault(user, set()).add(target)
+    # A package imports its submodules to re-export them: not a cycle of code.
+    graph = {u: {t for t in ts if not t.startswith(u + ".")} for u, ts in graph.items()}
+    state, cycles = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "circular imports:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_import_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
+    """Planted: transforms/b.py imports distributed (up, lazily), and a cycle a <-> b."""
+    fake = tmp_path / "jaxcomp"
+    for sub in ("transforms", "distributed"):
+        (fake / sub).mkdir(parents=True)
+        (fake / sub / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "transforms" / "a.py").write_text("from jaxcomp.transforms import b\n")
+    (fake / "transforms" / "b.py").write_text(
+        "def f():\n    from jaxcomp.transforms import a\n    from jaxcomp.distributed import c\n"
+    )
+    (fake / "distributed" / "c.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    layers = (("distributed",), ("transforms",))  # transforms above distributed: no error
+    assert _upward_imports(layers) == []
+    layers = (("transforms",), ("distributed",))
+    assert _upward_imports(layers) == [("jaxcomp.transforms.b", "jaxcomp.distributed.c")]
+    with pytest.raises(AssertionError, match="jaxcomp.transforms.a -> jaxcomp.transforms.b"):
+        test_no_circular_imports()
