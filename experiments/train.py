@@ -33,7 +33,7 @@ Outputs in ``workdir``:
   reuses it instead of profiling again, so a resumed run compiles the same
   groups.
 - ``fit_check.json`` and ``fit_check_epoch<E>.png``: with ``fit_check_epochs``
-  set, the distribution check of :mod:`experiments.fit_check` (W1 of device
+  set, the distribution check of :mod:`experiments.gradient_fit` (W1 of device
   0's gradient and residual to fitted Laplace and Gaussian, per layer).
 """
 
@@ -2299,10 +2299,10 @@ def train_and_evaluate(
                 f.write(_metrics_line(record))
         # Device 0's buffers and the files live on process 0.
         if epoch + 1 in c.fit_check_epochs and jax.process_index() == 0:
-            from experiments import fit_check  # noqa: PLC0415 (matplotlib only when asked)
+            from experiments import gradient_fit  # noqa: PLC0415 (matplotlib only when asked)
 
             t_check = time.perf_counter()
-            fit_check.check_epoch(
+            gradient_fit.check_epoch(
                 workdir,
                 epoch + 1,
                 config=c,

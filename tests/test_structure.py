@@ -257,3 +257,10 @@ def test_the_import_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatc
     assert _upward_imports(layers) == [("jaxcomp.transforms.b", "jaxcomp.distributed.c")]
     with pytest.raises(AssertionError, match="jaxcomp.transforms.a -> jaxcomp.transforms.b"):
         test_no_circular_imports()
+
+
+def test_no_circular_imports_in_experiments(monkeypatch):
+    experiments = PACKAGE.parent / "experiments"
+    assert (experiments / "train.py").is_file()
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", experiments)
+    test_no_circular_imports()
