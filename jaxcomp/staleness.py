@@ -58,6 +58,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -374,90 +376,17 @@ def make_stale_train_step(
         raise ValueError(f"unexchanged must be one of {UNEXCHANGED}, got {unexchanged!r}")
     donate = V.check_bool("donate", donate)
     n_dev = _mesh_size(mesh, axis_name)
-    delay = _check_delay(delay, max_delay, n_dev)
-    value_and_grad = per_device_value_and_grad(loss_fn, axis_name)
-
-    def delays_at(step, key):
-        if delay == "uniform":
-            drawn = draw_delays(key, step, n_dev, max_delay)
-        elif delay == "fixed":
-            drawn = jnp.full((n_dev,), max_delay, jnp.int32)
-        else:
-            drawn = jnp.asarray(delay, jnp.int32)
-        # Versions before 0 do not exist: the initial parameters stand in.
-        return jnp.minimum(drawn, step)
-
-    def per_device(params, opt_state, history, step, key, batch, dense_paths):
-        state = jax.tree.map(lambda x: x[0], opt_state)
-        if max_delay == 0:
-            # No history at all: exactly make_train_step's computation.
-            delays = jnp.zeros((n_dev,), jnp.int32)
-            stale = params
-        else:
-            delays = delays_at(step, key)
-            d = delays[lax.axis_index(axis_name)]
-            slot = (step - d) % max_delay
-            # d == 0 reads the current parameters; its slot holds w_{t - max_delay}.
-            stale = jax.tree.map(
-                lambda p, h: jnp.where(d == 0, p, lax.dynamic_index_in_dim(h, slot, 0, False)),
-                params,
-                history,
-            )
-        loss, grads = value_and_grad(stale, batch)
-        grads, dense_wire = mean_leaves(grads, dense_paths, axis_name)
-        updates, state = tx.update(grads, state, params)
-        new_params = optax.apply_updates(params, updates)
-        if max_delay:
-            history = jax.tree.map(
-                lambda h, p: lax.dynamic_update_index_in_dim(h, p, step % max_delay, 0),
-                history,
-                params,
-            )
-        metrics = {"loss": lax.pmean(loss, axis_name), "delay": delays}
-        wire = wire_bytes_total(state)
-        if wire is not None or dense_paths:
-            wire = dense_wire if wire is None else wire + dense_wire
-            metrics["wire_bytes"] = lax.pmean(wire, axis_name)
-        new_state = jax.tree.map(lambda x: x[None], state)
-        return new_params, new_state, history, step + 1, key, metrics
-
-    def run(state: StaleState, batch):
-        _check_history(state.history, max_delay, state.params)
-        _check_stacked(
-            "make_stale_train_step", "staleness.init_stale_state", state, mesh, axis_name, {}
-        )
-        paths = unexchanged_paths(tx, state.params, mesh, axis_name, {})
-        if paths and unexchanged == "error":
-            raise ValueError(
-                "make_stale_train_step: tx does not average these update leaves over "
-                f"{axis_name!r}: {_names(paths)}. Give "
-                "every leaf an exchange or use unexchanged='mean'."
-            )
-        if paths:
-            check_averaged_stay_identical(
-                tx, state.params, mesh, axis_name, {}, None, paths, "make_stale_train_step"
-            )
-
-        def body(params, opt_state, history, step, key, batch):
-            return per_device(
-                params, opt_state, history, step, key, batch, dense_paths=frozenset(paths)
-            )
-
-        sharded = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(P(), P(axis_name), P(), P(), P(), P(axis_name)),
-            out_specs=(P(), P(axis_name), P(), P(), P(), P()),
-            # As in make_train_step: exchanged updates are bit-identical on
-            # every device, but computed from per-device state.
-            check_vma=False,
-        )
-        params, opt_state, history, step, key, metrics = sharded(
-            state.params, state.opt_state, state.history, state.step, state.key, batch
-        )
-        return StaleState(params, opt_state, history, step, key), metrics
-
-    jitted = jax.jit(run, donate_argnums=(0,) if donate else ())
+    cfg = _StaleStepConfig(
+        tx=tx,
+        mesh=mesh,
+        axis_name=axis_name,
+        max_delay=max_delay,
+        delay=_check_delay(delay, max_delay, n_dev),
+        unexchanged=unexchanged,
+        n_dev=n_dev,
+        value_and_grad=per_device_value_and_grad(loss_fn, axis_name),
+    )
+    jitted = jax.jit(functools.partial(_stale_run, cfg), donate_argnums=(0,) if donate else ())
 
     def train_step(state: StaleState, batch):
         if not isinstance(state, StaleState):
@@ -467,6 +396,102 @@ def make_stale_train_step(
         return jitted(state, batch)
 
     return train_step
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StaleStepConfig:
+    """The validated static options of one :func:`make_stale_train_step` step."""
+
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    axis_name: Any
+    max_delay: int
+    delay: Any  # "fixed", "uniform", or a tuple of one delay per device
+    unexchanged: str
+    n_dev: int
+    value_and_grad: Callable  # per-device (loss, grads) of loss_fn
+
+
+def _stale_delays(cfg: _StaleStepConfig, step, key):
+    """Every device's delay this step, clamped to the versions that exist."""
+    if cfg.delay == "uniform":
+        drawn = draw_delays(key, step, cfg.n_dev, cfg.max_delay)
+    elif cfg.delay == "fixed":
+        drawn = jnp.full((cfg.n_dev,), cfg.max_delay, jnp.int32)
+    else:
+        drawn = jnp.asarray(cfg.delay, jnp.int32)
+    # Versions before 0 do not exist: the initial parameters stand in.
+    return jnp.minimum(drawn, step)
+
+
+def _stale_per_device(cfg: _StaleStepConfig, params, opt_state, history, step, key, batch, paths):
+    """One device's stale step inside ``shard_map``: ``paths`` are averaged densely first."""
+    axis_name, max_delay = cfg.axis_name, cfg.max_delay
+    state = jax.tree.map(lambda x: x[0], opt_state)
+    if max_delay == 0:
+        # No history at all: exactly make_train_step's computation.
+        delays = jnp.zeros((cfg.n_dev,), jnp.int32)
+        stale = params
+    else:
+        delays = _stale_delays(cfg, step, key)
+        d = delays[lax.axis_index(axis_name)]
+        slot = (step - d) % max_delay
+        # d == 0 reads the current parameters; its slot holds w_{t - max_delay}.
+        stale = jax.tree.map(
+            lambda p, h: jnp.where(d == 0, p, lax.dynamic_index_in_dim(h, slot, 0, False)),
+            params,
+            history,
+        )
+    loss, grads = cfg.value_and_grad(stale, batch)
+    grads, dense_wire = mean_leaves(grads, paths, axis_name)
+    updates, state = cfg.tx.update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    if max_delay:
+        history = jax.tree.map(
+            lambda h, p: lax.dynamic_update_index_in_dim(h, p, step % max_delay, 0),
+            history,
+            params,
+        )
+    metrics = {"loss": lax.pmean(loss, axis_name), "delay": delays}
+    wire = wire_bytes_total(state)
+    if wire is not None or paths:
+        wire = dense_wire if wire is None else wire + dense_wire
+        metrics["wire_bytes"] = lax.pmean(wire, axis_name)
+    new_state = jax.tree.map(lambda x: x[None], state)
+    return new_params, new_state, history, step + 1, key, metrics
+
+
+def _stale_run(cfg: _StaleStepConfig, state: StaleState, batch):
+    """The jitted stale step: checks the state and what ``tx`` exchanges, then shard_map."""
+    axis_name, mesh, tx = cfg.axis_name, cfg.mesh, cfg.tx
+    _check_history(state.history, cfg.max_delay, state.params)
+    _check_stacked(
+        "make_stale_train_step", "staleness.init_stale_state", state, mesh, axis_name, {}
+    )
+    paths = unexchanged_paths(tx, state.params, mesh, axis_name, {})
+    if paths and cfg.unexchanged == "error":
+        raise ValueError(
+            "make_stale_train_step: tx does not average these update leaves over "
+            f"{axis_name!r}: {_names(paths)}. Give "
+            "every leaf an exchange or use unexchanged='mean'."
+        )
+    if paths:
+        check_averaged_stay_identical(
+            tx, state.params, mesh, axis_name, {}, None, paths, "make_stale_train_step"
+        )
+    sharded = jax.shard_map(
+        functools.partial(_stale_per_device, cfg, paths=frozenset(paths)),
+        mesh=mesh,
+        in_specs=(P(), P(axis_name), P(), P(), P(), P(axis_name)),
+        out_specs=(P(), P(axis_name), P(), P(), P(), P()),
+        # As in make_train_step: exchanged updates are bit-identical on
+        # every device, but computed from per-device state.
+        check_vma=False,
+    )
+    params, opt_state, history, step, key, metrics = sharded(
+        state.params, state.opt_state, state.history, state.step, state.key, batch
+    )
+    return StaleState(params, opt_state, history, step, key), metrics
 
 
 # --- asynchronous parameter server ---------------------------------------------------
@@ -679,113 +704,16 @@ def make_async_train_step(
         order = _check_permutation("order", order, n_dev)
     scale = 1.0 / n_dev if scale is None else V.check_real("scale", scale, 0.0, low_open=True)
     donate = V.check_bool("donate", donate)
-    value_and_grad = per_device_value_and_grad(loss_fn, axis_name)
-
-    def per_device(server, workers, opt_state, pulled, step, key, batch, arrival):
-        state = jax.tree.map(lambda x: x[0], opt_state)
-        mine = jax.tree.map(lambda x: x[0], workers)
-        loss, grads = value_and_grad(mine, batch)
-        updates, state = tx.update(grads, state, mine)
-        push = _push_bytes(state, updates)
-        pushed = jax.tree.map(lambda u: lax.all_gather(u, axis_name), updates)
-        me = lax.axis_index(axis_name)
-
-        def arrive(carry, k):
-            w, snapshot, position = carry
-            i = arrival[k]
-            w = jax.tree.map(
-                lambda p, u: (p + scale * lax.dynamic_index_in_dim(u, i, 0, False)).astype(p.dtype),
-                w,
-                pushed,
-            )
-            # The worker pulls right after its own push is applied.
-            snapshot = jax.tree.map(lambda s, p: jnp.where(i == me, p, s), snapshot, w)
-            position = jnp.where(i == me, k, position)
-            return (w, snapshot, position), None
-
-        init = (server, mine, jnp.int32(0))
-        (server, mine, position), _ = lax.scan(arrive, init, jnp.arange(n_dev, dtype=jnp.int32))
-        applied_at = step * n_dev + position  # pushes applied before this worker's
-        staleness = applied_at - pulled[0]
-        pull = sum(p.size * p.dtype.itemsize for p in jax.tree.leaves(server))
-        push_mean = lax.pmean(push, axis_name)
-        metrics = {
-            "loss": lax.pmean(loss, axis_name),
-            "order": arrival,
-            "push_bytes": push_mean,
-            "pull_bytes": jnp.float32(pull),
-            "wire_bytes": push_mean + jnp.float32(pull),
-        }
-        return (
-            server,
-            jax.tree.map(lambda x: x[None], mine),
-            jax.tree.map(lambda x: x[None], state),
-            (applied_at + 1)[None],
-            step + 1,
-            key,
-            metrics,
-            staleness[None],
-        )
-
-    def run(state: AsyncState, batch, arrival):
-        per_worker = {"worker_params": state.worker_params, "pulled_version": state.pulled_version}
-        _check_stacked(
-            "make_async_train_step",
-            "staleness.init_async_state",
-            state,
-            mesh,
-            axis_name,
-            per_worker,
-        )
-        paths = unexchanged_paths(tx, state.params, mesh, axis_name, {})
-        all_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
-        exchanged = [p for p in all_paths if p not in set(paths)]
-        if exchanged:
-            raise ValueError(
-                "make_async_train_step: tx averages these update leaves over "
-                f"{axis_name!r}: {_names(exchanged)}. "
-                "The server applies each worker's own push: give the compressor "
-                "axis_name=None (and no jaxcomp.dense_exchange)."
-            )
-        if arrival is None:
-            if order == "random":
-                arrival = draw_order(state.key, state.step, n_dev)
-            elif order == "round_robin":
-                arrival = jnp.arange(n_dev, dtype=jnp.int32)
-            else:
-                arrival = jnp.asarray(order, jnp.int32)
-        sharded = jax.shard_map(
-            per_device,
-            mesh=mesh,
-            in_specs=(P(), P(axis_name), P(axis_name), P(axis_name), P(), P(), P(axis_name), P()),
-            out_specs=(
-                P(),
-                P(axis_name),
-                P(axis_name),
-                P(axis_name),
-                P(),
-                P(),
-                P(),
-                P(axis_name),
-            ),  # fmt: skip
-            # The server replay is bit-identical on every device but computed
-            # from an all-gather typed varying.
-            check_vma=False,
-        )
-        server, workers, opt_state, pulled, step, key, metrics, staleness = sharded(
-            state.params,
-            state.worker_params,
-            state.opt_state,
-            state.pulled_version,
-            state.step,
-            state.key,
-            batch,
-            arrival,
-        )
-        metrics = {**metrics, "staleness": staleness}
-        return AsyncState(server, workers, opt_state, pulled, step, key), metrics
-
-    jitted = jax.jit(run, donate_argnums=(0,) if donate else ())
+    cfg = _AsyncStepConfig(
+        tx=tx,
+        mesh=mesh,
+        axis_name=axis_name,
+        order=order,
+        scale=scale,
+        n_dev=n_dev,
+        value_and_grad=per_device_value_and_grad(loss_fn, axis_name),
+    )
+    jitted = jax.jit(functools.partial(_async_run, cfg), donate_argnums=(0,) if donate else ())
 
     def train_step(state: AsyncState, batch, order=None):
         if not isinstance(state, AsyncState):
@@ -797,3 +725,115 @@ def make_async_train_step(
         return jitted(state, batch, order)
 
     return train_step
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _AsyncStepConfig:
+    """The validated static options of one :func:`make_async_train_step` step."""
+
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    axis_name: Any
+    order: Any  # one of ORDERS, or a permutation of the devices
+    scale: float
+    n_dev: int
+    value_and_grad: Callable  # per-device (loss, grads) of loss_fn
+
+
+def _async_per_device(
+    cfg: _AsyncStepConfig, server, workers, opt_state, pulled, step, key, batch, arrival
+):
+    """One worker's round inside ``shard_map``: push, then the server's replay of all pushes."""
+    axis_name, n_dev, scale = cfg.axis_name, cfg.n_dev, cfg.scale
+    state = jax.tree.map(lambda x: x[0], opt_state)
+    mine = jax.tree.map(lambda x: x[0], workers)
+    loss, grads = cfg.value_and_grad(mine, batch)
+    updates, state = cfg.tx.update(grads, state, mine)
+    push = _push_bytes(state, updates)
+    pushed = jax.tree.map(lambda u: lax.all_gather(u, axis_name), updates)
+    me = lax.axis_index(axis_name)
+
+    def arrive(carry, k):
+        w, snapshot, position = carry
+        i = arrival[k]
+        w = jax.tree.map(
+            lambda p, u: (p + scale * lax.dynamic_index_in_dim(u, i, 0, False)).astype(p.dtype),
+            w,
+            pushed,
+        )
+        # The worker pulls right after its own push is applied.
+        snapshot = jax.tree.map(lambda s, p: jnp.where(i == me, p, s), snapshot, w)
+        position = jnp.where(i == me, k, position)
+        return (w, snapshot, position), None
+
+    init = (server, mine, jnp.int32(0))
+    (server, mine, position), _ = lax.scan(arrive, init, jnp.arange(n_dev, dtype=jnp.int32))
+    applied_at = step * n_dev + position  # pushes applied before this worker's
+    staleness = applied_at - pulled[0]
+    pull = sum(p.size * p.dtype.itemsize for p in jax.tree.leaves(server))
+    push_mean = lax.pmean(push, axis_name)
+    metrics = {
+        "loss": lax.pmean(loss, axis_name),
+        "order": arrival,
+        "push_bytes": push_mean,
+        "pull_bytes": jnp.float32(pull),
+        "wire_bytes": push_mean + jnp.float32(pull),
+    }
+    return (
+        server,
+        jax.tree.map(lambda x: x[None], mine),
+        jax.tree.map(lambda x: x[None], state),
+        (applied_at + 1)[None],
+        step + 1,
+        key,
+        metrics,
+        staleness[None],
+    )
+
+
+def _async_run(cfg: _AsyncStepConfig, state: AsyncState, batch, arrival):
+    """The jitted round: checks the state and that ``tx`` exchanges nothing, then shard_map."""
+    axis_name, mesh, n_dev = cfg.axis_name, cfg.mesh, cfg.n_dev
+    per_worker = {"worker_params": state.worker_params, "pulled_version": state.pulled_version}
+    _check_stacked(
+        "make_async_train_step", "staleness.init_async_state", state, mesh, axis_name, per_worker
+    )
+    paths = unexchanged_paths(cfg.tx, state.params, mesh, axis_name, {})
+    all_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+    exchanged = [p for p in all_paths if p not in set(paths)]
+    if exchanged:
+        raise ValueError(
+            "make_async_train_step: tx averages these update leaves over "
+            f"{axis_name!r}: {_names(exchanged)}. "
+            "The server applies each worker's own push: give the compressor "
+            "axis_name=None (and no jaxcomp.dense_exchange)."
+        )
+    if arrival is None:
+        if cfg.order == "random":
+            arrival = draw_order(state.key, state.step, n_dev)
+        elif cfg.order == "round_robin":
+            arrival = jnp.arange(n_dev, dtype=jnp.int32)
+        else:
+            arrival = jnp.asarray(cfg.order, jnp.int32)
+    replicated, per_device = P(), P(axis_name)
+    sharded = jax.shard_map(
+        functools.partial(_async_per_device, cfg),
+        mesh=mesh,
+        in_specs=(replicated, *[per_device] * 3, replicated, replicated, per_device, replicated),
+        out_specs=(replicated, *[per_device] * 3, replicated, replicated, replicated, per_device),
+        # The server replay is bit-identical on every device but computed
+        # from an all-gather typed varying.
+        check_vma=False,
+    )
+    server, workers, opt_state, pulled, step, key, metrics, staleness = sharded(
+        state.params,
+        state.worker_params,
+        state.opt_state,
+        state.pulled_version,
+        state.step,
+        state.key,
+        batch,
+        arrival,
+    )
+    metrics = {**metrics, "staleness": staleness}
+    return AsyncState(server, workers, opt_state, pulled, step, key), metrics
