@@ -46,6 +46,19 @@ rounding (``|S + e_new - M| <= ulp(M - S) / 2``), as for the quantizers:
 ``S`` is a computed product, not a selection of ``M``, so an exactly
 representable ``M - S`` need not exist.
 
+Layout of the code: :func:`powersgd` validates its arguments into a frozen
+:class:`_Config`; ``init`` and ``update`` are the module-level :func:`_init`
+and :func:`_update` over it. A step (:func:`_update_leaves`) reads the leaves
+and the state into :class:`_StepInputs` (accumulators ``M``, plans, the
+:class:`_Group` batches), averages the dense leaves
+(:func:`_exchange_dense_leaves`), then runs the power iteration over the
+groups (:func:`_power_step`: ``M Q`` per group in :func:`_local_p`, the two
+all-reduces :func:`_exchange_p` and :func:`_exchange_q`, ``S = P Q^T`` and
+each leaf's update, message and ``Q`` in :func:`_finish_group`, and before
+``start_iter`` the dense average in their place, :func:`_vanilla_override`).
+The steps fill one :class:`_LeafResults`, from which :func:`_new_state`
+writes the residuals ``e_new = M - S`` and the statistics.
+
 Differences from the hook, each deliberate:
 
 - A zero column is left zero by Gram-Schmidt (the hook divides by its zero
@@ -82,6 +95,8 @@ Differences from the hook, each deliberate:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -486,6 +501,68 @@ def powersgd(
       >>> jax.tree.map(int, optax.tree.get(state, "message_bytes"))  # (6 + 5) * 4
       {'b': 20, 'w': 44}
     """
+    cfg = _make_config(
+        rank,
+        axis_name=axis_name,
+        start_iter=start_iter,
+        min_compression_rate=min_compression_rate,
+        min_dense_size=min_dense_size,
+        error_feedback=error_feedback,
+        warm_start=warm_start,
+        orthogonalization_epsilon=orthogonalization_epsilon,
+        reshape=reshape,
+        residual_dtype=residual_dtype,
+        nonfinite=nonfinite,
+        seed=seed,
+    )
+
+    def update(updates, state, params=None, *, include=None, **extra_args):
+        del params, extra_args
+        return _update(cfg, updates, state, include)
+
+    return optax.GradientTransformationExtraArgs(functools.partial(_init, cfg), update)
+
+
+# ---------------------------------------------------------------------------
+# Static configuration.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Config:
+    """The validated static options of one :func:`powersgd` transform."""
+
+    rank: int
+    start_iter: int  # 0: no vanilla steps (and no lax.cond around the collectives)
+    min_compression_rate: float
+    error_feedback: bool
+    warm_start: bool
+    orthogonalization_epsilon: Any  # float, or a traced value (an injected hyperparameter)
+    reshape: str
+    # The common options (jaxcomp.transforms.base.CommonOptions).
+    axis_name: Any
+    min_dense_size: int
+    residual_dtype: Any  # None: per leaf, see resolve_residual_dtype
+    nonfinite: str
+    seed: Any  # int, or a traced integer (only _init reads it)
+
+
+def _make_config(
+    rank,
+    *,
+    axis_name,
+    start_iter,
+    min_compression_rate,
+    min_dense_size,
+    error_feedback,
+    warm_start,
+    orthogonalization_epsilon,
+    reshape,
+    residual_dtype,
+    nonfinite,
+    seed,
+) -> _Config:
+    """Validates :func:`powersgd`'s arguments (each error names its argument)."""
     rank = V.check_int("rank", rank, 1)
     # None defaults (the documented values), so optax.inject_hyperparams does not trace
     # options the user never passed.
@@ -511,248 +588,340 @@ def powersgd(
         nonfinite=nonfinite,
         seed=seed,
     )
-    min_dense_size, residual_dtype, nonfinite = (
-        common.min_dense_size,
-        common.residual_dtype,
-        common.nonfinite,
+    return _Config(
+        rank=rank,
+        start_iter=start_iter,
+        min_compression_rate=min_compression_rate,
+        error_feedback=error_feedback,
+        warm_start=warm_start,
+        orthogonalization_epsilon=orthogonalization_epsilon,
+        reshape=reshape,
+        axis_name=common.axis_name,
+        min_dense_size=common.min_dense_size,
+        residual_dtype=common.residual_dtype,
+        nonfinite=common.nonfinite,
+        seed=common.seed,
     )
-    seed = common.seed
 
-    def plan(shape):
-        return matrix_plan(
-            tuple(shape),
-            rank,
-            min_compression_rate=min_compression_rate,
-            min_dense_size=min_dense_size,
-            reshape=reshape,
+
+def _plan(cfg: _Config, shape) -> tuple[int, int, int] | None:
+    """:func:`matrix_plan` of a leaf of this shape under ``cfg``."""
+    return matrix_plan(
+        tuple(shape),
+        cfg.rank,
+        min_compression_rate=cfg.min_compression_rate,
+        min_dense_size=cfg.min_dense_size,
+        reshape=cfg.reshape,
+    )
+
+
+def _n_devices(cfg: _Config) -> int:
+    return 1 if cfg.axis_name is None else collectives.axis_size(cfg.axis_name)
+
+
+def _wire(cfg: _Config, nbytes) -> jax.Array:
+    """Bytes on the wire for a message of ``nbytes`` (a ring all-reduce; 0 on one device)."""
+    return jnp.float32(
+        0 if cfg.axis_name is None else collectives.allreduce_bytes(nbytes, _n_devices(cfg))
+    )
+
+
+# ---------------------------------------------------------------------------
+# The two exchanges.
+# ---------------------------------------------------------------------------
+
+
+def _exchange_p(cfg: _Config, vanilla, dense_msgs, p_locs, count):
+    """All-reduce 1: ``(means of dense_msgs, sums of p_locs, summed count, flag)``.
+
+    With ``start_iter`` (``vanilla`` a traced bool) the step is either a vanilla
+    step (the compressed leaves' ``dense_msgs`` averaged, zeros for ``P``) or a
+    PowerSGD step (``P`` summed, zeros for the dense means): one ``lax.cond``
+    around the collectives only (a cond around the whole step measured ~4x the
+    unconditional update on XLA:CPU, where operands crossing a cond cost copies).
+    The compressed leaves' dense messages do cross it, so that PowerSGD steps do
+    not all-reduce them too. ``flag`` is ``vanilla`` typed device-invariant (a
+    constant of the branch taken), so selecting the update with it keeps the
+    update invariant under ``shard_map``'s ``check_vma``.
+    """
+    axis_name = cfg.axis_name
+    if axis_name is None:
+        return dense_msgs, p_locs, count, vanilla
+
+    def power(msgs, p, c):
+        sums, total = _psum_flat(p, axis_name, c)
+        return _zeros(msgs), sums, total, jnp.bool_(False)
+
+    if vanilla is None:
+        return (*power(dense_msgs, p_locs, count)[:3], None)
+
+    def dense(msgs, p, c):
+        return _dense_means(msgs, axis_name), _zeros(p), _zeros(c), jnp.bool_(True)
+
+    return _vma.cond(vanilla, dense, power, dense_msgs, p_locs, count)
+
+
+def _exchange_q(cfg: _Config, flag, qt_locs):
+    """All-reduce 2: the sums of ``qt_locs`` (zeros in a vanilla step)."""
+    axis_name = cfg.axis_name
+    if axis_name is None:
+        return qt_locs
+
+    def power(q):
+        return _psum_flat(q, axis_name)[0]
+
+    if flag is None:
+        return power(qt_locs)
+    return _vma.cond(flag, _zeros, power, qt_locs)
+
+
+# ---------------------------------------------------------------------------
+# init and update.
+# ---------------------------------------------------------------------------
+
+
+def _init(cfg: _Config, params) -> PowerSGDState:
+    V.check_gradient_leaves(params, f"{_WHO}.init", "parameter")
+    leaves, treedef = jax.tree.flatten(params)
+    cdts = [resolve_residual_dtype(cfg.residual_dtype, [p]) for p in leaves]
+    key = jax.random.key(cfg.seed)
+    qs = []
+    for i, (p, cdt) in enumerate(zip(leaves, cdts, strict=True)):
+        pl = _plan(cfg, jnp.shape(p))
+        qs.append(None if pl is None else _draw_q(key, cfg.start_iter, i, pl[1], pl[2], cdt))
+    return PowerSGDState(
+        step=jnp.zeros([], jnp.int32),
+        residual=treedef.unflatten(
+            [jnp.zeros(jnp.shape(p), c) for p, c in zip(leaves, cdts, strict=True)]
         )
+        if cfg.error_feedback
+        else None,
+        q=treedef.unflatten(qs) if cfg.warm_start else None,
+        key=jax.random.key_data(key),
+        message_bytes=treedef.unflatten([jnp.zeros([], jnp.int32) for _ in leaves]),
+        wire_bytes=jnp.zeros([], jnp.float32),
+        nonfinite_steps=jnp.zeros([], jnp.int32),
+    )
 
-    def n_devices():
-        return 1 if axis_name is None else collectives.axis_size(axis_name)
 
-    def wire(nbytes):
-        return jnp.float32(
-            0 if axis_name is None else collectives.allreduce_bytes(nbytes, n_devices())
+def _update(cfg: _Config, updates, state, include):
+    if include is not None:
+        raise ValueError(
+            f"{_WHO} does not take include= (backup workers): P and Q are summed over "
+            "every device; use a sparsifier or quantizer for partial aggregation"
         )
+    # Leaves split over explicit mesh axes (jit outside shard_map): each
+    # leaf compressed whole, as on one device (see jaxcomp._sharding).
+    return _sharding.whole_leaves(functools.partial(_update_leaves, cfg), fields=("residual",))(
+        updates, state
+    )
 
-    def dense_means(xs):
-        return xs if axis_name is None else _dense_means(xs, axis_name)
 
-    def exchange_p(vanilla, dense_msgs, p_locs, count):
-        """All-reduce 1: ``(means of dense_msgs, sums of p_locs, summed count, flag)``.
+class _StepInputs(NamedTuple):
+    """One step's leaves (``jax.tree.flatten`` order) and what every later step reads."""
 
-        With ``start_iter`` (``vanilla`` a traced bool) the step is either a vanilla
-        step (the compressed leaves' ``dense_msgs`` averaged, zeros for ``P``) or a
-        PowerSGD step (``P`` summed, zeros for the dense means): one ``lax.cond``
-        around the collectives only (a cond around the whole step measured ~4x the
-        unconditional update on XLA:CPU, where operands crossing a cond cost copies).
-        The compressed leaves' dense messages do cross it, so that PowerSGD steps do
-        not all-reduce them too. ``flag`` is ``vanilla`` typed device-invariant (a
-        constant of the branch taken), so selecting the update with it keeps the
-        update invariant under ``shard_map``'s ``check_vma``.
-        """
-        if axis_name is None:
-            return dense_msgs, p_locs, count, vanilla
+    treedef: Any
+    grads: list  # after the non-finite policy, in the gradient dtypes
+    residuals: list  # e per leaf, or None per leaf without error feedback
+    qs: list  # the stored Q per leaf (None: a dense leaf, or no warm start)
+    plans: list  # matrix_plan per leaf (None: sent dense)
+    groups: list  # the _Group batches of compressed leaves
+    accs: list  # M = e + g per leaf, in the residual (compute) dtype
+    sends: jax.Array  # bool, False on a skipped (non-finite) step
 
-        def power(msgs, p, c):
-            sums, total = _psum_flat(p, axis_name, c)
-            return _zeros(msgs), sums, total, jnp.bool_(False)
 
-        if vanilla is None:
-            return (*power(dense_msgs, p_locs, count)[:3], None)
+@dataclasses.dataclass
+class _LeafResults:
+    """Per leaf (``jax.tree.flatten`` order), what the step returns and stores, filled in
+    by :func:`_exchange_dense_leaves` and :func:`_power_step`."""
 
-        def dense(msgs, p, c):
-            return _dense_means(msgs, axis_name), _zeros(p), _zeros(c), jnp.bool_(True)
+    updates: list  # in the gradient dtypes
+    sent: list  # this device's message in the gradient dtype (S, or M dense): e_new = M - sent
+    q: list  # the new warm-start Q (None: a dense leaf, or no warm start)
+    message_bytes: list  # int32 scalars
+    wire_bytes: list  # float32 scalars, summed into the state's one total
 
-        return _vma.cond(vanilla, dense, power, dense_msgs, p_locs, count)
+    @classmethod
+    def empty(cls, count: int) -> _LeafResults:
+        fields = dataclasses.fields(cls)
+        return cls(*([None] * count for _ in fields))
 
-    def exchange_q(flag, qt_locs):
-        """All-reduce 2: the sums of ``qt_locs`` (zeros in a vanilla step)."""
-        if axis_name is None:
-            return qt_locs
 
-        def power(q):
-            return _psum_flat(q, axis_name)[0]
+def _update_leaves(cfg: _Config, updates, state):
+    """One step on leaves that are whole on each device (see :func:`_update`)."""
+    V.check_gradient_leaves(updates, _WHO)
+    V.check_state_type(state, PowerSGDState, _WHO)
+    if cfg.error_feedback:
+        V.check_tree_like(updates, state.residual, _WHO)
+    else:
+        V.check_tree_like(updates, state.message_bytes, _WHO, shapes=False)
+    check_per_device(updates, cfg.axis_name, _WHO)
+    grads, finite, sends = apply_nonfinite_policy(updates, cfg.nonfinite)
+    inputs = _step_inputs(cfg, grads, state, sends)
+    out = _LeafResults.empty(len(inputs.grads))
+    _exchange_dense_leaves(cfg, inputs, out)
+    if inputs.groups:
+        _power_step(cfg, inputs, state, out)
+    return inputs.treedef.unflatten(out.updates), _new_state(cfg, state, inputs, out, finite)
 
-        if flag is None:
-            return power(qt_locs)
-        return _vma.cond(flag, _zeros, power, qt_locs)
 
-    def init(params):
-        V.check_gradient_leaves(params, f"{_WHO}.init", "parameter")
-        leaves, treedef = jax.tree.flatten(params)
-        cdts = [resolve_residual_dtype(residual_dtype, [p]) for p in leaves]
-        key = jax.random.key(seed)
-        qs = []
-        for i, (p, cdt) in enumerate(zip(leaves, cdts, strict=True)):
-            pl = plan(jnp.shape(p))
-            qs.append(None if pl is None else _draw_q(key, start_iter, i, pl[1], pl[2], cdt))
-        return PowerSGDState(
-            step=jnp.zeros([], jnp.int32),
-            residual=treedef.unflatten(
-                [jnp.zeros(jnp.shape(p), c) for p, c in zip(leaves, cdts, strict=True)]
-            )
-            if error_feedback
-            else None,
-            q=treedef.unflatten(qs) if warm_start else None,
-            key=jax.random.key_data(key),
-            message_bytes=treedef.unflatten([jnp.zeros([], jnp.int32) for _ in leaves]),
-            wire_bytes=jnp.zeros([], jnp.float32),
-            nonfinite_steps=jnp.zeros([], jnp.int32),
-        )
+def _step_inputs(cfg: _Config, grads, state, sends) -> _StepInputs:
+    g_leaves, treedef = jax.tree.flatten(grads)
+    count_leaves = len(g_leaves)
+    r_leaves = (
+        treedef.flatten_up_to(state.residual) if cfg.error_feedback else [None] * count_leaves
+    )
+    q_leaves = treedef.flatten_up_to(state.q) if cfg.warm_start else [None] * count_leaves
+    cdts = [
+        r.dtype if r is not None else resolve_residual_dtype(cfg.residual_dtype, [g])
+        for g, r in zip(g_leaves, r_leaves, strict=True)
+    ]
+    plans = [_plan(cfg, g.shape) for g in g_leaves]
+    accs = [
+        g.astype(c) if r is None else r + g.astype(c)
+        for g, r, c in zip(g_leaves, r_leaves, cdts, strict=True)
+    ]
+    return _StepInputs(
+        treedef, g_leaves, r_leaves, q_leaves, plans, _groups(plans, cdts), accs, sends
+    )
 
-    def update(updates, state, params=None, *, include=None, **extra_args):
-        del params, extra_args
-        if include is not None:
-            raise ValueError(
-                f"{_WHO} does not take include= (backup workers): P and Q are summed over "
-                "every device; use a sparsifier or quantizer for partial aggregation"
-            )
-        # Leaves split over explicit mesh axes (jit outside shard_map): each
-        # leaf compressed whole, as on one device (see jaxcomp._sharding).
-        return _sharding.whole_leaves(update_leaves, fields=("residual",))(updates, state)
 
-    def update_leaves(updates, state):
-        V.check_gradient_leaves(updates, _WHO)
-        V.check_state_type(state, PowerSGDState, _WHO)
-        if error_feedback:
-            V.check_tree_like(updates, state.residual, _WHO)
+def _exchange_dense_leaves(cfg: _Config, inputs: _StepInputs, out: _LeafResults) -> None:
+    """Dense leaves: averaged whole, one all-reduce per gradient dtype; their residual
+    keeps only the rounding to that dtype."""
+    sends = inputs.sends
+    # What a leaf sends dense: its accumulator in the gradient dtype (0 if skipped).
+    dense_sent = [
+        None if pl is not None else _to_dtype(jnp.where(sends, acc, 0), g.dtype)
+        for g, acc, pl in zip(inputs.grads, inputs.accs, inputs.plans, strict=True)
+    ]
+    dense = [i for i, pl in enumerate(inputs.plans) if pl is None]
+    msgs = [dense_sent[i] for i in dense]
+    means = msgs if cfg.axis_name is None else _dense_means(msgs, cfg.axis_name)
+    for i, mean in zip(dense, means, strict=True):
+        g = inputs.grads[i]
+        nbytes = g.size * g.dtype.itemsize
+        out.updates[i], out.sent[i] = mean, dense_sent[i]
+        out.message_bytes[i] = jnp.where(sends, nbytes, 0).astype(jnp.int32)
+        out.wire_bytes[i] = _wire(cfg, nbytes)
+
+
+def _power_step(cfg: _Config, inputs: _StepInputs, state, out: _LeafResults) -> None:
+    """The compressed leaves: one power-iteration step per group (both exchanges), or a
+    dense average in a vanilla step (``start_iter``)."""
+    sends, eps = inputs.sends, cfg.orthogonalization_epsilon
+    vanilla = None if cfg.start_iter == 0 else state.step < cfg.start_iter
+    mats, p_locs = _local_p(cfg, inputs, state)
+    count = sends.astype(jnp.float32) if cfg.nonfinite == "skip" else None
+    low = [i for grp in inputs.groups for i in grp.leaves]
+    # In a vanilla step (start_iter) the compressed leaves too are sent dense.
+    msgs = (
+        []
+        if vanilla is None
+        else [_to_dtype(jnp.where(sends, inputs.accs[i], 0), inputs.grads[i].dtype) for i in low]
+    )
+    means, p_sums, count, flag = _exchange_p(cfg, vanilla, msgs, p_locs, count)
+    if cfg.nonfinite != "skip":
+        count = jnp.float32(_n_devices(cfg))
+    ps = [_orth(p, eps) for p in p_sums]
+    # Q^T = P^T M, [B, r, m], kept in that layout until it is stored: XLA folds a
+    # transpose into the dot, and M^T P with M's rows contracted ran ~7x slower
+    # on XLA:CPU for r >= 2 (a strided walk over the big matrix).
+    qt_locs = [
+        jnp.where(sends, _bmm(p, mat, ((1,), (1,))), 0) for p, mat in zip(ps, mats, strict=True)
+    ]
+    qt_sums = _exchange_q(cfg, flag, qt_locs)
+    for grp, p, qt_sum in zip(inputs.groups, ps, qt_sums, strict=True):
+        _finish_group(cfg, inputs, grp, p, qt_sum, count, out)
+    if vanilla is not None:
+        _vanilla_override(cfg, inputs, low, vanilla, flag, means, msgs, out)
+    if cfg.nonfinite == "skip" and cfg.axis_name is not None:  # the count, in P's all-reduce
+        extra = jnp.float32(collectives.allreduce_bytes(4, _n_devices(cfg)))
+        if vanilla is not None:
+            extra = jnp.where(vanilla, 0, extra)
+        out.wire_bytes[low[0]] = out.wire_bytes[low[0]] + extra
+
+
+def _local_p(cfg: _Config, inputs: _StepInputs, state) -> tuple[list, list]:
+    """Per group, the stacked matrices ``M`` (``[B, n, m]``) and this device's ``M Q``."""
+    key = jax.random.wrap_key_data(state.key)
+    mats, p_locs = [], []
+    for grp in inputs.groups:
+        n, m, r, cdt = grp.n, grp.m, grp.r, grp.cdt
+        mat = jnp.stack([inputs.accs[i].reshape(n, m) for i in grp.leaves])  # [B, n, m]
+        if cfg.warm_start:
+            q0 = jnp.stack([inputs.qs[i] for i in grp.leaves])
         else:
-            V.check_tree_like(updates, state.message_bytes, _WHO, shapes=False)
-        check_per_device(updates, axis_name, _WHO)
-        grads, finite, sends = apply_nonfinite_policy(updates, nonfinite)
+            q0 = jnp.stack([_draw_q(key, state.step, i, m, r, cdt) for i in grp.leaves])
+        q0 = _orth(q0, cfg.orthogonalization_epsilon)
+        mats.append(mat)
+        # A device that sends nothing contributes zeros: its M never reaches the sums.
+        p_locs.append(jnp.where(inputs.sends, _bmm(mat, q0, ((2,), (1,))), 0))
+    return mats, p_locs
 
-        g_leaves, treedef = jax.tree.flatten(grads)
-        count_leaves = len(g_leaves)
-        r_leaves = (
-            treedef.flatten_up_to(state.residual) if error_feedback else [None] * count_leaves
-        )
-        q_leaves = treedef.flatten_up_to(state.q) if warm_start else [None] * count_leaves
-        cdts = [
-            r.dtype if r is not None else resolve_residual_dtype(residual_dtype, [g])
-            for g, r in zip(g_leaves, r_leaves, strict=True)
-        ]
-        plans = [plan(g.shape) for g in g_leaves]
-        groups = _groups(plans, cdts)
-        low = [i for grp in groups for i in grp.leaves]
-        accs = [
-            g.astype(c) if r is None else r + g.astype(c)
-            for g, r, c in zip(g_leaves, r_leaves, cdts, strict=True)
-        ]
-        # What a leaf sends dense: its accumulator in the gradient dtype (0 if skipped).
-        dense_sent = [
-            None if pl is not None else _to_dtype(jnp.where(sends, acc, 0), g.dtype)
-            for g, acc, pl in zip(g_leaves, accs, plans, strict=True)
-        ]
-        updates_out: list = [None] * count_leaves
-        sent: list = [None] * count_leaves
-        new_q: list = [None] * count_leaves
-        msg: list = [None] * count_leaves
-        wire_b: list = [None] * count_leaves
 
-        # Dense leaves: averaged whole, one all-reduce per gradient dtype; their residual
-        # keeps only the rounding to that dtype.
-        dense = [i for i, pl in enumerate(plans) if pl is None]
-        for i, mean in zip(dense, dense_means([dense_sent[i] for i in dense]), strict=True):
-            g = g_leaves[i]
-            nbytes = g.size * g.dtype.itemsize
-            updates_out[i], sent[i] = mean, dense_sent[i]
-            msg[i], wire_b[i] = jnp.where(sends, nbytes, 0).astype(jnp.int32), wire(nbytes)
+def _finish_group(cfg: _Config, inputs: _StepInputs, grp: _Group, p, qt_sum, count, out) -> None:
+    """One group's ``S = P Q^T``, its leaves' updates, messages and new ``Q``."""
+    n, m, r, cdt = grp.n, grp.m, grp.r, grp.cdt
+    sends = inputs.sends
+    qt = qt_sum / jnp.maximum(count, 1).astype(cdt)
+    # Overflow in M Q or P^T M (values near the dtype's range): that leaf sends
+    # nothing anywhere.
+    ok = (_finite(p) & _finite(qt))[:, None, None]
+    p, qt = jnp.where(ok, p, 0), jnp.where(ok, qt, 0)
+    approx = _bmm(p, qt, ((2,), (1,)))  # P Q^T, identical on every device
+    nbytes = (n + m) * r * jnp.dtype(cdt).itemsize
+    for b, i in enumerate(grp.leaves):
+        g = inputs.grads[i]
+        out.sent[i] = _to_dtype(approx[b], g.dtype).reshape(g.shape)
+        if cfg.nonfinite == "skip":
+            # The mean of what the devices sent: K copies of S and N - K zeros.
+            # K == N gives a factor of exactly 1.0, hence the bits of `sent`.
+            frac = count.astype(cdt) / jnp.asarray(_n_devices(cfg), cdt)
+            out.updates[i] = _to_dtype(approx[b] * frac, g.dtype).reshape(g.shape)
+        else:
+            out.updates[i] = out.sent[i]
+        out.message_bytes[i] = jnp.where(sends, nbytes, 0).astype(jnp.int32)
+        out.wire_bytes[i] = _wire(cfg, nbytes)
+        if cfg.warm_start:
+            # A zero column (zero gradient, nobody sent) would stay zero forever.
+            live = jnp.any(qt[b] != 0, axis=1)
+            out.q[i] = jnp.where(live, qt[b].T, inputs.qs[i])
 
-        if groups:
-            vanilla = None if start_iter == 0 else state.step < start_iter
-            key = jax.random.wrap_key_data(state.key)
-            mats, p_locs = [], []
-            for grp in groups:
-                n, m, r, cdt = grp.n, grp.m, grp.r, grp.cdt
-                mat = jnp.stack([accs[i].reshape(n, m) for i in grp.leaves])  # [B, n, m]
-                if warm_start:
-                    q0 = jnp.stack([q_leaves[i] for i in grp.leaves])
-                else:
-                    q0 = jnp.stack([_draw_q(key, state.step, i, m, r, cdt) for i in grp.leaves])
-                q0 = _orth(q0, orthogonalization_epsilon)
-                mats.append(mat)
-                # A device that sends nothing contributes zeros: its M never reaches the sums.
-                p_locs.append(jnp.where(sends, _bmm(mat, q0, ((2,), (1,))), 0))
-            count = sends.astype(jnp.float32) if nonfinite == "skip" else None
-            # In a vanilla step (start_iter) the compressed leaves too are sent dense.
-            msgs = (
-                []
-                if vanilla is None
-                else [_to_dtype(jnp.where(sends, accs[i], 0), g_leaves[i].dtype) for i in low]
-            )
-            means, p_sums, count, flag = exchange_p(vanilla, msgs, p_locs, count)
-            if nonfinite != "skip":
-                count = jnp.float32(n_devices())
-            ps = [_orth(p, orthogonalization_epsilon) for p in p_sums]
-            # Q^T = P^T M, [B, r, m], kept in that layout until it is stored: XLA folds a
-            # transpose into the dot, and M^T P with M's rows contracted ran ~7x slower
-            # on XLA:CPU for r >= 2 (a strided walk over the big matrix).
-            qt_locs = [
-                jnp.where(sends, _bmm(p, mat, ((1,), (1,))), 0)
-                for p, mat in zip(ps, mats, strict=True)
+
+def _vanilla_override(cfg: _Config, inputs, low, vanilla, flag, means, msgs, out) -> None:
+    """Before ``start_iter``: the compressed leaves ``low`` get their dense means, send
+    their dense messages ``msgs`` and keep their ``Q``."""
+    for j, i in enumerate(low):
+        g = inputs.grads[i]
+        nbytes = g.size * g.dtype.itemsize
+        out.updates[i] = jnp.where(flag, means[j], out.updates[i])
+        out.sent[i] = jnp.where(vanilla, msgs[j], out.sent[i])
+        out.message_bytes[i] = jnp.where(
+            vanilla, jnp.where(inputs.sends, nbytes, 0), out.message_bytes[i]
+        ).astype(jnp.int32)
+        out.wire_bytes[i] = jnp.where(vanilla, _wire(cfg, nbytes), out.wire_bytes[i])
+        if cfg.warm_start:
+            out.q[i] = jnp.where(vanilla, inputs.qs[i], out.q[i])
+
+
+def _new_state(cfg: _Config, state, inputs: _StepInputs, out: _LeafResults, finite):
+    """The state after the step: ``e_new = M - S`` where this device sent, else ``e``."""
+    treedef = inputs.treedef
+    new_res = None
+    if cfg.error_feedback:
+        new_res = treedef.unflatten(
+            [
+                jnp.where(inputs.sends, acc - s.astype(acc.dtype), res)
+                for acc, s, res in zip(inputs.accs, out.sent, inputs.residuals, strict=True)
             ]
-            qt_sums = exchange_q(flag, qt_locs)
-            for grp, p, qt_sum in zip(groups, ps, qt_sums, strict=True):
-                n, m, r, cdt = grp.n, grp.m, grp.r, grp.cdt
-                qt = qt_sum / jnp.maximum(count, 1).astype(cdt)
-                # Overflow in M Q or P^T M (values near the dtype's range): that leaf sends
-                # nothing anywhere.
-                ok = (_finite(p) & _finite(qt))[:, None, None]
-                p, qt = jnp.where(ok, p, 0), jnp.where(ok, qt, 0)
-                approx = _bmm(p, qt, ((2,), (1,)))  # P Q^T, identical on every device
-                nbytes = (n + m) * r * jnp.dtype(cdt).itemsize
-                for b, i in enumerate(grp.leaves):
-                    g = g_leaves[i]
-                    sent[i] = _to_dtype(approx[b], g.dtype).reshape(g.shape)
-                    if nonfinite == "skip":
-                        # The mean of what the devices sent: K copies of S and N - K zeros.
-                        # K == N gives a factor of exactly 1.0, hence the bits of `sent`.
-                        frac = count.astype(cdt) / jnp.asarray(n_devices(), cdt)
-                        updates_out[i] = _to_dtype(approx[b] * frac, g.dtype).reshape(g.shape)
-                    else:
-                        updates_out[i] = sent[i]
-                    msg[i] = jnp.where(sends, nbytes, 0).astype(jnp.int32)
-                    wire_b[i] = wire(nbytes)
-                    if warm_start:
-                        # A zero column (zero gradient, nobody sent) would stay zero forever.
-                        live = jnp.any(qt[b] != 0, axis=1)
-                        new_q[i] = jnp.where(live, qt[b].T, q_leaves[i])
-            if vanilla is not None:
-                for j, i in enumerate(low):
-                    g = g_leaves[i]
-                    nbytes = g.size * g.dtype.itemsize
-                    updates_out[i] = jnp.where(flag, means[j], updates_out[i])
-                    sent[i] = jnp.where(vanilla, msgs[j], sent[i])
-                    msg[i] = jnp.where(vanilla, jnp.where(sends, nbytes, 0), msg[i]).astype(
-                        jnp.int32
-                    )
-                    wire_b[i] = jnp.where(vanilla, wire(nbytes), wire_b[i])
-                    if warm_start:
-                        new_q[i] = jnp.where(vanilla, q_leaves[i], new_q[i])
-            if nonfinite == "skip" and axis_name is not None:  # the count, in P's all-reduce
-                extra = jnp.float32(collectives.allreduce_bytes(4, n_devices()))
-                if vanilla is not None:
-                    extra = jnp.where(vanilla, 0, extra)
-                wire_b[low[0]] = wire_b[low[0]] + extra
-
-        new_res = None
-        if error_feedback:
-            new_res = treedef.unflatten(
-                [
-                    jnp.where(sends, acc - s.astype(acc.dtype), res)
-                    for acc, s, res in zip(accs, sent, r_leaves, strict=True)
-                ]
-            )
-        new_state = PowerSGDState(
-            step=state.step + 1,
-            residual=new_res,
-            q=treedef.unflatten(new_q) if warm_start else None,
-            key=state.key,
-            message_bytes=treedef.unflatten(msg),
-            wire_bytes=sum(wire_b, jnp.float32(0)),
-            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
         )
-        return treedef.unflatten(updates_out), new_state
-
-    return optax.GradientTransformationExtraArgs(init, update)
+    return PowerSGDState(
+        step=state.step + 1,
+        residual=new_res,
+        q=treedef.unflatten(out.q) if cfg.warm_start else None,
+        key=state.key,
+        message_bytes=treedef.unflatten(out.message_bytes),
+        wire_bytes=sum(out.wire_bytes, jnp.float32(0)),
+        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+    )
