@@ -10,6 +10,8 @@ inner steps that send the quantized variance-reduced gradient
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -90,97 +92,125 @@ def make_qsvrg_epoch(
       >>> bool(jnp.allclose(params, 1.0, atol=1e-3))
       True
     """
-    epoch_length = V.check_int("epoch_length", epoch_length, 1)
-    batch_size = V.check_int("batch_size", batch_size, 1)
-    average = V.check_bool("average", average)
-    variance_reduced = V.check_bool("variance_reduced", variance_reduced)
-    grad_fn = jax.grad(loss_fn)
-
-    def local_grad(params, batch):
-        # Per-device gradient: parameters cast to varying, as make_train_step does.
-        return grad_fn(lax.pcast(params, axis_name, to="varying"), batch)
-
-    def run(params, opt_state, data, key):
-        state = jax.tree.map(lambda x: x[0], opt_state)
-        n_dev = collectives.axis_size(axis_name)
-        key = jax.random.fold_in(key, lax.axis_index(axis_name))
-        m = jax.tree.leaves(data)[0].shape[0]
-        snapshot = params
-        if variance_reduced:
-            full = jax.tree.map(lambda g: lax.pmean(g, axis_name), local_grad(snapshot, data))
-            full_bytes = sum(
-                collectives.allreduce_bytes(x.size * x.dtype.itemsize, n_dev)
-                for x in jax.tree.leaves(full)
-            )
-        else:
-            full, full_bytes = jax.tree.map(jnp.zeros_like, params), 0.0
-        loss = lax.pmean(loss_fn(snapshot, data), axis_name)
-
-        def body(carry, t):
-            x, st, total = carry
-            idx = jax.random.randint(jax.random.fold_in(key, t), (batch_size,), 0, m)
-            batch = jax.tree.map(lambda a: a[idx], data)
-            g = local_grad(x, batch)
-            gs = (
-                local_grad(snapshot, batch) if variance_reduced else jax.tree.map(jnp.zeros_like, g)
-            )
-            u, st = tx.update(g, st, x, snapshot_grads=gs, full_grad=full)
-            x = optax.apply_updates(x, u)
-            wire = collectives_wire(st)
-            total = (
-                jax.tree.map(lambda a, xi: a + xi.astype(a.dtype), total[0], x),
-                total[1] + wire,
-            )
-            return (x, st, total), None
-
-        # The iterates are summed in float32 at least: a bfloat16 sum of 200 iterates
-        # of 3.0 drifts to 3.56 (its spacing at 512 is 4).
-        zeros = jax.tree.map(
-            lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params
-        )
-        (x, state, (x_sum, wire)), _ = lax.scan(
-            body,
-            (params, state, (zeros, jnp.float32(0))),
-            jnp.arange(epoch_length),
-        )
-        if average:
-            x = jax.tree.map(lambda s, p: (s / epoch_length).astype(p.dtype), x_sum, params)
-        metrics = {"wire_bytes": wire + jnp.float32(full_bytes), "loss": loss}
-        return x, jax.tree.map(lambda a: jnp.asarray(a)[None], state), metrics
-
-    def collectives_wire(state):
-        found = optax.tree.get_all_with_path(state, "wire_bytes")
-        return sum((jnp.asarray(v, jnp.float32) for _, v in found), jnp.float32(0))
-
+    cfg = _EpochConfig(
+        loss_fn=loss_fn,
+        tx=tx,
+        mesh=mesh,
+        axis_name=axis_name,
+        epoch_length=V.check_int("epoch_length", epoch_length, 1),
+        batch_size=V.check_int("batch_size", batch_size, 1),
+        average=V.check_bool("average", average),
+        variance_reduced=V.check_bool("variance_reduced", variance_reduced),
+        grad_fn=jax.grad(loss_fn),
+    )
     sharded = jax.shard_map(
-        run,
+        functools.partial(_run_epoch, cfg),
         mesh=mesh,
         in_specs=(P(), P(axis_name), P(axis_name), P()),
         out_specs=(P(), P(axis_name), P()),
         # The exchanged updates are identical on every device; the state that
-        # produced them is per device (as in make_train_step). The check below
-        # stands in for what check_vma would guard.
+        # produced them is per device (as in make_train_step). The check in
+        # _epoch stands in for what check_vma would guard.
         check_vma=False,
     )
+    return jax.jit(functools.partial(_epoch, cfg, sharded))
 
-    def epoch(params, opt_state, data, key):
-        # With out_specs=P() and check_vma=False, an update tx does not average
-        # (qsvrg without axis_name) would silently return device 0's private
-        # trajectory: trace tx under check_vma once per compilation, as
-        # make_train_step does, and refuse it.
-        n_dev = mesh.shape[axis_name]
-        zeros = jax.tree.map(lambda p: jnp.zeros((n_dev, *jnp.shape(p)), p.dtype), params)
-        paths = unexchanged_leaves(
-            tx, params, mesh, axis_name, {"snapshot_grads": zeros, "full_grad": zeros}
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _EpochConfig:
+    """The validated static options of one :func:`make_qsvrg_epoch` epoch."""
+
+    loss_fn: Callable
+    tx: optax.GradientTransformationExtraArgs
+    mesh: Mesh
+    axis_name: str
+    epoch_length: int
+    batch_size: int
+    average: bool
+    variance_reduced: bool
+    grad_fn: Callable  # jax.grad(loss_fn)
+
+
+def _local_grad(cfg: _EpochConfig, params, batch):
+    # Per-device gradient: parameters cast to varying, as make_train_step does.
+    return cfg.grad_fn(lax.pcast(params, cfg.axis_name, to="varying"), batch)
+
+
+def _state_wire_bytes(state):
+    found = optax.tree.get_all_with_path(state, "wire_bytes")
+    return sum((jnp.asarray(v, jnp.float32) for _, v in found), jnp.float32(0))
+
+
+def _run_epoch(cfg: _EpochConfig, params, opt_state, data, key):
+    """One device's epoch inside ``shard_map``: snapshot, full gradient, ``T`` steps."""
+    axis_name, tx = cfg.axis_name, cfg.tx
+    state = jax.tree.map(lambda x: x[0], opt_state)
+    n_dev = collectives.axis_size(axis_name)
+    key = jax.random.fold_in(key, lax.axis_index(axis_name))
+    m = jax.tree.leaves(data)[0].shape[0]
+    snapshot = params
+    if cfg.variance_reduced:
+        full = jax.tree.map(lambda g: lax.pmean(g, axis_name), _local_grad(cfg, snapshot, data))
+        full_bytes = sum(
+            collectives.allreduce_bytes(x.size * x.dtype.itemsize, n_dev)
+            for x in jax.tree.leaves(full)
         )
-        if paths:
-            names = ", ".join(p or "<root>" for p in paths)
-            raise ValueError(
-                "make_qsvrg_epoch: tx does not average these update leaves over "
-                f"{axis_name!r}, so the devices' parameters would diverge (the epoch would "
-                f"return device 0's alone): {names}. Build it with "
-                f"qsvrg(..., axis_name={axis_name!r})."
-            )
-        return sharded(params, opt_state, data, key)
+    else:
+        full, full_bytes = jax.tree.map(jnp.zeros_like, params), 0.0
+    loss = lax.pmean(cfg.loss_fn(snapshot, data), axis_name)
 
-    return jax.jit(epoch)
+    def body(carry, t):
+        x, st, total = carry
+        idx = jax.random.randint(jax.random.fold_in(key, t), (cfg.batch_size,), 0, m)
+        batch = jax.tree.map(lambda a: a[idx], data)
+        g = _local_grad(cfg, x, batch)
+        gs = (
+            _local_grad(cfg, snapshot, batch)
+            if cfg.variance_reduced
+            else jax.tree.map(jnp.zeros_like, g)
+        )
+        u, st = tx.update(g, st, x, snapshot_grads=gs, full_grad=full)
+        x = optax.apply_updates(x, u)
+        wire = _state_wire_bytes(st)
+        total = (
+            jax.tree.map(lambda a, xi: a + xi.astype(a.dtype), total[0], x),
+            total[1] + wire,
+        )
+        return (x, st, total), None
+
+    # The iterates are summed in float32 at least: a bfloat16 sum of 200 iterates
+    # of 3.0 drifts to 3.56 (its spacing at 512 is 4).
+    zeros = jax.tree.map(
+        lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params
+    )
+    (x, state, (x_sum, wire)), _ = lax.scan(
+        body,
+        (params, state, (zeros, jnp.float32(0))),
+        jnp.arange(cfg.epoch_length),
+    )
+    if cfg.average:
+        x = jax.tree.map(lambda s, p: (s / cfg.epoch_length).astype(p.dtype), x_sum, params)
+    metrics = {"wire_bytes": wire + jnp.float32(full_bytes), "loss": loss}
+    return x, jax.tree.map(lambda a: jnp.asarray(a)[None], state), metrics
+
+
+def _epoch(cfg: _EpochConfig, sharded, params, opt_state, data, key):
+    # With out_specs=P() and check_vma=False, an update tx does not average
+    # (qsvrg without axis_name) would silently return device 0's private
+    # trajectory: trace tx under check_vma once per compilation, as
+    # make_train_step does, and refuse it.
+    axis_name = cfg.axis_name
+    n_dev = cfg.mesh.shape[axis_name]
+    zeros = jax.tree.map(lambda p: jnp.zeros((n_dev, *jnp.shape(p)), p.dtype), params)
+    paths = unexchanged_leaves(
+        cfg.tx, params, cfg.mesh, axis_name, {"snapshot_grads": zeros, "full_grad": zeros}
+    )
+    if paths:
+        names = ", ".join(p or "<root>" for p in paths)
+        raise ValueError(
+            "make_qsvrg_epoch: tx does not average these update leaves over "
+            f"{axis_name!r}, so the devices' parameters would diverge (the epoch would "
+            f"return device 0's alone): {names}. Build it with "
+            f"qsvrg(..., axis_name={axis_name!r})."
+        )
+    return sharded(params, opt_state, data, key)
