@@ -1317,33 +1317,9 @@ def _compress_packed(
         ends = np.cumsum([n // n_dev if q else 0 for n, q in zip(sizes, split, strict=True)])
         for j in np.flatnonzero(split):
             updates[j] = shards[0][ends[j] - sizes[j] // n_dev : ends[j]]
-    masks = layout.unpack(mask, rows)
     velocities = [None] * len(items) if new_u is None else layout.unpack(new_u, rows)
-    # The leaves' statistics as whole arrays (pack order: group by group).
-    leaf_sizes = [[x.size for x in gs] for _, _, gs, _ in items]
-    seg = np.repeat(np.arange(len(items)), [len(z) for z in leaf_sizes])
-    take = (lambda x: x) if len(seg) == len(items) else (lambda x: x[seg])  # noqa: E731
-    leaf_counts = take(sent)
-    shares = {}
-    if per_leaf and len(seg) > len(items):
-        # A merged group's leaves: each its share of the message.
-        for j, z in enumerate(leaf_sizes):
-            if len(z) > 1:
-                shares[j] = jnp.stack(
-                    [jnp.sum(masks[j][lo:hi], dtype=jnp.int32) for lo, hi in _bounds(z)]
-                )
-        pos = np.concatenate([np.flatnonzero(seg == j) for j in shares])
-        leaf_counts = leaf_counts.at[pos].set(jnp.concatenate(list(shares.values())))
-    offsets = np.concatenate([[0, *itertools.accumulate(z)][:-1] for z in leaf_sizes])
-    stats = _LeafStats(
-        members=tuple(i for _, gi, _, _ in items for i in gi.members),
-        count=leaf_counts,
-        threshold=take(shown),
-        iterations=take(sel.iterations),
-        # Every packed group is sent as (int32 index, value) pairs.
-        message_bytes=leaf_counts * (4 + jnp.dtype(wire).itemsize),
-        sent_threshold=take(cut) if defer else None,
-        sent_limit=take(limit) - offsets.astype(np.int32) if defer else None,
+    stats, shares = _packed_leaf_stats(
+        items, layout.unpack(mask, rows), sent, shown, sel.iterations, (cut, limit), wire, per_leaf
     )
     if _low_pass_on(cfg):
         # The filter reads each group's gradients after the non-finite policy
@@ -1367,6 +1343,44 @@ def _compress_packed(
         leaf_cfg = cfg if pack.split is None else _leaf_exchange(cfg, pack.split, (j,))
         outs.append(_split_group(leaf_cfg, gs, flat, o, ctx))
     return outs, stats
+
+
+def _packed_leaf_stats(items, masks, sent, shown, iterations, pending, wire, per_leaf):
+    """A pack's per-leaf statistics as whole arrays (pack order: group by group).
+
+    Returns the :class:`_LeafStats` and, per merged group (index in the
+    pack), each leaf's share of the group's message. ``pending`` is the
+    message's (threshold, last index) per segment, kept in the statistics
+    only when the items defer their residual (``defer_residual``).
+    """
+    defer = items[0][3].defer
+    cut, limit = pending
+    leaf_sizes = [[x.size for x in gs] for _, _, gs, _ in items]
+    seg = np.repeat(np.arange(len(items)), [len(z) for z in leaf_sizes])
+    take = (lambda x: x) if len(seg) == len(items) else (lambda x: x[seg])  # noqa: E731
+    leaf_counts = take(sent)
+    shares = {}
+    if per_leaf and len(seg) > len(items):
+        # A merged group's leaves: each its share of the message.
+        for j, z in enumerate(leaf_sizes):
+            if len(z) > 1:
+                shares[j] = jnp.stack(
+                    [jnp.sum(masks[j][lo:hi], dtype=jnp.int32) for lo, hi in _bounds(z)]
+                )
+        pos = np.concatenate([np.flatnonzero(seg == j) for j in shares])
+        leaf_counts = leaf_counts.at[pos].set(jnp.concatenate(list(shares.values())))
+    offsets = np.concatenate([[0, *itertools.accumulate(z)][:-1] for z in leaf_sizes])
+    stats = _LeafStats(
+        members=tuple(i for _, gi, _, _ in items for i in gi.members),
+        count=leaf_counts,
+        threshold=take(shown),
+        iterations=take(iterations),
+        # Every packed group is sent as (int32 index, value) pairs.
+        message_bytes=leaf_counts * (4 + jnp.dtype(wire).itemsize),
+        sent_threshold=take(cut) if defer else None,
+        sent_limit=take(limit) - offsets.astype(np.int32) if defer else None,
+    )
+    return stats, shares
 
 
 def _leaf_exchange(cfg: _Config, scatter, members) -> _Config:
