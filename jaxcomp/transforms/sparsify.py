@@ -1553,26 +1553,7 @@ def _exchange_packed(
     size = layout.num_rows * layout.row
 
     def branch(p):
-        kinds = [
-            sparse_allreduce.choose_exchange(cfg.exchange, int(c), n, item, n_dev)
-            for c, n in zip(caps[p], sizes, strict=True)
-        ]
-        if cfg.exchange == "scatter":
-            # split: reduce-scattered; the others "auto" (a one-group pack: split).
-            kinds = [
-                "scatter" if split is None or split[s] else kind
-                for s, kind in enumerate(
-                    sparse_allreduce.choose_exchange("auto", int(c), n, item, n_dev)
-                    for c, n in zip(caps[p], sizes, strict=True)
-                )
-            ]
-        if cfg.exchange == "gossip":
-            # Each group's message in whichever form is smaller, as it alone would send it.
-            pairs = [
-                sparse_allreduce.gossip_sends_pairs(int(c), n, item)
-                for c, n in zip(caps[p], sizes, strict=True)
-            ]
-            kinds = ["gossip_sparse" if q else "gossip_dense" for q in pairs]
+        kinds = _packed_kinds(cfg.exchange, caps[p], sizes, item, n_dev, split)
         of_kind = {k: [s for s, kind in enumerate(kinds) if kind == k] for k in set(kinds)}
 
         def slots(kind):
@@ -1654,36 +1635,70 @@ def _exchange_packed(
                     flat_res = flat_res.at[back_idx].add(back, mode="drop")
             mean = mean.reshape(update.shape)
             update = mean if len(of_kind) == 1 else jnp.where(rows(kind), mean, update)
-        # include=: each exchange alone would also count its psum of the flags.
-        flags = 0 if include is None else 4
-        rounds = sparse_allreduce.gtopk_rounds(n_dev) if n_dev > 1 else 0
-
-        wire_of = {
-            "sparse": lambda c, n: (
-                collectives.allgather_bytes(c * (4 + item), n_dev)
-                + (collectives.allreduce_bytes(flags, n_dev) if flags else 0)
-            ),
-            "dense": lambda c, n: collectives.allreduce_bytes(n * item + flags, n_dev),
-            "server": lambda c, n: collectives.server_link_bytes(c * (4 + item), n * item, n_dev)[
-                "worker"
-            ],
-            "gossip_sparse": lambda c, n: 2 * c * (4 + item) if n_dev > 1 else 0,
-            "gossip_dense": lambda c, n: 2 * n * item if n_dev > 1 else 0,
-            "gtopk": lambda c, n: rounds * c * (4 + item),
-            "oktopk": lambda c, n: sparse_allreduce.oktopk_wire_bytes(c, n_dev, item),
-            "sparcml": lambda c, n: 0,  # one total for all: extra_wire, on the first
-            "scatter": lambda c, n: (
-                (n_dev - 1) * sparse_allreduce.scatter_capacity(c, n_dev) * (4 + item)
-            ),
-        }
-        wires = [wire_of[kind](int(c), n) for c, n, kind in zip(caps[p], sizes, kinds, strict=True)]
-        wires = jnp.asarray(np.asarray(wires, np.float32)).at[0].add(extra_wire)
+        wires = _packed_wire_bytes(kinds, caps[p], sizes, item, n_dev, include is not None)
+        wires = jnp.asarray(wires).at[0].add(extra_wire)
         out = update, wires, flat_res.reshape(residual.shape)
         return out if cfg.exchange != "scatter" else (*out, shards)
 
     if phase is None:
         return branch(0)
     return lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])])
+
+
+def _packed_kinds(exchange: str, caps, sizes, item: int, n_dev: int, split) -> list:
+    """The exchange each segment of a pack runs, as its group alone would pick it."""
+    kinds = [
+        sparse_allreduce.choose_exchange(exchange, int(c), n, item, n_dev)
+        for c, n in zip(caps, sizes, strict=True)
+    ]
+    if exchange == "scatter":
+        # split: reduce-scattered; the others "auto" (a one-group pack: split).
+        kinds = [
+            "scatter" if split is None or split[s] else kind
+            for s, kind in enumerate(
+                sparse_allreduce.choose_exchange("auto", int(c), n, item, n_dev)
+                for c, n in zip(caps, sizes, strict=True)
+            )
+        ]
+    if exchange == "gossip":
+        # Each group's message in whichever form is smaller, as it alone would send it.
+        pairs = [
+            sparse_allreduce.gossip_sends_pairs(int(c), n, item)
+            for c, n in zip(caps, sizes, strict=True)
+        ]
+        kinds = ["gossip_sparse" if q else "gossip_dense" for q in pairs]
+    return kinds
+
+
+def _packed_wire_bytes(kinds, caps, sizes, item: int, n_dev: int, flagged: bool) -> np.ndarray:
+    """Each segment's wire bytes (float32), the formula its group's own exchange reports.
+
+    ``flagged``: with ``include=`` each exchange alone would also count its
+    psum of the flags. SparCML reports one total for all its segments: the
+    caller adds it to the first.
+    """
+    flags = 4 if flagged else 0
+    rounds = sparse_allreduce.gtopk_rounds(n_dev) if n_dev > 1 else 0
+    wire_of = {
+        "sparse": lambda c, n: (
+            collectives.allgather_bytes(c * (4 + item), n_dev)
+            + (collectives.allreduce_bytes(flags, n_dev) if flags else 0)
+        ),
+        "dense": lambda c, n: collectives.allreduce_bytes(n * item + flags, n_dev),
+        "server": lambda c, n: collectives.server_link_bytes(c * (4 + item), n * item, n_dev)[
+            "worker"
+        ],
+        "gossip_sparse": lambda c, n: 2 * c * (4 + item) if n_dev > 1 else 0,
+        "gossip_dense": lambda c, n: 2 * n * item if n_dev > 1 else 0,
+        "gtopk": lambda c, n: rounds * c * (4 + item),
+        "oktopk": lambda c, n: sparse_allreduce.oktopk_wire_bytes(c, n_dev, item),
+        "sparcml": lambda c, n: 0,
+        "scatter": lambda c, n: (
+            (n_dev - 1) * sparse_allreduce.scatter_capacity(c, n_dev) * (4 + item)
+        ),
+    }
+    wires = [wire_of[kind](int(c), n) for c, n, kind in zip(caps, sizes, kinds, strict=True)]
+    return np.asarray(wires, np.float32)
 
 
 def _scalecom_packed(cfg: _Config, layout, acc, u, mask, sent_out, caps, phase, ctx):
