@@ -268,6 +268,26 @@ def _check_repeats(repeats) -> int:
     return int(repeats)
 
 
+def _check_profile_options(loss_fn, repeats, method, flops_per_second) -> int:
+    """Validates :func:`profile_backward`'s options; returns ``repeats`` as an int."""
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable (params, batch) -> scalar, got {loss_fn!r}")
+    repeats = _check_repeats(repeats)
+    if method not in PROFILE_METHODS:
+        raise ValueError(f"method must be one of {PROFILE_METHODS}, got {method!r}")
+    if flops_per_second is not None:
+        if method != "flops":
+            raise ValueError("flops_per_second applies to method='flops' only")
+        if (
+            isinstance(flops_per_second, bool)
+            or not isinstance(flops_per_second, numbers.Real)
+            or not math.isfinite(flops_per_second)
+            or flops_per_second <= 0
+        ):
+            raise ValueError(f"flops_per_second must be a number > 0, got {flops_per_second!r}")
+    return repeats
+
+
 def profile_backward(
     loss_fn: Callable[[Any, Any], Any],
     params,
@@ -338,21 +358,7 @@ def profile_backward(
         ``flops_per_second`` that is not a positive number (or is given with
         ``method="time"``).
     """
-    if not callable(loss_fn):
-        raise ValueError(f"loss_fn must be a callable (params, batch) -> scalar, got {loss_fn!r}")
-    repeats = _check_repeats(repeats)
-    if method not in PROFILE_METHODS:
-        raise ValueError(f"method must be one of {PROFILE_METHODS}, got {method!r}")
-    if flops_per_second is not None:
-        if method != "flops":
-            raise ValueError("flops_per_second applies to method='flops' only")
-        if (
-            isinstance(flops_per_second, bool)
-            or not isinstance(flops_per_second, numbers.Real)
-            or not math.isfinite(flops_per_second)
-            or flops_per_second <= 0
-        ):
-            raise ValueError(f"flops_per_second must be a number > 0, got {flops_per_second!r}")
+    repeats = _check_profile_options(loss_fn, repeats, method, flops_per_second)
     layers = model_layers(params, loss_fn, batch)[::-1]  # backward order
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     index = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(flat)}
