@@ -264,3 +264,32 @@ def test_no_circular_imports_in_experiments(monkeypatch):
     assert (experiments / "train.py").is_file()
     monkeypatch.setattr(__import__(__name__), "PACKAGE", experiments)
     test_no_circular_imports()
+
+
+def _vocabulary_rows():
+    page = (PACKAGE.parent / "docs" / "vocabulary.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`") and cells[0] != "`exchange` default":
+            rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def test_every_factory_matches_the_vocabulary_table():
+    """docs/vocabulary.md's table is the signatures' (positional arguments, defaults)."""
+    rows = _vocabulary_rows()
+    assert len(rows) >= 20, rows
+    factories = [n for n in jaxcomp.__all__ if n in rows]
+    assert sorted(factories) == sorted(rows), set(rows) ^ set(factories)
+    for name, (positional, exchange, error_feedback, _) in rows.items():
+        params = inspect.signature(getattr(jaxcomp, name)).parameters
+        leading = [p for p, v in params.items() if v.kind is v.POSITIONAL_OR_KEYWORD]
+        expected = f"`{', '.join(leading)}`" if leading else "-"
+        assert positional == expected, (name, positional, expected)
+        shown = "-" if "exchange" not in params else f'`"{params["exchange"].default}"`'
+        assert exchange == shown, (name, exchange, shown)
+        if "error_feedback" in params:
+            assert error_feedback == f"`{params['error_feedback'].default}`", name
+        else:
+            assert error_feedback in ("always on", "-"), name
