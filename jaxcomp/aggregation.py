@@ -45,6 +45,8 @@ Example (two devices' worth of weighting on one device: the weight cancels):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -58,11 +60,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
-from jaxcomp import distributed
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
 from jaxcomp.comm import local as local_lib
 from jaxcomp.comm.collectives import GOSSIP_WEIGHTS
+from jaxcomp.distributed.skeleton import compress, device_slice, device_stack, jit_step, shard_step
 
 __all__ = [
     "ENSEMBLE_METHODS",
@@ -501,13 +503,9 @@ def init_replica_opt_state(
     """
 
     def init(reps):
-        own = jax.tree.map(lambda x: x[0], reps)
-        return jax.tree.map(lambda x: jnp.asarray(x)[None], tx.init(own))
+        return device_stack(tx.init(device_slice(reps)))
 
-    init_fn = jax.shard_map(
-        init, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name), check_vma=False
-    )
-    return jax.jit(init_fn)(replicas)
+    return jax.jit(shard_step(init, mesh, P(axis_name), P(axis_name)))(replicas)
 
 
 def _make_replica_step(
@@ -516,74 +514,104 @@ def _make_replica_step(
     """The per-device-parameter step shared by the gossip and ensemble steps."""
     has_aux = V.check_bool("has_aux", has_aux)
     donate = V.check_bool("donate", donate)
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    cfg = _ReplicaStepConfig(
+        tx=tx,
+        mesh=mesh,
+        axis_name=axis_name,
+        mix_weights=mix_weights,
+        has_aux=has_aux,
+        independent=independent,
+        who=who,
+        value_and_grad=jax.value_and_grad(loss_fn, has_aux=has_aux),
+    )
+    return jit_step(
+        functools.partial(_replica_run, cfg),
+        donate_argnums=(0, 1) if donate else (),
+        arguments=_replica_arguments,
+        results=functools.partial(_replica_results, cfg),
+    )
 
-    def first(tree):
-        return jax.tree.map(lambda x: x[0], tree)
 
-    def stack(tree):
-        return jax.tree.map(lambda x: jnp.asarray(x)[None], tree)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ReplicaStepConfig:
+    """The validated static options of one gossip or ensemble step."""
 
-    def step(reps, opt_state, batch, update_args):
-        params, state, extra = first(reps), first(opt_state), first(update_args)
-        # Parameters come in device-varying (P(axis)): the gradient is this
-        # device's own, no psum is inserted.
-        out, grads = value_and_grad(params, batch)
-        if independent:
-            jaxpr = jax.make_jaxpr(lambda g, s, p, e: tx.update(g, s, p, **e))(
-                grads, state, params, extra
-            )
-            if local_lib.communicates(jaxpr):
-                raise ValueError(
-                    f"{who}: tx communicates between devices (a compressor or exchange with "
-                    "axis_name set?), so the members would not be trained independently on "
-                    "their own data. Build tx without axis_name (e.g. plain optax, or a "
-                    "compressor with axis_name=None)."
-                )
-        else:
-            local_lib.check_no_local_branch_around_exchange(
-                tx, grads, state, params, extra, axis_name, who
-            )
-        inner_run_bytes = distributed.step.inner_run_wire_bytes(tx, grads, state, params, extra)
-        updates, state = tx.update(grads, state, params, **extra)
-        # make_train_step's count: under optax.MultiSteps every mini-step that ran the
-        # inner update sent its exchange.
-        wire = distributed.step.wire_bytes_total(state, inner_run_bytes)
-        wire = jnp.float32(0) if wire is None else wire
-        base = params
-        if mix_weights is not None:
-            base, mix_wire = _gossip_tree(params, axis_name, mix_weights)
-            wire = wire + mix_wire
-        new = optax.apply_updates(base, updates)
-        loss, aux = out if has_aux else (out, None)
-        metrics = {"loss": lax.pmean(loss, axis_name), "wire_bytes": lax.pmean(wire, axis_name)}
-        return stack(new), stack(state), metrics, stack(aux) if has_aux else None
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    axis_name: Any
+    mix_weights: tuple | None  # the parameters' ring mix (None: not mixed)
+    has_aux: bool
+    independent: bool  # the ensemble: tx must not communicate
+    who: str
+    value_and_grad: Callable  # jax.value_and_grad(loss_fn)
 
-    def run(reps, opt_state, batch, update_args):
-        sharded = jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(axis_name), P(axis_name), P(axis_name), P(axis_name)),
-            out_specs=(P(axis_name), P(axis_name), P(), P(axis_name)),
-            # Everything but the averaged metrics is per device; untyped, so
-            # any optax transform (lax.cond on per-device values) traces.
-            check_vma=False,
+
+def _replica_arguments(replicas, opt_state, batch, update_args=None):
+    """The jitted step's arguments (``update_args`` None: none)."""
+    return replicas, opt_state, batch, update_args or {}
+
+
+def _replica_results(cfg: _ReplicaStepConfig, out):
+    """``(replicas, opt_state, metrics)``, ``metrics["aux"]`` with ``has_aux``."""
+    replicas, opt_state, metrics, aux = out
+    if cfg.has_aux:
+        metrics = {**metrics, "aux": aux}
+    return replicas, opt_state, metrics
+
+
+def _check_independent(cfg: _ReplicaStepConfig, grads, state, params, extra) -> None:
+    """Raises if the ensemble's ``tx`` communicates: the members would not be independent."""
+    tx = cfg.tx
+    jaxpr = jax.make_jaxpr(lambda g, s, p, e: tx.update(g, s, p, **e))(grads, state, params, extra)
+    if local_lib.communicates(jaxpr):
+        raise ValueError(
+            f"{cfg.who}: tx communicates between devices (a compressor or exchange with "
+            "axis_name set?), so the members would not be trained independently on "
+            "their own data. Build tx without axis_name (e.g. plain optax, or a "
+            "compressor with axis_name=None)."
         )
-        return sharded(reps, opt_state, batch, update_args)
 
-    jitted = jax.jit(run, donate_argnums=(0, 1) if donate else ())
 
-    def train_step(replicas, opt_state, batch, update_args=None):
-        replicas, opt_state, metrics, aux = jitted(replicas, opt_state, batch, update_args or {})
-        if has_aux:
-            metrics = {**metrics, "aux": aux}
-        return replicas, opt_state, metrics
+def _replica_per_device(cfg: _ReplicaStepConfig, reps, opt_state, batch, update_args):
+    """One device's step on its own replica inside ``shard_map``."""
+    axis_name = cfg.axis_name
+    params, state, extra = device_slice(reps), device_slice(opt_state), device_slice(update_args)
+    # Parameters come in device-varying (P(axis)): the gradient is this
+    # device's own, no psum is inserted.
+    out, grads = cfg.value_and_grad(params, batch)
+    if cfg.independent:
+        _check_independent(cfg, grads, state, params, extra)
+    # make_train_step's count: under optax.MultiSteps every mini-step that ran the
+    # inner update sent its exchange.
+    updates, state, wire = compress(cfg.tx, grads, state, params, extra, axis_name, cfg.who)
+    wire = jnp.float32(0) if wire is None else wire
+    base = params
+    if cfg.mix_weights is not None:
+        base, mix_wire = _gossip_tree(params, axis_name, cfg.mix_weights)
+        wire = wire + mix_wire
+    new = optax.apply_updates(base, updates)
+    loss, aux = out if cfg.has_aux else (out, None)
+    metrics = {"loss": lax.pmean(loss, axis_name), "wire_bytes": lax.pmean(wire, axis_name)}
+    return (
+        device_stack(new),
+        device_stack(state),
+        metrics,
+        device_stack(aux) if cfg.has_aux else None,
+    )
 
-    def lower(replicas, opt_state, batch, update_args=None):
-        return jitted.lower(replicas, opt_state, batch, update_args or {})
 
-    train_step.lower = lower
-    return train_step
+def _replica_run(cfg: _ReplicaStepConfig, reps, opt_state, batch, update_args):
+    """The jitted step: every argument per device, the averaged metrics replicated."""
+    per_device = P(cfg.axis_name)
+    # Untyped (shard_step's check_vma=False), so any optax transform (lax.cond
+    # on per-device values) traces.
+    sharded = shard_step(
+        functools.partial(_replica_per_device, cfg),
+        cfg.mesh,
+        in_specs=(per_device,) * 4,
+        out_specs=(per_device, per_device, P(), per_device),
+    )
+    return sharded(reps, opt_state, batch, update_args)
 
 
 def make_gossip_train_step(

@@ -79,6 +79,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import _validation as V
 from jaxcomp.comm import collectives
 from jaxcomp.comm import local as local_lib
+from jaxcomp.distributed.skeleton import device_slice, device_stack, jit_step, shard_step
 
 __all__ = [
     "BITS",
@@ -884,8 +885,8 @@ def make_train_step(
     value_and_grad = distributed.per_device_value_and_grad(loss_fn, axis_name)
 
     def step(params, opt_state, blocks):
-        coded, state = jax.tree.map(lambda x: x[0], opt_state)
-        local_blocks = jax.tree.map(lambda x: x[0], blocks)
+        coded, state = device_slice(opt_state)
+        local_blocks = device_slice(blocks)
         _check_local(tx, params, axis_name, state)
         losses, block_grads = jax.vmap(value_and_grad, in_axes=(None, 0))(params, local_blocks)
         key = jax.random.wrap_key_data(coded.key)
@@ -908,26 +909,20 @@ def make_train_step(
             "clipped": lax.psum(stats.clipped, axis_name),
             "nonfinite": lax.psum(stats.nonfinite, axis_name),
         }
-        return params, jax.tree.map(lambda x: x[None], (coded, state)), metrics
+        return params, device_stack((coded, state)), metrics
 
-    sharded = jax.shard_map(
-        step if communicate else local_lib.without_communication(step),
-        mesh=mesh,
+    # The decoded mean is identical on every device (integer decoding, same
+    # program) but typed varying after the all-gather (shard_step's check_vma=False).
+    sharded = shard_step(
+        step,
+        mesh,
         in_specs=(P(), P(axis_name), P(axis_name)),
         out_specs=(P(), P(axis_name), P()),
-        # The decoded mean is identical on every device (integer decoding,
-        # same program) but typed varying after the all-gather.
-        check_vma=False,
+        communicate=communicate,
     )
-    jitted = jax.jit(sharded, donate_argnums=(0, 1) if donate else ())
 
-    def train_step(params, opt_state, blocks):
+    def arguments(params, opt_state, blocks):
         _check_layout(blocks, n, cfg.redundancy)
-        return jitted(params, opt_state, blocks)
+        return params, opt_state, blocks
 
-    def lower(params, opt_state, blocks):
-        _check_layout(blocks, n, cfg.redundancy)
-        return jitted.lower(params, opt_state, blocks)
-
-    train_step.lower = lower
-    return train_step
+    return jit_step(sharded, donate_argnums=(0, 1) if donate else (), arguments=arguments)

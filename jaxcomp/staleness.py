@@ -75,15 +75,20 @@ from jaxcomp import _validation as V
 from jaxcomp._vma import axis_name_tuple
 from jaxcomp.distributed.grads import per_device_value_and_grad
 from jaxcomp.distributed.placement import param_layout, replicate
-from jaxcomp.distributed.step import (
+from jaxcomp.distributed.skeleton import (
     UNEXCHANGED,
-    check_averaged_stay_identical,
     check_stacked_state,
-    init_opt_state,
+    check_unexchanged,
+    compress,
+    device_slice,
+    device_stack,
+    jit_step,
+    leaf_names,
     mean_leaves,
+    shard_step,
     unexchanged_paths,
-    wire_bytes_total,
 )
+from jaxcomp.distributed.step import init_opt_state
 
 __all__ = [
     "DELAYS",
@@ -175,10 +180,6 @@ def draw_order(key, step, n_devices: int) -> jax.Array:
     n_devices = V.check_int("n_devices", n_devices, 1)
     k = jax.random.fold_in(_as_key(key), step)
     return jax.random.permutation(k, n_devices).astype(jnp.int32)
-
-
-def _names(paths) -> str:
-    return ", ".join(jax.tree_util.keystr(p) or "<root>" for p in paths)
 
 
 def _replicated_jit(fn, mesh: Mesh):
@@ -372,8 +373,7 @@ def make_stale_train_step(
       [0]
     """
     max_delay = V.check_int("max_delay", max_delay, 0)
-    if unexchanged not in UNEXCHANGED:
-        raise ValueError(f"unexchanged must be one of {UNEXCHANGED}, got {unexchanged!r}")
+    unexchanged = V.check_choice("unexchanged", unexchanged, UNEXCHANGED)
     donate = V.check_bool("donate", donate)
     n_dev = _mesh_size(mesh, axis_name)
     cfg = _StaleStepConfig(
@@ -386,16 +386,20 @@ def make_stale_train_step(
         n_dev=n_dev,
         value_and_grad=per_device_value_and_grad(loss_fn, axis_name),
     )
-    jitted = jax.jit(functools.partial(_stale_run, cfg), donate_argnums=(0,) if donate else ())
+    return jit_step(
+        functools.partial(_stale_run, cfg),
+        donate_argnums=(0,) if donate else (),
+        arguments=_stale_arguments,
+    )
 
-    def train_step(state: StaleState, batch):
-        if not isinstance(state, StaleState):
-            raise ValueError(
-                f"state must be a StaleState (init_stale_state), got {type(state).__name__}"
-            )
-        return jitted(state, batch)
 
-    return train_step
+def _stale_arguments(state: StaleState, batch):
+    """The stale step's arguments, checked."""
+    if not isinstance(state, StaleState):
+        raise ValueError(
+            f"state must be a StaleState (init_stale_state), got {type(state).__name__}"
+        )
+    return state, batch
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -427,7 +431,7 @@ def _stale_delays(cfg: _StaleStepConfig, step, key):
 def _stale_per_device(cfg: _StaleStepConfig, params, opt_state, history, step, key, batch, paths):
     """One device's stale step inside ``shard_map``: ``paths`` are averaged densely first."""
     axis_name, max_delay = cfg.axis_name, cfg.max_delay
-    state = jax.tree.map(lambda x: x[0], opt_state)
+    state = device_slice(opt_state)
     if max_delay == 0:
         # No history at all: exactly make_train_step's computation.
         delays = jnp.zeros((cfg.n_dev,), jnp.int32)
@@ -444,7 +448,9 @@ def _stale_per_device(cfg: _StaleStepConfig, params, opt_state, history, step, k
         )
     loss, grads = cfg.value_and_grad(stale, batch)
     grads, dense_wire = mean_leaves(grads, paths, axis_name)
-    updates, state = cfg.tx.update(grads, state, params)
+    updates, state, wire = compress(
+        cfg.tx, grads, state, params, {}, axis_name, "make_stale_train_step"
+    )
     new_params = optax.apply_updates(params, updates)
     if max_delay:
         history = jax.tree.map(
@@ -453,12 +459,10 @@ def _stale_per_device(cfg: _StaleStepConfig, params, opt_state, history, step, k
             params,
         )
     metrics = {"loss": lax.pmean(loss, axis_name), "delay": delays}
-    wire = wire_bytes_total(state)
     if wire is not None or paths:
         wire = dense_wire if wire is None else wire + dense_wire
         metrics["wire_bytes"] = lax.pmean(wire, axis_name)
-    new_state = jax.tree.map(lambda x: x[None], state)
-    return new_params, new_state, history, step + 1, key, metrics
+    return new_params, device_stack(state), history, step + 1, key, metrics
 
 
 def _stale_run(cfg: _StaleStepConfig, state: StaleState, batch):
@@ -468,25 +472,20 @@ def _stale_run(cfg: _StaleStepConfig, state: StaleState, batch):
     _check_stacked(
         "make_stale_train_step", "staleness.init_stale_state", state, mesh, axis_name, {}
     )
-    paths = unexchanged_paths(tx, state.params, mesh, axis_name, {})
-    if paths and cfg.unexchanged == "error":
-        raise ValueError(
-            "make_stale_train_step: tx does not average these update leaves over "
-            f"{axis_name!r}: {_names(paths)}. Give "
-            "every leaf an exchange or use unexchanged='mean'."
-        )
-    if paths:
-        check_averaged_stay_identical(
-            tx, state.params, mesh, axis_name, {}, None, paths, "make_stale_train_step"
-        )
-    sharded = jax.shard_map(
+    paths = check_unexchanged(
+        tx,
+        state.params,
+        mesh,
+        axis_name,
+        policy=cfg.unexchanged,
+        who="make_stale_train_step",
+        remedy="Give every leaf an exchange or use unexchanged='mean'.",
+    )
+    sharded = shard_step(
         functools.partial(_stale_per_device, cfg, paths=frozenset(paths)),
-        mesh=mesh,
+        mesh,
         in_specs=(P(), P(axis_name), P(), P(), P(), P(axis_name)),
         out_specs=(P(), P(axis_name), P(), P(), P(), P()),
-        # As in make_train_step: exchanged updates are bit-identical on
-        # every device, but computed from per-device state.
-        check_vma=False,
     )
     params, opt_state, history, step, key, metrics = sharded(
         state.params, state.opt_state, state.history, state.step, state.key, batch
@@ -713,18 +712,22 @@ def make_async_train_step(
         n_dev=n_dev,
         value_and_grad=per_device_value_and_grad(loss_fn, axis_name),
     )
-    jitted = jax.jit(functools.partial(_async_run, cfg), donate_argnums=(0,) if donate else ())
+    return jit_step(
+        functools.partial(_async_run, cfg),
+        donate_argnums=(0,) if donate else (),
+        arguments=functools.partial(_async_arguments, n_dev),
+    )
 
-    def train_step(state: AsyncState, batch, order=None):
-        if not isinstance(state, AsyncState):
-            raise ValueError(
-                f"state must be an AsyncState (init_async_state), got {type(state).__name__}"
-            )
-        if order is not None:
-            order = jnp.asarray(_check_permutation("order", order, n_dev), jnp.int32)
-        return jitted(state, batch, order)
 
-    return train_step
+def _async_arguments(n_dev: int, state: AsyncState, batch, order=None):
+    """The round's arguments, checked (``order``: a permutation of the workers, or None)."""
+    if not isinstance(state, AsyncState):
+        raise ValueError(
+            f"state must be an AsyncState (init_async_state), got {type(state).__name__}"
+        )
+    if order is not None:
+        order = jnp.asarray(_check_permutation("order", order, n_dev), jnp.int32)
+    return state, batch, order
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -745,8 +748,7 @@ def _async_per_device(
 ):
     """One worker's round inside ``shard_map``: push, then the server's replay of all pushes."""
     axis_name, n_dev, scale = cfg.axis_name, cfg.n_dev, cfg.scale
-    state = jax.tree.map(lambda x: x[0], opt_state)
-    mine = jax.tree.map(lambda x: x[0], workers)
+    state, mine = device_slice(opt_state), device_slice(workers)
     loss, grads = cfg.value_and_grad(mine, batch)
     updates, state = cfg.tx.update(grads, state, mine)
     push = _push_bytes(state, updates)
@@ -781,8 +783,8 @@ def _async_per_device(
     }
     return (
         server,
-        jax.tree.map(lambda x: x[None], mine),
-        jax.tree.map(lambda x: x[None], state),
+        device_stack(mine),
+        device_stack(state),
         (applied_at + 1)[None],
         step + 1,
         key,
@@ -804,7 +806,7 @@ def _async_run(cfg: _AsyncStepConfig, state: AsyncState, batch, arrival):
     if exchanged:
         raise ValueError(
             "make_async_train_step: tx averages these update leaves over "
-            f"{axis_name!r}: {_names(exchanged)}. "
+            f"{axis_name!r}: {leaf_names(exchanged)}. "
             "The server applies each worker's own push: give the compressor "
             "axis_name=None (and no jaxcomp.dense_exchange)."
         )
@@ -816,14 +818,13 @@ def _async_run(cfg: _AsyncStepConfig, state: AsyncState, batch, arrival):
         else:
             arrival = jnp.asarray(cfg.order, jnp.int32)
     replicated, per_device = P(), P(axis_name)
-    sharded = jax.shard_map(
+    # The server replay is bit-identical on every device but computed from an
+    # all-gather typed varying (shard_step's check_vma=False).
+    sharded = shard_step(
         functools.partial(_async_per_device, cfg),
-        mesh=mesh,
+        mesh,
         in_specs=(replicated, *[per_device] * 3, replicated, replicated, per_device, replicated),
         out_specs=(replicated, *[per_device] * 3, replicated, replicated, replicated, per_device),
-        # The server replay is bit-identical on every device but computed
-        # from an all-gather typed varying.
-        check_vma=False,
     )
     server, workers, opt_state, pulled, step, key, metrics, staleness = sharded(
         state.params,

@@ -293,3 +293,82 @@ def test_every_factory_matches_the_vocabulary_table():
             assert error_feedback == f"`{params['error_feedback'].default}`", name
         else:
             assert error_feedback in ("always on", "-"), name
+
+
+# The step skeleton: the step builders (the units at or above ``distributed``)
+# compose the pieces of one module; none writes its own per-device stacked
+# state or its own unchecked shard_map. (Lower layers are no step builders:
+# ``comm.quantized``'s per-device vmap slices rows for another reason.)
+SKELETON = "jaxcomp.distributed.skeleton"
+STEP_BUILDERS = ("distributed", "aggregation", "cssgd", "staleness", "elastic")
+
+
+def _is_row_lambda(node) -> bool:
+    """``lambda x: x[0]``, ``lambda x: x[None]`` or ``lambda x: jnp.asarray(x)[None]``."""
+    if not (isinstance(node, ast.Lambda) and len(node.args.args) == 1):
+        return False
+    body, arg = node.body, node.args.args[0].arg
+    if not isinstance(body, ast.Subscript):
+        return False
+    value = body.value
+    if isinstance(value, ast.Call) and len(value.args) == 1:
+        value = value.args[0]  # jnp.asarray(x)
+    row = isinstance(body.slice, ast.Constant) and body.slice.value in (0, None)
+    return row and isinstance(value, ast.Name) and value.id == arg
+
+
+def _is_unchecked_shard_map(node) -> bool:
+    """A ``shard_map(..., check_vma=False)`` call."""
+    if not isinstance(node, ast.Call):
+        return False
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+    return name == "shard_map" and any(
+        k.arg == "check_vma" and isinstance(k.value, ast.Constant) and k.value.value is False
+        for k in node.keywords
+    )
+
+
+def _skeleton_copies() -> list:
+    """``(module, line, what)`` for each piece of the step skeleton written outside it."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        if module == SKELETON or _unit(module) not in STEP_BUILDERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if _is_row_lambda(node):
+                out.append((module, node.lineno, "device_slice/device_stack"))
+            elif _is_unchecked_shard_map(node):
+                out.append((module, node.lineno, "shard_step"))
+    return sorted(out)
+
+
+def test_one_step_skeleton():
+    copies = _skeleton_copies()
+    assert not copies, f"step skeleton pieces re-written outside {SKELETON} (use them):\n" + (
+        "\n".join(f"  {m}:{line}: write {what}" for m, line, what in copies)
+    )
+
+
+def test_the_skeleton_check_sees_a_copy(tmp_path, monkeypatch):
+    """Planted: a builder with its own row slicing and shard_map; the skeleton's own are fine."""
+    fake = tmp_path / "jaxcomp"
+    (fake / "distributed").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "distributed" / "__init__.py").write_text("")
+    code = (
+        "state = jax.tree.map(lambda x: x[0], opt_state)\n"
+        "out = jax.tree.map(lambda y: jnp.asarray(y)[None], state)\n"
+        "first = jax.tree.map(lambda x: x[1], state)\n"  # not the convention
+        "f = jax.shard_map(g, mesh=m, in_specs=P(), out_specs=P(), check_vma=False)\n"
+        "h = jax.shard_map(g, mesh=m, in_specs=P(), out_specs=P(), check_vma=True)\n"
+    )
+    (fake / "distributed" / "skeleton.py").write_text(code)
+    (fake / "staleness.py").write_text(code)
+    (fake / "sampling.py").write_text(code)  # below distributed: no step builder
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert _skeleton_copies() == [
+        ("jaxcomp.staleness", 1, "device_slice/device_stack"),
+        ("jaxcomp.staleness", 2, "device_slice/device_stack"),
+        ("jaxcomp.staleness", 4, "shard_step"),
+    ]

@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jaxcomp.distributed.grads import per_device_value_and_grad
-from jaxcomp.distributed.step import unexchanged_leaves
+from jaxcomp.distributed.skeleton import check_unexchanged
 
 __all__ = [
     "make_pmap_train_step",
@@ -92,15 +92,18 @@ def make_pmap_train_step(
             n_dev = jnp.shape(leaves[0])[0]
             mesh = Mesh(np.array(jax.local_devices()[:n_dev]), (axis_name,))
             one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
-            paths = unexchanged_leaves(tx, one, mesh, axis_name)
-            if paths:
-                raise ValueError(
-                    f"make_pmap_train_step: tx does not average these update leaves over "
-                    f"{axis_name!r}, so the per-device parameter copies would drift apart: "
-                    f"{', '.join(paths)}. Give every leaf an exchange (a compressor with "
-                    "axis_name, or jaxcomp.dense_exchange for the rest), or use "
-                    "make_train_step, which averages such leaves densely."
-                )
+            check_unexchanged(
+                tx,
+                one,
+                mesh,
+                axis_name,
+                policy="error",
+                who="make_pmap_train_step",
+                why=", so the per-device parameter copies would drift apart",
+                remedy="Give every leaf an exchange (a compressor with axis_name, or "
+                "jaxcomp.dense_exchange for the rest), or use make_train_step, which averages "
+                "such leaves densely.",
+            )
             checked.add(key)
         return pmapped(params, opt_state, batch)
 

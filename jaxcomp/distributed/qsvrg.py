@@ -23,7 +23,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
 from jaxcomp.comm import collectives
-from jaxcomp.distributed.step import unexchanged_leaves
+from jaxcomp.distributed.skeleton import (
+    check_unexchanged,
+    compress,
+    device_slice,
+    device_stack,
+    shard_step,
+)
 
 __all__ = ["make_qsvrg_epoch"]
 
@@ -103,15 +109,14 @@ def make_qsvrg_epoch(
         variance_reduced=V.check_bool("variance_reduced", variance_reduced),
         grad_fn=jax.grad(loss_fn),
     )
-    sharded = jax.shard_map(
+    # The exchanged updates are identical on every device; the state that
+    # produced them is per device (shard_step's check_vma=False). The check in
+    # _epoch stands in for what check_vma would guard.
+    sharded = shard_step(
         functools.partial(_run_epoch, cfg),
-        mesh=mesh,
+        mesh,
         in_specs=(P(), P(axis_name), P(axis_name), P()),
         out_specs=(P(), P(axis_name), P()),
-        # The exchanged updates are identical on every device; the state that
-        # produced them is per device (as in make_train_step). The check in
-        # _epoch stands in for what check_vma would guard.
-        check_vma=False,
     )
     return jax.jit(functools.partial(_epoch, cfg, sharded))
 
@@ -136,15 +141,10 @@ def _local_grad(cfg: _EpochConfig, params, batch):
     return cfg.grad_fn(lax.pcast(params, cfg.axis_name, to="varying"), batch)
 
 
-def _state_wire_bytes(state):
-    found = optax.tree.get_all_with_path(state, "wire_bytes")
-    return sum((jnp.asarray(v, jnp.float32) for _, v in found), jnp.float32(0))
-
-
 def _run_epoch(cfg: _EpochConfig, params, opt_state, data, key):
     """One device's epoch inside ``shard_map``: snapshot, full gradient, ``T`` steps."""
     axis_name, tx = cfg.axis_name, cfg.tx
-    state = jax.tree.map(lambda x: x[0], opt_state)
+    state = device_slice(opt_state)
     n_dev = collectives.axis_size(axis_name)
     key = jax.random.fold_in(key, lax.axis_index(axis_name))
     m = jax.tree.leaves(data)[0].shape[0]
@@ -169,9 +169,10 @@ def _run_epoch(cfg: _EpochConfig, params, opt_state, data, key):
             if cfg.variance_reduced
             else jax.tree.map(jnp.zeros_like, g)
         )
-        u, st = tx.update(g, st, x, snapshot_grads=gs, full_grad=full)
+        extra = {"snapshot_grads": gs, "full_grad": full}
+        u, st, wire = compress(tx, g, st, x, extra, axis_name, "make_qsvrg_epoch")
         x = optax.apply_updates(x, u)
-        wire = _state_wire_bytes(st)
+        wire = jnp.float32(0) if wire is None else wire
         total = (
             jax.tree.map(lambda a, xi: a + xi.astype(a.dtype), total[0], x),
             total[1] + wire,
@@ -191,7 +192,7 @@ def _run_epoch(cfg: _EpochConfig, params, opt_state, data, key):
     if cfg.average:
         x = jax.tree.map(lambda s, p: (s / cfg.epoch_length).astype(p.dtype), x_sum, params)
     metrics = {"wire_bytes": wire + jnp.float32(full_bytes), "loss": loss}
-    return x, jax.tree.map(lambda a: jnp.asarray(a)[None], state), metrics
+    return x, device_stack(state), metrics
 
 
 def _epoch(cfg: _EpochConfig, sharded, params, opt_state, data, key):
@@ -202,15 +203,15 @@ def _epoch(cfg: _EpochConfig, sharded, params, opt_state, data, key):
     axis_name = cfg.axis_name
     n_dev = cfg.mesh.shape[axis_name]
     zeros = jax.tree.map(lambda p: jnp.zeros((n_dev, *jnp.shape(p)), p.dtype), params)
-    paths = unexchanged_leaves(
-        cfg.tx, params, cfg.mesh, axis_name, {"snapshot_grads": zeros, "full_grad": zeros}
+    check_unexchanged(
+        cfg.tx,
+        params,
+        cfg.mesh,
+        axis_name,
+        {"snapshot_grads": zeros, "full_grad": zeros},
+        policy="error",
+        who="make_qsvrg_epoch",
+        why=", so the devices' parameters would diverge (the epoch would return device 0's alone)",
+        remedy=f"Build it with qsvrg(..., axis_name={axis_name!r}).",
     )
-    if paths:
-        names = ", ".join(p or "<root>" for p in paths)
-        raise ValueError(
-            "make_qsvrg_epoch: tx does not average these update leaves over "
-            f"{axis_name!r}, so the devices' parameters would diverge (the epoch would "
-            f"return device 0's alone): {names}. Build it with "
-            f"qsvrg(..., axis_name={axis_name!r})."
-        )
     return sharded(params, opt_state, data, key)

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import _validation as V
 from jaxcomp._vma import axis_name_tuple
 from jaxcomp.distributed.grads import per_device_value_and_grad
+from jaxcomp.distributed.skeleton import shard_step
 from jaxcomp.distributed.step import make_train_step
 
 __all__ = [
@@ -174,13 +175,12 @@ def time_split(
         return optax.apply_updates(params, grads)
 
     forward_backward = jax.jit(
-        jax.shard_map(
+        shard_step(
             forward_backward,
-            mesh=mesh,
+            mesh,
             in_specs=(P(), P(axis_name), P(), P()),
             out_specs=P(),
             axis_names=frozenset(axis_name_tuple(axis_name)),
-            check_vma=False,
         ),
         donate_argnums=0,
     )
