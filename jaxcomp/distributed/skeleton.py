@@ -362,12 +362,13 @@ def check_unexchanged(
       >>> check_unexchanged(tx, params, mesh, "data")
       [(DictKey(key='b'),)]
     """
+    policy = V.check_choice("policy", policy, UNEXCHANGED)
     update_args = {} if update_args is None else update_args
     paths = unexchanged_paths(tx, params, mesh, axis_name, update_args, layout)
     if not paths:
         return paths
     names = leaf_names(paths)
-    if V.check_choice("policy", policy, UNEXCHANGED) == "error":
+    if policy == "error":
         raise ValueError(
             f"{who}: tx does not average these update leaves over {axis_name!r}{why}: "
             f"{names}. {remedy}"
