@@ -378,3 +378,26 @@ def test_experiment_writes_json_and_png(tmp_path):
     assert rows["dense/sync"]["mean_delay"] == 0.0
     # Delays drawn from {0, 1} (clamped to 0 at step 0): strictly between.
     assert 0.0 < rows["dense/uniform_tau1"]["mean_delay"] < 1.0
+
+
+def test_stale_step_counts_wire_bytes_as_make_train_step(mesh, data):
+    """The stale step counts bytes through the step skeleton (distributed.skeleton.compress):
+    under optax.MultiSteps every mini-step that ran the exchange is counted (it counted the
+    kept state's, 0 before the first kept run), as make_train_step and the gossip step."""
+    batch = batch_on(mesh, data)
+
+    def top_k():
+        return optax.chain(jaxcomp.top_k(0.5, axis_name="data"), optax.sgd(LR))
+
+    def wires(tx, steps):
+        state = staleness.init_stale_state(tx, jnp.zeros(DIM), mesh, max_delay=1)
+        step = staleness.make_stale_train_step(loss_fn, tx, mesh, 1)
+        out = []
+        for _ in range(steps):
+            state, metrics = step(state, batch)
+            out.append(float(metrics["wire_bytes"]))
+        return out
+
+    (sent,) = wires(top_k(), 1)  # one exchange's bytes
+    assert sent > 0
+    assert wires(optax.MultiSteps(top_k(), 2), 4) == [sent] * 4
