@@ -79,6 +79,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import _validation as V
 from jaxcomp.comm import collectives
 from jaxcomp.comm import local as local_lib
+from jaxcomp.distributed.grads import per_device_value_and_grad
 from jaxcomp.distributed.skeleton import device_slice, device_stack, jit_step, shard_step
 
 __all__ = [
@@ -873,8 +874,6 @@ def make_train_step(
       >>> float(metrics["loss"])
       1.0
     """
-    from jaxcomp import distributed  # noqa: PLC0415
-
     _check_config(cfg)
     n = mesh.shape[axis_name]
     if cfg.redundancy > n:
@@ -882,47 +881,71 @@ def make_train_step(
             f"redundancy must be an integer in [1, {n}] (the mesh's {axis_name!r} axis), "
             f"got {cfg.redundancy}"
         )
-    value_and_grad = distributed.per_device_value_and_grad(loss_fn, axis_name)
-
-    def step(params, opt_state, blocks):
-        coded, state = device_slice(opt_state)
-        local_blocks = device_slice(blocks)
-        _check_local(tx, params, axis_name, state)
-        losses, block_grads = jax.vmap(value_and_grad, in_axes=(None, 0))(params, local_blocks)
-        key = jax.random.wrap_key_data(coded.key)
-        key, use = jax.random.split(key)
-        mean, stats = coded_mean(block_grads, cfg, axis_name, use)
-        updates, state = tx.update(mean, state, params)
-        params = optax.apply_updates(params, updates)
-        coded = CodedState(
-            coded.clipped + stats.clipped,
-            coded.nonfinite + stats.nonfinite,
-            jax.random.key_data(key),
-            stats.sent_bytes,
-            stats.received_bytes,
-        )
-        # Each device's blocks are C(n-1, r-1) of the C(n, r); every block on r devices.
-        metrics = {
-            "loss": lax.pmean(jnp.mean(losses), axis_name),
-            "wire_bytes": lax.pmean(stats.sent_bytes, axis_name),
-            "received_bytes": lax.pmean(stats.received_bytes, axis_name),
-            "clipped": lax.psum(stats.clipped, axis_name),
-            "nonfinite": lax.psum(stats.nonfinite, axis_name),
-        }
-        return params, device_stack((coded, state)), metrics
-
+    step = _CodedStepConfig(
+        tx=tx,
+        code=cfg,
+        axis_name=axis_name,
+        n=n,
+        value_and_grad=per_device_value_and_grad(loss_fn, axis_name),
+    )
     # The decoded mean is identical on every device (integer decoding, same
     # program) but typed varying after the all-gather (shard_step's check_vma=False).
     sharded = shard_step(
-        step,
+        functools.partial(_coded_per_device, step),
         mesh,
         in_specs=(P(), P(axis_name), P(axis_name)),
         out_specs=(P(), P(axis_name), P()),
         communicate=communicate,
     )
+    return jit_step(
+        sharded,
+        donate_argnums=(0, 1) if donate else (),
+        arguments=functools.partial(_coded_arguments, step),
+    )
 
-    def arguments(params, opt_state, blocks):
-        _check_layout(blocks, n, cfg.redundancy)
-        return params, opt_state, blocks
 
-    return jit_step(sharded, donate_argnums=(0, 1) if donate else (), arguments=arguments)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _CodedStepConfig:
+    """The validated static options of one :func:`make_train_step` step."""
+
+    tx: optax.GradientTransformation
+    code: CodedConfig
+    axis_name: object
+    n: int  # devices along axis_name
+    value_and_grad: Callable  # per-device (loss, grads) of loss_fn
+
+
+def _coded_arguments(step: _CodedStepConfig, params, opt_state, blocks):
+    """The step's arguments, the blocks' layout checked against ``n`` and the redundancy."""
+    _check_layout(blocks, step.n, step.code.redundancy)
+    return params, opt_state, blocks
+
+
+def _coded_per_device(step: _CodedStepConfig, params, opt_state, blocks):
+    """One device's step inside ``shard_map``: block gradients, coded mean, ``tx``."""
+    tx, axis_name = step.tx, step.axis_name
+    coded, state = device_slice(opt_state)
+    local_blocks = device_slice(blocks)
+    _check_local(tx, params, axis_name, state)
+    losses, block_grads = jax.vmap(step.value_and_grad, in_axes=(None, 0))(params, local_blocks)
+    key = jax.random.wrap_key_data(coded.key)
+    key, use = jax.random.split(key)
+    mean, stats = coded_mean(block_grads, step.code, axis_name, use)
+    updates, state = tx.update(mean, state, params)
+    params = optax.apply_updates(params, updates)
+    coded = CodedState(
+        coded.clipped + stats.clipped,
+        coded.nonfinite + stats.nonfinite,
+        jax.random.key_data(key),
+        stats.sent_bytes,
+        stats.received_bytes,
+    )
+    # Each device's blocks are C(n-1, r-1) of the C(n, r); every block on r devices.
+    metrics = {
+        "loss": lax.pmean(jnp.mean(losses), axis_name),
+        "wire_bytes": lax.pmean(stats.sent_bytes, axis_name),
+        "received_bytes": lax.pmean(stats.received_bytes, axis_name),
+        "clipped": lax.psum(stats.clipped, axis_name),
+        "nonfinite": lax.psum(stats.nonfinite, axis_name),
+    }
+    return params, device_stack((coded, state)), metrics
