@@ -45,7 +45,7 @@ def test_bench_selection_data_sets():
 
 
 def test_demo_prints_every_compressor(capsys):
-    demo.main(["--size", "8192", "--ratio", "0.01"])
+    demo.main(["demo", "--size", "8192", "--ratio", "0.01"])
     out = capsys.readouterr().out
     for name in demo.COMPRESSORS:
         assert name in out
@@ -122,15 +122,15 @@ def test_compare_merge_link_reaches_only_the_merging_row():
     with pytest.raises(ValueError, match="--merge_beta.*no row"):
         compare.with_merge_link(compare.TABLES["ldte_bs"][0], merge_beta=1e-9)
     for bad in (["--table=peers", "--merge_alpha=1e-3"], ["--target=nan"], ["--num_devices=-1"]):
-        with pytest.raises(SystemExit):  # argparse's error, before any device or training
-            compare.main([*bad, "--outdir=/nonexistent/x"])
+        with pytest.raises(SystemExit):  # cli.fail's error, before any device or training
+            compare.main(["compare", *bad, "--outdir=/nonexistent/x"])
     bad = compare.with_merge_link(rows, merge_alpha=-1.0)
     with pytest.raises(ValueError, match="merge_alpha"):
         compare.run_configs(base, bad, "/nonexistent/compare")
 
 
 def test_compare_and_demos_reject_bad_settings_in_one_line(capsys):
-    # Settings only train.validate_config rejects: argparse's one-line error
+    # Settings only train.validate_config rejects: cli.fail's one-line error
     # (exit 2), not a traceback, before any training.
     from experiments import compare, demo_training  # noqa: PLC0415
 
@@ -145,7 +145,7 @@ def test_compare_and_demos_reject_bad_settings_in_one_line(capsys):
         # --num_devices=0: keep JAX's device count (already initialised here).
         argv = bad if main is demo.main else [*bad, "--num_devices=0", "--outdir=/nonexistent/x"]
         with pytest.raises(SystemExit) as exit_info:
-            main(argv)
+            main(["program", *argv])
         assert exit_info.value.code == 2, bad
         err = capsys.readouterr().err
         assert "Traceback" not in err and ("invalid config" in err or "must be" in err), bad
