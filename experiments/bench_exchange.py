@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
 from experiments import cli, jsonio  # noqa: E402
+from experiments.presets import build, spec  # noqa: E402
 from experiments.timing import environment, median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import comm  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
@@ -63,24 +64,24 @@ __all__ = ["bench_one", "main"]
 AXIS = "data"
 UPPER = 1.5  # ldte_bs capacity factor (its default ``upper``)
 
-# name -> factory(axis_name) of the quantizer rows.
+# name -> preset (experiments.presets) of the quantizer rows, built with axis_name="data".
 QUANTIZERS = {
-    "qsgd_4bit_512": lambda a: jaxcomp.qsgd(bits=4, bucket_size=512, axis_name=a),
-    "terngrad": lambda a: jaxcomp.terngrad(axis_name=a),
-    "natural": lambda a: jaxcomp.natural_compression(axis_name=a),
-    "natural_allreduce": lambda a: jaxcomp.natural_compression(axis_name=a, exchange="allreduce"),
-    "signum_majority": lambda a: jaxcomp.signum(0.9, axis_name=a),
-    "cast_bf16_allgather": lambda a: jaxcomp.cast(jnp.bfloat16, axis_name=a),
-    "cast_bf16_allreduce": lambda a: jaxcomp.cast(jnp.bfloat16, axis_name=a, exchange="allreduce"),
-    "cast_fp16_allreduce": lambda a: jaxcomp.cast(jnp.float16, axis_name=a, exchange="allreduce"),
+    "qsgd_4bit_512": spec("qsgd", bits=4, bucket_size=512),
+    "terngrad": spec("terngrad"),
+    "natural": spec("natural_compression"),
+    "natural_allreduce": spec("natural_compression", exchange="allreduce"),
+    "signum_majority": spec("signum", momentum=0.9),
+    "cast_bf16_allgather": spec("cast", dtype="bfloat16"),
+    "cast_bf16_allreduce": spec("cast", dtype="bfloat16", exchange="allreduce"),
+    "cast_fp16_allreduce": spec("cast", dtype="float16", exchange="allreduce"),
     # Low rank: the gradient as a (size / 1024, 1024) matrix (LEAF_SHAPES), two all-reduces.
-    "powersgd_rank4": lambda a: jaxcomp.powersgd(4, axis_name=a),
+    "powersgd_rank4": spec("powersgd", rank=4),
     # Compressed optimizers: the row times the whole Adam step (its 1-bit exchange of
     # the momentum included) against dense's pmean alone. freeze_step=1 and one dense
     # step before the timing (WARM_UP): every timed step compresses.
-    "onebit_adam": lambda a: jaxcomp.onebit_adam(1e-3, freeze_step=1, axis_name=a),
-    "onebit_adam_two_stage": lambda a: jaxcomp.onebit_adam(
-        1e-3, freeze_step=1, axis_name=a, codec="sign_l2", exchange="two_stage"
+    "onebit_adam": spec("onebit_adam", learning_rate=1e-3, freeze_step=1),
+    "onebit_adam_two_stage": spec(
+        "onebit_adam", learning_rate=1e-3, freeze_step=1, codec="sign_l2", exchange="two_stage"
     ),
 }
 # Rows timed (and their bytes read) from the state after one step: the dense warm-up.
@@ -207,7 +208,7 @@ def bench_quantizers(size: int, mesh, repeats: int, names) -> list[dict]:
     dense_bytes = _wire_bytes(dstate)
     rows = []
     for name in names:
-        ms, state = run(QUANTIZERS[name](AXIS), _leaf_shape(name, size), name in WARM_UP)
+        ms, state = run(build(QUANTIZERS[name], AXIS), _leaf_shape(name, size), name in WARM_UP)
         message = float(np.asarray(optax.tree.get(state, "message_bytes")["g"])[0])
         rows.append(
             {

@@ -50,9 +50,9 @@ from absl import flags  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import jaxcomp  # noqa: E402
 from experiments import cli, jsonio  # noqa: E402
 from experiments.models import make_model  # noqa: E402
+from experiments.presets import build, spec  # noqa: E402
 from experiments.timing import environment, median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 from jaxcomp import planning  # noqa: E402
@@ -143,7 +143,7 @@ def run(
     profile_s = time.perf_counter() - t0
     t_s = planning.measure_sparsify_cost(compressor, ratio=ratio)
     t_c, comm_points = measure_exchange_cost(mesh, ratio)
-    factory = getattr(jaxcomp, compressor)
+    preset = spec(compressor, ratio=ratio, exchange="sparse")  # the --compressor sparsifier
     batch = dist.shard_batch((x, y), mesh)
     rows, predicted = {}, {}
     for method in PLANS:
@@ -153,7 +153,7 @@ def run(
         )  # fmt: skip
         predicted[method] = (plan.plan.num_groups, 1e3 * plan.plan.time)
         tx = optax.chain(
-            factory(ratio=ratio, axis_name=AXIS, groups=plan.groups, exchange="sparse"),
+            build(preset, AXIS, groups=plan.groups),
             optax.sgd(0.05),
         )
         for overlap in (False, True):

@@ -118,6 +118,7 @@ import jaxcomp
 from experiments import jsonio
 from experiments.compare import set_cpu_devices
 from experiments.models import make_model
+from experiments.presets import build, spec
 from experiments.timing import environment
 from jaxcomp import distributed as dist
 
@@ -142,36 +143,35 @@ LR = 0.1
 RATIO = 1e-3
 FLAT_COLUMNS = 1024  # the 2-D flat leaf of the compressors in MATRIX_LEAF: (n // 1024, 1024)
 
-# name -> (jaxcomp factory, keyword arguments): built as getattr(jaxcomp, factory)(**kwargs),
+# name -> preset (experiments.presets): built as getattr(jaxcomp, compressor)(**kwargs),
 # with axis_name="data" on N devices. None: no compressor (the sgd baseline, see make_tx).
 # DGC's warm-up: ratios 0.25, 0.0625, 0.015625, 0.004 for 100 steps each, then RATIO.
 COMPRESSORS = {
     "sgd": None,
-    "ldte_bs": ("ldte_bs", {"ratio": RATIO}),
-    "ldte_bs_warmup": (
-        "ldte_bs",
-        {"ratio": RATIO, "warmup_ratios": jaxcomp.DGC_WARMUP, "steps_per_epoch": 100},
+    "ldte_bs": spec("ldte_bs", ratio=RATIO),
+    "ldte_bs_warmup": spec(
+        "ldte_bs", ratio=RATIO, warmup_ratios=jaxcomp.DGC_WARMUP, steps_per_epoch=100
     ),
-    "top_k": ("top_k", {"ratio": RATIO}),
-    "dgc": ("dgc", {"ratio": RATIO}),
-    "gaussian_k": ("gaussian_k", {"ratio": RATIO}),
-    "trimmed_top_k": ("trimmed_top_k", {"ratio": RATIO}),
-    "random_k": ("random_k", {"ratio": RATIO}),
+    "top_k": spec("top_k", ratio=RATIO),
+    "dgc": spec("dgc", ratio=RATIO),
+    "gaussian_k": spec("gaussian_k", ratio=RATIO),
+    "trimmed_top_k": spec("trimmed_top_k", ratio=RATIO),
+    "random_k": spec("random_k", ratio=RATIO),
     # The QSGD paper's "4-bit, bucket 512" (s = 16 levels); leaves <= 10_000 sent dense.
-    "qsgd": ("qsgd", {"bits": 4, "bucket_size": 512}),
+    "qsgd": spec("qsgd", bits=4, bucket_size=512),
     # reshape="last": Flax kernels (kh, kw, in, out) as (kh kw in, out) matrices.
-    "powersgd": ("powersgd", {"rank": 4, "reshape": "last"}),
-    "ldte_bs_global": ("ldte_bs", {"ratio": RATIO, "granularity": "global"}),
+    "powersgd": spec("powersgd", rank=4, reshape="last"),
+    "ldte_bs_global": spec("ldte_bs", ratio=RATIO, granularity="global"),
     # The accumulator plus the last message's mask instead of a written-out residual.
-    "ldte_bs_defer": ("ldte_bs", {"ratio": RATIO, "defer_residual": True}),
-    "top_k_defer": ("top_k", {"ratio": RATIO, "defer_residual": True}),
+    "ldte_bs_defer": spec("ldte_bs", ratio=RATIO, defer_residual=True),
+    "top_k_defer": spec("top_k", ratio=RATIO, defer_residual=True),
     # The exchanges with merging rules of their own (gTop-k's pairwise top-k,
     # Ok-Topk's regions, SparCML's union or dense, ScaleCom's cyclic leader);
     # on one device they are top_k.
-    "top_k_gtopk": ("top_k", {"ratio": RATIO, "exchange": "gtopk"}),
-    "top_k_oktopk": ("top_k", {"ratio": RATIO, "exchange": "oktopk"}),
-    "top_k_sparcml": ("top_k", {"ratio": RATIO, "exchange": "sparcml"}),
-    "top_k_scalecom": ("top_k", {"ratio": RATIO, "exchange": "scalecom"}),
+    "top_k_gtopk": spec("top_k", ratio=RATIO, exchange="gtopk"),
+    "top_k_oktopk": spec("top_k", ratio=RATIO, exchange="oktopk"),
+    "top_k_sparcml": spec("top_k", ratio=RATIO, exchange="sparcml"),
+    "top_k_scalecom": spec("top_k", ratio=RATIO, exchange="scalecom"),
 }
 # Compressors for one device only (defer_residual has no exchange): skipped on N devices.
 ONE_DEVICE = ("ldte_bs_defer", "top_k_defer")
@@ -266,17 +266,16 @@ def tree_shapes(name: str) -> dict:
 def make_tx(name: str, axis_name: str | None = None):
     """``optax.chain(compressor, optax.sgd(0.1))`` for a name of ``COMPRESSORS``.
 
-    The compressor is ``getattr(jaxcomp, factory)(**kwargs, axis_name=axis_name)``;
+    The compressor is ``experiments.presets.build(COMPRESSORS[name], axis_name)``;
     ``sgd`` (no compressor) is ``optax.sgd(0.1)`` alone on one device and
     ``jaxcomp.dense_exchange(axis_name)`` before it on several.
     """
-    spec = COMPRESSORS[name]
-    if spec is None:
+    preset = COMPRESSORS[name]
+    if preset is None:
         if axis_name is None:
             return optax.sgd(LR)
         return optax.chain(jaxcomp.dense_exchange(axis_name), optax.sgd(LR))
-    factory, kwargs = spec
-    return optax.chain(getattr(jaxcomp, factory)(**kwargs, axis_name=axis_name), optax.sgd(LR))
+    return optax.chain(build(preset, axis_name), optax.sgd(LR))
 
 
 def _layout_shapes(shapes, layout: str, compressor: str):

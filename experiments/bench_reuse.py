@@ -50,18 +50,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-import jaxcomp
 from experiments import cli, jsonio
 from experiments.bench_selection import make_data
+from experiments.presets import build, spec
 from experiments.timing import environment, median_ms
 from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import selectors
 
 ETA = 1e-3
-METHODS = {
-    "ldte_bs": lambda s: jaxcomp.ldte_bs(ETA, reuse_period=s),
-    "top_k": lambda s: jaxcomp.top_k(ETA, reuse_period=s),
-}
+# name -> preset (experiments.presets), built with reuse_period=s.
+METHODS = {"ldte_bs": spec("ldte_bs", ratio=ETA), "top_k": spec("top_k", ratio=ETA)}
 SELECTORS = {"ldte_bs": selectors.ldte_bs, "top_k": selectors.exact_top_k}  # the kernels
 NUM_GRADIENTS = 7  # distinct gradients, cycled (7 is prime to every period measured)
 
@@ -132,7 +130,7 @@ def run(log2_n, periods, methods, repeats, out_dir, drift_periods=3, warm_steps=
         stored = select(grads[0])[0]
         kernel[method] = {"select": (select, (grads[0],)), "apply": (apply, (grads[1], stored))}
         for s in periods:
-            tx = METHODS[method](s)
+            tx = build(METHODS[method], reuse_period=s)
             fn, fn_kept = _update_fn(tx, donate=True), _update_fn(tx, donate=False)
             state = _advance(fn_kept, tx.init({"g": grads[0]}), grads, s)  # skip a zero residual
             start, state = _drift(fn_kept, state, grads, s, k, drift_periods)

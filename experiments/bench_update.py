@@ -81,7 +81,6 @@ Run: ``python -m experiments.bench_update [--sizes 22,24]
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -95,27 +94,21 @@ import jax.numpy as jnp
 import optax
 from absl import flags
 
-import jaxcomp
 from experiments import cli, jsonio
 from experiments.bench_selection import make_data
+from experiments.presets import build, spec
 from experiments.timing import environment
 from jaxcomp.selection import selectors
 
 ETA = 1e-3
-# name -> (transform factory, the selector it runs).
+# name -> (preset of experiments.presets, built with ratio=ETA; the selector it runs).
 METHODS = {
-    "ldte_bs": (jaxcomp.ldte_bs, selectors.ldte_bs),
-    "top_k": (jaxcomp.top_k, selectors.exact_top_k),
-    "gaussian_k": (jaxcomp.gaussian_k, selectors.gaussian_k),
+    "ldte_bs": (spec("ldte_bs"), selectors.ldte_bs),
+    "top_k": (spec("top_k"), selectors.exact_top_k),
+    "gaussian_k": (spec("gaussian_k"), selectors.gaussian_k),
     # defer_residual=True: the next step clears the message (jaxcomp.SparsifyState).
-    "ldte_bs_deferred": (
-        functools.partial(jaxcomp.ldte_bs, defer_residual=True),
-        selectors.ldte_bs,
-    ),
-    "top_k_deferred": (
-        functools.partial(jaxcomp.top_k, defer_residual=True),
-        selectors.exact_top_k,
-    ),
+    "ldte_bs_deferred": (spec("ldte_bs", defer_residual=True), selectors.ldte_bs),
+    "top_k_deferred": (spec("top_k", defer_residual=True), selectors.exact_top_k),
 }
 STAGES = ("check", "accumulate", "select")
 STEP_LR = 0.1  # the SGD learning rate of the timed training steps
@@ -471,8 +464,8 @@ def run(
         progs["floor"]["args"] = (g,)
         hlo, sel_out, kernel_ms = {}, {}, {}
         for m in methods:
-            make, select = METHODS[m]
-            tx = make(ETA)
+            preset, select = METHODS[m]
+            tx = build(preset, ratio=ETA)
             fn = update_fn(tx)
             state = tx.init(g)
             hlo[m] = hlo_passes(fn.lower(g, state).compile(), n)

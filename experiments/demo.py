@@ -18,19 +18,19 @@ from absl import flags
 
 import jaxcomp
 from experiments import cli
+from experiments.presets import build, spec
 from experiments.timing import median_ms, median_ms_threaded
 
+# name -> preset (experiments.presets), built with ratio=--ratio.
 COMPRESSORS = {
-    "top_k": lambda r: jaxcomp.top_k(ratio=r),
-    "ldte_bs": lambda r: jaxcomp.ldte_bs(ratio=r),
-    "ldte_bs (paper: bisect)": lambda r: jaxcomp.ldte_bs(
-        ratio=r, search="bisect", aim=1.0, moment_sample=None
-    ),
-    "binary_search": lambda r: jaxcomp.binary_search(ratio=r),
-    "dgc": lambda r: jaxcomp.dgc(ratio=r),
-    "trimmed_top_k": lambda r: jaxcomp.trimmed_top_k(ratio=r),
-    "gaussian_k": lambda r: jaxcomp.gaussian_k(ratio=r),
-    "random_k": lambda r: jaxcomp.random_k(ratio=r),
+    "top_k": spec("top_k"),
+    "ldte_bs": spec("ldte_bs"),
+    "ldte_bs (paper: bisect)": spec("ldte_bs", search="bisect", aim=1.0, moment_sample=None),
+    "binary_search": spec("binary_search"),
+    "dgc": spec("dgc"),
+    "trimmed_top_k": spec("trimmed_top_k"),
+    "gaussian_k": spec("gaussian_k"),
+    "random_k": spec("random_k"),
 }
 
 
@@ -66,8 +66,8 @@ def main(argv):
     print(header)
     print("-" * len(header))
     rows = {}
-    for name, make in COMPRESSORS.items():
-        tx = make(ratio)
+    for name, preset in COMPRESSORS.items():
+        tx = build(preset, ratio=ratio)
         # The optimizer state is donated, as a training step would: the new
         # residual is written in place of the old one.
         step = jax.jit(lambda state, grads, tx=tx: tx.update(grads, state)[::-1], donate_argnums=0)
