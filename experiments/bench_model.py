@@ -102,7 +102,6 @@ import math
 import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,12 +109,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import optax
-from absl import app, flags
+from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from experiments import jsonio
+from experiments import cli, jsonio
 from experiments.compare import set_cpu_devices
 from experiments.models import make_model
 from experiments.presets import build, spec
@@ -664,36 +663,21 @@ def _set_devices(n: int) -> None:
         pass
 
 
-_CLI = False  # set when run as a program: absl has parsed flags.FLAGS
-
-
-def main(argv: Sequence[str]) -> None:
+def main(argv: Sequence[str] | flags.FlagValues) -> None:
     """Runs the benchmark from a command line: prints the table, writes the JSON and PNG.
 
     Args:
-      argv: as a program (``python -m experiments.bench_model``), absl's
-        leftover arguments after parsing ``flags.FLAGS`` (the program name
-        alone); called from Python (tests), a whole command line
-        ``["bench_model", "--small", ...]``, parsed here into a fresh
-        ``FlagValues`` (the global flags are left alone).
+      argv: a whole command line ``["bench_model", "--small", ...]`` (from
+        Python: tests), or the parsed flags (as a program); see
+        :mod:`experiments.cli`.
     """
-    if _CLI:
-        if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-        fv, command = flags.FLAGS, sys.argv
-        logging.getLogger("jax").setLevel(logging.WARNING)  # absl's handler shows INFO
-    else:
-        fv, command = flags.FlagValues(), list(argv)
-        define_flags(fv)
-        fv(command)
+    fv = cli.parse(define_flags, argv)
     settings = _settings(fv)
     _set_devices(max(settings["devices"]))
-    record = run(**settings, command=command)
+    record = run(**settings, command=cli.command(argv))
     print(format_table(record["rows"]))
     print(f"JSON and plot: {os.path.join(settings['outdir'], 'bench_model.json')}, .png")
 
 
 if __name__ == "__main__":
-    _CLI = True
-    define_flags()
-    app.run(main)
+    cli.run(main, define_flags)
