@@ -24,9 +24,10 @@ fresh ``flags.FlagValues``: the programs one process imports never clash on a
 flag name, and the global flags are left alone. A bad flag there raises
 absl's ``flags.Error``.
 
-A setting the flags' own checks cannot judge (it needs several flags, or the
-training program's validation) stops the program with :func:`fail`: one line
-on stderr and exit status 2, from the command line and from Python alike.
+A bad setting ``main`` finds itself (a value out of range, a combination of
+flags, the training program's validation) stops the program with
+:func:`fail`: one line on stderr and exit status 2 (as argparse's
+``parser.error``), from the command line and from Python alike.
 Logging stays at WARNING unless ``--verbosity`` is given (``app.run`` would
 otherwise show JAX's INFO messages).
 """
