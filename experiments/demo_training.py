@@ -114,7 +114,7 @@ def main(argv) -> dict:
             f"{s['wire_ratio']:.0f}x)."
         )
     with open(os.path.join(args.outdir, "comparison.json"), "w") as f:
-        jsonio.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        jsonio.dump({"args": cli.values(define_flags, args), "rows": rows}, f, indent=2)
     print(f"plots and metrics in {args.outdir}")
     return rows
 
