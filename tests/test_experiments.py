@@ -51,6 +51,60 @@ def test_demo_prints_every_compressor(capsys):
         assert name in out
 
 
+PROGRAMS = (
+    "bench_allreduce", "bench_coding", "bench_cssgd", "bench_exchange", "bench_merge",
+    "bench_model", "bench_powersgd", "bench_reuse", "bench_selection", "bench_train_step",
+    "bench_update", "compare", "demo", "demo_training", "fit_check", "qsvrg", "scalability",
+    "staleness",
+)  # fmt: skip
+
+
+def test_programs_parse_their_own_flags_without_touching_the_global_ones():
+    # Every program but main.py reads its flags through experiments.cli: from
+    # Python, a command line parsed into a FlagValues of its own, so programs
+    # imported in one process never clash on a flag name.
+    import importlib  # noqa: PLC0415
+
+    from absl import flags  # noqa: PLC0415
+
+    from experiments import cli  # noqa: PLC0415
+
+    names, environ = {}, dict(os.environ)
+    for program in PROGRAMS:
+        module = importlib.import_module(f"experiments.{program}")
+        os.environ.clear()  # some set thread or device counts on import: not for later tests
+        os.environ.update(environ)
+        parsed = cli.parse(module.define_flags, [program])
+        names[program] = set(cli.values(module.define_flags, parsed))
+        assert names[program], program
+        assert not names[program] & set(flags.FLAGS), program
+    assert "repeats" in names["bench_selection"] & names["bench_reuse"]  # shared names
+    with pytest.raises(flags.UnrecognizedFlagError):
+        cli.parse(demo.define_flags, ["demo", "--repeats=5"])
+    with pytest.raises(flags.IllegalFlagValueError):
+        cli.parse(demo.define_flags, ["demo", "--size=big"])
+
+
+def test_presets_are_data_built_by_one_builder():
+    import jaxcomp  # noqa: PLC0415
+    from experiments import bench_exchange, bench_model, bench_reuse, presets  # noqa: PLC0415
+
+    tables = [demo.COMPRESSORS, bench_model.COMPRESSORS, bench_exchange.QUANTIZERS]
+    tables.append(bench_reuse.METHODS)
+    for table in tables:
+        for preset in table.values():
+            if preset is not None:  # bench_model's sgd: no compressor
+                assert set(preset) == {"compressor", "kwargs"}
+                json.dumps(preset)  # plain data, as a JSON file records it
+                assert callable(getattr(jaxcomp, preset["compressor"]))
+    tx = presets.build(presets.spec("top_k", ratio=0.5), reuse_period=2)
+    g = {"w": np.arange(4.0, dtype=np.float32)}
+    u, _ = tx.update(g, tx.init(g))
+    assert np.count_nonzero(u["w"]) == 2
+    with pytest.raises(ValueError, match="no jaxcomp factory"):
+        presets.spec("top_k_typo")
+
+
 def test_compare_rows_are_valid_configs():
     # Every comparison row, from compare's sparsifier base, passes the
     # training program's validation (sparsifier-only settings dropped where
