@@ -22,16 +22,17 @@ not the network; the bytes are what a network would carry.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from experiments import jsonio
+from absl import flags
 
-__all__ = ["EXCHANGES", "formula_bytes", "main", "measure", "run"]
+from experiments import cli, jsonio
+
+__all__ = ["EXCHANGES", "define_flags", "formula_bytes", "main", "measure", "run"]
 
 # "sparse" before the others: its bytes give the message capacity.
 EXCHANGES = ("dense", "sparse", "gtopk", "oktopk", "sparcml", "scalecom")
@@ -221,13 +222,18 @@ def _plot(rows, path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results")
-    parser.add_argument("--devices", default="2,4,8,16,32")
-    parser.add_argument("--log2", type=int, default=22)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("out", "results", "Output directory.", **fv)
+    flags.DEFINE_string("devices", "2,4,8,16,32", "Device counts (comma-separated).", **fv)
+    flags.DEFINE_integer("log2", 22, "log2 of the gradient's size per device.", **fv)
+    flags.DEFINE_integer("repeats", 3, "Timed steps per exchange (median).", **fv)
+
+
+def main(argv) -> None:
+    """Runs the benchmark; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     devices = [int(n) for n in args.devices.split(",")]
     result = run(devices, args.log2, args.repeats, args.out)
     head = (
@@ -250,4 +256,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

@@ -36,7 +36,8 @@ threads are pinned to 1 below anyway. Writes ``<out>/bench_coding.json`` and
 ``<out>/bench_coding.png``.
 
 Run: ``python -m experiments.bench_coding [--sizes 16,17,...,22] [--repeats 5]
-[--out results]``.
+[--out results] [--peers=terngrad,natural]`` (``--peers=``: no peer
+rows).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -55,8 +55,9 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
 
-from experiments import jsonio  # noqa: E402
+from experiments import cli, jsonio  # noqa: E402
 from experiments.timing import environment  # noqa: E402
 from jaxcomp import coding  # noqa: E402
 from jaxcomp.quantization import (  # noqa: E402
@@ -281,19 +282,21 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="16,17,18,19,20,21,22", help="log2 sizes")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="results")
-    parser.add_argument(
-        "--peers",
-        nargs="*",
-        default=list(PEER_CONFIGS),
-        choices=list(PEER_CONFIGS),
-        help="the other quantizers' rows (none: skip them)",
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("sizes", "16,17,18,19,20,21,22", "log2 sizes", **fv)
+    flags.DEFINE_integer("repeats", 5, "Timed repeats per row (median).", **fv)
+    flags.DEFINE_string("out", "results", "Output directory.", **fv)
+    flags.DEFINE_list(
+        "peers", list(PEER_CONFIGS), "the other quantizers' rows (--peers=: skip them)", **fv
     )
-    args = parser.parse_args(argv)
+    cli.check_choices("peers", list(PEER_CONFIGS), flag_values)
+
+
+def main(argv):
+    """Runs the benchmark; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     rng = np.random.default_rng(0)
     rows = []
     for log_n in (int(x) for x in args.sizes.split(",")):
@@ -336,4 +339,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

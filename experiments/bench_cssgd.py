@@ -45,13 +45,14 @@ Writes ``bench_cssgd.json`` and ``bench_cssgd.png`` (per model: step time vs
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 import statistics
 
-from experiments import jsonio
+from absl import flags
+
+from experiments import cli, jsonio
 
 __all__ = ["DEFAULT_MODELS", "DEFAULT_REDUNDANCIES", "format_table", "main", "run", "write_plot"]
 
@@ -377,33 +378,40 @@ def write_plot(record: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
-    """Parses the flags, sets the simulated devices, runs and prints the report."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list")
-    parser.add_argument(
-        "--redundancies", default=",".join(map(str, DEFAULT_REDUNDANCIES)), help="comma list"
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("out", "results", "Output directory.", **fv)
+    flags.DEFINE_string("models", ",".join(DEFAULT_MODELS), "comma list", **fv)
+    flags.DEFINE_string(
+        "redundancies", ",".join(map(str, DEFAULT_REDUNDANCIES)), "comma list", **fv
     )
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch_size", type=int, default=280)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num_devices", type=int, default=8)
-    parser.add_argument("--max_steps_per_epoch", type=int, default=None)
-    parser.add_argument("--dataset", default="digits", choices=["digits", "synthetic"])
-    parser.add_argument("--progress", action="store_true")
-    args = parser.parse_args(argv)
+    flags.DEFINE_integer("epochs", 5, "Epochs per run.", **fv)
+    flags.DEFINE_integer("batch_size", 280, "Global batch size.", **fv)
+    flags.DEFINE_float("lr", 0.1, "Learning rate.", **fv)
+    flags.DEFINE_integer("seed", 0, "Seed of initialisation and data order.", **fv)
+    flags.DEFINE_integer("num_devices", 8, "Simulated CPU devices.", **fv)
+    flags.DEFINE_integer("max_steps_per_epoch", None, "Truncate epochs.", **fv)
+    flags.DEFINE_enum("dataset", "digits", ["digits", "synthetic"], "Data set.", **fv)
+    flags.DEFINE_bool("progress", False, "Show a progress bar.", **fv)
+
+
+def main(argv) -> dict:
+    """Parses the flags, sets the simulated devices, runs and prints the report.
+
+    ``argv``: a command line or parsed flags (:func:`experiments.cli.parse`).
+    """
+    args = cli.parse(define_flags, argv)
     try:
         redundancies = tuple(int(r) for r in args.redundancies.split(","))
     except ValueError:
-        parser.error(f"--redundancies must be a comma list of integers, got {args.redundancies!r}")
+        cli.fail(f"--redundancies must be a comma list of integers, got {args.redundancies!r}")
     for r in redundancies:
         if not 1 <= r <= args.num_devices:
-            parser.error(f"--redundancies must be in [1, num_devices={args.num_devices}], got {r}")
+            cli.fail(f"--redundancies must be in [1, num_devices={args.num_devices}], got {r}")
     bad = [r for r in redundancies if args.batch_size % math.comb(args.num_devices, r)]
     if bad:
-        parser.error(
+        cli.fail(
             f"--batch_size={args.batch_size} must be a multiple of C({args.num_devices}, r) "
             f"for every r; not for r in {bad}"
         )
@@ -429,4 +437,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

@@ -40,7 +40,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
     ).strip()
 
-import argparse  # noqa: E402
 import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -48,11 +47,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from absl import flags  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
-from experiments import jsonio  # noqa: E402
+from experiments import cli, jsonio  # noqa: E402
+from experiments.presets import build, spec  # noqa: E402
 from experiments.timing import environment, median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import comm  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
@@ -63,24 +64,24 @@ __all__ = ["bench_one", "main"]
 AXIS = "data"
 UPPER = 1.5  # ldte_bs capacity factor (its default ``upper``)
 
-# name -> factory(axis_name) of the quantizer rows.
+# name -> preset (experiments.presets) of the quantizer rows, built with axis_name="data".
 QUANTIZERS = {
-    "qsgd_4bit_512": lambda a: jaxcomp.qsgd(bits=4, bucket_size=512, axis_name=a),
-    "terngrad": lambda a: jaxcomp.terngrad(axis_name=a),
-    "natural": lambda a: jaxcomp.natural_compression(axis_name=a),
-    "natural_allreduce": lambda a: jaxcomp.natural_compression(axis_name=a, exchange="allreduce"),
-    "signum_majority": lambda a: jaxcomp.signum(0.9, axis_name=a),
-    "cast_bf16_allgather": lambda a: jaxcomp.cast(jnp.bfloat16, axis_name=a),
-    "cast_bf16_allreduce": lambda a: jaxcomp.cast(jnp.bfloat16, axis_name=a, exchange="allreduce"),
-    "cast_fp16_allreduce": lambda a: jaxcomp.cast(jnp.float16, axis_name=a, exchange="allreduce"),
+    "qsgd_4bit_512": spec("qsgd", bits=4, bucket_size=512),
+    "terngrad": spec("terngrad"),
+    "natural": spec("natural_compression"),
+    "natural_allreduce": spec("natural_compression", exchange="allreduce"),
+    "signum_majority": spec("signum", momentum=0.9),
+    "cast_bf16_allgather": spec("cast", dtype="bfloat16"),
+    "cast_bf16_allreduce": spec("cast", dtype="bfloat16", exchange="allreduce"),
+    "cast_fp16_allreduce": spec("cast", dtype="float16", exchange="allreduce"),
     # Low rank: the gradient as a (size / 1024, 1024) matrix (LEAF_SHAPES), two all-reduces.
-    "powersgd_rank4": lambda a: jaxcomp.powersgd(4, axis_name=a),
+    "powersgd_rank4": spec("powersgd", rank=4),
     # Compressed optimizers: the row times the whole Adam step (its 1-bit exchange of
     # the momentum included) against dense's pmean alone. freeze_step=1 and one dense
     # step before the timing (WARM_UP): every timed step compresses.
-    "onebit_adam": lambda a: jaxcomp.onebit_adam(1e-3, freeze_step=1, axis_name=a),
-    "onebit_adam_two_stage": lambda a: jaxcomp.onebit_adam(
-        1e-3, freeze_step=1, axis_name=a, codec="sign_l2", exchange="two_stage"
+    "onebit_adam": spec("onebit_adam", learning_rate=1e-3, freeze_step=1),
+    "onebit_adam_two_stage": spec(
+        "onebit_adam", learning_rate=1e-3, freeze_step=1, codec="sign_l2", exchange="two_stage"
     ),
 }
 # Rows timed (and their bytes read) from the state after one step: the dense warm-up.
@@ -207,7 +208,7 @@ def bench_quantizers(size: int, mesh, repeats: int, names) -> list[dict]:
     dense_bytes = _wire_bytes(dstate)
     rows = []
     for name in names:
-        ms, state = run(QUANTIZERS[name](AXIS), _leaf_shape(name, size), name in WARM_UP)
+        ms, state = run(build(QUANTIZERS[name], AXIS), _leaf_shape(name, size), name in WARM_UP)
         message = float(np.asarray(optax.tree.get(state, "message_bytes")["g"])[0])
         rows.append(
             {
@@ -265,25 +266,38 @@ def _plot(rows, path, qrows=()):
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results", help="output directory")
-    parser.add_argument("--min_log2", type=int, default=18)
-    parser.add_argument("--max_log2", type=int, default=22)
-    parser.add_argument("--ratios", type=float, nargs="+", default=[1e-2, 1e-3])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--quantizers",
-        nargs="*",
-        default=list(QUANTIZERS),
-        choices=list(QUANTIZERS),
-        help="quantizer rows to run (none: skip them)",
-    )
-    parser.add_argument(
-        "--no_sparse", action="store_true", help="skip the sparsifier rows (quantizers only)"
-    )
-    args = parser.parse_args(argv)
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("out", "results", "output directory", **fv)
+    flags.DEFINE_integer("min_log2", 18, "log2 of the smallest gradient size.", **fv)
+    flags.DEFINE_integer("max_log2", 22, "log2 of the largest gradient size.", **fv)
+    flags.DEFINE_list("ratios", ["0.01", "0.001"], "Sparsifier densities (comma list).", **fv)
+    flags.register_validator(
+        "ratios",
+        lambda v: all(_is_float(r) for r in v),
+        message="--ratios: a comma list of numbers",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_integer("repeats", 5, "Timed repeats per row (median).", **fv)
+    flags.DEFINE_list(
+        "quantizers", list(QUANTIZERS), "quantizer rows to run (--quantizers=: skip them)", **fv
+    )
+    cli.check_choices("quantizers", list(QUANTIZERS), flag_values)
+    flags.DEFINE_bool("no_sparse", False, "skip the sparsifier rows (quantizers only)", **fv)
+
+
+def main(argv):
+    """Runs the benchmark; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     if jax.device_count() < N_DEVICES:
         raise SystemExit(
             f"need {N_DEVICES} devices, have {jax.device_count()} (XLA_FLAGS set late?)"
@@ -301,7 +315,7 @@ def main(argv=None):
                     f"wire), message {row['message_bits_per_value']:.3f} bits/value",
                     flush=True,
                 )
-        for ratio in () if args.no_sparse else args.ratios:
+        for ratio in () if args.no_sparse else map(float, args.ratios):
             row = bench_one(2**log2, ratio, mesh, args.repeats)
             rows.append(row)
             print(
@@ -328,4 +342,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

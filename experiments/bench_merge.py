@@ -38,7 +38,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
-import argparse  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -47,17 +46,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from absl import flags  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import jaxcomp  # noqa: E402
-from experiments import jsonio  # noqa: E402
+from experiments import cli, jsonio  # noqa: E402
 from experiments.models import make_model  # noqa: E402
+from experiments.presets import build, spec  # noqa: E402
 from experiments.timing import environment, median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 from jaxcomp import planning  # noqa: E402
 
-__all__ = ["count_collectives", "measure_exchange_cost", "run", "main"]
+__all__ = ["count_collectives", "define_flags", "main", "measure_exchange_cost", "run"]
 
 AXIS = "data"
 PLANS = ("none", "greedy", "optimal", "all")
@@ -143,7 +143,7 @@ def run(
     profile_s = time.perf_counter() - t0
     t_s = planning.measure_sparsify_cost(compressor, ratio=ratio)
     t_c, comm_points = measure_exchange_cost(mesh, ratio)
-    factory = getattr(jaxcomp, compressor)
+    preset = spec(compressor, ratio=ratio, exchange="sparse")  # the --compressor sparsifier
     batch = dist.shard_batch((x, y), mesh)
     rows, predicted = {}, {}
     for method in PLANS:
@@ -153,7 +153,7 @@ def run(
         )  # fmt: skip
         predicted[method] = (plan.plan.num_groups, 1e3 * plan.plan.time)
         tx = optax.chain(
-            factory(ratio=ratio, axis_name=AXIS, groups=plan.groups, exchange="sparse"),
+            build(preset, AXIS, groups=plan.groups),
             optax.sgd(0.05),
         )
         for overlap in (False, True):
@@ -243,18 +243,23 @@ def _plot(rows: dict, path: Path, meta: dict) -> None:
     plt.close(fig)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ratio", type=float, default=0.01)
-    parser.add_argument("--per_device_batch", type=int, default=8)
-    parser.add_argument("--compressor", default="top_k", help="a jaxcomp sparsifier name")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", default="results")
-    args = parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_float("ratio", 0.01, "Density of the sparsifier.", **fv)
+    flags.DEFINE_integer("per_device_batch", 8, "Batch size per device.", **fv)
+    flags.DEFINE_string("compressor", "top_k", "a jaxcomp sparsifier name", **fv)
+    flags.DEFINE_integer("repeats", 7, "Timed repeats (median; at least 5).", **fv)
+    flags.DEFINE_string("out", "results", "Output directory.", **fv)
+
+
+def main(argv):
+    """Runs the program; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     if args.repeats < 5:
-        parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
+        cli.fail("--repeats must be >= 5 (medians of at least 5 runs)")
     run(args.ratio, args.per_device_batch, args.repeats, args.compressor, args.out)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

@@ -102,7 +102,6 @@ import math
 import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,14 +109,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import optax
-from absl import app, flags
+from absl import flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from experiments import jsonio
+from experiments import cli, jsonio
 from experiments.compare import set_cpu_devices
 from experiments.models import make_model
+from experiments.presets import build, spec
 from experiments.timing import environment
 from jaxcomp import distributed as dist
 
@@ -142,36 +142,35 @@ LR = 0.1
 RATIO = 1e-3
 FLAT_COLUMNS = 1024  # the 2-D flat leaf of the compressors in MATRIX_LEAF: (n // 1024, 1024)
 
-# name -> (jaxcomp factory, keyword arguments): built as getattr(jaxcomp, factory)(**kwargs),
+# name -> preset (experiments.presets): built as getattr(jaxcomp, compressor)(**kwargs),
 # with axis_name="data" on N devices. None: no compressor (the sgd baseline, see make_tx).
 # DGC's warm-up: ratios 0.25, 0.0625, 0.015625, 0.004 for 100 steps each, then RATIO.
 COMPRESSORS = {
     "sgd": None,
-    "ldte_bs": ("ldte_bs", {"ratio": RATIO}),
-    "ldte_bs_warmup": (
-        "ldte_bs",
-        {"ratio": RATIO, "warmup_ratios": jaxcomp.DGC_WARMUP, "steps_per_epoch": 100},
+    "ldte_bs": spec("ldte_bs", ratio=RATIO),
+    "ldte_bs_warmup": spec(
+        "ldte_bs", ratio=RATIO, warmup_ratios=jaxcomp.DGC_WARMUP, steps_per_epoch=100
     ),
-    "top_k": ("top_k", {"ratio": RATIO}),
-    "dgc": ("dgc", {"ratio": RATIO}),
-    "gaussian_k": ("gaussian_k", {"ratio": RATIO}),
-    "trimmed_top_k": ("trimmed_top_k", {"ratio": RATIO}),
-    "random_k": ("random_k", {"ratio": RATIO}),
+    "top_k": spec("top_k", ratio=RATIO),
+    "dgc": spec("dgc", ratio=RATIO),
+    "gaussian_k": spec("gaussian_k", ratio=RATIO),
+    "trimmed_top_k": spec("trimmed_top_k", ratio=RATIO),
+    "random_k": spec("random_k", ratio=RATIO),
     # The QSGD paper's "4-bit, bucket 512" (s = 16 levels); leaves <= 10_000 sent dense.
-    "qsgd": ("qsgd", {"bits": 4, "bucket_size": 512}),
+    "qsgd": spec("qsgd", bits=4, bucket_size=512),
     # reshape="last": Flax kernels (kh, kw, in, out) as (kh kw in, out) matrices.
-    "powersgd": ("powersgd", {"rank": 4, "reshape": "last"}),
-    "ldte_bs_global": ("ldte_bs", {"ratio": RATIO, "granularity": "global"}),
+    "powersgd": spec("powersgd", rank=4, reshape="last"),
+    "ldte_bs_global": spec("ldte_bs", ratio=RATIO, granularity="global"),
     # The accumulator plus the last message's mask instead of a written-out residual.
-    "ldte_bs_defer": ("ldte_bs", {"ratio": RATIO, "defer_residual": True}),
-    "top_k_defer": ("top_k", {"ratio": RATIO, "defer_residual": True}),
+    "ldte_bs_defer": spec("ldte_bs", ratio=RATIO, defer_residual=True),
+    "top_k_defer": spec("top_k", ratio=RATIO, defer_residual=True),
     # The exchanges with merging rules of their own (gTop-k's pairwise top-k,
     # Ok-Topk's regions, SparCML's union or dense, ScaleCom's cyclic leader);
     # on one device they are top_k.
-    "top_k_gtopk": ("top_k", {"ratio": RATIO, "exchange": "gtopk"}),
-    "top_k_oktopk": ("top_k", {"ratio": RATIO, "exchange": "oktopk"}),
-    "top_k_sparcml": ("top_k", {"ratio": RATIO, "exchange": "sparcml"}),
-    "top_k_scalecom": ("top_k", {"ratio": RATIO, "exchange": "scalecom"}),
+    "top_k_gtopk": spec("top_k", ratio=RATIO, exchange="gtopk"),
+    "top_k_oktopk": spec("top_k", ratio=RATIO, exchange="oktopk"),
+    "top_k_sparcml": spec("top_k", ratio=RATIO, exchange="sparcml"),
+    "top_k_scalecom": spec("top_k", ratio=RATIO, exchange="scalecom"),
 }
 # Compressors for one device only (defer_residual has no exchange): skipped on N devices.
 ONE_DEVICE = ("ldte_bs_defer", "top_k_defer")
@@ -266,17 +265,16 @@ def tree_shapes(name: str) -> dict:
 def make_tx(name: str, axis_name: str | None = None):
     """``optax.chain(compressor, optax.sgd(0.1))`` for a name of ``COMPRESSORS``.
 
-    The compressor is ``getattr(jaxcomp, factory)(**kwargs, axis_name=axis_name)``;
+    The compressor is ``experiments.presets.build(COMPRESSORS[name], axis_name)``;
     ``sgd`` (no compressor) is ``optax.sgd(0.1)`` alone on one device and
     ``jaxcomp.dense_exchange(axis_name)`` before it on several.
     """
-    spec = COMPRESSORS[name]
-    if spec is None:
+    preset = COMPRESSORS[name]
+    if preset is None:
         if axis_name is None:
             return optax.sgd(LR)
         return optax.chain(jaxcomp.dense_exchange(axis_name), optax.sgd(LR))
-    factory, kwargs = spec
-    return optax.chain(getattr(jaxcomp, factory)(**kwargs, axis_name=axis_name), optax.sgd(LR))
+    return optax.chain(build(preset, axis_name), optax.sgd(LR))
 
 
 def _layout_shapes(shapes, layout: str, compressor: str):
@@ -665,36 +663,21 @@ def _set_devices(n: int) -> None:
         pass
 
 
-_CLI = False  # set when run as a program: absl has parsed flags.FLAGS
-
-
-def main(argv: Sequence[str]) -> None:
+def main(argv: Sequence[str] | flags.FlagValues) -> None:
     """Runs the benchmark from a command line: prints the table, writes the JSON and PNG.
 
     Args:
-      argv: as a program (``python -m experiments.bench_model``), absl's
-        leftover arguments after parsing ``flags.FLAGS`` (the program name
-        alone); called from Python (tests), a whole command line
-        ``["bench_model", "--small", ...]``, parsed here into a fresh
-        ``FlagValues`` (the global flags are left alone).
+      argv: a whole command line ``["bench_model", "--small", ...]`` (from
+        Python: tests), or the parsed flags (as a program); see
+        :mod:`experiments.cli`.
     """
-    if _CLI:
-        if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-        fv, command = flags.FLAGS, sys.argv
-        logging.getLogger("jax").setLevel(logging.WARNING)  # absl's handler shows INFO
-    else:
-        fv, command = flags.FlagValues(), list(argv)
-        define_flags(fv)
-        fv(command)
+    fv = cli.parse(define_flags, argv)
     settings = _settings(fv)
     _set_devices(max(settings["devices"]))
-    record = run(**settings, command=command)
+    record = run(**settings, command=cli.command(argv))
     print(format_table(record["rows"]))
     print(f"JSON and plot: {os.path.join(settings['outdir'], 'bench_model.json')}, .png")
 
 
 if __name__ == "__main__":
-    _CLI = True
-    define_flags()
-    app.run(main)
+    cli.run(main, define_flags)

@@ -28,13 +28,14 @@ A 4-D shape is a Flax ``(kh, kw, in, out)`` kernel, compressed with
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
 import time
 
-from experiments import jsonio
+from absl import flags
+
+from experiments import cli, jsonio
 from experiments.compare import set_cpu_devices
 
 
@@ -216,17 +217,24 @@ def plot(rows, eta, path):
     return path
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="1024x1024,4096x1024,3x3x256x256")
-    parser.add_argument("--ranks", default="1,4,16")
-    parser.add_argument("--eta", type=float, default=1e-3, help="top_k's ratio")
-    parser.add_argument("--devices", type=int, default=8, help="simulated devices for the bytes")
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", default="results")
-    args = parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string(
+        "shapes", "1024x1024,4096x1024,3x3x256x256", "Leaf shapes (comma list).", **fv
+    )
+    flags.DEFINE_string("ranks", "1,4,16", "PowerSGD ranks (comma list).", **fv)
+    flags.DEFINE_float("eta", 1e-3, "top_k's ratio", **fv)
+    flags.DEFINE_integer("devices", 8, "simulated devices for the bytes", **fv)
+    flags.DEFINE_integer("repeats", 9, "Timed repeats (median; at least 5).", **fv)
+    flags.DEFINE_string("out", "results", "Output directory.", **fv)
+
+
+def main(argv):
+    """Runs the program; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     if args.repeats < 5:
-        parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
+        cli.fail("--repeats must be >= 5 (medians of at least 5 runs)")
     set_cpu_devices(args.devices)
     return run(
         [_parse_shape(s) for s in args.shapes.split(",") if s],
@@ -239,4 +247,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

@@ -40,7 +40,6 @@ Run: ``python -m experiments.bench_reuse [--log2_n 22] [--periods 1,5,20]
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -49,19 +48,18 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
-import jaxcomp
-from experiments import jsonio
+from experiments import cli, jsonio
 from experiments.bench_selection import make_data
+from experiments.presets import build, spec
 from experiments.timing import environment, median_ms
 from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import selectors
 
 ETA = 1e-3
-METHODS = {
-    "ldte_bs": lambda s: jaxcomp.ldte_bs(ETA, reuse_period=s),
-    "top_k": lambda s: jaxcomp.top_k(ETA, reuse_period=s),
-}
+# name -> preset (experiments.presets), built with reuse_period=s.
+METHODS = {"ldte_bs": spec("ldte_bs", ratio=ETA), "top_k": spec("top_k", ratio=ETA)}
 SELECTORS = {"ldte_bs": selectors.ldte_bs, "top_k": selectors.exact_top_k}  # the kernels
 NUM_GRADIENTS = 7  # distinct gradients, cycled (7 is prime to every period measured)
 
@@ -132,7 +130,7 @@ def run(log2_n, periods, methods, repeats, out_dir, drift_periods=3, warm_steps=
         stored = select(grads[0])[0]
         kernel[method] = {"select": (select, (grads[0],)), "apply": (apply, (grads[1], stored))}
         for s in periods:
-            tx = METHODS[method](s)
+            tx = build(METHODS[method], reuse_period=s)
             fn, fn_kept = _update_fn(tx, donate=True), _update_fn(tx, donate=False)
             state = _advance(fn_kept, tx.init({"g": grads[0]}), grads, s)  # skip a zero residual
             start, state = _drift(fn_kept, state, grads, s, k, drift_periods)
@@ -276,18 +274,23 @@ def plot(results, path):
     return path
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--log2_n", type=int, default=22)
-    parser.add_argument("--periods", default="1,5,20", help="reuse periods s")
-    parser.add_argument("--methods", default="ldte_bs,top_k")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--drift_periods", type=int, default=3)
-    parser.add_argument("--warm_steps", type=int, default=3000)
-    parser.add_argument("--out", default="results")
-    args = parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_integer("log2_n", 22, "log2 of the gradient size.", **fv)
+    flags.DEFINE_string("periods", "1,5,20", "reuse periods s", **fv)
+    flags.DEFINE_string("methods", "ldte_bs,top_k", "Sparsifiers (comma list).", **fv)
+    flags.DEFINE_integer("repeats", 7, "Timed repeats (median; at least 5).", **fv)
+    flags.DEFINE_integer("drift_periods", 3, "Reuse periods of the drift measurement.", **fv)
+    flags.DEFINE_integer("warm_steps", 3000, "Steps before the drift measurement.", **fv)
+    flags.DEFINE_string("out", "results", "Output directory.", **fv)
+
+
+def main(argv):
+    """Runs the program; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     if args.repeats < 5:
-        parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
+        cli.fail("--repeats must be >= 5 (medians of at least 5 runs)")
     run(
         args.log2_n,
         [int(s) for s in args.periods.split(",")],
@@ -300,4 +303,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

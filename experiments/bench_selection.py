@@ -31,15 +31,15 @@ Run: ``python -m experiments.bench_selection [--sizes 10,12,...,24]
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
-from experiments import jsonio
+from experiments import cli, jsonio
 from experiments.timing import environment, median_ms, median_ms_threaded
 from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import selectors
@@ -285,20 +285,25 @@ def plot(results, path):
     return path
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10,12,14,16,18,20,22,24", help="log2 sizes")
-    parser.add_argument("--data", default="laplace,mixture,zeros99")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--methods", default="", help="comma-separated selectors (default all)")
-    parser.add_argument("--out", default="results")
-    args = parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("sizes", "10,12,14,16,18,20,22,24", "log2 sizes", **fv)
+    flags.DEFINE_string("data", "laplace,mixture,zeros99", "Data sets (comma list).", **fv)
+    flags.DEFINE_integer("repeats", 7, "Timed repeats (median; at least 5).", **fv)
+    flags.DEFINE_string("methods", "", "comma-separated selectors (default all)", **fv)
+    flags.DEFINE_string("out", "results", "Output directory.", **fv)
+
+
+def main(argv):
+    """Runs the program; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     if args.repeats < 5:
-        parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
+        cli.fail("--repeats must be >= 5 (medians of at least 5 runs)")
     sizes = [int(s) for s in args.sizes.split(",")]
     methods = [m for m in args.methods.split(",") if m] or None
     run(sizes, args.data.split(","), args.repeats, args.out, methods)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

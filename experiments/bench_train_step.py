@@ -38,7 +38,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
     ).strip()
 
-import argparse  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -46,15 +45,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from absl import flags  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
-from experiments import jsonio  # noqa: E402
+from experiments import cli, jsonio  # noqa: E402
 from experiments.timing import environment, median_ms_threaded  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 
-__all__ = ["run", "main"]
+__all__ = ["define_flags", "main", "run"]
 
 AXIS = "data"
 
@@ -207,18 +207,23 @@ def _plot(rows: dict, path: Path, meta: dict) -> None:
     plt.close(fig)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--ratio", type=float, default=1e-3)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", default="results")
-    args = parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_integer("width", 1024, "Hidden width of the MLP.", **fv)
+    flags.DEFINE_integer("depth", 2, "Hidden layers of the MLP.", **fv)
+    flags.DEFINE_float("ratio", 1e-3, "Density of the sparsifier.", **fv)
+    flags.DEFINE_integer("repeats", 9, "Timed repeats (median; at least 5).", **fv)
+    flags.DEFINE_string("out", "results", "Output directory.", **fv)
+
+
+def main(argv):
+    """Runs the program; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     if args.repeats < 5:
-        parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
+        cli.fail("--repeats must be >= 5 (medians of at least 5 runs)")
     run(args.width, args.depth, args.ratio, args.repeats, args.out)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

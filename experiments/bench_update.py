@@ -81,8 +81,6 @@ Run: ``python -m experiments.bench_update [--sizes 22,24]
 
 from __future__ import annotations
 
-import argparse
-import functools
 import json
 import math
 import os
@@ -94,28 +92,23 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from absl import flags
 
-import jaxcomp
-from experiments import jsonio
+from experiments import cli, jsonio
 from experiments.bench_selection import make_data
+from experiments.presets import build, spec
 from experiments.timing import environment
 from jaxcomp.selection import selectors
 
 ETA = 1e-3
-# name -> (transform factory, the selector it runs).
+# name -> (preset of experiments.presets, built with ratio=ETA; the selector it runs).
 METHODS = {
-    "ldte_bs": (jaxcomp.ldte_bs, selectors.ldte_bs),
-    "top_k": (jaxcomp.top_k, selectors.exact_top_k),
-    "gaussian_k": (jaxcomp.gaussian_k, selectors.gaussian_k),
+    "ldte_bs": (spec("ldte_bs"), selectors.ldte_bs),
+    "top_k": (spec("top_k"), selectors.exact_top_k),
+    "gaussian_k": (spec("gaussian_k"), selectors.gaussian_k),
     # defer_residual=True: the next step clears the message (jaxcomp.SparsifyState).
-    "ldte_bs_deferred": (
-        functools.partial(jaxcomp.ldte_bs, defer_residual=True),
-        selectors.ldte_bs,
-    ),
-    "top_k_deferred": (
-        functools.partial(jaxcomp.top_k, defer_residual=True),
-        selectors.exact_top_k,
-    ),
+    "ldte_bs_deferred": (spec("ldte_bs", defer_residual=True), selectors.ldte_bs),
+    "top_k_deferred": (spec("top_k", defer_residual=True), selectors.exact_top_k),
 }
 STAGES = ("check", "accumulate", "select")
 STEP_LR = 0.1  # the SGD learning rate of the timed training steps
@@ -471,8 +464,8 @@ def run(
         progs["floor"]["args"] = (g,)
         hlo, sel_out, kernel_ms = {}, {}, {}
         for m in methods:
-            make, select = METHODS[m]
-            tx = make(ETA)
+            preset, select = METHODS[m]
+            tx = build(preset, ratio=ETA)
             fn = update_fn(tx)
             state = tx.init(g)
             hlo[m] = hlo_passes(fn.lower(g, state).compile(), n)
@@ -763,44 +756,52 @@ def plot(results, path):
     return path
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="22,24", help="log2 sizes")
-    parser.add_argument(
-        "--methods", default="ldte_bs,ldte_bs_deferred,top_k", help=f"among {sorted(METHODS)}"
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("sizes", "22,24", "log2 sizes", **fv)
+    flags.DEFINE_string(
+        "methods", "ldte_bs,ldte_bs_deferred,top_k", f"among {sorted(METHODS)}", **fv
     )
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--warm_steps", type=int, default=20)
-    parser.add_argument("--no_stages", action="store_true", help="skip the stage breakdown")
-    parser.add_argument("--no_profile", action="store_true", help="skip the kernel profile")
-    parser.add_argument(
-        "--no_modes",
-        action="store_true",
-        help="skip the gradient-donated update and the whole training step",
+    flags.DEFINE_integer("repeats", 15, "Timed repeats (median; at least 5).", **fv)
+    flags.DEFINE_integer("warm_steps", 20, "Steps before the timing.", **fv)
+    flags.DEFINE_bool("no_stages", False, "skip the stage breakdown", **fv)
+    flags.DEFINE_bool("no_profile", False, "skip the kernel profile", **fv)
+    flags.DEFINE_bool(
+        "no_modes",
+        False,
+        "skip the gradient-donated update and the whole training step",
+        **fv,
     )
-    parser.add_argument("--out", default="results")
-    parser.add_argument(
-        "--data",
-        choices=("laplace", "ties"),
-        default="laplace",
-        help="ties: small-integer gradients, every step over the capacity (its cut's cost)",
+    flags.DEFINE_string("out", "results", "Output directory.", **fv)
+    flags.DEFINE_enum(
+        "data",
+        "laplace",
+        ["laplace", "ties"],
+        "ties: small-integer gradients, every step over the capacity (its cut's cost)",
+        **fv,
     )
-    parser.add_argument(
-        "--malloc",
-        choices=("default", "hugetlb"),
-        default="default",
-        help="hugetlb: rerun this program with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 "
+    flags.DEFINE_enum(
+        "malloc",
+        "default",
+        ["default", "hugetlb"],
+        "hugetlb: rerun this program with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 "
         "(transparent huge pages for large blocks; see the module docstring)",
+        **fv,
     )
-    args = parser.parse_args(argv)
+
+
+def main(argv):
+    """Runs the program; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     if args.malloc == "hugetlb" and HUGETLB not in os.environ.get("GLIBC_TUNABLES", ""):
         # glibc reads its tunables once, at process start: start again with them.
         tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), HUGETLB) if t)
         env = {**os.environ, "GLIBC_TUNABLES": tunables}
-        argv = sys.argv[1:] if argv is None else list(argv)
-        os.execve(sys.executable, [sys.executable, "-m", "experiments.bench_update", *argv], env)
+        rest = cli.command(argv)[1:]
+        os.execve(sys.executable, [sys.executable, "-m", "experiments.bench_update", *rest], env)
     if args.repeats < 5:
-        parser.error("--repeats must be >= 5 (medians of at least 5 runs)")
+        cli.fail("--repeats must be >= 5 (medians of at least 5 runs)")
     run(
         [int(s) for s in args.sizes.split(",")],
         [m for m in args.methods.split(",") if m],
@@ -815,4 +816,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

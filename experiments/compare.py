@@ -53,12 +53,13 @@ wall time (compilation and evaluation included).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
 
-from experiments import jsonio
+from absl import flags
+
+from experiments import cli, jsonio
 
 __all__ = [
     "DLGS_REUSE_PERIOD",
@@ -70,6 +71,7 @@ __all__ = [
     "TABLES",
     "for_compressor",
     "format_table",
+    "define_flags",
     "main",
     "run_configs",
     "with_merge_link",
@@ -339,37 +341,41 @@ def set_cpu_devices(num_devices: int) -> None:
         jax.config.update("jax_num_cpu_devices", num_devices)
 
 
-def main(argv=None) -> dict:
-    """Runs the comparison and prints the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default="digits")
-    parser.add_argument("--data_dir", default=None)
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--table", choices=sorted(TABLES), default="ldte_bs")
-    parser.add_argument("--epochs", type=int, default=None, help="default: the table's")
-    parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--ratio", type=float, default=None, help="default: the table's")
-    parser.add_argument("--warmup_epochs", type=int, default=None, help="default: the table's")
-    parser.add_argument("--schedule", default=None, help="default: the table's")
-    parser.add_argument("--num_devices", type=int, default=8, help="0: every device")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target", type=float, default=0.95, help="accuracy (fraction)")
-    parser.add_argument("--outdir", default="results/compare")
-    parser.add_argument("--progress", action="store_true")
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("dataset", "digits", "Data set.", **fv)
+    flags.DEFINE_string("data_dir", None, "CIFAR directory or .tar.gz archive.", **fv)
+    flags.DEFINE_string("model", "mlp", "Model.", **fv)
+    flags.DEFINE_enum("table", "ldte_bs", sorted(TABLES), "The comparison to run.", **fv)
+    flags.DEFINE_integer("epochs", None, "default: the table's", **fv)
+    flags.DEFINE_integer("batch_size", 64, "Global batch size.", **fv)
+    flags.DEFINE_float("lr", 0.1, "Learning rate.", **fv)
+    flags.DEFINE_float("ratio", None, "default: the table's", **fv)
+    flags.DEFINE_integer("warmup_epochs", None, "default: the table's", **fv)
+    flags.DEFINE_string("schedule", None, "default: the table's", **fv)
+    flags.DEFINE_integer("num_devices", 8, "0: every device", **fv)
+    flags.DEFINE_integer("seed", 0, "Seed of initialisation and data order.", **fv)
+    flags.DEFINE_float("target", 0.95, "accuracy (fraction)", **fv)
+    flags.DEFINE_string("outdir", "results/compare", "Output directory.", **fv)
+    flags.DEFINE_bool("progress", False, "Show a progress bar.", **fv)
     link = "the DLGS merge planner's link (rows that plan a merge); unset: 10 GbE"
-    parser.add_argument("--merge_alpha", type=float, default=None, help=f"s per message, {link}")
-    parser.add_argument("--merge_beta", type=float, default=None, help=f"s per byte, {link}")
-    args = parser.parse_args(argv)
+    flags.DEFINE_float("merge_alpha", None, f"s per message, {link}", **fv)
+    flags.DEFINE_float("merge_beta", None, f"s per byte, {link}", **fv)
+
+
+def main(argv) -> dict:
+    """Runs the comparison and prints the table."""
+    args = cli.parse(define_flags, argv)
     if not 0 <= args.target <= 1:  # NaN too
-        parser.error(f"--target is an accuracy fraction in [0, 1], got {args.target}")
+        cli.fail(f"--target is an accuracy fraction in [0, 1], got {args.target}")
     if args.num_devices < 0:
-        parser.error(f"--num_devices must be >= 0 (0: every device), got {args.num_devices}")
+        cli.fail(f"--num_devices must be >= 0 (0: every device), got {args.num_devices}")
     rows_spec, defaults = TABLES[args.table]
     try:
         rows_spec = with_merge_link(rows_spec, args.merge_alpha, args.merge_beta)
     except ValueError as err:
-        parser.error(str(err))
+        cli.fail(str(err))
     set_cpu_devices(args.num_devices)
     from experiments import train  # noqa: PLC0415
 
@@ -391,14 +397,14 @@ def main(argv=None) -> dict:
     try:  # a bad setting in one line, as experiments.main says it
         results = run_configs(base, rows_spec, args.outdir)
     except train.ConfigError as err:  # raised before the run it concerns trains
-        parser.error(str(err))
+        cli.fail(str(err))
     table, rows = format_table(results, args.target)
     print(table)
     with open(os.path.join(args.outdir, "comparison.json"), "w") as f:
-        jsonio.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        jsonio.dump({"args": cli.values(define_flags, args), "rows": rows}, f, indent=2)
     print(f"plots and JSON in {args.outdir}")
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

@@ -11,38 +11,43 @@ Run: ``python -m experiments.demo [--size 4194304] [--ratio 0.001]``.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 import jaxcomp
+from experiments import cli
+from experiments.presets import build, spec
 from experiments.timing import median_ms, median_ms_threaded
 
+# name -> preset (experiments.presets), built with ratio=--ratio.
 COMPRESSORS = {
-    "top_k": lambda r: jaxcomp.top_k(ratio=r),
-    "ldte_bs": lambda r: jaxcomp.ldte_bs(ratio=r),
-    "ldte_bs (paper: bisect)": lambda r: jaxcomp.ldte_bs(
-        ratio=r, search="bisect", aim=1.0, moment_sample=None
-    ),
-    "binary_search": lambda r: jaxcomp.binary_search(ratio=r),
-    "dgc": lambda r: jaxcomp.dgc(ratio=r),
-    "trimmed_top_k": lambda r: jaxcomp.trimmed_top_k(ratio=r),
-    "gaussian_k": lambda r: jaxcomp.gaussian_k(ratio=r),
-    "random_k": lambda r: jaxcomp.random_k(ratio=r),
+    "top_k": spec("top_k"),
+    "ldte_bs": spec("ldte_bs"),
+    "ldte_bs (paper: bisect)": spec("ldte_bs", search="bisect", aim=1.0, moment_sample=None),
+    "binary_search": spec("binary_search"),
+    "dgc": spec("dgc"),
+    "trimmed_top_k": spec("trimmed_top_k"),
+    "gaussian_k": spec("gaussian_k"),
+    "random_k": spec("random_k"),
 }
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=2**22)
-    parser.add_argument("--ratio", type=float, default=1e-3)
-    args = parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines the demo's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_integer("size", 2**22, "Elements of the gradient.", **fv)
+    flags.DEFINE_float("ratio", 1e-3, "Density of the message (k = ratio * size).", **fv)
+
+
+def main(argv):
+    """Runs the demo; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     if args.size < 1:
-        parser.error(f"--size must be >= 1, got {args.size}")
+        cli.fail(f"--size must be >= 1, got {args.size}")
     if not 0 < args.ratio <= 1:  # NaN too
-        parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
+        cli.fail(f"--ratio must be in (0, 1], got {args.ratio}")
     n, ratio = args.size, args.ratio
     rng = np.random.default_rng(0)
     # The LDTE-BS paper's test data: Laplacian, mean 5e-4, std 5e-3.
@@ -61,8 +66,8 @@ def main(argv=None):
     print(header)
     print("-" * len(header))
     rows = {}
-    for name, make in COMPRESSORS.items():
-        tx = make(ratio)
+    for name, preset in COMPRESSORS.items():
+        tx = build(preset, ratio=ratio)
         # The optimizer state is donated, as a training step would: the new
         # residual is written in place of the old one.
         step = jax.jit(lambda state, grads, tx=tx: tx.update(grads, state)[::-1], donate_argnums=0)
@@ -78,4 +83,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

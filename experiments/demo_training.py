@@ -22,34 +22,39 @@ Two byte counts are reported because they answer different questions:
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from experiments import compare, jsonio
+from absl import flags
 
-__all__ = ["main"]
+from experiments import cli, compare, jsonio
+
+__all__ = ["define_flags", "main"]
 
 
-def main(argv=None) -> dict:
-    """Runs the demo and prints the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--num_devices", type=int, default=8)
-    parser.add_argument("--granularity", default="layer", choices=["layer", "global"])
-    parser.add_argument("--outdir", default="results/demo_training")
-    parser.add_argument(
-        "--exchanges",
-        type=lambda v: [e for e in v.split(",") if e],
-        # Off by default: the exchanges that apply a global top of the summed
-        # messages (gtopk, oktopk) still compress leaf by leaf, and their
-        # compile (sorts inside every warm-up phase, per leaf) took 9 of the
-        # demo's 12 minutes; compare --table=exchanges runs every exchange.
-        default=[],
-        help="extra ldte_bs rows with these sparse all-reduces (comma-separated, e.g. gtopk)",
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model.", **fv)
+    flags.DEFINE_integer("epochs", 30, "Total epochs.", **fv)
+    flags.DEFINE_integer("num_devices", 8, "Simulated CPU devices.", **fv)
+    flags.DEFINE_enum("granularity", "layer", ["layer", "global"], "Sparsifier granularity.", **fv)
+    flags.DEFINE_string("outdir", "results/demo_training", "Output directory.", **fv)
+    # Off by default: the exchanges that apply a global top of the summed
+    # messages (gtopk, oktopk) still compress leaf by leaf, and their
+    # compile (sorts inside every warm-up phase, per leaf) took 9 of the
+    # demo's 12 minutes; compare --table=exchanges runs every exchange.
+    flags.DEFINE_list(
+        "exchanges",
+        [],
+        "extra ldte_bs rows with these sparse all-reduces (comma-separated, e.g. gtopk)",
+        **fv,
     )
-    parser.add_argument("--progress", action="store_true")
-    args = parser.parse_args(argv)
+    flags.DEFINE_bool("progress", False, "Show a progress bar.", **fv)
+
+
+def main(argv) -> dict:
+    """Runs the demo and prints the table."""
+    args = cli.parse(define_flags, argv)
     compare.set_cpu_devices(args.num_devices)
     from experiments import train  # noqa: PLC0415 (after the device count is set)
 
@@ -77,7 +82,7 @@ def main(argv=None) -> dict:
     try:
         results = compare.run_configs(base, runs, args.outdir)
     except train.ConfigError as err:  # raised before the run it concerns trains
-        parser.error(str(err))
+        cli.fail(str(err))
     table, rows = compare.format_table(results, target=0.95)
     n_params = results["dense"]["num_params"]
     print(
@@ -109,10 +114,10 @@ def main(argv=None) -> dict:
             f"{s['wire_ratio']:.0f}x)."
         )
     with open(os.path.join(args.outdir, "comparison.json"), "w") as f:
-        jsonio.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        jsonio.dump({"args": cli.values(define_flags, args), "rows": rows}, f, indent=2)
     print(f"plots and metrics in {args.outdir}")
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

@@ -32,10 +32,11 @@ What is measured, at the end of a checked epoch:
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from experiments import jsonio
+from absl import flags
+
+from experiments import cli, jsonio
 from experiments.gradient_fit import (
     FIT_CHECK_FILE,
     MIN_SIZE,
@@ -52,30 +53,35 @@ __all__ = [
     "check_epoch",
     "device_gradient",
     "format_table",
+    "define_flags",
     "main",
     "plot_histograms",
     "read_rows",
 ]
 
 
-def main(argv=None) -> list:
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("models", "mlp", "comma list", **fv)
+    flags.DEFINE_string("dataset", "digits", "Data set.", **fv)
+    flags.DEFINE_string("data_dir", None, "CIFAR directory or .tar.gz archive.", **fv)
+    flags.DEFINE_string("compressor", "ldte_bs", "Compressor.", **fv)
+    flags.DEFINE_float("ratio", None, "Density (default: the compressor's).", **fv)
+    flags.DEFINE_integer("epochs", 10, "Total epochs.", **fv)
+    flags.DEFINE_string("epochs_to_check", "1,5,10", "comma list", **fv)
+    flags.DEFINE_integer("batch_size", 64, "Global batch size.", **fv)
+    flags.DEFINE_float("lr", 0.1, "Learning rate.", **fv)
+    flags.DEFINE_integer("num_devices", 2, "0: every device", **fv)
+    flags.DEFINE_integer("max_steps_per_epoch", None, "Truncate epochs.", **fv)
+    flags.DEFINE_integer("seed", 0, "Seed of initialisation and data order.", **fv)
+    flags.DEFINE_string("outdir", "results/fit_check", "Output directory.", **fv)
+    flags.DEFINE_bool("progress", False, "Show a progress bar.", **fv)
+
+
+def main(argv) -> list:
     """Trains each model with ``fit_check_epochs``, writes ``table1.json``, prints the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp", help="comma list")
-    parser.add_argument("--dataset", default="digits")
-    parser.add_argument("--data_dir", default=None)
-    parser.add_argument("--compressor", default="ldte_bs")
-    parser.add_argument("--ratio", type=float, default=None)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--epochs_to_check", default="1,5,10", help="comma list")
-    parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--num_devices", type=int, default=2, help="0: every device")
-    parser.add_argument("--max_steps_per_epoch", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--outdir", default="results/fit_check")
-    parser.add_argument("--progress", action="store_true")
-    args = parser.parse_args(argv)
+    args = cli.parse(define_flags, argv)
     from experiments.compare import set_cpu_devices  # noqa: PLC0415
 
     set_cpu_devices(args.num_devices)
@@ -109,10 +115,14 @@ def main(argv=None) -> list:
     os.makedirs(args.outdir, exist_ok=True)
     summary = [{k: v for k, v in r.items() if k != "per_leaf"} for r in rows]
     with open(os.path.join(args.outdir, "table1.json"), "w") as f:
-        jsonio.dump({"args": vars(args), "rows": summary, "markdown": table}, f, indent=1)
+        jsonio.dump(
+            {"args": cli.values(define_flags, args), "rows": summary, "markdown": table},
+            f,
+            indent=1,
+        )
     print(f"per-layer rows and histograms in {args.outdir}/<model>/, table in table1.json")
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

@@ -31,14 +31,14 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from experiments import jsonio  # noqa: E402
+from experiments import cli, jsonio  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 from jaxcomp.distributed import make_qsvrg_epoch  # noqa: E402
 from jaxcomp.transforms.qsvrg import qsvrg  # noqa: E402
 
-__all__ = ["ridge_problem", "run", "write"]
+__all__ = ["define_flags", "main", "ridge_problem", "run", "write"]
 
 
 def ridge_problem(n_devices, per_device, dim, lam, seed):
@@ -147,31 +147,34 @@ def _plot(result, path):
     plt.close(fig)
 
 
-def _define_flags():
-    """absl flags, defined only when run as a program (tests import this module)."""
-    f = flags
-    f.DEFINE_integer("epochs", 12, "Epochs (snapshots) per method.")
-    f.DEFINE_integer("epoch_length", 200, "Inner steps per epoch (T).")
-    f.DEFINE_integer("batch_size", 4, "Examples per device per step.")
-    f.DEFINE_float("lr", 0.1, "Step size of both methods.")
-    f.DEFINE_integer("bits", 2, "QSGD bits: s = 2**bits levels.")
-    f.DEFINE_integer("dim", 32, "Features.")
-    f.DEFINE_integer("examples_per_device", 128, "Examples per device.")
-    f.DEFINE_float("lam", 0.01, "Ridge regularisation (strong convexity).")
-    f.DEFINE_integer("seed", 0, "Data and sampling seed.")
-    f.DEFINE_string("out", "results/qsvrg", "Output directory.")
-    f.DEFINE_integer(
-        "num_devices", None, "Devices of the data axis (default: every device; 8 simulated on CPU)."
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_integer("epochs", 12, "Epochs (snapshots) per method.", **fv)
+    flags.DEFINE_integer("epoch_length", 200, "Inner steps per epoch (T).", **fv)
+    flags.DEFINE_integer("batch_size", 4, "Examples per device per step.", **fv)
+    flags.DEFINE_float("lr", 0.1, "Step size of both methods.", **fv)
+    flags.DEFINE_integer("bits", 2, "QSGD bits: s = 2**bits levels.", **fv)
+    flags.DEFINE_integer("dim", 32, "Features.", **fv)
+    flags.DEFINE_integer("examples_per_device", 128, "Examples per device.", **fv)
+    flags.DEFINE_float("lam", 0.01, "Ridge regularisation (strong convexity).", **fv)
+    flags.DEFINE_integer("seed", 0, "Data and sampling seed.", **fv)
+    flags.DEFINE_string("out", "results/qsvrg", "Output directory.", **fv)
+    flags.DEFINE_integer(
+        "num_devices",
+        None,
+        "Devices of the data axis (default: every device; 8 simulated on CPU).",
+        **fv,
     )
 
 
 def main(argv):
-    del argv
-    v = flags.FLAGS
+    """Runs both methods, writes the JSON and PNG; ``argv``: see :mod:`experiments.cli`."""
+    v = cli.parse(define_flags, argv)
     available = jax.device_count()
     n = available if v.num_devices is None else v.num_devices
     if not 1 <= n <= available:
-        raise app.UsageError(f"--num_devices must be in [1, {available}] (devices here), got {n}")
+        cli.fail(f"--num_devices must be in [1, {available}] (devices here), got {n}")
     result = run(
         mesh=jax.make_mesh((n,), ("data",), devices=jax.devices()[:n]),
         epochs=v.epochs,
@@ -204,5 +207,4 @@ def write(result, out_dir):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run(main, define_flags)

@@ -20,11 +20,12 @@ assumed (:data:`ASSUMPTIONS`, printed and written to the JSON).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 
-from experiments import jsonio
+from absl import flags
+
+from experiments import cli, jsonio
 from jaxcomp.planning import scalability as sc
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "CLAIMS",
     "claims_table",
     "curves",
+    "define_flags",
     "format_pays_table",
     "implied_overhead",
     "main",
@@ -413,30 +415,35 @@ def run(out: str | Path, nodes=NODES, verbose: bool = True, pays: dict | None = 
     return result
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results", help="output folder")
-    parser.add_argument(
-        "--pays_devices", type=int, default=PAYS_DEVICES, help="compression-pays grid: devices"
+def define_flags(flag_values: flags.FlagValues) -> None:
+    """Defines this program's flags on ``flag_values`` (see :mod:`experiments.cli`)."""
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("out", "results", "output folder", **fv)
+    flags.DEFINE_integer("pays_devices", PAYS_DEVICES, "compression-pays grid: devices", **fv)
+    flags.DEFINE_string(
+        "pays_gbps",
+        ",".join(format(g, "g") for g in PAYS_GBPS),
+        "compression-pays grid: link speeds (Gbps, comma-separated)",
+        **fv,
     )
-    parser.add_argument(
-        "--pays_gbps",
-        default=",".join(format(g, "g") for g in PAYS_GBPS),
-        help="compression-pays grid: link speeds (Gbps, comma-separated)",
+    flags.DEFINE_string(
+        "pays_buckets",
+        ",".join(str(b) for b in PAYS_BUCKETS),
+        "compression-pays grid: bucket sizes (elements, comma-separated)",
+        **fv,
     )
-    parser.add_argument(
-        "--pays_buckets",
-        default=",".join(str(b) for b in PAYS_BUCKETS),
-        help="compression-pays grid: bucket sizes (elements, comma-separated)",
+    flags.DEFINE_float(
+        "pays_compute_ms",
+        0.0,
+        "compute the exchange adds to (or hides behind, with --pays_overlap)",
+        **fv,
     )
-    parser.add_argument(
-        "--pays_compute_ms",
-        type=float,
-        default=0.0,
-        help="compute the exchange adds to (or hides behind, with --pays_overlap)",
-    )
-    parser.add_argument("--pays_overlap", action="store_true", help="dense overlaps compute")
-    args = parser.parse_args(argv)
+    flags.DEFINE_bool("pays_overlap", False, "dense overlaps compute", **fv)
+
+
+def main(argv) -> None:
+    """Runs the program; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
+    args = cli.parse(define_flags, argv)
     pays = {
         "buckets": tuple(int(b) for b in args.pays_buckets.split(",")),
         "links_gbps": tuple(float(g) for g in args.pays_gbps.split(",")),
@@ -448,4 +455,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, define_flags)

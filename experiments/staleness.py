@@ -34,9 +34,9 @@ from __future__ import annotations
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 
-from experiments import jsonio
+from experiments import cli, jsonio
 
 __all__ = ["COMPRESSORS", "MODES", "define_flags", "format_table", "main", "run", "run_from_flags"]
 
@@ -319,16 +319,17 @@ def run_from_flags(flag_values=flags.FLAGS) -> dict:
 
 
 def main(argv) -> None:
-    """Sets the simulated devices before JAX starts, then runs."""
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    """Sets the simulated devices before JAX starts, then runs.
+
+    ``argv``: a whole command line or the parsed flags (see :mod:`experiments.cli`).
+    """
+    fv = cli.parse(define_flags, argv)
     import jax  # noqa: PLC0415
 
     if jax.config.jax_platforms in (None, "", "cpu"):
-        jax.config.update("jax_num_cpu_devices", flags.FLAGS.num_devices)
-    run_from_flags(flags.FLAGS)
+        jax.config.update("jax_num_cpu_devices", fv.num_devices)
+    run_from_flags(fv)
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    cli.run(main, define_flags)

@@ -45,10 +45,64 @@ def test_bench_selection_data_sets():
 
 
 def test_demo_prints_every_compressor(capsys):
-    demo.main(["--size", "8192", "--ratio", "0.01"])
+    demo.main(["demo", "--size", "8192", "--ratio", "0.01"])
     out = capsys.readouterr().out
     for name in demo.COMPRESSORS:
         assert name in out
+
+
+PROGRAMS = (
+    "bench_allreduce", "bench_coding", "bench_cssgd", "bench_exchange", "bench_merge",
+    "bench_model", "bench_powersgd", "bench_reuse", "bench_selection", "bench_train_step",
+    "bench_update", "compare", "demo", "demo_training", "fit_check", "qsvrg", "scalability",
+    "staleness",
+)  # fmt: skip
+
+
+def test_programs_parse_their_own_flags_without_touching_the_global_ones():
+    # Every program but main.py reads its flags through experiments.cli: from
+    # Python, a command line parsed into a FlagValues of its own, so programs
+    # imported in one process never clash on a flag name.
+    import importlib  # noqa: PLC0415
+
+    from absl import flags  # noqa: PLC0415
+
+    from experiments import cli  # noqa: PLC0415
+
+    names, environ = {}, dict(os.environ)
+    for program in PROGRAMS:
+        module = importlib.import_module(f"experiments.{program}")
+        os.environ.clear()  # some set thread or device counts on import: not for later tests
+        os.environ.update(environ)
+        parsed = cli.parse(module.define_flags, [program])
+        names[program] = set(cli.values(module.define_flags, parsed))
+        assert names[program], program
+        assert not names[program] & set(flags.FLAGS), program
+    assert "repeats" in names["bench_selection"] & names["bench_reuse"]  # shared names
+    with pytest.raises(flags.UnrecognizedFlagError):
+        cli.parse(demo.define_flags, ["demo", "--repeats=5"])
+    with pytest.raises(flags.IllegalFlagValueError):
+        cli.parse(demo.define_flags, ["demo", "--size=big"])
+
+
+def test_presets_are_data_built_by_one_builder():
+    import jaxcomp  # noqa: PLC0415
+    from experiments import bench_exchange, bench_model, bench_reuse, presets  # noqa: PLC0415
+
+    tables = [demo.COMPRESSORS, bench_model.COMPRESSORS, bench_exchange.QUANTIZERS]
+    tables.append(bench_reuse.METHODS)
+    for table in tables:
+        for preset in table.values():
+            if preset is not None:  # bench_model's sgd: no compressor
+                assert set(preset) == {"compressor", "kwargs"}
+                json.dumps(preset)  # plain data, as a JSON file records it
+                assert callable(getattr(jaxcomp, preset["compressor"]))
+    tx = presets.build(presets.spec("top_k", ratio=0.5), reuse_period=2)
+    g = {"w": np.arange(4.0, dtype=np.float32)}
+    u, _ = tx.update(g, tx.init(g))
+    assert np.count_nonzero(u["w"]) == 2
+    with pytest.raises(ValueError, match="no jaxcomp factory"):
+        presets.spec("top_k_typo")
 
 
 def test_compare_rows_are_valid_configs():
@@ -122,15 +176,15 @@ def test_compare_merge_link_reaches_only_the_merging_row():
     with pytest.raises(ValueError, match="--merge_beta.*no row"):
         compare.with_merge_link(compare.TABLES["ldte_bs"][0], merge_beta=1e-9)
     for bad in (["--table=peers", "--merge_alpha=1e-3"], ["--target=nan"], ["--num_devices=-1"]):
-        with pytest.raises(SystemExit):  # argparse's error, before any device or training
-            compare.main([*bad, "--outdir=/nonexistent/x"])
+        with pytest.raises(SystemExit):  # cli.fail's error, before any device or training
+            compare.main(["compare", *bad, "--outdir=/nonexistent/x"])
     bad = compare.with_merge_link(rows, merge_alpha=-1.0)
     with pytest.raises(ValueError, match="merge_alpha"):
         compare.run_configs(base, bad, "/nonexistent/compare")
 
 
 def test_compare_and_demos_reject_bad_settings_in_one_line(capsys):
-    # Settings only train.validate_config rejects: argparse's one-line error
+    # Settings only train.validate_config rejects: cli.fail's one-line error
     # (exit 2), not a traceback, before any training.
     from experiments import compare, demo_training  # noqa: PLC0415
 
@@ -145,7 +199,7 @@ def test_compare_and_demos_reject_bad_settings_in_one_line(capsys):
         # --num_devices=0: keep JAX's device count (already initialised here).
         argv = bad if main is demo.main else [*bad, "--num_devices=0", "--outdir=/nonexistent/x"]
         with pytest.raises(SystemExit) as exit_info:
-            main(argv)
+            main(["program", *argv])
         assert exit_info.value.code == 2, bad
         err = capsys.readouterr().err
         assert "Traceback" not in err and ("invalid config" in err or "must be" in err), bad
