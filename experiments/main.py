@@ -30,8 +30,9 @@ the setup (here: the compressor, whose unused settings the setup then drops)::
     python -m experiments.main --setup=resnet20_cifar10 --compressor=qsgd \
         --data_dir=/path/cifar-10-python.tar.gz --workdir=/tmp/r20_qsgd
 
-absl flags live only here; one flag per :class:`experiments.train.TrainConfig`
-field, and ``--setup``. The configuration is validated before JAX starts any work (every
+absl flags live only here: one flag per :class:`experiments.train.TrainConfig`
+field, generated from the field (its type and default; its help in ``_HELP``), and
+``--setup``. The configuration is validated before JAX starts any work (every
 field, the batch size against the dataset's size, and the optimizer built abstractly, so
 that an argument a jaxcomp factory rejects is a one-line error), and
 ``--num_devices`` is applied to the CPU backend (``jax_num_cpu_devices``)
@@ -54,20 +55,178 @@ from absl import app, flags, logging
 __all__ = ["config_from_flags", "main"]
 
 
-def _define_flags() -> None:
-    # Importing experiments.train imports jax, but does not initialise a
+# The help of each TrainConfig field's flag (a field without one fails at import).
+_HELP = {
+    "compressor": "Compressor or 'dense'.",
+    "ratio": "Target density of the sparsifiers, in (0, 1] (default 1e-3).",
+    "warmup_epochs": "Epochs of DGC warm-up (0..4; sparsifiers).",
+    "momentum": "SGD momentum.",
+    "momentum_correction": (
+        "Momentum on the compressor (DGC momentum correction), plain SGD after it (default: on "
+        "for sparsifiers, off otherwise; not for quantizers)."
+    ),
+    "granularity": "Selection granularity of the sparsifiers (default layer).",
+    "reuse_period": (
+        "DLGS threshold reuse s: select every s steps, reuse the stored threshold in between "
+        "(default 1: off; sparsifiers only)."
+    ),
+    "low_pass": (
+        "ScaleCom's low-pass filter beta in (0, 1] on the residual: r <- r + beta (r_new - r), "
+        "lossy below 1 (default 1: plain error feedback; sparsifiers only)."
+    ),
+    "merge": (
+        "DLGS layer merging planned from this model's measured backward times: none, greedy "
+        "(the paper's Algorithm 2) or optimal (default none; sparsifiers only)."
+    ),
+    "merge_alpha": (
+        "The merge planner's link latency in seconds per message, t_c = alpha + beta * bytes "
+        "(default 50e-6, 10 GbE; only with --merge greedy or optimal)."
+    ),
+    "merge_beta": (
+        "The merge planner's link time in seconds per byte (default 8e-10, i.e. 1.25e9 "
+        "bytes/s, 10 GbE; only with --merge greedy or optimal)."
+    ),
+    "min_dense_size": (
+        "Leaves this small are sent dense (default: the compressor's, 0 or qsgd's 10000)."
+    ),
+    "levels": "QSGD levels s (qsgd only; default 16).",
+    "bits": "QSGD 'b-bit' as in the paper: s = 2**bits levels (not with --levels).",
+    "bucket_size": "Quantizer bucket size (default: leaf).",
+    "num_devices": "Mesh size (simulated devices on CPU).",
+    "dataset": "digits | synthetic | cifar10 | cifar100.",
+    "data_dir": "CIFAR directory or .tar.gz archive.",
+    "download": "Download CIFAR if data_dir does not exist.",
+    "model": "mlp | cnn | resnet20 | vgg16 | resnet50 | resnet101 | densenet121 | densenet169.",
+    "epochs": "Total epochs.",
+    "batch_size": "Global batch size.",
+    "lr": "Peak learning rate.",
+    "schedule": (
+        "Learning-rate schedule (step: x--lr_decay at each of --lr_milestones, by default x0.1 "
+        "at 4/7 and 6/7 of the epochs, as DLGS)."
+    ),
+    "seed": "Seed of initialisation and data order.",
+    "progress": "Show a progress bar.",
+    "checkpoint": "Checkpoint every epoch and resume.",
+    "time_split": (
+        "Measure each epoch where a step's time goes: forward+backward, compression, exposed "
+        "communication (metrics.jsonl time_*, time_split.png)."
+    ),
+    "max_steps_per_epoch": "Truncate epochs.",
+    "coded_bytes_every": (
+        "qsgd: every N steps measure the Elias-coded size of device 0's message on the host "
+        "(metrics: coded_bytes_per_step_per_device)."
+    ),
+    "coordinator_address": "Multi-process coordinator host:port.",
+    "num_processes": "Number of processes.",
+    "process_id": "This process's index.",
+    "fit_check_epochs": (
+        "Comma list of epochs after which to measure W1 of device 0's gradient and residual to "
+        "fitted Laplace and Gaussian (fit_check.json, fit_check_epoch<E>.png; see "
+        "experiments/fit_check.py)."
+    ),
+    "exchange": (
+        "default: the compressor's own exchange; coded: CSSGD, blocks on --redundancy devices "
+        "and coded multicast of the dense gradients; uncoded: the same assignment, missing "
+        "blocks sent whole (both need --compressor=dense and --redundancy); sparsifiers: "
+        "sparse, dense, server, sparcml, gtopk, oktopk, scalecom, auto, auto_topk; quantizers: "
+        "allgather, allreduce, server (signum: majority, its default)."
+    ),
+    "redundancy": (
+        "CSSGD's r: devices per block, in [1, num_devices] (coded/uncoded only; batch_size a "
+        "multiple of C(num_devices, r))."
+    ),
+    "coded_value_range": (
+        "CSSGD's integer range [-v, v]; larger gradient values are clipped and counted "
+        "(default 10, the paper's; coded/uncoded only)."
+    ),
+    "coded_bits": (
+        "CSSGD's integer width on the wire (default 32, the paper's; coded/uncoded only)."
+    ),
+    "sampling": (
+        "How the devices share the data (jaxcomp.sampling): global (one shuffle of the "
+        "training set per epoch), replacement (each device draws i.i.d. from the whole set), "
+        "local (each device shuffles only its own fixed shard), feature (each device holds a "
+        "slice of the input features and of the mlp's first layer, the rest replicated)."
+    ),
+    "rank": "PowerSGD rank (powersgd only; default 4).",
+    "freeze_step": (
+        "1-bit / 0/1 Adam: steps of Adam warm-up before the variance is frozen and the "
+        "momentum goes 1-bit (default: a fifth of the run)."
+    ),
+    "lr_milestones": (
+        "Comma list of epochs from which the step schedule multiplies the rate by --lr_decay "
+        "(--schedule=step; empty: 4/7 and 6/7 of the epochs)."
+    ),
+    "lr_decay": "Factor of the step schedule, in (0, 1].",
+    "weight_decay": "L2 weight decay added to the gradient (>= 0).",
+    "norm": (
+        "Normalisation of the CIFAR models: group (GroupNorm) or batch (BatchNorm with the "
+        "statistics averaged over the devices; running averages evaluate)."
+    ),
+    "augment": (
+        "Standard CIFAR augmentation: random crop of the image padded by 4 pixels, random "
+        "horizontal flip."
+    ),
+    "eval_examples": "Evaluate on the first N test examples only (quick CPU runs; default: all).",
+}
+
+
+# Fields that are comma lists of epochs (tuple[int, ...] in TrainConfig).
+_EPOCH_LISTS = ("fit_check_epochs", "lr_milestones")
+
+
+def _choices() -> dict:
+    """The enum flags' allowed values, per field (``coded_bits`` as strings)."""
+    # Importing experiments.config imports jax, but does not initialise a
     # backend: device queries happen only inside train_and_evaluate.
-    from experiments.setups import SETUPS  # noqa: PLC0415
-    from experiments.train import (  # noqa: PLC0415
-        COMPRESSORS,
-        EXCHANGES,
-        NORMS,
-        SAMPLINGS,
-        TrainConfig,
-    )
+    from experiments import config  # noqa: PLC0415
     from jaxcomp.cssgd import BITS  # noqa: PLC0415
 
-    d = TrainConfig()
+    return {
+        "compressor": config.COMPRESSORS,
+        "granularity": ("layer", "global"),
+        "merge": config.MERGES,
+        "norm": config.NORMS,
+        "schedule": config.SCHEDULES,
+        "exchange": config.EXCHANGES,
+        "coded_bits": tuple(str(b) for b in BITS),
+        "sampling": config.SAMPLINGS,
+    }
+
+
+def _define_field_flag(field, default, choices) -> None:
+    """The flag of one TrainConfig field: its type from the annotation, its default."""
+    name, kind, help_ = field.name, str(field.type), _HELP[field.name]
+    if name in choices:
+        value = None if default is None else str(default)
+        flags.DEFINE_enum(name, value, list(choices[name]), help_)
+    elif name in _EPOCH_LISTS:
+        flags.DEFINE_list(name, [str(e) for e in default], help_)
+        flags.register_validator(
+            name,
+            lambda v: all(e.strip().isdigit() for e in v),
+            message=f"--{name} must be a comma list of epoch numbers",
+        )
+    elif kind.startswith("bool"):
+        flags.DEFINE_bool(name, default, help_)
+    elif kind.startswith("int"):
+        flags.DEFINE_integer(name, default, help_)
+    elif kind.startswith("float"):
+        flags.DEFINE_float(name, default, help_)
+    elif kind.startswith("str"):
+        flags.DEFINE_string(name, default, help_)
+    else:
+        raise TypeError(f"TrainConfig.{name}: no flag type for {kind}")
+
+
+def _define_flags() -> None:
+    from experiments.config import TrainConfig  # noqa: PLC0415
+    from experiments.setups import SETUPS  # noqa: PLC0415
+
+    fields = dataclasses.fields(TrainConfig)
+    missing = sorted({f.name for f in fields} ^ set(_HELP))
+    if missing:
+        raise RuntimeError(f"experiments/main.py: _HELP and TrainConfig differ in {missing}")
     flags.DEFINE_enum(
         "setup",
         None,
@@ -75,196 +234,11 @@ def _define_flags() -> None:
         "A paper's CIFAR setup (experiments/setups.py) to start from; flags given explicitly "
         "override it.",
     )
-    flags.DEFINE_enum("compressor", d.compressor, list(COMPRESSORS), "Compressor or 'dense'.")
     # Flags defaulting to None are per compressor: unset means the
     # compressor's default, set for a compressor that does not use it is an error.
-    flags.DEFINE_float(
-        "ratio", d.ratio, "Target density of the sparsifiers, in (0, 1] (default 1e-3)."
-    )
-    flags.DEFINE_integer(
-        "warmup_epochs", d.warmup_epochs, "Epochs of DGC warm-up (0..4; sparsifiers)."
-    )
-    flags.DEFINE_float("momentum", d.momentum, "SGD momentum.")
-    flags.DEFINE_bool(
-        "momentum_correction",
-        d.momentum_correction,
-        "Momentum on the compressor (DGC momentum correction), plain SGD after it "
-        "(default: on for sparsifiers, off otherwise; not for quantizers).",
-    )
-    flags.DEFINE_enum(
-        "granularity",
-        d.granularity,
-        ["layer", "global"],
-        "Selection granularity of the sparsifiers (default layer).",
-    )
-    flags.DEFINE_integer(
-        "reuse_period",
-        d.reuse_period,
-        "DLGS threshold reuse s: select every s steps, reuse the stored threshold "
-        "in between (default 1: off; sparsifiers only).",
-    )
-    flags.DEFINE_float(
-        "low_pass",
-        d.low_pass,
-        "ScaleCom's low-pass filter beta in (0, 1] on the residual: r <- r + beta (r_new - r), "
-        "lossy below 1 (default 1: plain error feedback; sparsifiers only).",
-    )
-    flags.DEFINE_enum(
-        "merge",
-        d.merge,
-        ["none", "greedy", "optimal"],
-        "DLGS layer merging planned from this model's measured backward times: "
-        "none, greedy (the paper's Algorithm 2) or optimal (default none; sparsifiers only).",
-    )
-    flags.DEFINE_float(
-        "merge_alpha",
-        d.merge_alpha,
-        "The merge planner's link latency in seconds per message, t_c = alpha + beta * bytes "
-        "(default 50e-6, 10 GbE; only with --merge greedy or optimal).",
-    )
-    flags.DEFINE_float(
-        "merge_beta",
-        d.merge_beta,
-        "The merge planner's link time in seconds per byte (default 8e-10, i.e. 1.25e9 bytes/s, "
-        "10 GbE; only with --merge greedy or optimal).",
-    )
-    flags.DEFINE_integer(
-        "min_dense_size",
-        d.min_dense_size,
-        "Leaves this small are sent dense (default: the compressor's, 0 or qsgd's 10000).",
-    )
-    flags.DEFINE_integer("levels", d.levels, "QSGD levels s (qsgd only; default 16).")
-    flags.DEFINE_integer(
-        "bits", d.bits, "QSGD 'b-bit' as in the paper: s = 2**bits levels (not with --levels)."
-    )
-    flags.DEFINE_integer("bucket_size", d.bucket_size, "Quantizer bucket size (default: leaf).")
-    flags.DEFINE_integer("rank", d.rank, "PowerSGD rank (powersgd only; default 4).")
-    flags.DEFINE_integer(
-        "freeze_step",
-        d.freeze_step,
-        "1-bit / 0/1 Adam: steps of Adam warm-up before the variance is frozen and the "
-        "momentum goes 1-bit (default: a fifth of the run).",
-    )
-    flags.DEFINE_integer("num_devices", d.num_devices, "Mesh size (simulated devices on CPU).")
-    flags.DEFINE_string("dataset", d.dataset, "digits | synthetic | cifar10 | cifar100.")
-    flags.DEFINE_string("data_dir", d.data_dir, "CIFAR directory or .tar.gz archive.")
-    flags.DEFINE_bool("download", d.download, "Download CIFAR if data_dir does not exist.")
-    flags.DEFINE_string(
-        "model",
-        d.model,
-        "mlp | cnn | resnet20 | vgg16 | resnet50 | resnet101 | densenet121 | densenet169.",
-    )
-    flags.DEFINE_enum(
-        "norm",
-        d.norm,
-        list(NORMS),
-        "Normalisation of the CIFAR models: group (GroupNorm) or batch (BatchNorm with the "
-        "statistics averaged over the devices; running averages evaluate).",
-    )
-    flags.DEFINE_bool(
-        "augment",
-        d.augment,
-        "Standard CIFAR augmentation: random crop of the image padded by 4 pixels, random "
-        "horizontal flip.",
-    )
-    flags.DEFINE_float(
-        "weight_decay", d.weight_decay, "L2 weight decay added to the gradient (>= 0)."
-    )
-    flags.DEFINE_integer("epochs", d.epochs, "Total epochs.")
-    flags.DEFINE_integer("batch_size", d.batch_size, "Global batch size.")
-    flags.DEFINE_float("lr", d.lr, "Peak learning rate.")
-    flags.DEFINE_enum(
-        "schedule",
-        d.schedule,
-        ["constant", "cosine", "step"],
-        "Learning-rate schedule (step: x--lr_decay at each of --lr_milestones, by default "
-        "x0.1 at 4/7 and 6/7 of the epochs, as DLGS).",
-    )
-    flags.DEFINE_list(
-        "lr_milestones",
-        list(map(str, d.lr_milestones)),
-        "Comma list of epochs from which the step schedule multiplies the rate by --lr_decay "
-        "(--schedule=step; empty: 4/7 and 6/7 of the epochs).",
-    )
-    flags.register_validator(
-        "lr_milestones",
-        lambda v: all(e.strip().isdigit() for e in v),
-        message="--lr_milestones must be a comma list of epoch numbers",
-    )
-    flags.DEFINE_float("lr_decay", d.lr_decay, "Factor of the step schedule, in (0, 1].")
-    flags.DEFINE_integer("seed", d.seed, "Seed of initialisation and data order.")
-    flags.DEFINE_bool("progress", d.progress, "Show a progress bar.")
-    flags.DEFINE_bool("checkpoint", d.checkpoint, "Checkpoint every epoch and resume.")
-    flags.DEFINE_bool(
-        "time_split",
-        d.time_split,
-        "Measure each epoch where a step's time goes: forward+backward, compression, exposed "
-        "communication (metrics.jsonl time_*, time_split.png).",
-    )
-    flags.DEFINE_integer("max_steps_per_epoch", d.max_steps_per_epoch, "Truncate epochs.")
-    flags.DEFINE_integer(
-        "eval_examples",
-        d.eval_examples,
-        "Evaluate on the first N test examples only (quick CPU runs; default: all).",
-    )
-    flags.DEFINE_integer(
-        "coded_bytes_every",
-        d.coded_bytes_every,
-        "qsgd: every N steps measure the Elias-coded size of device 0's message on the host "
-        "(metrics: coded_bytes_per_step_per_device).",
-    )
-    flags.DEFINE_string("coordinator_address", None, "Multi-process coordinator host:port.")
-    flags.DEFINE_integer("num_processes", None, "Number of processes.")
-    flags.DEFINE_integer("process_id", None, "This process's index.")
-    flags.DEFINE_list(
-        "fit_check_epochs",
-        list(d.fit_check_epochs),
-        "Comma list of epochs after which to measure W1 of device 0's gradient and residual "
-        "to fitted Laplace and Gaussian (fit_check.json, fit_check_epoch<E>.png; "
-        "see experiments/fit_check.py).",
-    )
-    flags.register_validator(
-        "fit_check_epochs",
-        lambda v: all(e.strip().isdigit() for e in v),
-        message="--fit_check_epochs must be a comma list of epoch numbers",
-    )
-    flags.DEFINE_enum(
-        "exchange",
-        d.exchange,
-        list(EXCHANGES),
-        "default: the compressor's own exchange; coded: CSSGD, blocks on --redundancy "
-        "devices and coded multicast of the dense gradients; uncoded: the same assignment, "
-        "missing blocks sent whole (both need --compressor=dense and --redundancy); "
-        "sparsifiers: sparse, dense, server, sparcml, gtopk, oktopk, scalecom, auto, "
-        "auto_topk; quantizers: allgather, allreduce, server (signum: majority, its default).",
-    )
-    flags.DEFINE_integer(
-        "redundancy",
-        d.redundancy,
-        "CSSGD's r: devices per block, in [1, num_devices] (coded/uncoded only; batch_size "
-        "a multiple of C(num_devices, r)).",
-    )
-    flags.DEFINE_float(
-        "coded_value_range",
-        d.coded_value_range,
-        "CSSGD's integer range [-v, v]; larger gradient values are clipped and counted "
-        "(default 10, the paper's; coded/uncoded only).",
-    )
-    flags.DEFINE_enum(
-        "coded_bits",
-        None if d.coded_bits is None else str(d.coded_bits),
-        [str(b) for b in BITS],
-        "CSSGD's integer width on the wire (default 32, the paper's; coded/uncoded only).",
-    )
-    flags.DEFINE_enum(
-        "sampling",
-        d.sampling,
-        list(SAMPLINGS),
-        "How the devices share the data (jaxcomp.sampling): global (one shuffle of the "
-        "training set per epoch), replacement (each device draws i.i.d. from the whole set), "
-        "local (each device shuffles only its own fixed shard), feature (each device holds a "
-        "slice of the input features and of the mlp's first layer, the rest replicated).",
-    )
+    defaults, choices = TrainConfig(), _choices()
+    for field in fields:
+        _define_field_flag(field, getattr(defaults, field.name), choices)
     flags.DEFINE_string("workdir", "/tmp/jaxcomp_run", "Output directory.")
     flags.DEFINE_bool(
         "overwrite",

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 import jaxcomp.sampling as sampling
 from experiments import data as data_lib
-from experiments import models, train
+from experiments import models, steps, train
+from experiments import workdir as workdir_lib
 
 # --- by-sample plans --------------------------------------------------------------
 
@@ -263,19 +264,19 @@ def test_feature_mode_loss_and_gradients_equal_the_unsharded_models():
     n = 3
     model, params, x, y = _mlp_problem()
     mesh = _mesh(n)
-    layers = train._feature_layers(params)
-    fparams = train._feature_params(params, mesh)
-    xs, ys = train._feature_batch(x, y, mesh)
+    layers = steps.feature_layers(params)
+    fparams = steps.feature_params(params, mesh)
+    xs, ys = steps.feature_batch(x, y, mesh)
 
     def per_device(p, x, y):
-        loss, grads = train._feature_value_and_grad(layers)(p, x, y)
+        loss, grads = steps.feature_value_and_grad(layers)(p, x, y)
         return loss[None], jax.tree.map(lambda g: g[None], grads)
 
     f = jax.jit(
         jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(train._FEATURE_PARAM_SPECS, P("data"), P()),
+            in_specs=(steps.FEATURE_PARAM_SPECS, P("data"), P()),
             out_specs=P("data"),
             check_vma=False,  # as in the train step
         )
@@ -284,12 +285,12 @@ def test_feature_mode_loss_and_gradients_equal_the_unsharded_models():
     ref_loss, ref_grads = _full_value_and_grad(model)(params, x, y)
     for d in range(n):  # every device computes the same loss and rest gradients
         np.testing.assert_allclose(losses[d], ref_loss, rtol=1e-6)
-        ref_rest = train._feature_rest(ref_grads)
+        ref_rest = steps.feature_rest(ref_grads)
         _assert_trees_close(jax.tree.map(lambda g, d=d: g[d], grads["rest"]), ref_rest)
     kernel_grad = sampling.join_features(grads["slice"], 64, axis=0)
     np.testing.assert_allclose(kernel_grad, ref_grads["Dense_0"]["kernel"], rtol=1e-5, atol=1e-6)
     # The gathered layout is the model's parameters again.
-    _assert_trees_close(train._feature_host_params(fparams, 64), params, rtol=0, atol=0)
+    _assert_trees_close(steps.feature_host_params(fparams, 64), params, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("compressor", ["dense", "top_k"])
@@ -307,12 +308,12 @@ def test_feature_train_steps_equal_single_device_training(compressor):
         compressor=compressor, lr=lr, momentum=momentum, sampling="feature", **overrides
     )
     tx, _ = train.build_optimizer(config, 2, 2)
-    slice_tx = train._feature_slice_optimizer(config, 2, 2)
-    fparams = train._feature_params(params, mesh)
-    opt_state = train._init_feature_opt_state(slice_tx, tx, fparams, mesh)
-    num_rest = sum(np.size(v) for v in jax.tree.leaves(train._feature_rest(params)))
-    step = train._make_feature_train_step(
-        slice_tx, tx, mesh, train._feature_layers(params), num_rest, activation_bytes=7.0
+    slice_tx = steps.feature_slice_optimizer(config, 2, 2)
+    fparams = steps.feature_params(params, mesh)
+    opt_state = steps.init_feature_opt_state(slice_tx, tx, fparams, mesh)
+    num_rest = sum(np.size(v) for v in jax.tree.leaves(steps.feature_rest(params)))
+    step = steps.make_feature_train_step(
+        slice_tx, tx, mesh, steps.feature_layers(params), num_rest, activation_bytes=7.0
     )
     # Single device: the whole model on the whole batch.
     ref_rest_tx = optax.chain(
@@ -323,23 +324,23 @@ def test_feature_train_steps_equal_single_device_training(compressor):
     ref = params
     ref_states = (
         ref_kernel_tx.init(ref["Dense_0"]["kernel"]),
-        ref_rest_tx.init(train._feature_rest(params)),
+        ref_rest_tx.init(steps.feature_rest(params)),
     )
     value_and_grad = _full_value_and_grad(model)
     for s in range(2):
         xb, yb = x[12 * s : 12 * (s + 1)], y[12 * s : 12 * (s + 1)]
-        fparams, opt_state, metrics = step(fparams, opt_state, *train._feature_batch(xb, yb, mesh))
+        fparams, opt_state, metrics = step(fparams, opt_state, *steps.feature_batch(xb, yb, mesh))
         jax.block_until_ready(metrics)
         loss, g = value_and_grad(ref, xb, yb)
         np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
         ku, kstate = ref_kernel_tx.update(g["Dense_0"]["kernel"], ref_states[0])
-        rest_g = train._feature_rest(g)
+        rest_g = steps.feature_rest(g)
         ru, rstate = ref_rest_tx.update(rest_g, ref_states[1])
         ref_states = (kstate, rstate)
-        new_rest = optax.apply_updates(train._feature_rest(ref), ru)
+        new_rest = optax.apply_updates(steps.feature_rest(ref), ru)
         ref = {**new_rest, "Dense_0": {**new_rest["Dense_0"], "kernel": ref["Dense_0"]["kernel"]}}
         ref["Dense_0"]["kernel"] = optax.apply_updates(ref["Dense_0"]["kernel"], ku)
-        _assert_trees_close(train._feature_host_params(fparams, 64), ref, rtol=1e-4, atol=1e-6)
+        _assert_trees_close(steps.feature_host_params(fparams, 64), ref, rtol=1e-4, atol=1e-6)
     if compressor == "dense":
         # The activation bytes plus a ring all-reduce of the other parameters' gradients.
         want = 7.0 + 2 * (n - 1) / n * 4 * num_rest
@@ -452,16 +453,16 @@ def test_feature_run_learns_resumes_exactly_and_rejects_another_mode(tmp_path):
 
 def test_config_json_without_sampling_resumes_as_global(tmp_path):
     config = dataclasses.replace(TINY, checkpoint=True)
-    record = train._config_record(config, 4)
+    record = workdir_lib.config_record(config, 4)
     del record["config"]["sampling"]  # a config.json written before the field existed
     (tmp_path / train.CONFIG_FILE).write_text(json.dumps(record))
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')
-    train._check_workdir(config, str(tmp_path), 4, overwrite=False)  # global: the same run
+    workdir_lib.check_workdir(config, str(tmp_path), 4, overwrite=False)  # global: the same run
     stored = json.loads((tmp_path / train.CONFIG_FILE).read_text())["config"]
     assert stored["sampling"] == "global"  # rewritten with the field
     (tmp_path / train.CONFIG_FILE).write_text(json.dumps(record))
     with pytest.raises(train.WorkdirError, match="sampling='global' there, 'local' now"):
-        train._check_workdir(
+        workdir_lib.check_workdir(
             dataclasses.replace(config, sampling="local"), str(tmp_path), 4, overwrite=False
         )
 

@@ -18,7 +18,8 @@ from helpers import compile_flags_without_devices, compress_on_mesh
 
 import jaxcomp
 from experiments import data as data_lib
-from experiments import train
+from experiments import steps, train
+from experiments import workdir as workdir_lib
 
 # Shrunk runs: 2 devices, 2 steps, no progress bar; one epoch each.
 TINY = train.TrainConfig(
@@ -133,12 +134,12 @@ def test_compressed_adam_checkpoints_and_resumes(tmp_path, compressor):
     # Under a constant schedule a run may be extended, but the default freeze step is a
     # fifth of the total: extended, the resumed run would freeze where no run of that
     # length does.
-    record = train._config_record(config, 2)["config"]
-    longer = train._config_record(dataclasses.replace(config, epochs=3), 2)["config"]
+    record = workdir_lib.config_record(config, 2)["config"]
+    longer = workdir_lib.config_record(dataclasses.replace(config, epochs=3), 2)["config"]
     assert record["schedule"] == "constant"
-    assert train._config_differences(record, longer) == []  # freeze_step given
+    assert workdir_lib.config_differences(record, longer) == []  # freeze_step given
     unset = {**record, "freeze_step": None}
-    assert train._config_differences(unset, {**longer, "freeze_step": None}) == [
+    assert workdir_lib.config_differences(unset, {**longer, "freeze_step": None}) == [
         "epochs=2 there, 3 now"
     ]
 
@@ -446,7 +447,7 @@ def test_workdir_without_config_or_with_bad_checkpoint_is_a_clear_error(tmp_path
     # A checkpoint whose structure is not this config's (config.json claims it is).
     other = dataclasses.replace(config, compressor="onebit")
     (workdir / train.CONFIG_FILE).write_text(
-        json.dumps(train._config_record(train.resolve_config(other), 2))
+        json.dumps(workdir_lib.config_record(train.resolve_config(other), 2))
     )
     refused(other, "cannot restore the epoch-1 checkpoint")
     # A corrupted checkpoint.
@@ -494,8 +495,8 @@ def test_resume_on_other_data_is_refused_and_the_same_data_elsewhere_resumes(tmp
     record = json.loads(path.read_text())
     del record["data"]
     path.write_text(json.dumps(record))
-    train._check_workdir(
-        train.resolve_config(moved), workdir, 2, False, train._data_record(
+    workdir_lib.check_workdir(
+        train.resolve_config(moved), workdir, 2, False, workdir_lib.data_record(
             data_lib.load_cifar("cifar10", str(other))
         ),
     )  # fmt: skip
@@ -695,7 +696,7 @@ def test_every_compressor_builds_with_default_flags(name):
     state = tx.init({"w": np.zeros(64, np.float32)})
     # Momentum correction: on the compressor for sparsifiers (plain SGD after
     # it), on the optimizer for the others.
-    sgd_trace = train._get(state[1], "trace")  # optax.sgd's momentum buffer
+    sgd_trace = steps.get_field(state[1], "trace")  # optax.sgd's momentum buffer
     if name in train.SPARSIFIERS:
         assert resolved.momentum_correction and resolved.ratio == 1e-3
         assert resolved.granularity == "layer" and sgd_trace is None
@@ -763,7 +764,7 @@ def test_min_dense_size_applies_to_quantizers(name, min_dense_size, dense):
     _, state = compress_on_mesh(
         compressor, mesh, stacked(g), stacked(compressor.init(g)), train.AXIS
     )
-    sent = int(np.asarray(train._get(state, "message_bytes")["w"])[0])
+    sent = int(np.asarray(steps.get_field(state, "message_bytes")["w"])[0])
     assert (sent == 4 * 64) == dense and sent <= 4 * 64
 
 
@@ -810,13 +811,13 @@ def test_merge_link_defaults_to_10_gbe_and_takes_the_flags():
 
 def test_merge_link_change_is_another_config():
     config = train.TrainConfig(compressor="top_k", ratio=0.01, merge="optimal")
-    record = train._config_record(config, 2)["config"]
+    record = workdir_lib.config_record(config, 2)["config"]
     # A config.json written before the link flags existed: the same run as unset flags.
     older = {k: v for k, v in record.items() if k not in ("merge_alpha", "merge_beta")}
-    assert train._config_differences(older, record) == []
-    faster = train._config_record(dataclasses.replace(config, merge_alpha=np.float32(5e-6)), 2)
+    assert workdir_lib.config_differences(older, record) == []
+    faster = workdir_lib.config_record(dataclasses.replace(config, merge_alpha=np.float32(5e-6)), 2)
     assert type(faster["config"]["merge_alpha"]) is float  # JSON-writable, whatever real was given
-    diffs = train._config_differences(record, faster["config"])
+    diffs = workdir_lib.config_differences(record, faster["config"])
     assert len(diffs) == 1 and diffs[0].startswith("merge_alpha=None there")
 
 

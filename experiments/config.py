@@ -1,0 +1,945 @@
+"""The configuration of a training run: :class:`TrainConfig`, its defaults and its checks.
+
+:func:`resolve_config` fills the per-compressor defaults, :func:`validate_config`
+rejects (``ConfigError``) whatever cannot train before any work, and
+:func:`build_optimizer` turns a configuration into the optax chain of its
+compressor and SGD (also built abstractly by the validation, so a jaxcomp
+factory's ``ValueError`` is an invalid config). No JAX backend starts here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxcomp
+from experiments import data as data_lib
+from experiments import models
+from jaxcomp import cssgd, planning
+from jaxcomp import sampling as sampling_lib
+from jaxcomp.comm.quantized import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
+
+__all__ = [
+    "AXIS",
+    "CODED_EXCHANGES",
+    "CODED_FIELDS",
+    "COMPRESSED_OPTIMIZERS",
+    "COMPRESSORS",
+    "ConfigError",
+    "EXCHANGES",
+    "LOW_RANK",
+    "NORMS",
+    "QUANTIZERS",
+    "SAMPLINGS",
+    "SPARSIFIERS",
+    "SPARSIFIER_FACTORIES",
+    "TrainConfig",
+    "build_optimizer",
+    "invalid",
+    "is_coded",
+    "learning_rate",
+    "resolve_config",
+    "unused_fields",
+    "validate_config",
+    "validate_data",
+    "with_weight_decay",
+]
+
+AXIS = "data"
+SPARSIFIERS = (
+    "ldte_bs",
+    "ldte_bs_paper",
+    "top_k",
+    "dgc",
+    "trimmed_top_k",
+    "binary_search",
+    "gaussian_k",
+    "random_k",
+)
+# Registry names that are not a jaxcomp factory name: (factory, fixed options).
+SPARSIFIER_FACTORIES = {"ldte_bs_paper": ("ldte_bs", {"variant": "paper"})}
+QUANTIZERS = (
+    "qsgd",
+    "onebit",
+    "sign_sgd",
+    "ef_sign_sgd",
+    "bounded_sign",
+    "terngrad",
+    "natural_compression",
+    "signum",
+    "cast",
+)
+# PowerSGD: rank-r power iteration, chained before SGD like the others.
+LOW_RANK = ("powersgd",)
+# Whole optimizers with compression inside (nothing chained after them).
+COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
+COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS, *LOW_RANK, *COMPRESSED_OPTIMIZERS)
+SCHEDULES = ("constant", "cosine", "step")
+NORMS = models.NORMS
+MERGES = ("none", "greedy", "optimal")
+DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
+# --exchange: "default" (None) is the compressor's own exchange; the others are CSSGD.
+CODED_EXCHANGES = cssgd.EXCHANGES
+# A sparsifier's exchange= (jaxcomp.comm.sparse_allreduce) and a quantizer's.
+# Not "gossip": its updates differ per device, a decentralized run with per-device
+# parameters (jaxcomp.aggregation.make_gossip_train_step), not this replicated one;
+# not "scatter": FSDP's reduce-scatter (jaxcomp.distributed.sharded_optimizer).
+_RUN_EXCLUDED = ("gossip", "scatter")
+SPARSIFIER_EXCHANGES = tuple(
+    e for e in jaxcomp.comm.sparse_allreduce.EXCHANGES if e not in _RUN_EXCLUDED
+)
+QUANTIZER_EXCHANGES = tuple(e for e in _QUANTIZER_EXCHANGES if e not in _RUN_EXCLUDED)
+EXCHANGES = tuple(
+    dict.fromkeys(("default", *CODED_EXCHANGES, *SPARSIFIER_EXCHANGES, *QUANTIZER_EXCHANGES))
+)
+# Fields only CSSGD runs read (must stay None otherwise).
+CODED_FIELDS = ("redundancy", "coded_value_range", "coded_bits")
+# --sampling: the by-sample modes of jaxcomp.sampling, and "feature" (the
+# model-parallel first layer over feature slices, mlp only).
+SAMPLINGS = (*sampling_lib.SAMPLE_MODES, "feature")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a training run depends on (one absl flag per field in main.py).
+
+    Fields that only some compressors use default to None ("unset") and are
+    resolved per compressor by :func:`resolve_config`; setting one for a
+    compressor that does not use it is a ``ValueError`` (see
+    :func:`unused_fields`), so no flag is ever silently ignored.
+
+    Attributes:
+      compressor: ``"dense"`` or a jaxcomp factory name (see ``COMPRESSORS``).
+      ratio: target density of the sparsifiers, in (0, 1] (None: 1e-3;
+        sparsifiers only).
+      warmup_epochs: epochs of DGC warm-up (``jaxcomp.DGC_WARMUP[:warmup_epochs]``;
+        sparsifiers only when nonzero).
+      momentum: SGD momentum.
+      momentum_correction: put the momentum on the compressor (DGC momentum
+        correction) and use plain SGD after it (None: on for sparsifiers, off
+        for dense and quantizers; True is rejected for quantizers, and for
+        dense it is the same as optimizer momentum).
+      granularity: ``"layer"`` (per-leaf k) or ``"global"`` (one k for the
+        whole model) (None: ``"layer"``; sparsifiers only).
+      reuse_period: DLGS threshold reuse ``s``: the selector runs every
+        ``s`` steps and the stored per-leaf (per-group) threshold is applied
+        in between (None: 1, off; sparsifiers only).
+      low_pass: ScaleCom's low-pass filter ``beta`` in (0, 1] on the
+        residual (``jaxcomp.sparsify(low_pass=)``; lossy below 1). None: 1,
+        plain error feedback (sparsifiers only).
+      merge: DLGS layer merging: ``"none"`` (one group per leaf), ``"greedy"``
+        (the paper's Algorithm 2) or ``"optimal"`` (the exact planner) over the
+        model's layers (the leaves of one module form a layer), planned from
+        the backward profile of one device's shard of the first batch
+        (``jaxcomp.planning.profile_backward(method="flops")``), the selector's
+        measured cost and the link ``merge_alpha``, ``merge_beta``; see
+        ``merge_plan.json`` (None: ``"none"``; sparsifiers only, with
+        ``granularity="layer"``).
+      merge_alpha: the planner's link latency in seconds per message (the
+        DLGS cost model ``t_c = alpha + beta * bytes``). None: ``MERGE_ALPHA``,
+        50e-6 (10 GbE); only with ``merge`` ``"greedy"`` or ``"optimal"``.
+      merge_beta: the planner's link time in seconds per byte. None:
+        ``MERGE_BETA``, 1 / 1.25e9 (10 GbE); only with ``merge`` ``"greedy"``
+        or ``"optimal"``.
+      min_dense_size: leaves this small are sent dense (None: the compressor
+        factory's default, 0 for sparsifiers and 10000 for ``qsgd``; not for dense).
+      levels: QSGD quantization levels ``s`` (None: 16, the QSGD paper's
+        "4-bit"; ``qsgd`` only).
+      bits: QSGD's "b-bit" as in the QSGD paper: ``s = 2**bits`` levels, the
+        sign apart (``qsgd`` only; give ``levels`` or ``bits``, not both).
+      bucket_size: bucket size of the quantizers (None: whole leaf; quantizers only).
+      num_devices: mesh size (None: every device).
+      dataset: ``digits``, ``synthetic``, ``cifar10``, ``cifar100``.
+      data_dir: CIFAR directory or ``.tar.gz`` archive.
+      download: download CIFAR when ``data_dir`` does not exist.
+      model: ``mlp``, ``cnn``, ``resnet20``, ``vgg16``, ``resnet50``,
+        ``resnet101``, ``densenet121``, ``densenet169`` (:mod:`experiments.models`).
+      epochs: total epochs (a resumed run continues up to this number).
+      batch_size: global batch size (divisible by ``num_devices``).
+      lr: peak learning rate.
+      schedule: ``"constant"``, ``"cosine"`` (decay to 0 over all steps) or
+        ``"step"``: the rate times ``lr_decay`` at the start of each epoch of
+        ``lr_milestones``; without milestones the DLGS paper's, x0.1 after
+        4/7 and again after 6/7 of the epochs (epochs 80 and 120 of 140).
+      lr_milestones: 0-based epochs from which the rate is multiplied by
+        ``lr_decay`` once more, strictly increasing in ``[1, epochs)``
+        (``schedule="step"`` only; empty: the 4/7, 6/7 default).
+      lr_decay: the step schedule's factor, in (0, 1] (``schedule="step"``
+        only unless 0.1, the default).
+      weight_decay: L2 coefficient ``wd``: ``wd * params`` is added to each
+        device's gradient before the compressor and the momentum (PyTorch
+        SGD's coupled ``weight_decay``, every parameter), so the compressor
+        sees it as part of the gradient, as in DGC; ``>= 0`` (0: off).
+      norm: ``"group"`` (GroupNorm) or ``"batch"`` (BatchNorm, statistics
+        averaged over the data axis: synchronised, the whole global batch's;
+        the running averages evaluate and are checkpointed) in the models
+        with normalisation layers (``models.NORMALIZED``); others take only
+        ``"group"``. ``"batch"`` is not supported with CSSGD exchanges or
+        ``fit_check_epochs`` (their gradients come from a stateless loss).
+      augment: the standard CIFAR augmentation of every training batch
+        (:func:`experiments.data.augment`: random crop of the image padded by
+        4 black pixels, random horizontal flip), drawn from
+        ``(seed, epoch, step)`` for the whole global batch, so it does not
+        depend on the device or process count and resumes exactly.
+      eval_examples: evaluate on the first this many test examples (quick
+        CPU runs; the metrics then describe that subset), at most the test
+        set's size (checked once the data is loaded); None: all.
+      seed: parameter init and data order.
+      progress: show a tqdm bar per epoch.
+      checkpoint: save an orbax checkpoint after every epoch and resume from
+        the latest one found in the workdir.
+      time_split: measure each epoch where a step's time goes (forward and
+        backward, compression, exposed communication; see
+        :func:`train_and_evaluate`); costs two extra compilations (the step
+        without its collectives, the forward and backward alone); the
+        ``time_*`` metrics are -1 when off.
+      max_steps_per_epoch: truncate epochs (tests, quick looks); None: all.
+      coded_bytes_every: every this many steps, read device 0's last QSGD
+        message on the host and measure its Elias-coded size (the QSGD
+        paper's measure), recorded as ``coded_bytes_per_step_per_device``
+        (``qsgd`` only; None: off, and the metric is -1).
+      coordinator_address: multi-process coordinator ``host:port`` (None: one process).
+      num_processes: number of processes (with ``coordinator_address``).
+      process_id: this process's index (with ``coordinator_address``).
+      fit_check_epochs: after these epochs (1-based), measure how Laplacian
+        device 0's gradient and residual are (:mod:`experiments.fit_check`;
+        rows appended to ``fit_check.json``, histograms in
+        ``fit_check_epoch<E>.png``); empty: off. Not timed in ``wall_time``.
+      exchange: None or ``"default"``: the compressor's own exchange;
+        ``"coded"``: CSSGD (:mod:`jaxcomp.cssgd`), the global batch split into
+        ``C(n, r)`` blocks, each on ``redundancy`` devices, the dense
+        gradients quantized to integers and exchanged by coded multicast;
+        ``"uncoded"``: the same assignment with the missing blocks sent whole
+        (the CSSGD paper's comparison; the same decoded gradient). Coded and
+        uncoded need ``compressor="dense"``, one process, ``redundancy``, and
+        a ``batch_size`` that is a multiple of ``C(num_devices, redundancy)``.
+        A sparsifier's exchange (``jaxcomp.comm.sparse_allreduce.EXCHANGES``:
+        ``"sparse"``, ``"dense"``, ``"server"``, ``"sparcml"``, ``"gtopk"``,
+        ``"oktopk"``, ``"scalecom"``, ``"auto"``, ``"auto_topk"``) or a
+        quantizer's (``"allgather"``, ``"server"``): passed to the compressor.
+      redundancy: CSSGD's ``r``, devices per block, in ``[1, num_devices]``
+        (coded/uncoded only, required there).
+      coded_value_range: the integers cover ``[-v, v]`` (None: 10.0, the
+        paper's; larger gradient values are clipped and counted; coded/uncoded only).
+      coded_bits: integer width on the wire, 8, 16 or 32 (None: 32, the
+        paper's; coded/uncoded only).
+      sampling: how the devices share the data (``SAMPLINGS``; see
+        :mod:`jaxcomp.sampling`). By sample, each device computes its
+        gradient on ``batch_size / num_devices`` examples per step drawn by
+        ``"global"`` shuffling (one permutation of the training set per
+        epoch; the default, and what runs without this field did),
+        ``"replacement"`` (each device draws i.i.d. uniformly from the whole
+        training set) or ``"local"`` shuffling (the training set split once
+        into ``num_devices`` fixed shards, each device shuffling only its
+        own). CSSGD runs cut their blocks from the global batch: they take
+        ``"global"`` or ``"replacement"`` (the global batch then ``batch_size``
+        i.i.d. draws). By feature, ``"feature"``: every device sees the whole
+        global batch (``"global"`` order) but only its contiguous slice of
+        the input features (``jaxcomp.sampling.feature_slices``) and owns that
+        slice of the first dense layer's kernel; the partial products are
+        summed over the devices (``jaxcomp.sampling.feature_parallel_dense``)
+        and the rest of the model runs identically on every device. The
+        kernel slices are updated by the optimizer alone (plain SGD with
+        ``momentum`` and the schedule; never compressed or averaged: a
+        slice's gradient is its device's own and never leaves it); the other
+        parameters' gradients, the same on every device, go through the
+        compressor and its exchange as in data-parallel runs. ``model="mlp"``
+        only, one process, not with ``merge``, ``fit_check_epochs`` or a
+        CSSGD exchange; ``batch_size`` need not divide by ``num_devices``.
+      rank: PowerSGD's rank (None: 4; ``powersgd`` only). Flax kernels are
+        reshaped with ``reshape="last"`` (``(fan_in, out)`` matrices).
+      freeze_step: the step after which 1-bit Adam / 0/1 Adam freeze the
+        variance and start exchanging 1-bit momentum (None: a fifth of the
+        run's steps, the 1-bit Adam paper's 15-25% warm-up;
+        ``onebit_adam``/``zero_one_adam`` only). These are whole optimizers:
+        ``momentum`` is their ``b1``, the learning rate and schedule are
+        theirs, and 0/1 Adam syncs every step (``local_step_clipper=1``: the
+        replicated parameters of these runs cannot take local steps).
+    """
+
+    compressor: str = "ldte_bs"
+    ratio: float | None = None
+    warmup_epochs: int = 0
+    momentum: float = 0.9
+    momentum_correction: bool | None = None
+    granularity: str | None = None
+    reuse_period: int | None = None
+    low_pass: float | None = None
+    merge: str | None = None
+    merge_alpha: float | None = None
+    merge_beta: float | None = None
+    min_dense_size: int | None = None
+    levels: int | None = None
+    bits: int | None = None
+    bucket_size: int | None = None
+    num_devices: int | None = None
+    dataset: str = "digits"
+    data_dir: str | None = None
+    download: bool = False
+    model: str = "mlp"
+    epochs: int = 10
+    batch_size: int = 128
+    lr: float = 0.1
+    schedule: str = "constant"
+    seed: int = 0
+    progress: bool = True
+    checkpoint: bool = True
+    time_split: bool = True
+    max_steps_per_epoch: int | None = None
+    coded_bytes_every: int | None = None
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    fit_check_epochs: tuple[int, ...] = ()
+    exchange: str | None = None
+    redundancy: int | None = None
+    coded_value_range: float | None = None
+    coded_bits: int | None = None
+    sampling: str = "global"
+    rank: int | None = None
+    freeze_step: int | None = None
+    lr_milestones: tuple[int, ...] = ()
+    lr_decay: float = 0.1
+    weight_decay: float = 0.0
+    norm: str = "group"
+    augment: bool = False
+    eval_examples: int | None = None
+
+
+def is_coded(config: TrainConfig) -> bool:
+    """Whether ``config`` is a CSSGD run (``exchange`` coded or uncoded)."""
+    return config.exchange in CODED_EXCHANGES
+
+
+def _kind(compressor: str) -> str:
+    if compressor in SPARSIFIERS:
+        return "the sparsifier"
+    if compressor in QUANTIZERS:
+        return "the quantizer"
+    if compressor in LOW_RANK:
+        return "the low-rank compressor"
+    if compressor in COMPRESSED_OPTIMIZERS:
+        return "the compressed optimizer"
+    return "the baseline"
+
+
+def unused_fields(compressor: str) -> dict:
+    """The optional :class:`TrainConfig` fields ``compressor`` does not use.
+
+    Args:
+      compressor: a name in ``COMPRESSORS``.
+
+    Returns:
+      ``{field: description of the compressors that use it}`` for every
+      field that must stay None (unset) with ``compressor``.
+    """
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    if compressor not in SPARSIFIERS:
+        for name in (
+            *("ratio", "granularity", "reuse_period", "low_pass"),
+            *("merge", "merge_alpha", "merge_beta"),
+        ):
+            out[name] = "the sparsifiers"
+    if compressor == "random_k":  # it picks indices: there is no threshold to reuse
+        out["reuse_period"] = "the threshold sparsifiers"
+    if compressor not in QUANTIZERS or compressor == "cast":
+        out["bucket_size"] = "the quantizers but cast"
+    if compressor != "qsgd":
+        # "bits" is qsgd's other way to give the levels, when the config has it.
+        out.update({n: "qsgd" for n in ("levels", "bits", "coded_bytes_every") if n in names})
+    if compressor not in LOW_RANK:
+        out["rank"] = "powersgd"
+    if compressor not in COMPRESSED_OPTIMIZERS:
+        out["freeze_step"] = "onebit_adam and zero_one_adam"
+    if compressor == "dense":
+        out["min_dense_size"] = "the sparsifiers and quantizers"
+    return out
+
+
+def resolve_config(config: TrainConfig) -> TrainConfig:
+    """``config`` validated, with its unset per-compressor fields given their defaults.
+
+    Sparsifiers: ``ratio=1e-3``, ``granularity="layer"``,
+    ``momentum_correction=True``. Quantizers: ``momentum_correction=False``;
+    ``qsgd``: ``levels=16`` when neither ``levels`` nor ``bits`` is given.
+    Dense: ``momentum_correction=False`` (either value is the same run).
+    ``min_dense_size`` unset means the compressor factory's own default.
+    Fields the compressor does not use stay None. ``exchange="default"``
+    becomes None (the same run); CSSGD runs get ``coded_value_range=10.0``
+    and ``coded_bits=32`` (the paper's int32 over ``[-10, 10]``).
+
+    Raises:
+      ValueError: the checks of :func:`validate_config` on the fields alone
+        (not the data size or the optimizer build, which resolve through here).
+    """
+    _validate_fields(config)
+    c = config
+    if c.exchange == "default":
+        c = dataclasses.replace(c, exchange=None)
+    if is_coded(c):
+        c = dataclasses.replace(
+            c,
+            coded_value_range=10.0 if c.coded_value_range is None else float(c.coded_value_range),
+            coded_bits=32 if c.coded_bits is None else c.coded_bits,
+        )
+    if c.compressor in SPARSIFIERS:
+        return dataclasses.replace(
+            c,
+            ratio=1e-3 if c.ratio is None else c.ratio,
+            granularity=c.granularity or "layer",
+            # random_k picks indices: no threshold to reuse, the field stays unset.
+            reuse_period=None if c.compressor == "random_k" else c.reuse_period or 1,
+            merge=c.merge or "none",
+            # Floats, whatever real type was given (config.json holds them).
+            merge_alpha=None if c.merge_alpha is None else float(c.merge_alpha),
+            merge_beta=None if c.merge_beta is None else float(c.merge_beta),
+            momentum_correction=True if c.momentum_correction is None else c.momentum_correction,
+        )
+    c = dataclasses.replace(c, momentum_correction=False)
+    if c.compressor == "qsgd" and c.levels is None and getattr(c, "bits", None) is None:
+        c = dataclasses.replace(c, levels=16)
+    if c.compressor in LOW_RANK and c.rank is None:
+        c = dataclasses.replace(c, rank=4)
+    return c
+
+
+class ConfigError(ValueError):
+    """The configuration cannot train; raised before anything is written to the workdir."""
+
+
+def invalid(msg: str):
+    """Raises ``ConfigError`` for ``msg`` (an invalid configuration)."""
+    raise ConfigError(f"invalid config: {msg}")
+
+
+def validate_config(config: TrainConfig, device_count: int | None = None) -> None:
+    """Raises ``ValueError`` (``ConfigError``) for anything that cannot train, before any work.
+
+    Checks every field, the batch size against the dataset's standard size
+    (``experiments.data.DATASET_SPECS``; the loaded data is checked again by
+    :func:`train_and_evaluate` before it writes anything), and builds the
+    optimizer once, abstractly (``jax.eval_shape`` of its ``init`` on the
+    model's parameter shapes), so that every argument a jaxcomp factory
+    rejects (``levels``, ``freeze_step``, ``reuse_period`` of a selector
+    without a threshold, ...) is reported here as an invalid config. It
+    compiles nothing, reads no data and starts no JAX backend, so
+    ``experiments/main.py`` runs it before setting the device count.
+
+    Args:
+      config: the run's configuration.
+      device_count: devices available (checks ``num_devices``; None: skipped).
+    """
+    _validate_fields(config, device_count)
+    num_train, shape, num_classes = data_lib.DATASET_SPECS[config.dataset]
+    validate_data(config, num_train, shape, config.num_devices or device_count)
+    _validate_optimizer(config, num_train, shape, num_classes)
+
+
+def validate_data(c: TrainConfig, num_train: int, shape, n: int | None) -> None:
+    """The checks of a run against its training set (``num_train`` images of ``shape``)."""
+    if data_lib.steps_per_epoch(num_train, c.batch_size) < 1:
+        invalid(
+            f"batch_size={c.batch_size} (--batch_size) exceeds the {num_train} training "
+            f"examples of dataset={c.dataset!r}"
+        )
+    num_features = int(np.prod(shape))
+    if c.sampling == "feature" and n is not None and n > num_features:
+        invalid(
+            f"sampling='feature' gives every device at least one of the "
+            f"{num_features} input features; num_devices={n} is too many"
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _param_shapes(model: str, shape: tuple, num_classes: int, norm: str):
+    """The model's parameters as ``jax.ShapeDtypeStruct`` (traced, not computed)."""
+    net = models.make_model(model, num_classes, norm=norm, axis_name=AXIS)
+    # The key is made inside the trace: a concrete one would start a JAX backend.
+    variables = jax.eval_shape(
+        lambda: net.init(jax.random.key(0), jnp.zeros((1, *shape), jnp.float32))
+    )
+    return variables["params"]
+
+
+def _validate_optimizer(config: TrainConfig, num_train: int, shape, num_classes) -> None:
+    """Builds the run's optimizer and its state abstractly; a factory's ValueError fails."""
+    c = config
+    # The errors are raised outside the except blocks: one message, no chained traceback.
+    error = None
+    try:
+        params = _param_shapes(c.model, tuple(shape), num_classes, c.norm)
+    except Exception as e:  # noqa: BLE001 (whatever the model raises on these inputs)
+        error = e
+    if error is not None:
+        invalid(
+            f"model={c.model!r} (--model) cannot take dataset={c.dataset!r} images of shape "
+            f"{tuple(shape)} ({type(error).__name__}: {error})"
+        )
+    spe = data_lib.steps_per_epoch(num_train, c.batch_size)
+    spe = min(spe, c.max_steps_per_epoch or spe)
+
+    def init():
+        # Built inside the trace too: factories make small constants (jnp
+        # scalars), which outside a trace would start a JAX backend.
+        tx, _ = build_optimizer(c, spe, spe * c.epochs)
+        return tx.init(params)
+
+    try:
+        jax.eval_shape(init)
+    except ValueError as e:
+        error = e
+    if error is not None:
+        invalid(f"{c.compressor}: {error}")
+
+
+def _validate_fields(config: TrainConfig, device_count: int | None = None) -> None:
+    """The checks of :func:`validate_config` that need neither the data nor the optimizer."""
+    c = config
+    if c.compressor not in COMPRESSORS:
+        invalid(f"unknown compressor {c.compressor!r}; expected one of {', '.join(COMPRESSORS)}")
+    sparse = c.compressor in SPARSIFIERS
+    kind = _kind(c.compressor)
+    # A flag the compressor would not read is an error, never silently ignored.
+    for name, users in unused_fields(c.compressor).items():
+        if getattr(c, name) is not None:
+            invalid(
+                f"{name} (--{name}) is not used by {kind} {c.compressor!r} (it applies to "
+                f"{users}); leave it unset"
+            )
+    _validate_exchange(c)
+    if c.ratio is not None and not 0.0 < c.ratio <= 1.0:
+        invalid(f"ratio must be in (0, 1], got {c.ratio}")
+    if not 0 <= c.warmup_epochs <= len(jaxcomp.DGC_WARMUP):
+        invalid(f"warmup_epochs must be in [0, {len(jaxcomp.DGC_WARMUP)}], got {c.warmup_epochs}")
+    if c.warmup_epochs and not sparse:
+        invalid(
+            f"warmup_epochs (--warmup_epochs) needs a sparsifier ({', '.join(SPARSIFIERS)}), "
+            f"not {kind} {c.compressor!r}; leave it 0"
+        )
+    if not 0.0 <= c.momentum < 1.0:
+        invalid(f"momentum must be in [0, 1), got {c.momentum}")
+    if c.momentum_correction and c.compressor not in (*SPARSIFIERS, "dense"):
+        invalid(
+            f"momentum_correction (--momentum_correction) needs a sparsifier, not {kind} "
+            f"{c.compressor!r} (leave it unset or false: it runs with momentum on the "
+            "optimizer, or its own)"
+        )
+    if c.granularity is not None and c.granularity not in ("layer", "global"):
+        invalid(f"granularity must be 'layer' or 'global', got {c.granularity!r}")
+    if c.reuse_period is not None and c.reuse_period < 1:
+        invalid(f"reuse_period must be >= 1 (1: off), got {c.reuse_period}")
+    if c.low_pass is not None and not 0 < c.low_pass <= 1:
+        invalid(f"low_pass must be in (0, 1] (1: plain error feedback), got {c.low_pass}")
+    if c.merge is not None and c.merge not in MERGES:
+        invalid(f"merge must be one of {MERGES}, got {c.merge!r}")
+    if c.merge not in (None, "none") and c.granularity == "global":
+        invalid(
+            f"merge={c.merge!r} plans groups of layers; granularity='global' is one group already"
+        )
+    for name in ("merge_alpha", "merge_beta"):
+        value = getattr(c, name)
+        if value is None:
+            continue
+        if c.merge in (None, "none"):
+            invalid(
+                f"{name} (--{name}) sets the merge planner's link; "
+                "it needs merge='greedy' or 'optimal'"
+            )
+        try:  # the planner's own check of a link time
+            planning.linear_cost(**{"alpha": 0.0, "beta": 0.0, name.removeprefix("merge_"): value})
+        except ValueError as err:
+            invalid(f"{name} (--{name}), in seconds: {err}")
+    if c.min_dense_size is not None and c.min_dense_size < 0:
+        invalid(f"min_dense_size must be >= 0, got {c.min_dense_size}")
+    if c.levels is not None and c.levels < 1:
+        invalid(f"qsgd needs levels >= 1, got {c.levels}")
+    if c.rank is not None and c.rank < 1:
+        invalid(f"rank must be >= 1, got {c.rank}")
+    # zero_one_adam's var_freeze_step + 1 must fit in int32 (its stage-2 start); 0
+    # would freeze a variance never updated (no step, or NaN).
+    if c.freeze_step is not None and not 1 <= c.freeze_step <= 2**31 - 2:
+        invalid(f"freeze_step must be in [1, 2**31 - 2], got {c.freeze_step}")
+    if c.compressor in COMPRESSED_OPTIMIZERS and (c.exchange not in (None, "default")):
+        invalid(f"{c.compressor} has its own exchange; leave exchange unset")
+    if c.bits is not None and not 1 <= c.bits <= 30:
+        invalid(f"bits must be in [1, 30] (s = 2**bits levels), got {c.bits}")
+    if c.levels is not None and c.bits is not None:
+        invalid(
+            "give qsgd one of levels (--levels, s itself) and bits (--bits, s = 2**bits), "
+            f"not both; got levels={c.levels}, bits={c.bits}"
+        )
+    if c.bucket_size is not None and c.bucket_size < 1:
+        invalid(f"bucket_size must be >= 1, got {c.bucket_size}")
+    if c.dataset not in DATASETS:
+        invalid(f"unknown dataset {c.dataset!r}; expected one of {', '.join(DATASETS)}")
+    if not c.dataset.startswith("cifar") and (c.data_dir is not None or c.download):
+        # Forgetting --dataset=cifar10 would train on digits without a word.
+        invalid(f"data_dir and download (--data_dir, --download) read CIFAR; dataset={c.dataset!r}")
+    if c.model not in models.MODELS:
+        invalid(f"unknown model {c.model!r}; expected one of {', '.join(models.MODELS)}")
+    if c.schedule not in SCHEDULES:
+        invalid(f"schedule must be one of {SCHEDULES}, got {c.schedule!r}")
+    if c.epochs < 1 or c.batch_size < 1 or not 0 < c.lr < math.inf:
+        invalid(
+            f"need epochs >= 1, batch_size >= 1, a finite lr > 0; "
+            f"got {c.epochs}, {c.batch_size}, {c.lr}"
+        )
+    integer = isinstance(c.seed, (int, np.integer)) and not isinstance(c.seed, bool)
+    if not (integer and 0 <= c.seed < 2**32):  # jax.random.key keeps 32 bits: 2**32 + 1 is 1
+        invalid(f"seed must be an int in [0, 2**32), got {c.seed!r}")
+    _validate_recipe(c)
+    if c.eval_examples is not None and c.eval_examples < 1:
+        invalid(f"eval_examples must be >= 1 (or unset: every test example), got {c.eval_examples}")
+    if c.max_steps_per_epoch is not None and c.max_steps_per_epoch < 1:
+        invalid(f"max_steps_per_epoch must be >= 1, got {c.max_steps_per_epoch}")
+    bad = [e for e in c.fit_check_epochs if not 1 <= e <= c.epochs]
+    if bad:
+        invalid(f"fit_check_epochs must be in [1, epochs={c.epochs}], got {bad}")
+    if c.coded_bytes_every is not None and c.coded_bytes_every < 1:
+        invalid(f"coded_bytes_every must be >= 1 (or unset: off), got {c.coded_bytes_every}")
+    if c.num_devices is not None:
+        if c.num_devices < 1:
+            invalid(f"num_devices must be >= 1, got {c.num_devices}")
+        if device_count is not None and c.num_devices > device_count:
+            invalid(
+                f"num_devices={c.num_devices} but only {device_count} devices exist "
+                "(on CPU set --num_devices in main.py, or jax_num_cpu_devices / XLA_FLAGS "
+                "before JAX initialises)"
+            )
+    _validate_sampling(c)
+    n = c.num_devices or device_count
+    if n is not None and c.compressor in SPARSIFIERS and c.exchange is not None:
+        # The exchange's own trace-time check, before anything is written.
+        try:
+            jaxcomp.comm.sparse_allreduce.check_device_count(c.exchange, n)
+        except ValueError as e:
+            invalid(f"{e} (--exchange, --num_devices)")
+    if is_coded(c):
+        _validate_coded_devices(c, n)
+    elif c.sampling == "feature":
+        pass  # every device sees the whole batch; features vs devices is checked on the data
+    elif n is not None and c.batch_size % n:
+        invalid(f"batch_size={c.batch_size} is not divisible by num_devices={n}")
+    mp = (c.coordinator_address, c.num_processes, c.process_id)
+    if any(v is not None for v in mp):
+        if any(v is None for v in mp):
+            invalid("coordinator_address, num_processes and process_id go together")
+        if c.num_processes < 1 or not 0 <= c.process_id < c.num_processes:
+            invalid(f"need 0 <= process_id < num_processes, got {c.process_id}, {c.num_processes}")
+        if c.batch_size % c.num_processes:
+            invalid(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
+
+
+def _validate_recipe(c: TrainConfig) -> None:
+    """The checks of the step schedule, weight decay, norm and augmentation."""
+    milestones = tuple(c.lr_milestones)
+    if milestones and c.schedule != "step":
+        invalid(
+            f"lr_milestones (--lr_milestones) needs schedule='step', got schedule={c.schedule!r}"
+        )
+    if any(isinstance(m, bool) or int(m) != m for m in milestones):
+        invalid(f"lr_milestones must be integer epochs, got {milestones}")
+    if milestones and (
+        any(b <= a for a, b in zip(milestones, milestones[1:], strict=False))
+        or not 1 <= milestones[0]
+        or milestones[-1] >= c.epochs
+    ):
+        invalid(
+            f"lr_milestones must be strictly increasing epochs in [1, epochs={c.epochs}), got "
+            f"{milestones}"
+        )
+    if not (np.isfinite(c.lr_decay) and 0.0 < c.lr_decay <= 1.0):
+        invalid(f"lr_decay must be in (0, 1], got {c.lr_decay}")
+    if c.lr_decay != 0.1 and c.schedule != "step":
+        invalid(f"lr_decay (--lr_decay) needs schedule='step', got schedule={c.schedule!r}")
+    if not (np.isfinite(c.weight_decay) and c.weight_decay >= 0.0):
+        invalid(f"weight_decay must be >= 0, got {c.weight_decay}")
+    if c.norm not in NORMS:
+        invalid(f"norm (--norm) must be one of {', '.join(NORMS)}, got {c.norm!r}")
+    if c.norm == "batch":
+        if c.model not in models.NORMALIZED:
+            invalid(
+                f"norm='batch' needs a model with normalisation layers "
+                f"({', '.join(models.NORMALIZED)}), got {c.model!r}"
+            )
+        if is_coded(c):
+            invalid(
+                f"norm='batch' is not supported with exchange={c.exchange!r}: CSSGD's step "
+                "differentiates a loss without model state; use --norm=group"
+            )
+        if c.fit_check_epochs:
+            invalid(
+                "fit_check_epochs (--fit_check_epochs) is not supported with norm='batch' (it "
+                "recomputes a device's gradient without the batch statistics); leave it empty"
+            )
+
+
+def _validate_sampling(c: TrainConfig) -> None:
+    """The checks of ``sampling`` that need neither the devices nor the data."""
+    if c.sampling not in SAMPLINGS:
+        invalid(f"sampling (--sampling) must be one of {', '.join(SAMPLINGS)}, got {c.sampling!r}")
+    if is_coded(c) and c.sampling in ("local", "feature"):
+        invalid(
+            f"sampling={c.sampling!r} (--sampling) does not go with exchange={c.exchange!r}: "
+            "CSSGD puts every block of the global batch on several devices, so a device would "
+            "compute on examples (or features) it does not hold; use --sampling=global or "
+            "--sampling=replacement"
+        )
+    if c.sampling != "feature":
+        return
+    why = "(--sampling=feature slices the input features of the mlp's first dense layer)"
+    if c.model != "mlp":
+        invalid(f"sampling='feature' needs model='mlp', got {c.model!r} {why}")
+    if c.merge not in (None, "none"):
+        invalid(
+            f"merge={c.merge!r} (--merge) is not supported with sampling='feature': it plans "
+            "groups over all the model's layers, and the first kernel's slices are not "
+            "compressed there; leave it unset"
+        )
+    if c.fit_check_epochs:
+        invalid(
+            "fit_check_epochs (--fit_check_epochs) is not supported with sampling='feature' (it "
+            "measures a device's gradient of a data-parallel batch); leave it empty"
+        )
+    if c.num_processes is not None or c.coordinator_address is not None:
+        invalid(
+            "sampling='feature' runs in one process only (the kernel slices are placed and "
+            "gathered on the host as whole arrays); leave coordinator_address, num_processes "
+            "and process_id unset"
+        )
+
+
+def _validate_exchange(c: TrainConfig) -> None:
+    """The checks of ``exchange`` and the CSSGD fields that need no device count."""
+    if c.exchange is not None and c.exchange not in EXCHANGES:
+        invalid(f"exchange (--exchange) must be one of {', '.join(EXCHANGES)}, got {c.exchange!r}")
+    if c.exchange not in (None, "default") and not is_coded(c):
+        allowed = (
+            SPARSIFIER_EXCHANGES
+            if c.compressor in SPARSIFIERS
+            else QUANTIZER_EXCHANGES
+            if c.compressor in QUANTIZERS
+            else ()
+        )
+        if c.exchange not in allowed:
+            invalid(
+                f"exchange={c.exchange!r} (--exchange) is not an exchange of "
+                f"{_kind(c.compressor)} {c.compressor!r}: it takes "
+                f"{', '.join(('default', *CODED_EXCHANGES) if not allowed else allowed)}"
+            )
+    if not is_coded(c):
+        # Like the per-compressor flags: a CSSGD flag is never silently ignored.
+        for name in CODED_FIELDS:
+            if getattr(c, name) is not None:
+                invalid(
+                    f"{name} (--{name}) is only used by CSSGD runs (--exchange=coded or "
+                    "--exchange=uncoded), not with the compressor's own exchange; leave it "
+                    "unset or set --exchange"
+                )
+        return
+    if c.compressor != "dense":
+        invalid(
+            f"exchange={c.exchange!r} (--exchange) needs compressor='dense', got "
+            f"{_kind(c.compressor)} {c.compressor!r}: CSSGD's coded packets are wrap-around sums "
+            "of dense integer gradient segments, which only invert when every device quantizes "
+            "the same dense layout; a sparsifier's per-device supports or a quantizer's "
+            "per-bucket scales cannot be summed inside a packet, so a sparsified or quantized "
+            "message cannot be coded (use --coded_bits=8 or 16 to quantize the coded exchange "
+            "itself)"
+        )
+    if c.redundancy is None:
+        invalid(
+            f"exchange={c.exchange!r} needs redundancy (--redundancy), the devices holding "
+            "each block of the batch, in [1, num_devices]"
+        )
+    if isinstance(c.redundancy, bool) or not isinstance(c.redundancy, (int, np.integer)):
+        invalid(f"redundancy (--redundancy) must be an integer >= 1, got {c.redundancy!r}")
+    if c.redundancy < 1:
+        invalid(f"redundancy (--redundancy) must be an integer >= 1, got {c.redundancy!r}")
+    if c.coded_value_range is not None and not (
+        np.isfinite(c.coded_value_range) and c.coded_value_range > 0
+    ):
+        invalid(f"coded_value_range (--coded_value_range) must be > 0, got {c.coded_value_range}")
+    if c.coded_bits is not None and c.coded_bits not in cssgd.BITS:
+        invalid(
+            f"coded_bits (--coded_bits) must be one of {', '.join(map(str, cssgd.BITS))}, "
+            f"got {c.coded_bits}"
+        )
+    if c.num_processes is not None or c.coordinator_address is not None:
+        invalid(
+            f"exchange={c.exchange!r} runs in one process only (every device's blocks are cut "
+            "from the whole global batch on the host); leave coordinator_address, "
+            "num_processes and process_id unset"
+        )
+    if c.fit_check_epochs:
+        invalid(
+            f"fit_check_epochs (--fit_check_epochs) is not supported with "
+            f"exchange={c.exchange!r} (it measures a device's share of a plain data-parallel "
+            "batch; CSSGD's devices hold several overlapping blocks); leave it empty"
+        )
+
+
+def _validate_coded_devices(c: TrainConfig, n: int | None) -> None:
+    """CSSGD's checks that need the device count ``n`` (skipped when unknown)."""
+    if n is None:
+        return
+    if c.redundancy > n:
+        invalid(
+            f"redundancy (--redundancy) must be in [1, num_devices={n}] (a block cannot live "
+            f"on more devices than there are), got {c.redundancy}"
+        )
+    blocks = math.comb(n, c.redundancy)
+    if c.batch_size % blocks:
+        invalid(
+            f"batch_size={c.batch_size} must be a multiple of C(num_devices, redundancy) = "
+            f"C({n}, {c.redundancy}) = {blocks} (CSSGD splits each batch into one block per "
+            f"{c.redundancy}-subset of the {n} devices; e.g. 280 serves 8 devices at r = 1..4)"
+        )
+
+
+def learning_rate(config: TrainConfig, steps_per_epoch: int, total_steps: int):
+    """The run's learning rate: a float (``constant``) or an optax schedule of the step.
+
+    ``"step"``: ``lr * lr_decay**j`` from the first step of the ``j``-th epoch
+    of ``lr_milestones`` (optax counts the steps already taken: step
+    ``m * steps_per_epoch`` is the first with the new rate); without
+    milestones, x``lr_decay`` at ``round(epochs * 4/7)`` and
+    ``round(epochs * 6/7)`` (the DLGS paper's 80 and 120 of 140), merged into
+    one drop when they coincide.
+    """
+    c = config
+    if c.schedule == "cosine":
+        return optax.cosine_decay_schedule(c.lr, max(total_steps, 1))
+    if c.schedule == "step":
+        epochs = total_steps // max(steps_per_epoch, 1)
+        decay = getattr(c, "lr_decay", 0.1)
+        milestones = tuple(getattr(c, "lr_milestones", ()))
+        if not milestones:
+            milestones = tuple(round(epochs * f) for f in (4 / 7, 6 / 7))
+        boundaries = {}
+        for epoch in milestones:
+            at = int(epoch) * steps_per_epoch
+            boundaries[at] = boundaries.get(at, 1.0) * decay
+        return optax.piecewise_constant_schedule(c.lr, boundaries)
+    return c.lr
+
+
+def build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int, groups=None):
+    """The compressor and the full optimizer ``optax.chain(compressor, sgd)``.
+
+    Args:
+      config: the run's configuration.
+      steps_per_epoch: steps per epoch (drives the warm-up schedule).
+      total_steps: steps of the whole run (the cosine schedule's length).
+      groups: a sparsifier's ``groups=`` (the merge plan's groups of leaf
+        paths); None: one group per leaf.
+
+    Returns:
+      ``(tx, compressor)``; ``tx``'s state is ``(compressor_state, sgd_state)``
+      (with ``weight_decay``, ``tx`` is ``optax.chain(add_decayed_weights, that)``
+      and its state ``(EmptyState, (compressor_state, sgd_state))``).
+      For CSSGD runs (``exchange`` coded or uncoded) ``(sgd, None)``: the
+      plain local SGD (with momentum) that ``jaxcomp.cssgd.make_train_step``
+      applies to the exchanged mean gradient; the coded exchange replaces the
+      compressor (a communicating ``tx`` would be rejected there).
+    """
+    tx, compressor = _build_optimizer(config, steps_per_epoch, total_steps, groups)
+    return with_weight_decay(tx, config), compressor
+
+
+def with_weight_decay(tx, config: TrainConfig):
+    """``tx`` after coupled L2 (``wd * params`` added to the gradient); ``tx`` when 0.
+
+    Without weight decay the chain (and so the optimizer state a checkpoint
+    holds) is exactly what runs before ``weight_decay`` existed had.
+    """
+    wd = getattr(config, "weight_decay", 0.0)
+    return optax.chain(optax.add_decayed_weights(wd), tx) if wd else tx
+
+
+def _build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int, groups=None):
+    c = resolve_config(config)
+    lr = learning_rate(c, steps_per_epoch, total_steps)
+    if is_coded(c):
+        return (optax.sgd(lr, momentum=c.momentum) if c.momentum else optax.sgd(lr)), None
+    on_compressor = c.momentum_correction and c.compressor in SPARSIFIERS and c.momentum > 0
+    # Unset: the factory's own default (qsgd sends leaves of <= 10000 dense).
+    dense_size = {} if c.min_dense_size is None else {"min_dense_size": c.min_dense_size}
+    # Unset: the compressor's own default exchange.
+    exchange = {} if c.exchange is None else {"exchange": c.exchange}
+    if c.compressor == "dense":
+        compressor = jaxcomp.dense_exchange(AXIS)
+    elif c.compressor in SPARSIFIERS:
+        warmup = tuple(jaxcomp.DGC_WARMUP[: c.warmup_epochs]) or None
+        factory, extra = SPARSIFIER_FACTORIES.get(c.compressor, (c.compressor, {}))
+        compressor = getattr(jaxcomp, factory)(
+            **extra,
+            ratio=c.ratio,
+            axis_name=AXIS,
+            momentum=c.momentum if on_compressor else 0.0,
+            warmup_ratios=warmup,
+            steps_per_epoch=steps_per_epoch if warmup else None,
+            granularity=c.granularity,
+            reuse_period=c.reuse_period,
+            low_pass=c.low_pass,
+            groups=groups,
+            **dense_size,
+            **exchange,
+            seed=c.seed,
+        )
+    elif c.compressor == "qsgd":
+        compressor = jaxcomp.qsgd(
+            c.levels,
+            bits=c.bits,
+            bucket_size=c.bucket_size,
+            axis_name=AXIS,
+            seed=c.seed,
+            # Kept in the state only when measured: a copy of the message.
+            keep_message=c.coded_bytes_every is not None,
+            **dense_size,
+            **exchange,
+        )
+    elif c.compressor == "signum":
+        # Signum's momentum is its own (the sign of the momentum is sent): plain SGD after.
+        compressor = jaxcomp.signum(
+            c.momentum, bucket_size=c.bucket_size, axis_name=AXIS, **dense_size, **exchange
+        )
+        return optax.chain(compressor, optax.sgd(lr)), compressor
+    elif c.compressor == "cast":
+        compressor = jaxcomp.cast(axis_name=AXIS, **dense_size, **exchange)
+    elif c.compressor in LOW_RANK:
+        # Flax kernels are (..., fan_in, out): matrices of their last dimension.
+        compressor = jaxcomp.powersgd(
+            c.rank, axis_name=AXIS, reshape="last", seed=c.seed, **dense_size
+        )
+    elif c.compressor in COMPRESSED_OPTIMIZERS:
+        freeze = max(1, total_steps // 5) if c.freeze_step is None else c.freeze_step
+        if c.compressor == "onebit_adam":
+            tx = jaxcomp.onebit_adam(
+                lr, b1=c.momentum, freeze_step=freeze, axis_name=AXIS, **dense_size
+            )
+        else:
+            tx = jaxcomp.zero_one_adam(
+                lr,
+                b1=c.momentum,
+                var_freeze_step=freeze,
+                local_step_clipper=1,
+                axis_name=AXIS,
+                **dense_size,
+            )
+        return tx, tx
+    else:
+        compressor = getattr(jaxcomp, c.compressor)(
+            bucket_size=c.bucket_size, axis_name=AXIS, **dense_size, **exchange
+        )
+    # Momentum correction: the compressor accumulates velocity, so the
+    # optimizer after it must be plain SGD or momentum would apply twice.
+    sgd = optax.sgd(lr) if on_compressor or c.momentum == 0 else optax.sgd(lr, momentum=c.momentum)
+    return optax.chain(compressor, sgd), compressor
