@@ -179,23 +179,6 @@ def _stateful_loss_fn(model):
     return loss_fn
 
 
-def _forward_backward(loss_fn, mesh, stateful: bool):
-    """Each device's forward and backward pass, the gradient applied locally (no exchange)."""
-    value_and_grad = jaxcomp.distributed.per_device_value_and_grad(loss_fn, AXIS, has_aux=stateful)
-
-    def step(params, batch, model_state):
-        kwargs = {"model_state": model_state} if stateful else {}
-        _, grads = value_and_grad(params, batch, **kwargs)
-        return optax.apply_updates(params, grads)
-
-    return jax.jit(
-        jax.shard_map(
-            step, mesh=mesh, in_specs=(P(), P(AXIS), P()), out_specs=P(), check_vma=False
-        ),
-        donate_argnums=0,
-    )
-
-
 def data_parallel_mode(model, tx, mesh, init_params, init_model_state, num_params: int) -> Mode:
     """Replicated parameters, sharded batch: :func:`jaxcomp.distributed.make_train_step`.
 
@@ -239,19 +222,18 @@ def data_parallel_mode(model, tx, mesh, init_params, init_model_state, num_param
 
         return run
 
-    local = _lazy(lambda: make_step(communicate=False))
-    forward_backward = _lazy(lambda: _forward_backward(loss_fn, mesh, stateful))
+    def compiled_step(params, opt_state, batch, update_args=None, *, model_state=None, rng=None):
+        return compiled["step"](params, opt_state, batch, model_state, rng, update_args or {})
+
+    # The split's other two programs, compiled on the first epoch that reports it.
+    timer = _lazy(
+        lambda: jaxcomp.distributed.make_time_split(
+            loss_fn, tx, mesh, AXIS, mutable=stateful, train_step=compiled_step
+        )
+    )
 
     def time_split(carry, batch):
-        ms = _model_state(carry)
-        args = (*carry[:2], batch, ms)
-        return _median_split(
-            (
-                (lambda p, s, b, m: compiled["step"](p, s, b, m, None, {}), args),
-                (lambda p, s, b, m: local()(p, s, b, model_state=m), args),
-                (forward_backward(), (carry[0], batch, ms)),
-            )
-        )
+        return timer()(*carry[:2], batch, model_state=_model_state(carry))
 
     return Mode(
         carry=carry,

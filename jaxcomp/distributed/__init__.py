@@ -20,7 +20,7 @@ local accumulation), :mod:`~jaxcomp.distributed.placement` (data on the mesh,
 parameter layouts), :mod:`~jaxcomp.distributed.fsdp` (``sharded_optimizer``),
 :mod:`~jaxcomp.distributed.skeleton` (the pieces every step builder is made of),
 :mod:`~jaxcomp.distributed.step` (``make_train_step``, ``init_opt_state``),
-:mod:`~jaxcomp.distributed.timing` (``time_split``),
+:mod:`~jaxcomp.distributed.timing` (``time_split``, ``make_time_split``),
 :mod:`~jaxcomp.distributed.pmap` (the ``pmap`` path),
 :mod:`~jaxcomp.distributed.qsvrg` (the QSVRG epoch driver) and
 :mod:`~jaxcomp.distributed.processes` (several processes). Their public names
@@ -73,6 +73,7 @@ from jaxcomp.distributed.step import (
 )
 from jaxcomp.distributed.timing import (
     TimeSplit,
+    make_time_split,
     split_step_time,
     time_split,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "initialize_multiprocess",
     "make_pmap_train_step",
     "make_qsvrg_epoch",
+    "make_time_split",
     "make_train_step",
     "per_device_grad",
     "per_device_value_and_grad",
