@@ -58,11 +58,7 @@ from jaxcomp import _vma as vma
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
 from jaxcomp.quantization import onebit_quantizer, sign_quantizer
-from jaxcomp.transforms.base import (
-    CommonOptions,
-    check_common_options,
-    resolve_residual_dtype,
-)
+from jaxcomp.transforms.base import CommonOptions, check_common_options, resolve_residual_dtype
 from jaxcomp.transforms.quantize import QuantizeState, quantize
 
 __all__ = ["ADAM_CODECS", "ADAM_EXCHANGES"]

@@ -53,9 +53,7 @@ from jaxcomp.transforms.adam_base import (
     tree_where,
     zeros_like_tree,
 )
-from jaxcomp.transforms.base import (
-    apply_nonfinite_policy,
-)
+from jaxcomp.transforms.base import apply_nonfinite_policy
 
 __all__ = ["OnebitAdamState", "onebit_adam"]
 
