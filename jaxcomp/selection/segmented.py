@@ -387,7 +387,7 @@ def kth_largest_above(
 ) -> jax.Array:
     """Per segment, the k-th largest float32 ``|x|`` above ``t`` (0 if ``count < k``).
 
-    :func:`jaxcomp.selection.selectors._kth_largest_above` for every segment
+    :func:`jaxcomp.selection.base.kth_largest_above` for every segment
     at once: a search on float32 bit patterns with 8 probes per segment
     counted in one pass, at most 10 passes; ``top`` bounds ``|x|`` from above
     (``inf`` is always safe). Segments not ``active`` take no part (their
@@ -490,7 +490,7 @@ def _strided_layout(layout: SegmentLayout, size: Callable[[int], int]):
     """The layout of per-segment strided samples and each segment's stride.
 
     Segment ``s`` keeps ``m = size(n)`` elements at a fixed odd stride, as
-    ``selectors._strided_sample`` takes them (all of it when ``n <= m``).
+    ``base.strided_sample`` takes them (all of it when ``n <= m``).
     """
     sizes, strides = [], []
     for n in layout.sizes:
@@ -713,7 +713,7 @@ def ldte_bs(
 
 
 def _settle(layout, x, k, ub, cap, t, c, lo, c_lo, hi, lo_zero, searched=None):
-    """Where the search ended outside ``[k, ub]``: selectors._search's fallback.
+    """Where the search ended outside ``[k, ub]``: ldte.threshold_search's fallback.
 
     The "too many" end ``lo`` (its count, when it was never counted), refined
     to the exact top-k among its survivors when more than ``cap`` pass and
@@ -737,7 +737,7 @@ def _settle(layout, x, k, ub, cap, t, c, lo, c_lo, hi, lo_zero, searched=None):
 
 
 def _choose(ts, cs, k, ub, aim, preferred):
-    """Per segment ``selectors._choose``: the first preferred candidate in the
+    """Per segment ``ldte._choose``: the first preferred candidate in the
     window, else the one in it nearest ``aim * k``, else the first."""
     in_window = (cs >= k[:, None]) & (cs <= ub[:, None])
     target = jnp.log(aim * k.astype(jnp.float32))
@@ -750,7 +750,7 @@ def _choose(ts, cs, k, ub, aim, preferred):
 
 
 def _bracket(ts, cs, k, ub, n):
-    """Per segment ``selectors._bracket``."""
+    """Per segment ``ldte._bracket``."""
     many, few = cs > ub[:, None], cs < k[:, None]
     any_many = jnp.any(many, axis=1)
     lo = jnp.where(any_many, jnp.max(jnp.where(many, ts, -jnp.inf), axis=1), 0.0)
@@ -763,7 +763,7 @@ def _bracket(ts, cs, k, ub, n):
 
 def _search(layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo_zero, *, upper, search, max_iters,
             delta):  # fmt: skip
-    """``selectors._search``'s loop for every segment at once.
+    """``ldte.threshold_search``'s loop for every segment at once.
 
     Returns ``(t, c, iterations, lo, c_lo, hi, lo_zero)``; a segment stops
     when its count is in ``[k, ub]``, its bracket no longer shrinks (or is
