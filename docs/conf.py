@@ -52,6 +52,7 @@ PUBLIC_MODULES = (
     "jaxcomp",
     "jaxcomp.transforms",
     "jaxcomp.selection",
+    "jaxcomp.selection.ldte",
     "jaxcomp.quantization",
     "jaxcomp.comm",
     "jaxcomp.coding",

@@ -25,9 +25,10 @@ gradient dtype, so even the rounding of a bf16 message stays in the residual);
 static shapes and one compilation for all steps, warm-up and reuse included.
 
 Layout of the code: :func:`sparsify` validates its arguments into a frozen
-:class:`_Config`; ``init`` and ``update`` are the module-level :func:`_init`
-and :func:`_update` over it. A step resolves the leaves into groups
-(:func:`_layout`), each flattened into one buffer (:func:`_flatten_group`).
+:class:`_Config`; ``init`` and ``update`` call the module-level :func:`_init`
+and :func:`_update_entry` (which dispatches to :func:`_update`) over it. A
+step resolves the leaves into groups (:func:`_layout`), each flattened into
+one buffer (:func:`_flatten_group`).
 With a selector that has a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
 ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``,
 ``random_k``: selected, cut and masked on its own draws instead of ``|R|``)
@@ -541,166 +542,79 @@ def sparsify(
     Args:
       selector: a name from ``jaxcomp.selection.SELECTORS`` or a function
         ``selector(x, k, **selector_options) -> Selection`` (anything else
-        returned, e.g. a bare threshold array, raises a ValueError naming
-        the selector).
+        returned raises a ValueError naming the selector).
       ratio: target density ``eta`` in (0, 1]; each leaf (group) of ``n``
         elements keeps ``k = max(1, ceil(eta * n))``.
-      selector_options: keyword options passed to the selector.
-        ``hint="previous"`` (for a selector that takes ``hint=``, such as
-        :func:`jaxcomp.selection.ldte_bs`) passes each step the group's
-        threshold of the previous step (``inf`` before the first).
-      axis_name: mesh axis to average over inside ``shard_map``/``pmap``; the
-        fixed-capacity (index, value) messages are all-gathered and summed.
+      selector_options: keyword options passed to the selector;
+        ``hint="previous"`` passes a selector that takes ``hint=`` (such as
+        :func:`jaxcomp.selection.ldte_bs`) the group's previous threshold.
+      axis_name: mesh axis to average over inside ``shard_map``/``pmap``.
         ``None``: return the local decompressed update (one device).
       min_dense_size: leaves (groups) with at most this many elements are
-        sent dense (the papers send biases and small tensors dense); their
-        residual keeps only the rounding to the gradient dtype (zero for
-        float32). None: 0.
-      residual_dtype: float dtype of the residual (and of the accumulation).
-        ``None`` (default): float32, or the parameter's dtype where it is
-        wider (float64 leaves under ``jax_enable_x64`` keep a float64
-        residual; bfloat16/float16 leaves accumulate in float32; in a group
-        of several leaves the widest over the group). The "nothing lost"
-        contract holds bit for bit in this dtype. Selection compares
-        magnitudes in float32 either way.
+        sent dense (as the papers send biases); their residual keeps only
+        the rounding to the gradient dtype. None: 0.
+      residual_dtype: float dtype of the residual and the accumulation, in
+        which "nothing lost" holds bit for bit. ``None`` (default): float32,
+        or the parameter's dtype where wider (the widest over a group).
       capacity_factor: messages hold at most ``ceil(capacity_factor * k)``
-        pairs; selected elements beyond that (ties, a fixed or reused
-        threshold) stay in the residual: the message holds the largest,
-        ties to the lower index (``lax.top_k``'s order).
-        None: 1.5; 1 for ``"dgc"`` with its default ``rule="reference"``
-        (DGC's reference code sends at most ``k``).
-      momentum: DGC momentum correction factor ``m`` in [0, 1); then use plain
-        SGD after the compressor. None: no momentum correction (no velocity).
-        May be a JAX array (traced, e.g. from ``optax.inject_hyperparams``):
-        then the velocity is kept whatever its value.
+        pairs, the largest (ties to the lower index); the rest of a larger
+        selection stays in the residual. None: 1.5; 1 for ``"dgc"`` with its
+        default ``rule="reference"`` (DGC's reference code sends at most ``k``).
+      momentum: DGC momentum correction factor ``m`` in [0, 1) (then use
+        plain SGD after the compressor); may be traced. None: no velocity.
       momentum_masking: DGC momentum factor masking (zero ``u`` where sent).
       warmup_ratios: ratios for the first epochs, one per epoch (DGC's:
-        :data:`DGC_WARMUP`), then ``ratio``. Needs ``steps_per_epoch``. Every
-        phase has its own static capacity and all compile once (``lax.switch``).
+        :data:`DGC_WARMUP`), then ``ratio``; all compiled once (``lax.switch``).
       steps_per_epoch: steps per warm-up phase.
       granularity: ``"layer"`` (per-leaf selection, the papers' default) or
-        ``"global"`` (one selection over all leaves concatenated: one group
-        holding every leaf, with one scalar per statistic in the state).
+        ``"global"`` (one selection over all leaves: one group of every leaf).
       groups: compress and exchange groups of leaves together (DLGS layer
-        merging): each group's leaves are flattened into one buffer in
-        ``jax.tree.flatten`` order, with one selection (one ``k`` from the
-        group's size, one threshold) and one exchange per group, and the
-        result split back into the leaves; nothing is lost per leaf. Either
-        a sequence of groups, each a sequence of leaf paths as
-        ``jax.tree_util.keystr`` prints them (``[["['conv1']['kernel']",
-        "['conv1']['bias']"]]``, what a layer-merge plan lists), or, as
-        ``optax.multi_transform``'s ``param_labels``, a pytree of hashable
-        labels with the gradients' structure (or a prefix of it) where leaves
-        with the same label form one group and ``None`` leaves a leaf alone,
-        or a callable ``params -> labels`` (name it in ``static_args`` under
-        ``optax.inject_hyperparams``, which treats callables as schedules).
-        Leaves in no group are their own group. Unknown paths, a leaf in two
-        groups and a labels tree unlike the parameters raise a ``ValueError``
-        at ``init``. A group of mixed dtypes accumulates in the widest
-        residual dtype and travels in it. None (default): ``granularity``
-        decides (``"layer"``: every leaf its own group). Not with
-        ``granularity="global"``.
-      reuse_period: DLGS threshold reuse ``s``, an int >= 1. The selector
-        runs on steps with ``step % s == 0``, and also on the first step of
-        every warm-up phase (a new ratio needs a new threshold) and on the
-        step after one that sent nothing (its stored threshold is ``inf``) or
-        found fewer than ``k`` nonzero values (threshold 0: all-zero leaves);
-        the threshold is stored per leaf (per group) in ``state.threshold``.
-        On the other steps the stored threshold is applied, ``|R| > H``,
-        without running the selector, still capped at the message capacity
-        (the largest first). One compilation: ``lax.cond`` on the step.
-        Needs a threshold selector (not ``random_k``). None: 1 (select every
-        step).
-      nonfinite: policy for NaN/Inf gradients. ``"skip"`` (default): if any
-        gradient element of this device is not finite, this device sends
-        nothing this step (an empty message; with one device the update is
-        zero) and keeps its residual and velocity unchanged; the other
-        devices' messages are averaged as usual (divided by the number of
-        devices), and the collective runs unconditionally. Two exchanges
-        differ: with ``gtopk`` and ``oktopk`` the skipping device still
-        receives into its residual the (finite) sums it owns, a merging
-        group's dropped pairs or its region's unselected ones; with
-        ``scalecom`` a skipping leader selects no indices, so that step
-        applies nothing (every device keeps its message in its residual).
-        Nothing is lost either way. ``"zero"``: non-finite elements are
-        replaced by 0 and the rest is used. Neither ever writes NaN/Inf into
-        the residual. ``optax.apply_if_finite`` around the compressor also
-        protects the residual on one device; under ``shard_map`` its
-        ``lax.cond`` would send a device with a NaN down the branch without
-        the exchange while the others wait in it (the step would hang), as
-        would ``optax.MultiSteps``' ``should_skip_update_fn``: both are
-        refused when the compressor is traced. Use ``"skip"`` there, or
-        :func:`jaxcomp.distributed.apply_if_finite` around the whole chain
-        (:func:`jaxcomp.distributed.skip_not_finite` for ``MultiSteps``).
+        merging), one selection and one exchange per group: leaf paths as
+        ``jax.tree_util.keystr`` prints them, a pytree of labels (as
+        ``optax.multi_transform``'s) or a callable ``params -> labels``.
+        None (default): ``granularity`` decides.
+      reuse_period: DLGS threshold reuse ``s``, an int >= 1: the selector
+        runs every ``s`` steps (and when a stored threshold cannot serve);
+        between, the stored threshold ``state.threshold`` is applied, capped
+        at the capacity. Needs a threshold selector. None: 1.
+      nonfinite: policy for NaN/Inf gradients. ``"skip"`` (default): a
+        device with a non-finite gradient sends nothing this step and keeps
+        its residual and velocity; the others' messages are averaged as
+        usual. ``"zero"``: non-finite elements are replaced by 0. Neither
+        writes NaN/Inf into the residual. Under ``shard_map`` use these, not
+        ``optax.apply_if_finite`` (refused: it would hang the step).
       exchange: how messages travel with ``axis_name``
-        (:mod:`jaxcomp.comm.sparse_allreduce`). The exact mean of the
-        messages: ``"sparse"`` (all-gather of the (index, value) pairs),
-        ``"dense"`` (all-reduce of the decompressed message), ``"server"``
-        (parameter server: sparse pushes, dense pull), ``"sparcml"``
-        (recursive-doubling union, dense past a density decided from the
-        counts, once for all the packed leaves as for one fused buffer;
-        power-of-two devices), ``"auto"`` (per leaf and warm-up
-        phase, sparse or dense, whichever moves fewer bytes at full
-        capacity: :func:`jaxcomp.comm.prefer_sparse`). A global
-        selection of the summed messages, which changes what is applied:
-        ``"gtopk"`` (gTop-k, power-of-two devices), ``"oktopk"`` (balanced
-        sparse reduce-scatter), ``"scalecom"`` (one device's indices per step,
-        cycling), ``"auto_topk"`` (the fewest bytes of all); what they leave
-        out goes back into a residual, so nothing is lost. Decentralized:
-        ``"gossip"``, each device's update is the ring mix (1/3 each) of its
-        own and its two ring neighbours' messages, different per device
-        (two messages on the wire; train with
-        :func:`jaxcomp.aggregation.make_gossip_train_step`,
-        ``make_train_step`` rejects it). ``include=`` (backup workers) works
-        with ``"sparse"``, ``"dense"`` and ``"auto"`` only.
+        (:mod:`jaxcomp.comm.sparse_allreduce`): the exact mean
+        (``"sparse"``, ``"dense"``, ``"server"``, ``"sparcml"``, ``"auto"``:
+        sparse or dense, fewer bytes), a global selection of the summed
+        messages whose leftovers return to a residual (``"gtopk"``,
+        ``"oktopk"``, ``"scalecom"``, ``"auto_topk"``), or decentralized
+        ``"gossip"``. ``include=`` works with ``"sparse"``, ``"dense"`` and
+        ``"auto"`` only.
       low_pass: ScaleCom's low-pass filter on the residual, ``beta`` in
-        (0, 1]: the residual moves only ``beta`` of the way to plain error
-        feedback's, ``r <- r + beta * (r + g - sent - r)`` (``r + u - sent``
-        with ``momentum``), so ``(1 - beta)``
-        of what this step left unsent is dropped (deliberately lossy: the
-        "nothing lost" contract holds only at 1). It damps residuals that
-        grow where the selection rarely looks, as with ``exchange="scalecom"``
-        (the leader's indices, not this device's). The old residual in the
-        formula is recomputed as ``acc - increment`` (which spares XLA a copy),
-        so results match it to a rounding of the accumulator. May be traced (under
-        ``optax.inject_hyperparams``). None: 1, plain error feedback.
+        (0, 1]: ``r <- r + beta * (r + g - sent - r)``, deliberately lossy
+        below 1. May be traced. None: 1, plain error feedback.
       defer_residual: one device only (``axis_name=None``): keep the
-        accumulator and the mask of the message in the state and clear the
-        sent elements at the next step, in the pass that adds the gradient,
-        instead of writing the residual now. The same algorithm (the tests
-        find the updates and residuals equal to the default's bit for bit);
-        the step saves a copy and two dense passes (XLA:CPU cannot write a
-        buffer in place after the selector's ``while_loop`` read it):
-        ``ldte_bs``'s update makes 5 n-sized reads and 2 writes instead of 8
-        and 4. The state is then a :class:`DeferredSparsifyState`, which has
-        ``accumulator``, ``sent_threshold`` and ``sent_limit`` and no
-        ``residual``: read the residual with :func:`jaxcomp.residuals`.
-        Leaves whose update is rounded (a bf16 leaf with a float32 residual),
-        residual dtypes narrower than float32, index-based selectors
-        (``random_k``) and a ``low_pass`` filter write the residual out into
-        ``accumulator`` (nothing pending). The selector reads the accumulator
-        rather than a copy, so on sharded leaves XLA may order its reductions
-        differently (a threshold that differs in its last bits). Default
-        False: a :class:`SparsifyState`, whose ``residual`` is the residual.
+        accumulator and the message's mask in the state and clear the sent
+        elements at the next step (the same updates and residuals, fewer
+        dense passes). The state is then a :class:`DeferredSparsifyState`:
+        read the residual with :func:`jaxcomp.residuals`. Default False.
       seed: seed of the PRNG stream of random selectors (``random_k``, its
         own per device; the sample start of ``dgc``, the same on every device
         as in DGC's reference code), an int32; only ``init`` reads it, so it
         may be traced.
 
-    Static options (shapes, sizes, caps) must be Python or numpy values; under
-    ``optax.inject_hyperparams`` name them in ``static_args`` (a traced one
-    raises a ``ValueError`` saying so). Gradient leaves must be real
-    floating-point arrays: complex, int and bool leaves, and an ``update``
-    tree unlike the one ``init`` saw, raise a ``ValueError`` naming the leaf.
+    Static options must be Python or numpy values (or named in ``static_args``
+    under ``optax.inject_hyperparams``); leaves must be real floating-point
+    arrays. Every option in full: docs/compressors.md.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with :class:`SparsifyState`
       (:class:`DeferredSparsifyState` with ``defer_residual=True``).
 
     Raises:
-      ValueError: for a ratio outside (0, 1], an unknown selector, negative or
-        >= 1 momentum, warm-up without ``steps_per_epoch``, ``reuse_period``
-        below 1, and other bad arguments; the message names the argument.
+      ValueError: for a bad argument (a ratio outside (0, 1], an unknown
+        selector, ...); the message names the argument.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxcomp
@@ -749,29 +663,35 @@ def sparsify(
         jaxcomp_overlap=None,
         **extra_args,
     ):
-        """``include``: optional bool scalar, this device's backup-worker flag.
-
-        ``scatter``: with ``exchange="scatter"``, a pytree of bools like the
-        updates: which leaves are reduce-scattered (their update is this
-        device's slice, the first dimension split over the devices);
-        :func:`jaxcomp.distributed.sharded_optimizer` passes it.
-
-        ``jaxcomp_overlap`` is private to ``make_train_step(overlap=True)``,
-        which runs this compressor inside the backward pass
-        (:mod:`jaxcomp.transforms.overlap`).
-        """
         del params, extra_args
-        if jaxcomp_overlap is not None:
-            return jaxcomp_overlap.visit(cfg, updates, state, include)
-        if cfg.exchange == "scatter":
-            return _update(cfg, updates, state, include, scatter=_scatter_leaves(updates, scatter))
-        # Leaves split over explicit mesh axes (jit outside shard_map): each
-        # leaf compressed whole, as on one device (see jaxcomp._sharding).
-        return _sharding.whole_leaves(
-            functools.partial(_update, cfg), fields=("residual", "accumulator", "velocity")
-        )(updates, state, include)
+        return _update_entry(cfg, updates, state, include, scatter, jaxcomp_overlap)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _update_entry(cfg: _Config, updates, state, include, scatter, jaxcomp_overlap):
+    """``update`` of :func:`sparsify`: its keyword arguments beyond optax's.
+
+    ``include``: optional bool scalar, this device's backup-worker flag.
+
+    ``scatter``: with ``exchange="scatter"``, a pytree of bools like the
+    updates: which leaves are reduce-scattered (their update is this
+    device's slice, the first dimension split over the devices);
+    :func:`jaxcomp.distributed.sharded_optimizer` passes it.
+
+    ``jaxcomp_overlap`` is private to ``make_train_step(overlap=True)``,
+    which runs this compressor inside the backward pass
+    (:mod:`jaxcomp.transforms.overlap`).
+    """
+    if jaxcomp_overlap is not None:
+        return jaxcomp_overlap.visit(cfg, updates, state, include)
+    if cfg.exchange == "scatter":
+        return _update(cfg, updates, state, include, scatter=_scatter_leaves(updates, scatter))
+    # Leaves split over explicit mesh axes (jit outside shard_map): each
+    # leaf compressed whole, as on one device (see jaxcomp._sharding).
+    return _sharding.whole_leaves(
+        functools.partial(_update, cfg), fields=("residual", "accumulator", "velocity")
+    )(updates, state, include)
 
 
 def _takes_key(select_fn) -> bool:
