@@ -58,6 +58,7 @@ PUBLIC_MODULES = (
     "jaxcomp.coding",
     "jaxcomp.distributed",
     "jaxcomp.aggregation",
+    "jaxcomp.ensemble",
     "jaxcomp.staleness",
     "jaxcomp.sampling",
     "jaxcomp.elastic",

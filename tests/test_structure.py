@@ -162,7 +162,7 @@ def test_named_sparsifiers_forward_every_common_keyword():
 # or a lower layer (a unit is a subpackage or a top-level module of jaxcomp).
 LAYERS = (
     ("_validation", "_vma", "_sharding"),
-    ("selection", "quantization", "sampling", "analysis"),
+    ("selection", "quantization", "sampling", "analysis", "ensemble"),
     ("comm", "coding"),
     ("planning", "transforms"),
     ("distributed",),

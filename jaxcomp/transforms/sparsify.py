@@ -653,16 +653,8 @@ def sparsify(
     def init(params):
         return _init(cfg, common.seed, params)
 
-    def update(
-        updates,
-        state,
-        params=None,
-        *,
-        include=None,
-        scatter=None,
-        jaxcomp_overlap=None,
-        **extra_args,
-    ):
+    def update(updates, state, params=None, *, include=None, scatter=None,
+               jaxcomp_overlap=None, **extra_args):  # fmt: skip
         del params, extra_args
         return _update_entry(cfg, updates, state, include, scatter, jaxcomp_overlap)
 
