@@ -302,7 +302,10 @@ def test_feature_train_steps_equal_single_device_training(compressor):
     model, params, x, y = _mlp_problem(batch=24, seed=1)
     mesh = _mesh(n)
     # One global selection: the quickest sparsifier to compile.
-    overrides = {"ratio": 0.1, "momentum_correction": False, "granularity": "global"}
+    overrides = {
+        "compressor_kwargs": {"ratio": 0.1, "granularity": "global"},
+        "momentum_correction": False,
+    }
     overrides = overrides if compressor == "top_k" else {}
     config = train.TrainConfig(
         compressor=compressor, lr=lr, momentum=momentum, sampling="feature", **overrides
