@@ -41,11 +41,15 @@ TINY = train.TrainConfig(
     [
         {"compressor": "dense"},
         # Global granularity: one selection, the quickest ldte_bs to compile.
-        {"compressor": "ldte_bs", "ratio": 0.01, "warmup_epochs": 1, "granularity": "global"},
+        {
+            "compressor": "ldte_bs",
+            "compressor_kwargs": {"ratio": 0.01, "granularity": "global"},
+            "warmup_epochs": 1,
+        },
         # Quantizers with their default flags (momentum on the optimizer).
         {"compressor": "qsgd"},
         # Its compression step is slow to compile: timed by the others only.
-        {"compressor": "onebit", "bucket_size": 64, "time_split": False},
+        {"compressor": "onebit", "compressor_kwargs": {"bucket_size": 64}, "time_split": False},
     ],
     ids=lambda o: o["compressor"],
 )
@@ -143,8 +147,8 @@ def test_compressed_adam_checkpoints_and_resumes(tmp_path, compressor):
     longer = workdir_lib.config_record(dataclasses.replace(config, epochs=3), 2)["config"]
     assert record["schedule"] == "constant"
     assert workdir_lib.config_differences(record, longer) == []  # freeze_step given
-    unset = {**record, "freeze_step": None}
-    assert workdir_lib.config_differences(unset, {**longer, "freeze_step": None}) == [
+    unset = {**record, "compressor_kwargs": {}}
+    assert workdir_lib.config_differences(unset, {**longer, "compressor_kwargs": {}}) == [
         "epochs=2 there, 3 now"
     ]
 
@@ -224,10 +228,10 @@ def test_epoch_order_is_deterministic():
     "overrides, message",
     [
         ({"compressor": "nope"}, "unknown compressor"),
-        ({"compressor": "ldte_bs", "ratio": 0.0}, "ratio"),
-        ({"compressor": "ldte_bs", "ratio": 1.5}, "ratio"),
+        ({"compressor": "ldte_bs", "compressor_kwargs": {"ratio": 0.0}}, "ratio"),
+        ({"compressor": "ldte_bs", "compressor_kwargs": {"ratio": 1.5}}, "ratio"),
         ({"batch_size": 15}, "divisible"),
-        ({"compressor": "qsgd", "levels": 0}, "levels"),
+        ({"compressor": "qsgd", "compressor_kwargs": {"levels": 0}}, "levels"),
         ({"compressor": "onebit", "momentum_correction": True}, "momentum_correction"),
         ({"warmup_epochs": 2}, "sparsifier"),
         ({"num_devices": 64}, "devices exist"),
@@ -243,12 +247,28 @@ def test_epoch_order_is_deterministic():
         ({"data_dir": "/tmp/cifar-10-python.tar.gz"}, "data_dir"),  # dataset: synthetic
         ({"download": True}, "download"),
         # Rejected by the jaxcomp factories: the optimizer is built (abstractly) in validation.
-        ({"compressor": "qsgd", "levels": 3 * 10**9}, r"qsgd: levels must be .* \[1, 2147483647\]"),
-        # The flag's name, not the library's (zero_one_adam calls it var_freeze_step).
-        ({"compressor": "onebit_adam", "freeze_step": 2**63 - 1}, r"freeze_step must be in \[1,"),
-        ({"compressor": "zero_one_adam", "freeze_step": 2**31 - 1}, r"freeze_step must be in \[1,"),
-        ({"compressor": "zero_one_adam", "freeze_step": 0}, r"freeze_step must be in \[1,"),
-        ({"compressor": "random_k", "reuse_period": 5}, "reuse_period .* not used by .*'random_k'"),
+        (
+            {"compressor": "qsgd", "compressor_kwargs": {"levels": 3 * 10**9}},
+            r"qsgd \(--compressor_kwargs\): levels must be .* \[1, 2147483647\]",
+        ),
+        (
+            {"compressor": "onebit_adam", "compressor_kwargs": {"freeze_step": 2**63 - 1}},
+            r"freeze_step must be an integer in \[1,",
+        ),
+        # The library's name: var_freeze_step + 1 must fit in int32.
+        (
+            {"compressor": "zero_one_adam", "compressor_kwargs": {"var_freeze_step": 2**31 - 1}},
+            r"var_freeze_step must be an integer in \[1, 2147483646\]",
+        ),
+        (
+            {"compressor": "zero_one_adam", "compressor_kwargs": {"var_freeze_step": 0}},
+            r"var_freeze_step must be an integer in \[1,",
+        ),
+        (
+            {"compressor": "random_k", "compressor_kwargs": {"reuse_period": 5}},
+            "reuse_period must be 1 with an index-based selector",
+        ),
+        ({"compressor": "top_k", "compressor_kwargs": {"nope": 1}}, "argument 'nope'"),
         # The synthetic set's 2048 examples, known without reading the data.
         ({"batch_size": 100_000}, "batch_size=100000 .* exceeds the 2048 training examples"),
     ],
@@ -411,7 +431,7 @@ def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
     dense_bytes = json.loads(metrics.splitlines()[0])["bytes_per_step_per_device"]
     assert new["final"]["bytes_per_step_per_device"] < dense_bytes / 5
     stored = json.loads((tmp_path / "w" / train.CONFIG_FILE).read_text())["config"]
-    assert stored["compressor"] == "top_k" and stored["ratio"] == 0.05
+    assert stored["compressor"] == "top_k" and stored["compressor_kwargs"]["ratio"] == 0.05
 
 
 def test_epochs_grow_on_resuming_and_a_shrink_is_refused(tmp_path):
