@@ -460,134 +460,165 @@ def run(
         n = 2**lg
         k = selectors.target_count(ETA, n)
         g = jnp.asarray(make_data(data, n))
-        progs = {"floor": {"fn": jax.jit(lambda v: jnp.sum(jnp.abs(v))), "kind": "plain"}}
-        progs["floor"]["args"] = (g,)
-        hlo, sel_out, kernel_ms = {}, {}, {}
-        for m in methods:
-            preset, select = METHODS[m]
-            tx = build(preset, ratio=ETA)
-            fn = update_fn(tx)
-            state = tx.init(g)
-            hlo[m] = hlo_passes(fn.lower(g, state).compile(), n)
-            for _ in range(warm_steps):
-                _, state = fn(g, state)
-            state = jax.block_until_ready(state)  # no queued steps in what follows
-            if profile:
-                kernel_ms[m], state = profile_kernels(fn, g, state, hlo[m])
-            progs[m] = {"fn": fn, "kind": "update", "args": (g,), "state": state}
-            if stages:
-                for stage, (sfn, donated) in stage_fns(select, k).items():
-                    entry = {"fn": sfn, "kind": "donated" if donated else "plain"}
-                    entry["args"] = (g,)
-                    if donated:
-                        entry["state"] = jnp.zeros_like(g)
-                    progs[f"{m}/{stage}"] = entry
-            sel_out[m] = state
-            if modes:
-                gfn = update_fn_grad_donated(tx)
-                gstate = tx.init(g)
-                for _ in range(warm_steps):
-                    _, gstate = gfn(_copy(g), gstate)
-                progs[f"{m}/grad_donated"] = {
-                    "fn": gfn,
-                    "kind": "update_grad_donated",
-                    "args": (g,),
-                    "state": jax.block_until_ready(gstate),
-                }
-                progs[f"{m}/step"] = _step_entry(optax.chain(tx, optax.sgd(STEP_LR)), g)
-        if modes:
-            progs["dense_step"] = _step_entry(optax.sgd(STEP_LR), g)
-        t_fixed = jnp.float32(sel_out["top_k"].threshold)
-        progs["contract"] = {
-            "fn": contract_fn(),
-            "kind": "donated",
-            "args": (g, t_fixed),
-            "state": jnp.zeros_like(g),
-        }
-        times = {name: [] for name in progs}
-        for rnd in range(repeats + 2):  # two warm-up rounds (compilation, first touch)
-            for name, entry in progs.items():
-                dt = _call(entry)
-                if rnd >= 2:
-                    times[name].append(dt)
-        med = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-        if modes:
-            # The gradient-donated updates again, each timed alone: consecutive
-            # calls of one program, as a training loop makes them. In the rounds
-            # above the programs with fresh n-sized buffers (the kept-gradient
-            # updates, the train steps) change the allocator's state between
-            # calls.
-            # The train steps too: what a training loop pays per step.
-            alone = [f"{m}/{mode}" for m in methods for mode in ("grad_donated", "step")]
-            for name in [*alone, "dense_step"]:
-                ts = [_call(progs[name]) for _ in range(repeats + 2)][2:]
-                med[f"{name}_alone"] = 1e3 * statistics.median(ts)
-        floor = med["floor"]
-        row = {
-            "log2_n": lg,
-            "n": n,
-            "k": k,
-            "floor_ms": floor,
-            "contract_ms": med["contract"],
-            "contract_floors": med["contract"] / floor,
-            "methods": {},
-        }
-        for m in methods:
-            state = progs[m]["state"]
-            entry = {
-                "update_ms": med[m],
-                "floors": med[m] / floor,
-                "over_contract": med[m] / med["contract"],
-                # The one leaf's entries of the per-leaf arrays.
-                "search_iterations": int(jnp.sum(state.search_iterations)),
-                "sent_count": int(jnp.sum(state.sent_count)),
-                "sent_over_k": int(jnp.sum(state.sent_count)) / k,
-                "hlo": hlo[m],
-            }
-            if m in kernel_ms:
-                # Per-kernel means of a profiled run (slower than the timed
-                # calls, and the machine drifts): shares, not exact times.
-                entry["kernels_ms"] = kernel_ms[m]
-                top = [kk for kk in kernel_ms[m] if kk["where"] == "every call"]
-                entry["profiled_ms"] = sum(kk["ms"] for kk in top)
-            if modes:
-                entry["grad_donated_ms"] = med[f"{m}/grad_donated"]
-                entry["grad_donated_floors"] = med[f"{m}/grad_donated"] / floor
-                entry["grad_donated_alone_ms"] = med[f"{m}/grad_donated_alone"]
-                entry["grad_donated_alone_floors"] = med[f"{m}/grad_donated_alone"] / floor
-                entry["step_ms"] = med[f"{m}/step"]
-                entry["step_floors"] = med[f"{m}/step"] / floor
-                entry["step_over_dense"] = med[f"{m}/step"] / med["dense_step"]
-                entry["step_alone_ms"] = med[f"{m}/step_alone"]
-                entry["step_alone_floors"] = med[f"{m}/step_alone"] / floor
-                entry["step_alone_over_dense"] = med[f"{m}/step_alone"] / med["dense_step_alone"]
-            if stages:
-                st = {s: med[f"{m}/{s}"] for s in STAGES}
-                st["send"] = med[m] - st["select"]
-                entry["stages_ms"] = st
-                entry["stages_floors"] = {s: v / floor for s, v in st.items()}
-            row["methods"][m] = entry
-        if modes:
-            row["dense_step_ms"] = med["dense_step"]
-            row["dense_step_floors"] = med["dense_step"] / floor
-            row["dense_step_alone_ms"] = med["dense_step_alone"]
-            row["dense_step_alone_floors"] = med["dense_step_alone"] / floor
-        base = row["methods"]["top_k"]
-        for entry in row["methods"].values():
-            entry["speedup_vs_top_k"] = base["update_ms"] / entry["update_ms"]
-            if modes:
-                entry["grad_donated_speedup_vs_top_k"] = (
-                    base["grad_donated_ms"] / entry["grad_donated_ms"]
-                )
-                entry["grad_donated_alone_speedup_vs_top_k"] = (
-                    base["grad_donated_alone_ms"] / entry["grad_donated_alone_ms"]
-                )
-                entry["step_speedup_vs_top_k"] = base["step_ms"] / entry["step_ms"]
-                entry["step_alone_speedup_vs_top_k"] = (
-                    base["step_alone_ms"] / entry["step_alone_ms"]
-                )
+        progs, hlo, kernel_ms = _size_programs(
+            g, k, methods, warm_steps, stages=stages, profile=profile, modes=modes
+        )
+        med = _time_programs(progs, methods, repeats, modes)
+        row = _size_row(lg, k, progs, med, hlo, kernel_ms, methods, stages=stages, modes=modes)
         results.append(row)
         _print_row(row)
+    _write_results(results, data, repeats, warm_steps, out_dir)
+    return results
+
+
+def _size_programs(g, k, methods, warm_steps, *, stages, profile, modes):
+    """``(programs to time, HLO passes, profiled kernels)`` of every method at one size.
+
+    Each method's update is warmed up for ``warm_steps`` (its state then the
+    steady one), with the breakdown stages, gradient-donated update and train
+    step when asked, beside the one-pass floor and the fixed-threshold contract.
+    """
+    n = g.size
+    progs = {"floor": {"fn": jax.jit(lambda v: jnp.sum(jnp.abs(v))), "kind": "plain"}}
+    progs["floor"]["args"] = (g,)
+    hlo, sel_out, kernel_ms = {}, {}, {}
+    for m in methods:
+        preset, select = METHODS[m]
+        tx = build(preset, ratio=ETA)
+        fn = update_fn(tx)
+        state = tx.init(g)
+        hlo[m] = hlo_passes(fn.lower(g, state).compile(), n)
+        for _ in range(warm_steps):
+            _, state = fn(g, state)
+        state = jax.block_until_ready(state)  # no queued steps in what follows
+        if profile:
+            kernel_ms[m], state = profile_kernels(fn, g, state, hlo[m])
+        progs[m] = {"fn": fn, "kind": "update", "args": (g,), "state": state}
+        if stages:
+            for stage, (sfn, donated) in stage_fns(select, k).items():
+                entry = {"fn": sfn, "kind": "donated" if donated else "plain"}
+                entry["args"] = (g,)
+                if donated:
+                    entry["state"] = jnp.zeros_like(g)
+                progs[f"{m}/{stage}"] = entry
+        sel_out[m] = state
+        if modes:
+            gfn = update_fn_grad_donated(tx)
+            gstate = tx.init(g)
+            for _ in range(warm_steps):
+                _, gstate = gfn(_copy(g), gstate)
+            progs[f"{m}/grad_donated"] = {
+                "fn": gfn,
+                "kind": "update_grad_donated",
+                "args": (g,),
+                "state": jax.block_until_ready(gstate),
+            }
+            progs[f"{m}/step"] = _step_entry(optax.chain(tx, optax.sgd(STEP_LR)), g)
+    if modes:
+        progs["dense_step"] = _step_entry(optax.sgd(STEP_LR), g)
+    t_fixed = jnp.float32(sel_out["top_k"].threshold)
+    progs["contract"] = {
+        "fn": contract_fn(),
+        "kind": "donated",
+        "args": (g, t_fixed),
+        "state": jnp.zeros_like(g),
+    }
+    return progs, hlo, kernel_ms
+
+
+def _time_programs(progs, methods, repeats, modes):
+    """Median milliseconds of every program (interleaved rounds; alone for the modes)."""
+    times = {name: [] for name in progs}
+    for rnd in range(repeats + 2):  # two warm-up rounds (compilation, first touch)
+        for name, entry in progs.items():
+            dt = _call(entry)
+            if rnd >= 2:
+                times[name].append(dt)
+    med = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    if modes:
+        # The gradient-donated updates again, each timed alone: consecutive
+        # calls of one program, as a training loop makes them. In the rounds
+        # above the programs with fresh n-sized buffers (the kept-gradient
+        # updates, the train steps) change the allocator's state between
+        # calls.
+        # The train steps too: what a training loop pays per step.
+        alone = [f"{m}/{mode}" for m in methods for mode in ("grad_donated", "step")]
+        for name in [*alone, "dense_step"]:
+            ts = [_call(progs[name]) for _ in range(repeats + 2)][2:]
+            med[f"{name}_alone"] = 1e3 * statistics.median(ts)
+    return med
+
+
+def _size_row(lg, k, progs, med, hlo, kernel_ms, methods, *, stages, modes):
+    """The result row of one size: each method's times, ratios, counts and kernels."""
+    n = 2**lg
+    floor = med["floor"]
+    row = {
+        "log2_n": lg,
+        "n": n,
+        "k": k,
+        "floor_ms": floor,
+        "contract_ms": med["contract"],
+        "contract_floors": med["contract"] / floor,
+        "methods": {},
+    }
+    for m in methods:
+        state = progs[m]["state"]
+        entry = {
+            "update_ms": med[m],
+            "floors": med[m] / floor,
+            "over_contract": med[m] / med["contract"],
+            # The one leaf's entries of the per-leaf arrays.
+            "search_iterations": int(jnp.sum(state.search_iterations)),
+            "sent_count": int(jnp.sum(state.sent_count)),
+            "sent_over_k": int(jnp.sum(state.sent_count)) / k,
+            "hlo": hlo[m],
+        }
+        if m in kernel_ms:
+            # Per-kernel means of a profiled run (slower than the timed
+            # calls, and the machine drifts): shares, not exact times.
+            entry["kernels_ms"] = kernel_ms[m]
+            top = [kk for kk in kernel_ms[m] if kk["where"] == "every call"]
+            entry["profiled_ms"] = sum(kk["ms"] for kk in top)
+        if modes:
+            entry["grad_donated_ms"] = med[f"{m}/grad_donated"]
+            entry["grad_donated_floors"] = med[f"{m}/grad_donated"] / floor
+            entry["grad_donated_alone_ms"] = med[f"{m}/grad_donated_alone"]
+            entry["grad_donated_alone_floors"] = med[f"{m}/grad_donated_alone"] / floor
+            entry["step_ms"] = med[f"{m}/step"]
+            entry["step_floors"] = med[f"{m}/step"] / floor
+            entry["step_over_dense"] = med[f"{m}/step"] / med["dense_step"]
+            entry["step_alone_ms"] = med[f"{m}/step_alone"]
+            entry["step_alone_floors"] = med[f"{m}/step_alone"] / floor
+            entry["step_alone_over_dense"] = med[f"{m}/step_alone"] / med["dense_step_alone"]
+        if stages:
+            st = {s: med[f"{m}/{s}"] for s in STAGES}
+            st["send"] = med[m] - st["select"]
+            entry["stages_ms"] = st
+            entry["stages_floors"] = {s: v / floor for s, v in st.items()}
+        row["methods"][m] = entry
+    if modes:
+        row["dense_step_ms"] = med["dense_step"]
+        row["dense_step_floors"] = med["dense_step"] / floor
+        row["dense_step_alone_ms"] = med["dense_step_alone"]
+        row["dense_step_alone_floors"] = med["dense_step_alone"] / floor
+    base = row["methods"]["top_k"]
+    for entry in row["methods"].values():
+        entry["speedup_vs_top_k"] = base["update_ms"] / entry["update_ms"]
+        if modes:
+            entry["grad_donated_speedup_vs_top_k"] = (
+                base["grad_donated_ms"] / entry["grad_donated_ms"]
+            )
+            entry["grad_donated_alone_speedup_vs_top_k"] = (
+                base["grad_donated_alone_ms"] / entry["grad_donated_alone_ms"]
+            )
+            entry["step_speedup_vs_top_k"] = base["step_ms"] / entry["step_ms"]
+            entry["step_alone_speedup_vs_top_k"] = base["step_alone_ms"] / entry["step_alone_ms"]
+    return row
+
+
+def _write_results(results, data, repeats, warm_steps, out_dir):
+    """Writes ``bench_update[_<data>].json`` (rows and the run's metadata) and its plot."""
     meta = {
         "data": data,
         "eta": ETA,
@@ -606,7 +637,6 @@ def run(
         jsonio.dump({"meta": meta, "results": results}, f, indent=1)
     png = plot(results, os.path.join(out_dir, f"{name}.png"))
     print(f"wrote {path} and {png}")
-    return results
 
 
 def _kernel_label(kk):

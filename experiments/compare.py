@@ -77,7 +77,8 @@ __all__ = [
     "with_merge_link",
 ]
 
-# name -> TrainConfig overrides (the comparison's rows).
+# name -> TrainConfig overrides (the comparison's rows); compressor_kwargs are
+# the factory's arguments, merged over the table's (for_compressor).
 PAPER_TABLE2 = {
     "dense": {"compressor": "dense"},
     "top_k": {"compressor": "top_k"},
@@ -85,7 +86,7 @@ PAPER_TABLE2 = {
     "trimmed_top_k": {"compressor": "trimmed_top_k"},
     "ldte_bs": {"compressor": "ldte_bs"},
     # Algorithm 2 of the ldte_bs paper exactly (jaxcomp.ldte_bs(variant="paper")).
-    "ldte_bs_paper": {"compressor": "ldte_bs_paper"},
+    "ldte_bs_paper": {"compressor": "ldte_bs", "compressor_kwargs": {"variant": "paper"}},
 }
 
 
@@ -95,10 +96,17 @@ DLGS_REUSE_PERIOD = 5
 # top-k (LAGS), and DLGS (layer-wise with threshold reuse and the merge plan).
 DLGS_TABLE = {
     "dense": {"compressor": "dense"},
-    "top_k": {"compressor": "top_k", "granularity": "global"},
-    "lags": {"compressor": "top_k", "granularity": "layer"},
-    "dlgs_reuse": {"compressor": "top_k", "reuse_period": DLGS_REUSE_PERIOD},
-    "dlgs": {"compressor": "top_k", "reuse_period": DLGS_REUSE_PERIOD, "merge": "optimal"},
+    "top_k": {"compressor": "top_k", "compressor_kwargs": {"granularity": "global"}},
+    "lags": {"compressor": "top_k", "compressor_kwargs": {"granularity": "layer"}},
+    "dlgs_reuse": {
+        "compressor": "top_k",
+        "compressor_kwargs": {"reuse_period": DLGS_REUSE_PERIOD},
+    },
+    "dlgs": {
+        "compressor": "top_k",
+        "compressor_kwargs": {"reuse_period": DLGS_REUSE_PERIOD},
+        "merge": "optimal",
+    },
 }
 # ScaleCom's low-pass filter beta on the residual: 0.1 is our choice (the
 # stabler of 0.5 and 0.1 in one digits run each).
@@ -116,7 +124,7 @@ EXCHANGE_TABLE = {
     "ldte_bs_scalecom_low_pass": {
         "compressor": "ldte_bs",
         "exchange": "scalecom",
-        "low_pass": SCALECOM_LOW_PASS,
+        "compressor_kwargs": {"low_pass": SCALECOM_LOW_PASS},
     },
 }
 # The peers' compressors (issue: everything GRACE, DDP hooks, BytePS and
@@ -125,34 +133,48 @@ EXCHANGE_TABLE = {
 PEERS_TABLE = {
     "dense": {"compressor": "dense"},
     "ldte_bs": {"compressor": "ldte_bs"},
-    "qsgd_4bit": {"compressor": "qsgd", "bits": 4, "bucket_size": 512},
+    "qsgd_4bit": {"compressor": "qsgd", "compressor_kwargs": {"bits": 4, "bucket_size": 512}},
     "terngrad": {"compressor": "terngrad"},
     "natural": {"compressor": "natural_compression"},
     "signum": {"compressor": "signum", "lr": 1e-3},
     "cast_bf16": {"compressor": "cast", "exchange": "allreduce"},
-    "powersgd_r4": {"compressor": "powersgd", "rank": 4},
+    "powersgd_r4": {"compressor": "powersgd", "compressor_kwargs": {"rank": 4}},
     "onebit_adam": {"compressor": "onebit_adam", "lr": 1e-3},
     "zero_one_adam": {"compressor": "zero_one_adam", "lr": 1e-3},
 }
+# The ldte_bs paper's setting: density 0.1%, DGC warm-up, momentum correction.
+_LDTE_SETTING = dict(
+    compressor_kwargs={"ratio": 1e-3},
+    warmup_epochs=4,
+    momentum_correction=True,
+    schedule="cosine",
+    epochs=30,
+)
 # table -> (rows, defaults of the paper's setting for flags left unset).
 TABLES = {
     "ldte_bs": (
         PAPER_TABLE2,
-        dict(ratio=1e-3, warmup_epochs=4, momentum_correction=True, schedule="cosine", epochs=30),
+        _LDTE_SETTING,
     ),
     # DLGS: 140 epochs, lr 0.1 stepped down x0.1 at epochs 80 and 120, batch 32
     # per node, compression ratios 0.1 and 0.01, no warm-up.
     "exchanges": (
         EXCHANGE_TABLE,
-        dict(ratio=1e-3, warmup_epochs=4, momentum_correction=True, schedule="cosine", epochs=30),
+        _LDTE_SETTING,
     ),
     "peers": (
         PEERS_TABLE,
-        dict(ratio=1e-3, warmup_epochs=4, momentum_correction=True, schedule="cosine", epochs=30),
+        _LDTE_SETTING,
     ),
     "dlgs": (
         DLGS_TABLE,
-        dict(ratio=0.1, warmup_epochs=0, momentum_correction=True, schedule="step", epochs=140),
+        dict(
+            compressor_kwargs={"ratio": 0.1},
+            warmup_epochs=0,
+            momentum_correction=True,
+            schedule="step",
+            epochs=140,
+        ),
     ),
 }
 
@@ -160,18 +182,21 @@ TABLES = {
 def for_compressor(base, overrides: dict):
     """``base`` with ``overrides``, sparsifier-only settings dropped for other compressors.
 
-    ``base`` holds the sparsifiers' settings (ratio, warm-up, momentum
-    correction); a run of dense or a quantizer gets them unset (the
-    compressor's defaults) unless ``overrides`` gives them, since the
-    training program rejects settings a compressor does not use.
+    ``base`` holds the sparsifiers' settings (``compressor_kwargs`` such as
+    the ratio, warm-up, momentum correction); a row's ``compressor_kwargs``
+    are merged over the base's key by key. A run of dense or a quantizer gets
+    none of the base's (the compressor's defaults) unless ``overrides`` gives
+    them, since its factory rejects a sparsifier's arguments.
     """
     from experiments import train  # noqa: PLC0415
 
     config = dataclasses.replace(base, **overrides)
-    drop = dict.fromkeys(train.unused_fields(config.compressor))
-    if config.compressor not in train.SPARSIFIERS:
-        drop.update(warmup_epochs=0, momentum_correction=None)
-    return dataclasses.replace(config, **{n: v for n, v in drop.items() if n not in overrides})
+    own = overrides.get("compressor_kwargs", {})
+    if config.compressor in train.SPARSIFIERS:
+        return dataclasses.replace(config, compressor_kwargs={**base.compressor_kwargs, **own})
+    drop = dict(warmup_epochs=0, momentum_correction=None)
+    drop = {n: v for n, v in drop.items() if n not in overrides}
+    return dataclasses.replace(config, compressor_kwargs=dict(own), **drop)
 
 
 def with_merge_link(runs: dict, merge_alpha=None, merge_beta=None) -> dict:
@@ -379,8 +404,10 @@ def main(argv) -> dict:
     set_cpu_devices(args.num_devices)
     from experiments import train  # noqa: PLC0415
 
-    given = {n: getattr(args, n) for n in ("ratio", "warmup_epochs", "schedule", "epochs")}
+    given = {n: getattr(args, n) for n in ("warmup_epochs", "schedule", "epochs")}
     setting = {**defaults, **{n: v for n, v in given.items() if v is not None}}
+    if args.ratio is not None:
+        setting["compressor_kwargs"] = {**defaults["compressor_kwargs"], "ratio": args.ratio}
     base = train.TrainConfig(
         **setting,
         momentum=0.9,

@@ -1,16 +1,24 @@
 """The configuration of a training run: :class:`TrainConfig`, its defaults and its checks.
 
-:func:`resolve_config` fills the per-compressor defaults, :func:`validate_config`
-rejects (``ConfigError``) whatever cannot train before any work, and
+A run is a client of jaxcomp as a flax example is of flax: general fields
+(data, model, schedule, devices, modes) plus ``compressor`` and
+``compressor_kwargs``, built as ``getattr(jaxcomp, compressor)(axis_name=...,
+**compressor_kwargs)`` by :func:`experiments.presets.build`. The kwargs are
+checked by jaxcomp alone: :func:`validate_config` builds the optimizer
+abstractly (``jax.eval_shape``), so a factory's ``ValueError`` or an unknown
+keyword's ``TypeError`` is an invalid config before any work.
+
+:func:`resolve_config` fills the experiment's per-compressor defaults,
+:func:`validate_config` rejects (``ConfigError``) whatever cannot train, and
 :func:`build_optimizer` turns a configuration into the optax chain of its
-compressor and SGD (also built abstractly by the validation, so a jaxcomp
-factory's ``ValueError`` is an invalid config). No JAX backend starts here.
+compressor and SGD. No JAX backend starts here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 
 import jax
@@ -20,7 +28,7 @@ import optax
 
 import jaxcomp
 from experiments import data as data_lib
-from experiments import models
+from experiments import models, presets
 from jaxcomp import cssgd, planning
 from jaxcomp import sampling as sampling_lib
 from jaxcomp.comm.quantized import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
@@ -33,19 +41,20 @@ __all__ = [
     "COMPRESSORS",
     "ConfigError",
     "EXCHANGES",
+    "FLAT_KWARGS",
     "LOW_RANK",
     "NORMS",
+    "OWNED_KWARGS",
     "QUANTIZERS",
     "SAMPLINGS",
     "SPARSIFIERS",
-    "SPARSIFIER_FACTORIES",
     "TrainConfig",
     "build_optimizer",
     "invalid",
     "is_coded",
+    "kwarg_name",
     "learning_rate",
     "resolve_config",
-    "unused_fields",
     "validate_config",
     "validate_data",
     "with_weight_decay",
@@ -54,7 +63,6 @@ __all__ = [
 AXIS = "data"
 SPARSIFIERS = (
     "ldte_bs",
-    "ldte_bs_paper",
     "top_k",
     "dgc",
     "trimmed_top_k",
@@ -62,8 +70,6 @@ SPARSIFIERS = (
     "gaussian_k",
     "random_k",
 )
-# Registry names that are not a jaxcomp factory name: (factory, fixed options).
-SPARSIFIER_FACTORIES = {"ldte_bs_paper": ("ldte_bs", {"variant": "paper"})}
 QUANTIZERS = (
     "qsgd",
     "onebit",
@@ -109,15 +115,39 @@ SAMPLINGS = (*sampling_lib.SAMPLE_MODES, "feature")
 class TrainConfig:
     """Everything a training run depends on (one absl flag per field in main.py).
 
-    Fields that only some compressors use default to None ("unset") and are
-    resolved per compressor by :func:`resolve_config`; setting one for a
-    compressor that does not use it is a ``ValueError`` (see
-    :func:`unused_fields`), so no flag is ever silently ignored.
+    General fields describe the experiment; the compressor is ``compressor``
+    and ``compressor_kwargs``, the keyword arguments of its jaxcomp factory,
+    passed as given (JSON-able: ``config.json`` records them) and checked by
+    the factory itself when :func:`validate_config` builds the optimizer
+    abstractly: ``TrainConfig(compressor="qsgd", compressor_kwargs={"bits":
+    4, "bucket_size": 512})`` trains with ``jaxcomp.qsgd(bits=4,
+    bucket_size=512, axis_name="data", ...)``. What the experiment itself
+    derives from its general fields is not in the kwargs (:data:`OWNED_KWARGS`:
+    the axis, ``seed``, ``momentum`` under momentum correction, the DGC
+    warm-up of ``warmup_epochs``, the merge plan's ``groups``, ``exchange``,
+    the Adams' learning rate and ``b1``). Fields some modes use default to
+    None ("unset") and are resolved by :func:`resolve_config`.
 
     Attributes:
-      compressor: ``"dense"`` or a jaxcomp factory name (see ``COMPRESSORS``).
-      ratio: target density of the sparsifiers, in (0, 1] (None: 1e-3;
-        sparsifiers only).
+      compressor: ``"dense"`` (``jaxcomp.dense_exchange``) or a jaxcomp
+        factory name (see ``COMPRESSORS``).
+      compressor_kwargs: the factory's keyword arguments, e.g. ``{"ratio":
+        0.01, "variant": "paper"}`` for ``ldte_bs`` (the ldte_bs paper's
+        Algorithm 2), ``{"levels": 16}`` or ``{"bits": 4}`` and
+        ``"bucket_size"`` for ``qsgd``, ``{"rank": 4}`` for ``powersgd``,
+        ``{"freeze_step": 100}`` for ``onebit_adam`` (``var_freeze_step``
+        for ``zero_one_adam``). The experiment's defaults
+        (:func:`resolve_config`): sparsifiers ``ratio=1e-3``,
+        ``granularity="layer"``, ``reuse_period=1`` (not ``random_k``);
+        ``qsgd`` ``levels=16`` unless ``levels`` or ``bits`` is given;
+        ``powersgd`` ``rank=4``; the Adams' freeze step a fifth of the run's
+        steps (the 1-bit Adam paper's 15-25% warm-up). Unset keys are the
+        factory's own defaults (``min_dense_size``: 0 for sparsifiers,
+        10000 for ``qsgd``). PowerSGD reshapes flax kernels with
+        ``reshape="last"`` (``(fan_in, out)`` matrices); 0/1 Adam syncs every
+        step (``local_step_clipper=1``: the replicated parameters of these
+        runs cannot take local steps). ``momentum`` is the Adams' ``b1`` and
+        signum's own momentum.
       warmup_epochs: epochs of DGC warm-up (``jaxcomp.DGC_WARMUP[:warmup_epochs]``;
         sparsifiers only when nonzero).
       momentum: SGD momentum.
@@ -125,14 +155,6 @@ class TrainConfig:
         correction) and use plain SGD after it (None: on for sparsifiers, off
         for dense and quantizers; True is rejected for quantizers, and for
         dense it is the same as optimizer momentum).
-      granularity: ``"layer"`` (per-leaf k) or ``"global"`` (one k for the
-        whole model) (None: ``"layer"``; sparsifiers only).
-      reuse_period: DLGS threshold reuse ``s``: the selector runs every
-        ``s`` steps and the stored per-leaf (per-group) threshold is applied
-        in between (None: 1, off; sparsifiers only).
-      low_pass: ScaleCom's low-pass filter ``beta`` in (0, 1] on the
-        residual (``jaxcomp.sparsify(low_pass=)``; lossy below 1). None: 1,
-        plain error feedback (sparsifiers only).
       merge: DLGS layer merging: ``"none"`` (one group per leaf), ``"greedy"``
         (the paper's Algorithm 2) or ``"optimal"`` (the exact planner) over the
         model's layers (the leaves of one module form a layer), planned from
@@ -147,13 +169,6 @@ class TrainConfig:
       merge_beta: the planner's link time in seconds per byte. None:
         ``MERGE_BETA``, 1 / 1.25e9 (10 GbE); only with ``merge`` ``"greedy"``
         or ``"optimal"``.
-      min_dense_size: leaves this small are sent dense (None: the compressor
-        factory's default, 0 for sparsifiers and 10000 for ``qsgd``; not for dense).
-      levels: QSGD quantization levels ``s`` (None: 16, the QSGD paper's
-        "4-bit"; ``qsgd`` only).
-      bits: QSGD's "b-bit" as in the QSGD paper: ``s = 2**bits`` levels, the
-        sign apart (``qsgd`` only; give ``levels`` or ``bits``, not both).
-      bucket_size: bucket size of the quantizers (None: whole leaf; quantizers only).
       num_devices: mesh size (None: every device).
       dataset: ``digits``, ``synthetic``, ``cifar10``, ``cifar100``.
       data_dir: CIFAR directory or ``.tar.gz`` archive.
@@ -252,32 +267,16 @@ class TrainConfig:
         compressor and its exchange as in data-parallel runs. ``model="mlp"``
         only, one process, not with ``merge``, ``fit_check_epochs`` or a
         CSSGD exchange; ``batch_size`` need not divide by ``num_devices``.
-      rank: PowerSGD's rank (None: 4; ``powersgd`` only). Flax kernels are
-        reshaped with ``reshape="last"`` (``(fan_in, out)`` matrices).
-      freeze_step: the step after which 1-bit Adam / 0/1 Adam freeze the
-        variance and start exchanging 1-bit momentum (None: a fifth of the
-        run's steps, the 1-bit Adam paper's 15-25% warm-up;
-        ``onebit_adam``/``zero_one_adam`` only). These are whole optimizers:
-        ``momentum`` is their ``b1``, the learning rate and schedule are
-        theirs, and 0/1 Adam syncs every step (``local_step_clipper=1``: the
-        replicated parameters of these runs cannot take local steps).
     """
 
     compressor: str = "ldte_bs"
-    ratio: float | None = None
+    compressor_kwargs: dict = dataclasses.field(default_factory=dict)
     warmup_epochs: int = 0
     momentum: float = 0.9
     momentum_correction: bool | None = None
-    granularity: str | None = None
-    reuse_period: int | None = None
-    low_pass: float | None = None
     merge: str | None = None
     merge_alpha: float | None = None
     merge_beta: float | None = None
-    min_dense_size: int | None = None
-    levels: int | None = None
-    bits: int | None = None
-    bucket_size: int | None = None
     num_devices: int | None = None
     dataset: str = "digits"
     data_dir: str | None = None
@@ -302,8 +301,6 @@ class TrainConfig:
     coded_value_range: float | None = None
     coded_bits: int | None = None
     sampling: str = "global"
-    rank: int | None = None
-    freeze_step: int | None = None
     lr_milestones: tuple[int, ...] = ()
     lr_decay: float = 0.1
     weight_decay: float = 0.0
@@ -329,58 +326,51 @@ def _kind(compressor: str) -> str:
     return "the baseline"
 
 
-def unused_fields(compressor: str) -> dict:
-    """The optional :class:`TrainConfig` fields ``compressor`` does not use.
+# The flat fields TrainConfig had before compressor_kwargs: factory arguments
+# only. Old config.json records and the shorthand flags (--ratio, --levels, ...)
+# map them into compressor_kwargs by name (freeze_step is zero_one_adam's
+# var_freeze_step).
+FLAT_KWARGS = (
+    "ratio",
+    "granularity",
+    "reuse_period",
+    "low_pass",
+    "min_dense_size",
+    "levels",
+    "bits",
+    "bucket_size",
+    "rank",
+    "freeze_step",
+)
 
-    Args:
-      compressor: a name in ``COMPRESSORS``.
 
-    Returns:
-      ``{field: description of the compressors that use it}`` for every
-      field that must stay None (unset) with ``compressor``.
-    """
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    out = {}
-    if compressor not in SPARSIFIERS:
-        for name in (
-            *("ratio", "granularity", "reuse_period", "low_pass"),
-            *("merge", "merge_alpha", "merge_beta"),
-        ):
-            out[name] = "the sparsifiers"
-    if compressor == "random_k":  # it picks indices: there is no threshold to reuse
-        out["reuse_period"] = "the threshold sparsifiers"
-    if compressor not in QUANTIZERS or compressor == "cast":
-        out["bucket_size"] = "the quantizers but cast"
-    if compressor != "qsgd":
-        # "bits" is qsgd's other way to give the levels, when the config has it.
-        out.update({n: "qsgd" for n in ("levels", "bits", "coded_bytes_every") if n in names})
-    if compressor not in LOW_RANK:
-        out["rank"] = "powersgd"
-    if compressor not in COMPRESSED_OPTIMIZERS:
-        out["freeze_step"] = "onebit_adam and zero_one_adam"
-    if compressor == "dense":
-        out["min_dense_size"] = "the sparsifiers and quantizers"
-    return out
+def kwarg_name(compressor: str, flat: str) -> str:
+    """The factory keyword of the flat field (or flag) ``flat`` for ``compressor``."""
+    if compressor == "zero_one_adam" and flat == "freeze_step":
+        return "var_freeze_step"
+    return flat
 
 
 def resolve_config(config: TrainConfig) -> TrainConfig:
-    """``config`` validated, with its unset per-compressor fields given their defaults.
+    """``config`` checked, with the experiment's per-compressor defaults filled in.
 
-    Sparsifiers: ``ratio=1e-3``, ``granularity="layer"``,
-    ``momentum_correction=True``. Quantizers: ``momentum_correction=False``;
-    ``qsgd``: ``levels=16`` when neither ``levels`` nor ``bits`` is given.
-    Dense: ``momentum_correction=False`` (either value is the same run).
-    ``min_dense_size`` unset means the compressor factory's own default.
-    Fields the compressor does not use stay None. ``exchange="default"``
-    becomes None (the same run); CSSGD runs get ``coded_value_range=10.0``
-    and ``coded_bits=32`` (the paper's int32 over ``[-10, 10]``).
+    ``compressor_kwargs``: sparsifiers ``ratio=1e-3``, ``granularity="layer"``
+    and (but ``random_k``, which has no threshold to reuse) ``reuse_period=1``;
+    ``qsgd`` ``levels=16`` when neither ``levels`` nor ``bits`` is given;
+    ``powersgd`` ``rank=4``; other keys as given (unset: the factory's
+    default). Sparsifiers ``momentum_correction=True`` and ``merge="none"``
+    unless set, the others ``momentum_correction=False`` (dense: either value
+    is the same run). ``exchange="default"`` becomes None (the same run);
+    CSSGD runs get ``coded_value_range=10.0`` and ``coded_bits=32`` (the
+    paper's int32 over ``[-10, 10]``).
 
     Raises:
       ValueError: the checks of :func:`validate_config` on the fields alone
         (not the data size or the optimizer build, which resolve through here).
     """
     _validate_fields(config)
-    c = config
+    c = dataclasses.replace(config, compressor_kwargs=dict(config.compressor_kwargs))
+    kw = c.compressor_kwargs
     if c.exchange == "default":
         c = dataclasses.replace(c, exchange=None)
     if is_coded(c):
@@ -390,12 +380,12 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
             coded_bits=32 if c.coded_bits is None else c.coded_bits,
         )
     if c.compressor in SPARSIFIERS:
+        kw.setdefault("ratio", 1e-3)
+        kw.setdefault("granularity", "layer")
+        if c.compressor != "random_k":
+            kw.setdefault("reuse_period", 1)
         return dataclasses.replace(
             c,
-            ratio=1e-3 if c.ratio is None else c.ratio,
-            granularity=c.granularity or "layer",
-            # random_k picks indices: no threshold to reuse, the field stays unset.
-            reuse_period=None if c.compressor == "random_k" else c.reuse_period or 1,
             merge=c.merge or "none",
             # Floats, whatever real type was given (config.json holds them).
             merge_alpha=None if c.merge_alpha is None else float(c.merge_alpha),
@@ -403,10 +393,10 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
             momentum_correction=True if c.momentum_correction is None else c.momentum_correction,
         )
     c = dataclasses.replace(c, momentum_correction=False)
-    if c.compressor == "qsgd" and c.levels is None and getattr(c, "bits", None) is None:
-        c = dataclasses.replace(c, levels=16)
-    if c.compressor in LOW_RANK and c.rank is None:
-        c = dataclasses.replace(c, rank=4)
+    if c.compressor == "qsgd" and kw.get("levels") is None and kw.get("bits") is None:
+        kw["levels"] = 16
+    if c.compressor in LOW_RANK:
+        kw.setdefault("rank", 4)
     return c
 
 
@@ -426,9 +416,10 @@ def validate_config(config: TrainConfig, device_count: int | None = None) -> Non
     (``experiments.data.DATASET_SPECS``; the loaded data is checked again by
     :func:`train_and_evaluate` before it writes anything), and builds the
     optimizer once, abstractly (``jax.eval_shape`` of its ``init`` on the
-    model's parameter shapes), so that every argument a jaxcomp factory
-    rejects (``levels``, ``freeze_step``, ``reuse_period`` of a selector
-    without a threshold, ...) is reported here as an invalid config. It
+    model's parameter shapes), so that every keyword of ``compressor_kwargs``
+    the jaxcomp factory rejects (its ``ValueError`` naming the argument, or
+    Python's ``TypeError`` for an unknown keyword) is reported here as an
+    invalid config; ``compressor_kwargs`` has no other check. It
     compiles nothing, reads no data and starts no JAX backend, so
     ``experiments/main.py`` runs it before setting the device count.
 
@@ -493,10 +484,10 @@ def _validate_optimizer(config: TrainConfig, num_train: int, shape, num_classes)
 
     try:
         jax.eval_shape(init)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # jaxcomp's checks; an unknown keyword's TypeError
         error = e
     if error is not None:
-        invalid(f"{c.compressor}: {error}")
+        invalid(f"{c.compressor} (--compressor_kwargs): {error}")
 
 
 def _validate_fields(config: TrainConfig, device_count: int | None = None) -> None:
@@ -506,16 +497,8 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
         invalid(f"unknown compressor {c.compressor!r}; expected one of {', '.join(COMPRESSORS)}")
     sparse = c.compressor in SPARSIFIERS
     kind = _kind(c.compressor)
-    # A flag the compressor would not read is an error, never silently ignored.
-    for name, users in unused_fields(c.compressor).items():
-        if getattr(c, name) is not None:
-            invalid(
-                f"{name} (--{name}) is not used by {kind} {c.compressor!r} (it applies to "
-                f"{users}); leave it unset"
-            )
+    _validate_kwargs(c)
     _validate_exchange(c)
-    if c.ratio is not None and not 0.0 < c.ratio <= 1.0:
-        invalid(f"ratio must be in (0, 1], got {c.ratio}")
     if not 0 <= c.warmup_epochs <= len(jaxcomp.DGC_WARMUP):
         invalid(f"warmup_epochs must be in [0, {len(jaxcomp.DGC_WARMUP)}], got {c.warmup_epochs}")
     if c.warmup_epochs and not sparse:
@@ -531,52 +514,14 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
             f"{c.compressor!r} (leave it unset or false: it runs with momentum on the "
             "optimizer, or its own)"
         )
-    if c.granularity is not None and c.granularity not in ("layer", "global"):
-        invalid(f"granularity must be 'layer' or 'global', got {c.granularity!r}")
-    if c.reuse_period is not None and c.reuse_period < 1:
-        invalid(f"reuse_period must be >= 1 (1: off), got {c.reuse_period}")
-    if c.low_pass is not None and not 0 < c.low_pass <= 1:
-        invalid(f"low_pass must be in (0, 1] (1: plain error feedback), got {c.low_pass}")
-    if c.merge is not None and c.merge not in MERGES:
-        invalid(f"merge must be one of {MERGES}, got {c.merge!r}")
-    if c.merge not in (None, "none") and c.granularity == "global":
+    _validate_merge(c)
+    if c.coded_bytes_every is not None and c.compressor != "qsgd":
         invalid(
-            f"merge={c.merge!r} plans groups of layers; granularity='global' is one group already"
+            f"coded_bytes_every (--coded_bytes_every) measures qsgd's messages, not those of "
+            f"{kind} {c.compressor!r}; leave it unset"
         )
-    for name in ("merge_alpha", "merge_beta"):
-        value = getattr(c, name)
-        if value is None:
-            continue
-        if c.merge in (None, "none"):
-            invalid(
-                f"{name} (--{name}) sets the merge planner's link; "
-                "it needs merge='greedy' or 'optimal'"
-            )
-        try:  # the planner's own check of a link time
-            planning.linear_cost(**{"alpha": 0.0, "beta": 0.0, name.removeprefix("merge_"): value})
-        except ValueError as err:
-            invalid(f"{name} (--{name}), in seconds: {err}")
-    if c.min_dense_size is not None and c.min_dense_size < 0:
-        invalid(f"min_dense_size must be >= 0, got {c.min_dense_size}")
-    if c.levels is not None and c.levels < 1:
-        invalid(f"qsgd needs levels >= 1, got {c.levels}")
-    if c.rank is not None and c.rank < 1:
-        invalid(f"rank must be >= 1, got {c.rank}")
-    # zero_one_adam's var_freeze_step + 1 must fit in int32 (its stage-2 start); 0
-    # would freeze a variance never updated (no step, or NaN).
-    if c.freeze_step is not None and not 1 <= c.freeze_step <= 2**31 - 2:
-        invalid(f"freeze_step must be in [1, 2**31 - 2], got {c.freeze_step}")
     if c.compressor in COMPRESSED_OPTIMIZERS and (c.exchange not in (None, "default")):
         invalid(f"{c.compressor} has its own exchange; leave exchange unset")
-    if c.bits is not None and not 1 <= c.bits <= 30:
-        invalid(f"bits must be in [1, 30] (s = 2**bits levels), got {c.bits}")
-    if c.levels is not None and c.bits is not None:
-        invalid(
-            "give qsgd one of levels (--levels, s itself) and bits (--bits, s = 2**bits), "
-            f"not both; got levels={c.levels}, bits={c.bits}"
-        )
-    if c.bucket_size is not None and c.bucket_size < 1:
-        invalid(f"bucket_size must be >= 1, got {c.bucket_size}")
     if c.dataset not in DATASETS:
         invalid(f"unknown dataset {c.dataset!r}; expected one of {', '.join(DATASETS)}")
     if not c.dataset.startswith("cifar") and (c.data_dir is not None or c.download):
@@ -635,6 +580,53 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
             invalid(f"need 0 <= process_id < num_processes, got {c.process_id}, {c.num_processes}")
         if c.batch_size % c.num_processes:
             invalid(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
+
+
+def _validate_kwargs(c: TrainConfig) -> None:
+    """``compressor_kwargs`` is a JSON object; its values are the factory's to check."""
+    kw = c.compressor_kwargs
+    if not isinstance(kw, dict) or not all(isinstance(k, str) for k in kw):
+        invalid(f"compressor_kwargs must be a dict of keyword arguments, got {kw!r}")
+    try:
+        json.dumps(kw)
+    except (TypeError, ValueError) as e:
+        invalid(f"compressor_kwargs must be JSON-able (config.json records them): {e}")
+    owned = sorted(set(kw) & set(OWNED_KWARGS))
+    if owned:
+        invalid(
+            f"compressor_kwargs sets {', '.join(owned)}, which the experiment gives "
+            f"{c.compressor!r} itself: "
+            + "; ".join(f"{name} from {OWNED_KWARGS[name]}" for name in owned)
+        )
+
+
+def _validate_merge(c: TrainConfig) -> None:
+    """The checks of the DLGS merge planning (the experiment's, not the factory's)."""
+    if c.merge is not None and c.merge not in MERGES:
+        invalid(f"merge must be one of {MERGES}, got {c.merge!r}")
+    for name in ("merge", "merge_alpha", "merge_beta"):
+        if getattr(c, name) is not None and c.compressor not in SPARSIFIERS:
+            invalid(
+                f"{name} (--{name}) is not used by {_kind(c.compressor)} {c.compressor!r} "
+                "(it applies to the sparsifiers); leave it unset"
+            )
+    if c.merge not in (None, "none") and c.compressor_kwargs.get("granularity") == "global":
+        invalid(
+            f"merge={c.merge!r} plans groups of layers; granularity='global' is one group already"
+        )
+    for name in ("merge_alpha", "merge_beta"):
+        value = getattr(c, name)
+        if value is None:
+            continue
+        if c.merge in (None, "none"):
+            invalid(
+                f"{name} (--{name}) sets the merge planner's link; "
+                "it needs merge='greedy' or 'optimal'"
+            )
+        try:  # the planner's own check of a link time
+            planning.linear_cost(**{"alpha": 0.0, "beta": 0.0, name.removeprefix("merge_"): value})
+        except ValueError as err:
+            invalid(f"{name} (--{name}), in seconds: {err}")
 
 
 def _validate_recipe(c: TrainConfig) -> None:
@@ -870,76 +862,69 @@ def _build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int
     if is_coded(c):
         return (optax.sgd(lr, momentum=c.momentum) if c.momentum else optax.sgd(lr)), None
     on_compressor = c.momentum_correction and c.compressor in SPARSIFIERS and c.momentum > 0
-    # Unset: the factory's own default (qsgd sends leaves of <= 10000 dense).
-    dense_size = {} if c.min_dense_size is None else {"min_dense_size": c.min_dense_size}
-    # Unset: the compressor's own default exchange.
-    exchange = {} if c.exchange is None else {"exchange": c.exchange}
-    if c.compressor == "dense":
-        compressor = jaxcomp.dense_exchange(AXIS)
-    elif c.compressor in SPARSIFIERS:
-        warmup = tuple(jaxcomp.DGC_WARMUP[: c.warmup_epochs]) or None
-        factory, extra = SPARSIFIER_FACTORIES.get(c.compressor, (c.compressor, {}))
-        compressor = getattr(jaxcomp, factory)(
-            **extra,
-            ratio=c.ratio,
-            axis_name=AXIS,
-            momentum=c.momentum if on_compressor else 0.0,
-            warmup_ratios=warmup,
-            steps_per_epoch=steps_per_epoch if warmup else None,
-            granularity=c.granularity,
-            reuse_period=c.reuse_period,
-            low_pass=c.low_pass,
-            groups=groups,
-            **dense_size,
-            **exchange,
-            seed=c.seed,
-        )
-    elif c.compressor == "qsgd":
-        compressor = jaxcomp.qsgd(
-            c.levels,
-            bits=c.bits,
-            bucket_size=c.bucket_size,
-            axis_name=AXIS,
-            seed=c.seed,
-            # Kept in the state only when measured: a copy of the message.
-            keep_message=c.coded_bytes_every is not None,
-            **dense_size,
-            **exchange,
-        )
-    elif c.compressor == "signum":
+    kwargs = dict(c.compressor_kwargs)
+    if c.compressor in COMPRESSED_OPTIMIZERS:
+        # Unset: a fifth of the run's steps (the 1-bit Adam paper's 15-25% warm-up).
+        kwargs.setdefault(kwarg_name(c.compressor, "freeze_step"), max(1, total_steps // 5))
+    preset = {
+        "compressor": "dense_exchange" if c.compressor == "dense" else c.compressor,
+        "kwargs": kwargs,
+    }
+    compressor = presets.build(
+        preset, AXIS, **_owned(c, lr, on_compressor, steps_per_epoch, groups)
+    )
+    if c.compressor in COMPRESSED_OPTIMIZERS:
+        return compressor, compressor
+    if c.compressor == "signum":
         # Signum's momentum is its own (the sign of the momentum is sent): plain SGD after.
-        compressor = jaxcomp.signum(
-            c.momentum, bucket_size=c.bucket_size, axis_name=AXIS, **dense_size, **exchange
-        )
         return optax.chain(compressor, optax.sgd(lr)), compressor
-    elif c.compressor == "cast":
-        compressor = jaxcomp.cast(axis_name=AXIS, **dense_size, **exchange)
-    elif c.compressor in LOW_RANK:
-        # Flax kernels are (..., fan_in, out): matrices of their last dimension.
-        compressor = jaxcomp.powersgd(
-            c.rank, axis_name=AXIS, reshape="last", seed=c.seed, **dense_size
-        )
-    elif c.compressor in COMPRESSED_OPTIMIZERS:
-        freeze = max(1, total_steps // 5) if c.freeze_step is None else c.freeze_step
-        if c.compressor == "onebit_adam":
-            tx = jaxcomp.onebit_adam(
-                lr, b1=c.momentum, freeze_step=freeze, axis_name=AXIS, **dense_size
-            )
-        else:
-            tx = jaxcomp.zero_one_adam(
-                lr,
-                b1=c.momentum,
-                var_freeze_step=freeze,
-                local_step_clipper=1,
-                axis_name=AXIS,
-                **dense_size,
-            )
-        return tx, tx
-    else:
-        compressor = getattr(jaxcomp, c.compressor)(
-            bucket_size=c.bucket_size, axis_name=AXIS, **dense_size, **exchange
-        )
     # Momentum correction: the compressor accumulates velocity, so the
     # optimizer after it must be plain SGD or momentum would apply twice.
     sgd = optax.sgd(lr) if on_compressor or c.momentum == 0 else optax.sgd(lr, momentum=c.momentum)
     return optax.chain(compressor, sgd), compressor
+
+
+# The factory arguments the experiment sets from its general fields (or
+# fixes), per kind of compressor; compressor_kwargs may not set them.
+OWNED_KWARGS = {
+    "axis_name": "the mesh (always 'data')",
+    "seed": "--seed",
+    "momentum": "--momentum and --momentum_correction",
+    "warmup_ratios": "--warmup_epochs",
+    "steps_per_epoch": "--warmup_epochs and the data",
+    "groups": "--merge",
+    "exchange": "--exchange",
+    "keep_message": "--coded_bytes_every",
+    "reshape": "the flax kernels' layout ('last')",
+    "learning_rate": "--lr and --schedule",
+    "b1": "--momentum",
+    "local_step_clipper": "the replicated parameters (1: sync every step)",
+}
+
+
+def _owned(c: TrainConfig, lr, on_compressor: bool, steps_per_epoch: int, groups) -> dict:
+    """The keyword arguments of :data:`OWNED_KWARGS` that ``c.compressor``'s factory takes."""
+    exchange = {} if c.exchange is None else {"exchange": c.exchange}
+    if c.compressor in SPARSIFIERS:
+        warmup = tuple(jaxcomp.DGC_WARMUP[: c.warmup_epochs]) or None
+        return dict(
+            momentum=c.momentum if on_compressor else 0.0,
+            warmup_ratios=warmup,
+            steps_per_epoch=steps_per_epoch if warmup else None,
+            groups=groups,
+            **exchange,
+            seed=c.seed,
+        )
+    if c.compressor == "qsgd":
+        # Kept in the state only when measured: a copy of the message.
+        return dict(seed=c.seed, keep_message=c.coded_bytes_every is not None, **exchange)
+    if c.compressor == "signum":
+        return dict(momentum=c.momentum, **exchange)
+    if c.compressor in LOW_RANK:
+        # Flax kernels are (..., fan_in, out): matrices of their last dimension.
+        return dict(reshape="last", seed=c.seed)
+    if c.compressor == "onebit_adam":
+        return dict(learning_rate=lr, b1=c.momentum)
+    if c.compressor == "zero_one_adam":
+        return dict(learning_rate=lr, b1=c.momentum, local_step_clipper=1)
+    return exchange

@@ -59,11 +59,10 @@ def main(argv) -> dict:
     from experiments import train  # noqa: PLC0415 (after the device count is set)
 
     base = train.TrainConfig(
-        ratio=1e-3,
+        compressor_kwargs={"ratio": 1e-3, "granularity": args.granularity},
         warmup_epochs=4,
         momentum=0.9,
         momentum_correction=True,
-        granularity=args.granularity,
         num_devices=args.num_devices,
         dataset="digits",
         model=args.model,

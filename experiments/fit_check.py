@@ -92,7 +92,7 @@ def main(argv) -> list:
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         config = train.TrainConfig(
             compressor=args.compressor,
-            ratio=args.ratio,
+            compressor_kwargs={} if args.ratio is None else {"ratio": args.ratio},
             dataset=args.dataset,
             data_dir=args.data_dir,
             model=model,

@@ -14,7 +14,7 @@ import optax
 from absl import logging
 
 from experiments import data as data_lib
-from experiments.config import SPARSIFIER_FACTORIES, TrainConfig
+from experiments.config import TrainConfig, resolve_config
 from experiments.workdir import MERGE_PLAN_FILE, config_differences, config_record
 from jaxcomp import planning
 
@@ -33,7 +33,12 @@ def merge_link_cost(config: TrainConfig) -> planning.LinearCost:
     """The merge planner's ``t_c``: the config's link (or 10 GbE) for (index, value) messages."""
     alpha = MERGE_ALPHA if config.merge_alpha is None else config.merge_alpha
     beta = MERGE_BETA if config.merge_beta is None else config.merge_beta
-    return planning.linear_cost(alpha, beta, 8 * config.ratio)
+    return planning.linear_cost(alpha, beta, 8 * _ratio(config))
+
+
+def _ratio(config: TrainConfig) -> float:
+    """The sparsifier's density (its ``compressor_kwargs`` resolved)."""
+    return resolve_config(config).compressor_kwargs["ratio"]
 
 
 def _layer_groups_to_paths(layers, layer_groups) -> tuple[tuple[str, ...], ...]:
@@ -96,14 +101,13 @@ def _make_merge_plan(
     # Flops split the backward between layers deterministically (timings of
     # single layers are noise on a small model); one timing sets the scale.
     profile = planning.profile_backward(loss_fn, params, batch, method="flops")
-    selector = SPARSIFIER_FACTORIES.get(config.compressor, (config.compressor,))[0]
-    t_s = planning.measure_sparsify_cost(selector, ratio=config.ratio)
+    t_s = planning.measure_sparsify_cost(config.compressor, ratio=_ratio(config))
     t_c = merge_link_cost(config)
     model_plan = planning.plan_for_model(
         loss_fn,
         params,
         batch,
-        ratio=config.ratio,
+        ratio=_ratio(config),
         t_s=t_s,
         t_c=t_c,
         method=config.merge,
@@ -130,7 +134,7 @@ def _make_merge_plan(
             "batch_per_device": per_device,
             "seconds": seconds,
         },
-        "t_s": {"selector": selector, "alpha": t_s.alpha, "beta": t_s.beta},
+        "t_s": {"selector": config.compressor, "alpha": t_s.alpha, "beta": t_s.beta},
         "t_c": dataclasses.asdict(t_c),
         "summary": summary,
     }

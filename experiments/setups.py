@@ -41,8 +41,8 @@ which would take GPU days we do not have here):
   baseline, ``top_k`` the radixSelect column (93.21, 93.32, 72.69, 73.25),
   ``dgc`` DGC's hierarchical top-k (93.28, 93.29, 72.49, 73.14),
   ``trimmed_top_k`` RGC's trimmed top-k (93.23, 93.32, 72.71, 73.17);
-  ``ldte_bs_paper`` runs the paper's Algorithm 2 exactly (``ldte_bs`` is
-  jaxcomp's default variant of it).
+  ``--compressor_kwargs=variant=paper`` runs the paper's Algorithm 2 exactly
+  (``ldte_bs`` is jaxcomp's default variant of it).
 
 ``dlgs_resnet20_cifar10``, ``dlgs_vgg16_cifar10``
   The DLGS paper's CIFAR-10 runs (its §4.1: 140 epochs, lr 0.1, 0.01 from
@@ -51,12 +51,12 @@ which would take GPU days we do not have here):
   threshold reuse (period 5, not given in the text) and the optimal merge
   plan, no warm-up, momentum correction. Momentum (0.9) and weight decay
   (1e-4 for ResNet-20, 5e-4 for VGG-16) are not in the text: the standard
-  recipes'. Pass ``--ratio=0.01`` for the second setting, ``--num_devices=3``
-  on CPU to have the paper's 3 workers. Expected: the paper's Table 1
-  numbers are not in the text we have; it reports DLGS "very close to
-  uncompressed". Reference numbers for these models trained dense with BN:
-  ResNet-20 91.25% (He et al.), VGG-16 92.64% (kuangliu/pytorch-cifar's
-  README).
+  recipes'. Pass ``--ratio=0.01`` (``--compressor_kwargs=ratio=0.01``) for the
+  second setting, ``--num_devices=3`` on CPU to have the paper's 3 workers.
+  Expected: the paper's Table 1 numbers are not in the text we have; it
+  reports DLGS "very close to uncompressed". Reference numbers for these
+  models trained dense with BN: ResNet-20 91.25% (He et al.), VGG-16 92.64%
+  (kuangliu/pytorch-cifar's README).
 
 Small on CPU (a smoke run, not a result): ``--num_devices=2 --epochs=1
 --max_steps_per_epoch=2 --batch_size=32 --time_split=false --progress=false``.
@@ -80,12 +80,12 @@ _RECIPE = dict(
     augment=True,
 )
 # The ldte_bs paper's sparsifier settings (its §3.2 and §4).
-_LDTE_SPARSIFIER = dict(ratio=1e-3, warmup_epochs=4, momentum_correction=True)
+_LDTE_SPARSIFIER = dict(
+    compressor_kwargs={"ratio": 1e-3}, warmup_epochs=4, momentum_correction=True
+)
 # DLGS: layer-wise top-k with threshold reuse and the optimal merge plan.
 _DLGS_SPARSIFIER = dict(
-    ratio=0.1,
-    granularity="layer",
-    reuse_period=5,
+    compressor_kwargs={"ratio": 0.1, "granularity": "layer", "reuse_period": 5},
     merge="optimal",
     warmup_epochs=0,
     momentum_correction=True,
@@ -98,7 +98,8 @@ class Setup(NamedTuple):
     Attributes:
       config: ``TrainConfig`` fields of the setup (the compressor included).
       sparsifier: fields applied only when the run's compressor is a
-        sparsifier (the paper's sparsification settings).
+        sparsifier (the paper's sparsification settings, its factory
+        arguments in ``compressor_kwargs``).
       expected: the result to expect, with its source.
     """
 
@@ -184,9 +185,14 @@ def setup_config(name: str, **overrides):
     follows from them:
 
     - The setup's sparsifier settings (``Setup.sparsifier``) apply only when
-      the run's compressor is a sparsifier; with another compressor every
-      field it does not use (``train.unused_fields``) is left unset, so
-      ``--setup=ldte_bs_table2_... --compressor=qsgd`` is a valid QSGD run.
+      the run's compressor is a sparsifier (``random_k`` without the
+      ``reuse_period`` it has no threshold for); with another compressor they
+      are left out (no ``compressor_kwargs``, warm-up or momentum
+      correction), so ``--setup=ldte_bs_table2_... --compressor=qsgd`` is a
+      valid QSGD run.
+    - ``compressor_kwargs`` overrides the setup's key by key
+      (``--setup=dlgs_resnet20_cifar10 --ratio=0.01`` keeps its
+      ``reuse_period=5``).
     - ``epochs`` overridden without ``lr_milestones``: the setup's milestones
       are moved to the same fractions of the new run (``round(m * epochs /
       setup_epochs)``), dropping those outside ``[1, epochs)`` and
@@ -208,8 +214,8 @@ def setup_config(name: str, **overrides):
     Example:
       >>> from experiments.setups import setup_config
       >>> c = setup_config("resnet20_cifar10", compressor="qsgd", epochs=16)
-      >>> c.model, c.norm, c.augment, c.compressor, c.ratio, c.lr_milestones
-      ('resnet20', 'batch', True, 'qsgd', None, (8, 12))
+      >>> c.model, c.norm, c.augment, c.compressor, c.compressor_kwargs, c.lr_milestones
+      ('resnet20', 'batch', True, 'qsgd', {}, (8, 12))
     """
     from experiments import train  # noqa: PLC0415 (imports JAX, no backend)
 
@@ -222,13 +228,14 @@ def setup_config(name: str, **overrides):
     setup = SETUPS[name]
     values = dict(setup.config)
     compressor = overrides.get("compressor", values["compressor"])
+    defaults = train.TrainConfig()
     if compressor in train.SPARSIFIERS:
         values.update(setup.sparsifier)
+        if compressor == "random_k":  # it picks indices: there is no threshold to reuse
+            kwargs = values["compressor_kwargs"]
+            values["compressor_kwargs"] = {k: v for k, v in kwargs.items() if k != "reuse_period"}
     else:
         values.update(warmup_epochs=0, momentum_correction=None)
-    # The fields the compressor does not use (e.g. DLGS's reuse_period for random_k) stay unset.
-    defaults = train.TrainConfig()
-    values.update({n: getattr(defaults, n) for n in train.unused_fields(compressor)})
     if "epochs" in overrides and "lr_milestones" not in overrides:
         epochs, base = overrides["epochs"], setup.config["epochs"]
         scaled = (round(m * epochs / base) for m in setup.config.get("lr_milestones", ()))
@@ -238,5 +245,6 @@ def setup_config(name: str, **overrides):
         # validation refuses them): those the user did not set follow it.
         for name in ("lr_milestones", "lr_decay"):
             values[name] = getattr(defaults, name)
-    values.update(overrides)
+    kwargs = {**values.get("compressor_kwargs", {}), **overrides.get("compressor_kwargs", {})}
+    values.update(overrides, compressor_kwargs=kwargs)
     return train.TrainConfig(**values)

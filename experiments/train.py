@@ -133,7 +133,6 @@ from experiments.config import (
     NORMS,
     QUANTIZERS,
     SAMPLINGS,
-    SPARSIFIER_FACTORIES,
     SPARSIFIERS,
     ConfigError,
     TrainConfig,
@@ -142,7 +141,6 @@ from experiments.config import (
     is_coded,
     learning_rate,
     resolve_config,
-    unused_fields,
     validate_config,
     validate_data,
 )
@@ -186,7 +184,6 @@ __all__ = [
     "QUANTIZERS",
     "SAMPLINGS",
     "SPARSIFIERS",
-    "SPARSIFIER_FACTORIES",
     "TIME_SPLIT_FIELDS",
     "TIME_SPLIT_PARTS",
     "TrainConfig",
@@ -198,7 +195,6 @@ __all__ = [
     "merge_link_cost",
     "resolve_config",
     "train_and_evaluate",
-    "unused_fields",
     "validate_config",
     "write_plots",
     "write_time_split_plot",
@@ -213,8 +209,11 @@ def _coded_bytes(config: TrainConfig, opt_state, params) -> float:
     """
     kept = {name: optax.tree.get(opt_state, name) for name in ("message", "message_bytes")}
     kept = jax.tree.map(lambda a: np.asarray(a.addressable_data(0))[0], kept)
-    s = qsgd_levels(config.levels, config.bits)
-    per_leaf = jaxcomp.coding.coded_message_bytes(kept, params, s=s, bucket_size=config.bucket_size)
+    kw = resolve_config(config).compressor_kwargs
+    s = qsgd_levels(kw.get("levels"), kw.get("bits"))
+    per_leaf = jaxcomp.coding.coded_message_bytes(
+        kept, params, s=s, bucket_size=kw.get("bucket_size")
+    )
     return float(sum(jax.tree.leaves(per_leaf)))
 
 

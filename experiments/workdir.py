@@ -21,7 +21,13 @@ import numpy as np
 from absl import logging
 
 from experiments import jsonio
-from experiments.config import COMPRESSED_OPTIMIZERS, TrainConfig, resolve_config
+from experiments.config import (
+    COMPRESSED_OPTIMIZERS,
+    FLAT_KWARGS,
+    TrainConfig,
+    kwarg_name,
+    resolve_config,
+)
 
 __all__ = [
     "CONFIG_FILE",
@@ -39,6 +45,7 @@ __all__ = [
     "save_checkpoint",
     "start_metrics",
     "storable",
+    "upgrade_record",
     "with_empty_leaves",
 ]
 
@@ -154,11 +161,51 @@ def data_record(dataset) -> dict:
     }
 
 
+def upgrade_record(fields: dict) -> dict:
+    """A stored config record in today's form: flat compressor fields into ``compressor_kwargs``.
+
+    Records written before ``compressor_kwargs`` hold the factory arguments as
+    fields of their own (``ratio``, ``levels``, ``bits``, ``bucket_size``,
+    ``rank``, ``freeze_step``, ...; :data:`experiments.config.FLAT_KWARGS`),
+    None when unset, and name the ldte_bs paper's variant
+    ``compressor="ldte_bs_paper"``. Their set values become the kwargs
+    (``freeze_step`` is 0/1 Adam's ``var_freeze_step``) and
+    ``ldte_bs_paper`` becomes ``ldte_bs`` with ``variant="paper"``: the same
+    run as a resolved config of today, so the old workdir resumes.
+
+    Example:
+      >>> from experiments.workdir import upgrade_record
+      >>> upgrade_record({"compressor": "qsgd", "levels": None, "bits": 4, "ratio": None})
+      {'compressor': 'qsgd', 'compressor_kwargs': {'bits': 4}}
+    """
+    if "compressor_kwargs" in fields:
+        return fields
+    out = {k: v for k, v in fields.items() if k not in FLAT_KWARGS}
+    compressor = fields.get("compressor")
+    kwargs = {}
+    if compressor == "ldte_bs_paper":
+        compressor = out["compressor"] = "ldte_bs"
+        kwargs["variant"] = "paper"
+    for name in FLAT_KWARGS:
+        if fields.get(name) is not None:
+            kwargs[kwarg_name(compressor, name)] = fields[name]
+    out["compressor_kwargs"] = kwargs
+    return out
+
+
 def config_differences(stored: dict, current: dict) -> list:
+    """The fields of two config records that differ, ``"name=old there, new now"``.
+
+    Both are read in today's form (:func:`upgrade_record`), so a record of
+    flat compressor fields compares equal to its ``compressor_kwargs`` form.
+    """
+    stored, current = upgrade_record(stored), upgrade_record(current)
+    kwargs = current.get("compressor_kwargs") or {}
     # A run under a constant schedule may be extended, unless something else
     # depends on the total: the compressed Adams' default freeze step (a fifth).
     extensible = stored.get("schedule") == current.get("schedule") == "constant" and not (
-        current.get("compressor") in COMPRESSED_OPTIMIZERS and current.get("freeze_step") is None
+        current.get("compressor") in COMPRESSED_OPTIMIZERS
+        and kwarg_name(current.get("compressor"), "freeze_step") not in kwargs
     )
     diffs = []
     for name in sorted(set(stored) | set(current)):

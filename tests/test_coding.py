@@ -715,9 +715,7 @@ def test_training_run_records_coded_bytes(tmp_path):
 
     config = train.TrainConfig(
         compressor="qsgd",
-        bits=2,
-        bucket_size=128,
-        min_dense_size=0,
+        compressor_kwargs={"bits": 2, "bucket_size": 128, "min_dense_size": 0},
         coded_bytes_every=1,
         num_devices=2,
         dataset="synthetic",
@@ -741,4 +739,6 @@ def test_training_run_records_coded_bytes(tmp_path):
     with open(tmp_path / "metrics.jsonl") as f:
         assert json.loads(f.readline())["coded_bytes_per_step_per_device"] == coded
     with pytest.raises(ValueError, match="coded_bytes_every"):
-        train.validate_config(dataclasses.replace(config, compressor="onebit", bits=None))
+        train.validate_config(
+            dataclasses.replace(config, compressor="onebit", compressor_kwargs={})
+        )

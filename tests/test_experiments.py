@@ -111,22 +111,27 @@ def test_compare_rows_are_valid_configs():
     # unused), and the paper's exact LDTE-BS is one of them.
     from experiments import compare, train  # noqa: PLC0415
 
-    assert compare.PAPER_TABLE2["ldte_bs_paper"] == {"compressor": "ldte_bs_paper"}
-    base = train.TrainConfig(ratio=1e-3, warmup_epochs=4, momentum_correction=True)
-    rows = {**compare.PAPER_TABLE2, "qsgd": {"compressor": "qsgd", "bucket_size": 512}}
+    assert compare.PAPER_TABLE2["ldte_bs_paper"] == {
+        "compressor": "ldte_bs",
+        "compressor_kwargs": {"variant": "paper"},
+    }
+    base = train.TrainConfig(
+        compressor_kwargs={"ratio": 1e-3}, warmup_epochs=4, momentum_correction=True
+    )
+    qsgd = {"compressor": "qsgd", "compressor_kwargs": {"bucket_size": 512}}
+    rows = {**compare.PAPER_TABLE2, "qsgd": qsgd}
     for overrides in rows.values():
         config = compare.for_compressor(base, overrides)
         train.validate_config(config)
         if config.compressor in train.SPARSIFIERS:
-            assert (config.ratio, config.warmup_epochs) == (1e-3, 4)
+            assert (config.compressor_kwargs["ratio"], config.warmup_epochs) == (1e-3, 4)
             assert config.momentum_correction
         else:
-            assert (config.ratio, config.warmup_epochs, config.momentum_correction) == (
-                None,
-                0,
-                None,
-            )
-    assert compare.for_compressor(base, rows["qsgd"]).bucket_size == 512
+            assert "ratio" not in config.compressor_kwargs
+            assert (config.warmup_epochs, config.momentum_correction) == (0, None)
+    assert compare.for_compressor(base, rows["qsgd"]).compressor_kwargs == {"bucket_size": 512}
+    paper = compare.for_compressor(base, rows["ldte_bs_paper"]).compressor_kwargs
+    assert paper == {"ratio": 1e-3, "variant": "paper"}
 
 
 def test_dlgs_table_rows_are_the_papers_methods():
@@ -136,20 +141,22 @@ def test_dlgs_table_rows_are_the_papers_methods():
 
     rows, setting = compare.TABLES["dlgs"]
     assert setting["epochs"] == 140 and setting["schedule"] == "step"
-    assert setting["warmup_epochs"] == 0 and setting["ratio"] == 0.1
+    assert setting["warmup_epochs"] == 0 and setting["compressor_kwargs"] == {"ratio": 0.1}
     base = train.TrainConfig(**setting, momentum=0.9)
     configs = {n: compare.for_compressor(base, o) for n, o in rows.items()}
     for config in configs.values():
         train.validate_config(config)
     resolved = {n: train.resolve_config(c) for n, c in configs.items() if n != "dense"}
-    assert resolved["top_k"].granularity == "global"
-    assert (resolved["lags"].granularity, resolved["lags"].reuse_period) == ("layer", 1)
-    assert resolved["dlgs_reuse"].reuse_period == compare.DLGS_REUSE_PERIOD > 1
+    kw = {n: c.compressor_kwargs for n, c in resolved.items()}
+    assert kw["top_k"]["granularity"] == "global"
+    assert (kw["lags"]["granularity"], kw["lags"]["reuse_period"]) == ("layer", 1)
+    assert kw["dlgs_reuse"]["reuse_period"] == compare.DLGS_REUSE_PERIOD > 1
     assert resolved["dlgs_reuse"].merge == "none"
-    assert (resolved["dlgs"].merge, resolved["dlgs"].reuse_period) == (
+    assert (resolved["dlgs"].merge, kw["dlgs"]["reuse_period"]) == (
         "optimal",
         compare.DLGS_REUSE_PERIOD,
     )
+    assert all(k["ratio"] == 0.1 for k in kw.values())
 
 
 def test_compare_merge_link_reaches_only_the_merging_row():
@@ -215,7 +222,11 @@ def test_ldte_bs_paper_row_runs_the_paper_variant():
     # Two devices with the same gradient exchange exactly what one device
     # running jaxcomp.ldte_bs(variant="paper") alone would send.
     g = {"w": np.random.default_rng(0).laplace(size=4096).astype(np.float32)}
-    config = train.TrainConfig(compressor="ldte_bs_paper", ratio=0.01, momentum_correction=False)
+    config = train.TrainConfig(
+        compressor="ldte_bs",
+        compressor_kwargs={"ratio": 0.01, "variant": "paper"},
+        momentum_correction=False,
+    )
     _, compressor = train.build_optimizer(config, 10, 100)
     mesh = jax.make_mesh((2,), (train.AXIS,), devices=jax.devices()[:2])
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(train.AXIS))

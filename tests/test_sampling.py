@@ -302,7 +302,10 @@ def test_feature_train_steps_equal_single_device_training(compressor):
     model, params, x, y = _mlp_problem(batch=24, seed=1)
     mesh = _mesh(n)
     # One global selection: the quickest sparsifier to compile.
-    overrides = {"ratio": 0.1, "momentum_correction": False, "granularity": "global"}
+    overrides = {
+        "compressor_kwargs": {"ratio": 0.1, "granularity": "global"},
+        "momentum_correction": False,
+    }
     overrides = overrides if compressor == "top_k" else {}
     config = train.TrainConfig(
         compressor=compressor, lr=lr, momentum=momentum, sampling="feature", **overrides
@@ -518,18 +521,12 @@ def test_feature_mode_needs_a_feature_per_device(tmp_path, monkeypatch):
 def test_main_sampling_flag_makes_the_config():
     from absl import flags  # noqa: PLC0415
 
-    from experiments import main  # noqa: PLC0415 (defines absl flags on import)
+    from experiments import cli, main  # noqa: PLC0415
 
-    try:
-        main.FLAGS(["main", "--sampling=local"])
-        assert main.config_from_flags().sampling == "local"
-    finally:
-        main.FLAGS.unparse_flags()
-    try:
-        main.FLAGS(["main"])
-        assert main.config_from_flags().sampling == "global"
-    finally:
-        main.FLAGS.unparse_flags()
+    def parse(*argv):
+        return main.config_from_flags(cli.parse(main.define_flags, ["main", *argv]))
+
+    assert parse("--sampling=local").sampling == "local"
+    assert parse().sampling == "global"
     with pytest.raises(flags.IllegalFlagValueError):
-        main.FLAGS(["main", "--sampling=bootstrap"])
-    main.FLAGS.unparse_flags()
+        parse("--sampling=bootstrap")

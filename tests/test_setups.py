@@ -272,15 +272,10 @@ def test_batchnorm_run_on_devices_matches_one_device(cifar, straight, tmp_path):
 
 
 def test_setup_flag_applies_the_setup_and_explicit_flags_override():
-    from experiments import main  # noqa: PLC0415 (defines absl flags on import)
+    from experiments import cli, main  # noqa: PLC0415
 
     def parse(*argv):
-        main.FLAGS.unparse_flags()
-        main.FLAGS(["main", *argv])
-        try:
-            return main.config_from_flags()
-        finally:
-            main.FLAGS.unparse_flags()
+        return main.config_from_flags(cli.parse(main.define_flags, ["main", *argv]))
 
     assert parse() == train.TrainConfig()  # no --setup: the flags' defaults, as before
     base = parse("--setup=ldte_bs_table2_resnet50_cifar100")
@@ -291,9 +286,9 @@ def test_setup_flag_applies_the_setup_and_explicit_flags_override():
         128,
         150,
     )
-    assert (base.compressor, base.ratio, base.warmup_epochs, base.lr_milestones) == (
+    assert (base.compressor, base.compressor_kwargs, base.warmup_epochs, base.lr_milestones) == (
         "ldte_bs",
-        1e-3,
+        {"ratio": 1e-3},
         4,
         (75, 112),
     )
@@ -306,9 +301,13 @@ def test_setup_flag_applies_the_setup_and_explicit_flags_override():
     )
     assert (over.compressor, over.epochs, over.batch_size, over.norm) == ("qsgd", 10, 64, "group")
     # The sparsifier's settings are dropped for qsgd; the milestones keep their fractions.
-    assert (over.ratio, over.warmup_epochs, over.momentum_correction) == (None, 0, None)
+    assert (over.compressor_kwargs, over.warmup_epochs, over.momentum_correction) == ({}, 0, None)
     assert over.lr_milestones == (5, 7) and over.weight_decay == 5e-4
     assert parse("--setup=dlgs_vgg16_cifar10", "--lr_milestones=3,4").lr_milestones == (3, 4)
+    # A kwarg flag (shorthand or --compressor_kwargs) overrides the setup's key by key.
+    for flag in ("--ratio=0.01", "--compressor_kwargs=ratio=0.01"):
+        dlgs = parse("--setup=dlgs_vgg16_cifar10", flag)
+        assert dlgs.compressor_kwargs == {"ratio": 0.01, "granularity": "layer", "reuse_period": 5}
     # Another schedule drops the step schedule's milestones (validation named
     # --lr_milestones, a flag never passed); given explicitly they stay, refused.
     for schedule in ("cosine", "constant"):
@@ -334,10 +333,13 @@ def test_setup_fields_the_compressor_does_not_use_stay_unset():
     # DLGS's threshold reuse is a sparsifier setting; random_k picks indices
     # and has no threshold to reuse, so the setup leaves it unset for random_k.
     c = setups.setup_config("dlgs_vgg16_cifar10", compressor="random_k")
-    assert setups.setup_config("dlgs_vgg16_cifar10").reuse_period > 1
-    assert c.reuse_period is None and c.ratio is not None
+    assert setups.setup_config("dlgs_vgg16_cifar10").compressor_kwargs["reuse_period"] > 1
+    assert "reuse_period" not in c.compressor_kwargs and c.compressor_kwargs["ratio"] == 0.1
     train.validate_config(c)
+    given = {"reuse_period": 5}
     with pytest.raises(ValueError, match="reuse_period"):
         train.validate_config(
-            setups.setup_config("dlgs_vgg16_cifar10", compressor="random_k", reuse_period=5)
+            setups.setup_config(
+                "dlgs_vgg16_cifar10", compressor="random_k", compressor_kwargs=given
+            )
         )

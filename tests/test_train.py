@@ -41,11 +41,15 @@ TINY = train.TrainConfig(
     [
         {"compressor": "dense"},
         # Global granularity: one selection, the quickest ldte_bs to compile.
-        {"compressor": "ldte_bs", "ratio": 0.01, "warmup_epochs": 1, "granularity": "global"},
+        {
+            "compressor": "ldte_bs",
+            "compressor_kwargs": {"ratio": 0.01, "granularity": "global"},
+            "warmup_epochs": 1,
+        },
         # Quantizers with their default flags (momentum on the optimizer).
         {"compressor": "qsgd"},
         # Its compression step is slow to compile: timed by the others only.
-        {"compressor": "onebit", "bucket_size": 64, "time_split": False},
+        {"compressor": "onebit", "compressor_kwargs": {"bucket_size": 64}, "time_split": False},
     ],
     ids=lambda o: o["compressor"],
 )
@@ -87,12 +91,11 @@ def test_resume_gives_identical_parameters(tmp_path):
     config = dataclasses.replace(
         TINY,
         compressor="ldte_bs",
-        ratio=0.01,
+        compressor_kwargs={"ratio": 0.01, "granularity": "global"},
         warmup_epochs=1,
         epochs=2,
         checkpoint=True,
         schedule="cosine",
-        granularity="global",
         time_split=False,
     )
     straight = train.train_and_evaluate(config, str(tmp_path / "a"))
@@ -122,8 +125,14 @@ def test_resume_gives_identical_parameters(tmp_path):
 def test_compressed_adam_checkpoints_and_resumes(tmp_path, compressor):
     # Their state holds a zero-size leaf (the server error of the all-gather
     # exchange), which orbax refuses to save: the first checkpoint crashed.
+    freeze = {"onebit_adam": "freeze_step", "zero_one_adam": "var_freeze_step"}[compressor]
     config = dataclasses.replace(
-        TINY, compressor=compressor, epochs=2, checkpoint=True, time_split=False, freeze_step=2
+        TINY,
+        compressor=compressor,
+        compressor_kwargs={freeze: 2},
+        epochs=2,
+        checkpoint=True,
+        time_split=False,
     )
     straight = train.train_and_evaluate(config, str(tmp_path / "a"))
     train.train_and_evaluate(config, str(tmp_path / "b"), stop_after_epoch=1)
@@ -138,8 +147,8 @@ def test_compressed_adam_checkpoints_and_resumes(tmp_path, compressor):
     longer = workdir_lib.config_record(dataclasses.replace(config, epochs=3), 2)["config"]
     assert record["schedule"] == "constant"
     assert workdir_lib.config_differences(record, longer) == []  # freeze_step given
-    unset = {**record, "freeze_step": None}
-    assert workdir_lib.config_differences(unset, {**longer, "freeze_step": None}) == [
+    unset = {**record, "compressor_kwargs": {}}
+    assert workdir_lib.config_differences(unset, {**longer, "compressor_kwargs": {}}) == [
         "epochs=2 there, 3 now"
     ]
 
@@ -219,10 +228,10 @@ def test_epoch_order_is_deterministic():
     "overrides, message",
     [
         ({"compressor": "nope"}, "unknown compressor"),
-        ({"compressor": "ldte_bs", "ratio": 0.0}, "ratio"),
-        ({"compressor": "ldte_bs", "ratio": 1.5}, "ratio"),
+        ({"compressor": "ldte_bs", "compressor_kwargs": {"ratio": 0.0}}, "ratio"),
+        ({"compressor": "ldte_bs", "compressor_kwargs": {"ratio": 1.5}}, "ratio"),
         ({"batch_size": 15}, "divisible"),
-        ({"compressor": "qsgd", "levels": 0}, "levels"),
+        ({"compressor": "qsgd", "compressor_kwargs": {"levels": 0}}, "levels"),
         ({"compressor": "onebit", "momentum_correction": True}, "momentum_correction"),
         ({"warmup_epochs": 2}, "sparsifier"),
         ({"num_devices": 64}, "devices exist"),
@@ -238,12 +247,28 @@ def test_epoch_order_is_deterministic():
         ({"data_dir": "/tmp/cifar-10-python.tar.gz"}, "data_dir"),  # dataset: synthetic
         ({"download": True}, "download"),
         # Rejected by the jaxcomp factories: the optimizer is built (abstractly) in validation.
-        ({"compressor": "qsgd", "levels": 3 * 10**9}, r"qsgd: levels must be .* \[1, 2147483647\]"),
-        # The flag's name, not the library's (zero_one_adam calls it var_freeze_step).
-        ({"compressor": "onebit_adam", "freeze_step": 2**63 - 1}, r"freeze_step must be in \[1,"),
-        ({"compressor": "zero_one_adam", "freeze_step": 2**31 - 1}, r"freeze_step must be in \[1,"),
-        ({"compressor": "zero_one_adam", "freeze_step": 0}, r"freeze_step must be in \[1,"),
-        ({"compressor": "random_k", "reuse_period": 5}, "reuse_period .* not used by .*'random_k'"),
+        (
+            {"compressor": "qsgd", "compressor_kwargs": {"levels": 3 * 10**9}},
+            r"qsgd \(--compressor_kwargs\): levels must be .* \[1, 2147483647\]",
+        ),
+        (
+            {"compressor": "onebit_adam", "compressor_kwargs": {"freeze_step": 2**63 - 1}},
+            r"freeze_step must be an integer in \[1,",
+        ),
+        # The library's name: var_freeze_step + 1 must fit in int32.
+        (
+            {"compressor": "zero_one_adam", "compressor_kwargs": {"var_freeze_step": 2**31 - 1}},
+            r"var_freeze_step must be an integer in \[1, 2147483646\]",
+        ),
+        (
+            {"compressor": "zero_one_adam", "compressor_kwargs": {"var_freeze_step": 0}},
+            r"var_freeze_step must be an integer in \[1,",
+        ),
+        (
+            {"compressor": "random_k", "compressor_kwargs": {"reuse_period": 5}},
+            "reuse_period must be 1 with an index-based selector",
+        ),
+        ({"compressor": "top_k", "compressor_kwargs": {"nope": 1}}, "argument 'nope'"),
         # The synthetic set's 2048 examples, known without reading the data.
         ({"batch_size": 100_000}, "batch_size=100000 .* exceeds the 2048 training examples"),
     ],
@@ -264,7 +289,10 @@ def test_main_rejects_bad_flags_before_training(tmp_path):
     for args, message in [
         (["--compressor=foo"], "compressor"),
         (["--compressor=qsgd", "--levels=0"], "levels"),
-        (["--compressor=qsgd", "--ratio=0.01"], "--ratio"),
+        (["--compressor=qsgd", "--ratio=0.01"], "unexpected keyword argument 'ratio'"),
+        (["--compressor=qsgd", "--compressor_kwargs=levels=4,nope=1"], "argument 'nope'"),
+        (["--compressor=qsgd", "--compressor_kwargs={bad json"], "compressor_kwargs"),
+        (["--compressor=qsgd", "--levels=4", "--compressor_kwargs=levels=8"], "differ"),
         (["--batch_size=60", "--num_devices=8"], "divisible"),
         # Recursive doubling: refused with the config (it used to die at the first step,
         # after config.json, metrics.jsonl and checkpoints/ were written).
@@ -294,10 +322,10 @@ def test_main_rejects_bad_flags_before_training(tmp_path):
 
 
 def test_every_config_field_has_a_flag():
-    from experiments import main  # noqa: PLC0415 (defines absl flags on import)
+    from experiments import cli, main  # noqa: PLC0415
 
     names = {f.name for f in dataclasses.fields(train.TrainConfig)}
-    assert names <= set(main.FLAGS)
+    assert names <= set(cli.parse(main.define_flags, ["main"]))
 
 
 @pytest.mark.parametrize("name, params", [("mlp", 50826), ("cnn", 28426), ("resnet20", None)])
@@ -368,7 +396,7 @@ def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
     dense = dataclasses.replace(TINY, checkpoint=True, time_split=False)
     train.train_and_evaluate(dense, workdir)
     metrics = (tmp_path / "w" / "metrics.jsonl").read_text()
-    top_k = dataclasses.replace(dense, compressor="top_k", ratio=0.05)
+    top_k = dataclasses.replace(dense, compressor="top_k", compressor_kwargs={"ratio": 0.05})
     with pytest.raises(ValueError, match="compressor='dense' there, 'top_k' now") as info:
         train.train_and_evaluate(top_k, workdir)
     assert "--overwrite" in str(info.value)
@@ -403,7 +431,7 @@ def test_workdir_refuses_another_config_and_overwrite_starts_fresh(tmp_path):
     dense_bytes = json.loads(metrics.splitlines()[0])["bytes_per_step_per_device"]
     assert new["final"]["bytes_per_step_per_device"] < dense_bytes / 5
     stored = json.loads((tmp_path / "w" / train.CONFIG_FILE).read_text())["config"]
-    assert stored["compressor"] == "top_k" and stored["ratio"] == 0.05
+    assert stored["compressor"] == "top_k" and stored["compressor_kwargs"]["ratio"] == 0.05
 
 
 def test_epochs_grow_on_resuming_and_a_shrink_is_refused(tmp_path):
@@ -697,52 +725,68 @@ def test_every_compressor_builds_with_default_flags(name):
     # Momentum correction: on the compressor for sparsifiers (plain SGD after
     # it), on the optimizer for the others.
     sgd_trace = steps.get_field(state[1], "trace")  # optax.sgd's momentum buffer
+    kwargs = resolved.compressor_kwargs
     if name in train.SPARSIFIERS:
-        assert resolved.momentum_correction and resolved.ratio == 1e-3
-        assert resolved.granularity == "layer" and sgd_trace is None
+        assert resolved.momentum_correction and kwargs["ratio"] == 1e-3
+        assert kwargs["granularity"] == "layer" and sgd_trace is None
     elif name == "signum" or name in train.COMPRESSED_OPTIMIZERS:
         # Their momentum is their own: signum sends the sign of it, the Adams are whole
         # optimizers (nothing chained after them).
         assert resolved.momentum_correction is False and sgd_trace is None
     else:
-        assert resolved.momentum_correction is False and resolved.ratio is None
+        assert resolved.momentum_correction is False and "ratio" not in kwargs
         assert sgd_trace is not None
-    assert (resolved.levels == 16) == (name == "qsgd")
-    assert (resolved.rank == 4) == (name == "powersgd")
+    assert (kwargs.get("levels") == 16) == (name == "qsgd")
+    assert (kwargs.get("rank") == 4) == (name == "powersgd")
 
 
 def _unused_cases():
-    # Which optional flag each family does not read, stated independently.
-    sparse_only = {
-        **{"ratio": 0.01, "granularity": "global", "low_pass": 0.5},
-        **{"merge_alpha": 1e-5, "merge_beta": 1e-9},
-    }
-    quant_only = {"bucket_size": 8}
+    # Which factory argument each family does not take, stated independently:
+    # the factory itself rejects it (Python's TypeError naming the keyword).
+    sparse_only = {"ratio": 0.01, "granularity": "global", "low_pass": 0.5}
     qsgd_only = {"levels": 4}
     rank_only = {"rank": 2}
     freeze_only = {"freeze_step": 3}
-    others = {**rank_only, **freeze_only}
-    unused = {"dense": {**sparse_only, **quant_only, **qsgd_only, **others, "min_dense_size": 5}}
-    unused.update({n: {**quant_only, **qsgd_only, **others} for n in train.SPARSIFIERS})
-    unused.update({n: {**sparse_only, **qsgd_only, **others} for n in train.QUANTIZERS})
-    unused["qsgd"] = {**sparse_only, **others}
-    unused["cast"] = {**sparse_only, **qsgd_only, **quant_only, **others}
-    unused["powersgd"] = {**sparse_only, **quant_only, **qsgd_only, **freeze_only}
+    unused = {"dense": {**sparse_only, **qsgd_only, "bucket_size": 8, "min_dense_size": 5}}
+    unused.update({n: {**qsgd_only, **rank_only, **freeze_only} for n in train.SPARSIFIERS})
+    unused.update({n: {**sparse_only, **rank_only, **freeze_only} for n in train.QUANTIZERS})
+    unused["qsgd"] = {**sparse_only, **rank_only, **freeze_only}
+    unused["powersgd"] = {**sparse_only, **qsgd_only, **freeze_only}
     for n in train.COMPRESSED_OPTIMIZERS:
-        unused[n] = {**sparse_only, **quant_only, **qsgd_only, **rank_only}
-    cases = [(n, f, v) for n in train.COMPRESSORS for f, v in unused[n].items()]
+        unused[n] = {**sparse_only, **qsgd_only, **rank_only}
+    return [(n, k, v) for n in train.COMPRESSORS for k, v in unused[n].items()]
+
+
+@pytest.mark.parametrize("name, key, value", _unused_cases())
+def test_kwarg_the_factory_does_not_take_is_rejected(name, key, value):
+    config = train.TrainConfig(compressor=name, compressor_kwargs={key: value})
+    with pytest.raises(ValueError, match=f"unexpected keyword argument '{key}'") as info:
+        train.validate_config(config)
+    assert name in str(info.value) and "\n" not in str(info.value)
+
+
+def _unused_field_cases():
+    # The experiment's own fields that only some compressors use.
     not_sparse = [n for n in train.COMPRESSORS if n not in train.SPARSIFIERS]
+    cases = [(n, f, v) for n in not_sparse for f, v in (("merge", "greedy"), ("warmup_epochs", 1))]
     cases += [(q, "momentum_correction", True) for q in not_sparse if q != "dense"]
-    cases += [(n, "warmup_epochs", 1) for n in not_sparse]
+    cases += [(n, "coded_bytes_every", 2) for n in ("dense", "top_k", "onebit")]
     return cases
 
 
-@pytest.mark.parametrize("name, field, value", _unused_cases())
-def test_flag_unused_by_the_compressor_is_rejected(name, field, value):
+@pytest.mark.parametrize("name, field, value", _unused_field_cases())
+def test_field_unused_by_the_compressor_is_rejected(name, field, value):
     config = dataclasses.replace(train.TrainConfig(compressor=name), **{field: value})
     with pytest.raises(ValueError, match=f"--{field}") as info:
         train.validate_config(config)
     assert repr(name) in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["seed", "axis_name", "groups", "momentum"])
+def test_kwargs_the_experiment_sets_are_rejected(key):
+    config = train.TrainConfig(compressor="top_k", compressor_kwargs={key: 1})
+    with pytest.raises(ValueError, match=f"compressor_kwargs sets {key}"):
+        train.validate_config(config)
 
 
 @pytest.mark.parametrize(
@@ -752,7 +796,8 @@ def test_flag_unused_by_the_compressor_is_rejected(name, field, value):
 def test_min_dense_size_applies_to_quantizers(name, min_dense_size, dense):
     # A 64-element leaf: dense is 4 * 64 bytes; qsgd's own default (10000)
     # sends it dense, onebit's (0) compresses it; the flag overrides both.
-    config = train.TrainConfig(compressor=name, min_dense_size=min_dense_size)
+    kwargs = {} if min_dense_size is None else {"min_dense_size": min_dense_size}
+    config = train.TrainConfig(compressor=name, compressor_kwargs=kwargs)
     _, compressor = train.build_optimizer(config, 10, 100)
     mesh = jax.make_mesh((2,), (train.AXIS,), devices=jax.devices()[:2])
     g = {"w": np.linspace(-1, 1, 64, dtype=np.float32)}
@@ -797,7 +842,9 @@ def test_merge_link_flags_are_checked(overrides, message):
 
 
 def test_merge_link_defaults_to_10_gbe_and_takes_the_flags():
-    config = train.TrainConfig(compressor="top_k", ratio=0.01, merge="optimal")
+    config = train.TrainConfig(
+        compressor="top_k", compressor_kwargs={"ratio": 0.01}, merge="optimal"
+    )
     train.validate_config(config)
     # 10 GbE: 50 us per message, 1.25e9 bytes/s; 8 bytes per sent (index, value) pair.
     t_c = train.merge_link_cost(config)
@@ -810,7 +857,9 @@ def test_merge_link_defaults_to_10_gbe_and_takes_the_flags():
 
 
 def test_merge_link_change_is_another_config():
-    config = train.TrainConfig(compressor="top_k", ratio=0.01, merge="optimal")
+    config = train.TrainConfig(
+        compressor="top_k", compressor_kwargs={"ratio": 0.01}, merge="optimal"
+    )
     record = workdir_lib.config_record(config, 2)["config"]
     # A config.json written before the link flags existed: the same run as unset flags.
     older = {k: v for k, v in record.items() if k not in ("merge_alpha", "merge_beta")}
@@ -827,11 +876,10 @@ def test_merge_plan_is_written_and_reused_on_resume(tmp_path, monkeypatch):
     config = dataclasses.replace(
         TINY,
         compressor="ldte_bs",
-        ratio=0.01,
+        compressor_kwargs={"ratio": 0.01, "reuse_period": 2},
         merge="optimal",
         # A link whose every message costs a second: one message (one group) is optimal.
         merge_alpha=1.0,
-        reuse_period=2,
         epochs=2,
         checkpoint=True,
         time_split=False,
@@ -1001,14 +1049,11 @@ def test_coded_batch_needs_no_divisibility_by_the_devices():
 
 
 def test_main_coded_flags_make_the_config():
-    from experiments import main  # noqa: PLC0415 (defines absl flags on import)
+    from experiments import cli, main  # noqa: PLC0415
 
     args = ["--compressor=dense", "--exchange=uncoded", "--redundancy=3"]
-    try:
-        main.FLAGS(["main", *args, "--coded_bits=16", "--coded_value_range=5"])
-        config = main.config_from_flags()
-    finally:
-        main.FLAGS.unparse_flags()
+    argv = ["main", *args, "--coded_bits=16", "--coded_value_range=5"]
+    config = main.config_from_flags(cli.parse(main.define_flags, argv))
     assert (config.exchange, config.redundancy) == ("uncoded", 3)
     assert (config.coded_bits, config.coded_value_range) == (16, 5.0)
     train.validate_config(config)
@@ -1056,13 +1101,15 @@ def test_low_pass_reaches_the_sparsifier_and_is_checked(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(jaxcomp, "top_k", spy)
-    config = dataclasses.replace(TINY, compressor="top_k", exchange="scalecom", low_pass=0.25)
+    config = dataclasses.replace(
+        TINY, compressor="top_k", exchange="scalecom", compressor_kwargs={"low_pass": 0.25}
+    )
     train.validate_config(config)
     train.build_optimizer(config, 2, 2)
     assert (seen["low_pass"], seen["exchange"]) == (0.25, "scalecom")
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="low_pass"):
-            train.validate_config(dataclasses.replace(config, low_pass=bad))
+            train.validate_config(dataclasses.replace(config, compressor_kwargs={"low_pass": bad}))
 
 
 @pytest.mark.parametrize(
@@ -1073,3 +1120,110 @@ def test_exchange_the_compressor_lacks_is_rejected(compressor, exchange):
     config = dataclasses.replace(TINY, compressor=compressor, exchange=exchange)
     with pytest.raises(ValueError, match="exchange"):
         train.validate_config(config)
+
+
+# config.json as the program wrote it before compressor_kwargs: the factory
+# arguments as flat fields (a literal record of that format, resolved: the
+# sparsifiers' ratio, granularity and reuse_period filled in).
+_FLAT_RECORD = {
+    "compressor": "ldte_bs",
+    "ratio": 0.01,
+    "warmup_epochs": 1,
+    "momentum": 0.9,
+    "momentum_correction": True,
+    "granularity": "layer",
+    "reuse_period": 1,
+    "low_pass": None,
+    "merge": "none",
+    "merge_alpha": None,
+    "merge_beta": None,
+    "min_dense_size": None,
+    "levels": None,
+    "bits": None,
+    "bucket_size": None,
+    "num_devices": 2,
+    "dataset": "synthetic",
+    "data_dir": None,
+    "download": False,
+    "model": "mlp",
+    "epochs": 2,
+    "batch_size": 16,
+    "lr": 0.05,
+    "schedule": "constant",
+    "seed": 0,
+    "progress": False,
+    "checkpoint": True,
+    "time_split": False,
+    "max_steps_per_epoch": 2,
+    "coded_bytes_every": None,
+    "coordinator_address": None,
+    "num_processes": None,
+    "process_id": None,
+    "fit_check_epochs": [],
+    "exchange": None,
+    "redundancy": None,
+    "coded_value_range": None,
+    "coded_bits": None,
+    "sampling": "global",
+    "rank": None,
+    "freeze_step": None,
+    "lr_milestones": [],
+    "lr_decay": 0.1,
+    "weight_decay": 0.0,
+    "norm": "group",
+    "augment": False,
+    "eval_examples": None,
+}
+
+
+def test_flat_config_json_of_older_runs_resumes(tmp_path):
+    config = dataclasses.replace(
+        TINY,
+        compressor="ldte_bs",
+        compressor_kwargs={"ratio": 0.01},
+        warmup_epochs=1,
+        epochs=2,
+        checkpoint=True,
+        time_split=False,
+    )
+    first = train.train_and_evaluate(config, str(tmp_path), stop_after_epoch=1)
+    path = tmp_path / train.CONFIG_FILE
+    data = json.loads(path.read_text())["data"]
+    path.write_text(json.dumps({"format": 1, "config": _FLAT_RECORD, "data": data}))
+    resumed = train.train_and_evaluate(config, str(tmp_path))
+    assert [r["epoch"] for r in resumed["records"]] == [1, 2]
+    assert resumed["records"][0] == first["records"][0]
+    stored = json.loads(path.read_text())["config"]  # rewritten in today's form
+    assert "ratio" not in stored and stored["compressor_kwargs"]["ratio"] == 0.01
+    # Another flat value is another run: refused, named in today's terms.
+    path.write_text(json.dumps({"format": 1, "config": {**_FLAT_RECORD, "ratio": 0.02}}))
+    with pytest.raises(train.WorkdirError, match="compressor_kwargs=.*'ratio': 0.02"):
+        train.train_and_evaluate(config, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "flat, compressor, kwargs",
+    [
+        ({"compressor": "ldte_bs_paper", "ratio": 0.05}, "ldte_bs", {"variant": "paper"}),
+        ({"compressor": "qsgd", "bits": 4, "bucket_size": 128}, "qsgd", {}),
+        ({"compressor": "powersgd", "rank": 2}, "powersgd", {}),
+        ({"compressor": "onebit_adam", "freeze_step": 2}, "onebit_adam", {}),
+        ({"compressor": "zero_one_adam", "freeze_step": 2}, "zero_one_adam", {}),
+        ({"compressor": "top_k", "ratio": 0.05, "reuse_period": 2}, "top_k", {}),
+    ],
+)
+def test_flat_records_map_into_compressor_kwargs(flat, compressor, kwargs):
+    # The old record of a run given by the old flags equals the record of
+    # the same run given by compressor_kwargs (stated here by hand).
+    given = {k: v for k, v in flat.items() if k != "compressor"}
+    if compressor == "zero_one_adam":
+        given = {"var_freeze_step": given["freeze_step"]}
+    config = train.TrainConfig(compressor=compressor, compressor_kwargs={**kwargs, **given})
+    record = workdir_lib.config_record(config, 2)["config"]
+    old = {k: v for k, v in record.items() if k != "compressor_kwargs"}
+    defaults = {"qsgd": {}, "powersgd": {}, "onebit_adam": {}, "zero_one_adam": {}}
+    sparse = {"granularity": "layer", "reuse_period": 1}
+    old.update(defaults.get(compressor, sparse), **flat)
+    assert workdir_lib.config_differences(old, record) == []
+    changed = {**old, next(k for k in flat if k != "compressor"): 3}
+    assert workdir_lib.config_differences(changed, record) != []
