@@ -39,6 +39,7 @@ from experiments import timing
 from experiments.config import AXIS, TrainConfig, learning_rate, resolve_config, with_weight_decay
 from jaxcomp import cssgd
 from jaxcomp import sampling as sampling_lib
+from jaxcomp.distributed.skeleton import device_slice, device_stack, shard_step
 
 __all__ = [
     "FEATURE_PARAM_SPECS",
@@ -350,11 +351,9 @@ def init_feature_opt_state(slice_tx, tx, params, mesh):
     """(slice state, rest state), each with a leading device axis sharded over AXIS."""
 
     def init(slices, rest):
-        return jax.tree.map(lambda a: a[None], (slice_tx.init(slices[0]), tx.init(rest)))
+        return device_stack((slice_tx.init(slices[0]), tx.init(rest)))
 
-    init_fn = jax.shard_map(
-        init, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS), check_vma=False
-    )
+    init_fn = shard_step(init, mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS))
     return jax.jit(init_fn)(params["slices"], params["rest"])
 
 
@@ -376,7 +375,7 @@ def make_feature_train_step(
     value_and_grad = feature_value_and_grad(num_layers)
 
     def step(params, opt_state, x, y):
-        slice_state, state = jax.tree.map(lambda a: a[0], opt_state)
+        slice_state, state = device_slice(opt_state)
         loss, grads = value_and_grad(params, x, y)
         own = params["slices"][0]
         # A slice's gradient is its device's alone: no exchange, no compression.
@@ -390,14 +389,14 @@ def make_feature_train_step(
         stats["wire_bytes"] = stats["wire_bytes"] + jnp.float32(activation_bytes)
         metrics = {k: lax.pmean(v, AXIS) for k, v in stats.items()}
         metrics["loss"] = lax.pmean(loss, AXIS)
-        return new_params, jax.tree.map(lambda a: a[None], (slice_state, state)), metrics
+        return new_params, device_stack((slice_state, state)), metrics
 
-    sharded = jax.shard_map(
-        step if communicate else jaxcomp.comm.without_communication(step),
-        mesh=mesh,
+    sharded = shard_step(
+        step,
+        mesh,
         in_specs=(FEATURE_PARAM_SPECS, P(AXIS), P(AXIS), P()),
         out_specs=(FEATURE_PARAM_SPECS, P(AXIS), P()),
-        check_vma=False,  # sparse exchanges end in an all-gather (make_train_step)
+        communicate=communicate,
     )
     return jax.jit(sharded, donate_argnums=(0, 1))
 
@@ -419,12 +418,12 @@ def make_feature_forward_backward(mesh, num_layers: int):
         }
 
     return jax.jit(
-        jax.shard_map(
-            jaxcomp.comm.without_communication(step),
-            mesh=mesh,
+        shard_step(
+            step,
+            mesh,
             in_specs=(FEATURE_PARAM_SPECS, P(AXIS), P()),
             out_specs=FEATURE_PARAM_SPECS,
-            check_vma=False,
+            communicate=False,
         ),
         donate_argnums=0,
     )
@@ -508,12 +507,12 @@ def _make_coded_forward_backward(loss_fn, mesh):
     value_and_grad = jaxcomp.distributed.per_device_value_and_grad(loss_fn, AXIS)
 
     def step(params, blocks):
-        local = jax.tree.map(lambda a: a[0], blocks)
+        local = device_slice(blocks)
         _, block_grads = jax.vmap(value_and_grad, in_axes=(None, 0))(params, local)
         return optax.apply_updates(params, jax.tree.map(lambda g: jnp.mean(g, 0), block_grads))
 
     return jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False),
+        shard_step(step, mesh, in_specs=(P(), P(AXIS)), out_specs=P()),
         donate_argnums=0,
     )
 
