@@ -638,7 +638,7 @@ def plot(part: str, result: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.5), constrained_layout=True)
     rows = result.get("rows") or []
-    if part == "selection" and rows:
+    if part == "selection" and any(r["methods"] for r in rows):
         for name in SELECTION:
             pts = [(r["n"], r["methods"][name]["ms"]) for r in rows if name in r["methods"]]
             if pts:
