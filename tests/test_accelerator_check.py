@@ -38,7 +38,7 @@ def test_every_part_is_present_with_its_budget_and_plot(record):
         assert (out / f"{part}.png").stat().st_size > 0
     meta = rec["meta"]
     d = jax.devices()[0]
-    assert (meta["device_kind"], meta["platform"]) == (d.device_kind, d.platform)
+    assert (meta["device_kind"], meta["device_platform"]) == (d.device_kind, d.platform)
     assert (meta["device_count"], meta["jax_version"]) == (jax.device_count(), jax.__version__)
     assert meta["small"] and "memory" in meta
 
@@ -128,3 +128,15 @@ def test_collectives_during_backward_reads_the_schedule():
         False,
     )
     assert after["matmuls"] == 2 and during["matmuls_after_first_collective"] == 1
+
+
+def test_notebooks_install_from_one_marked_variable_and_report_the_backend():
+    import pathlib  # noqa: PLC0415
+
+    import nbformat  # noqa: PLC0415
+
+    for path in sorted((pathlib.Path(__file__).parents[1] / "colab").glob("*.ipynb")):
+        cell = nbformat.read(path, as_version=4).cells[1].source
+        assert cell.count("REPO_URL") == 4 and 'REPO_URL = ""' in cell, path.name
+        assert "SET THIS" in cell and "git+{REPO_URL}" in cell, path.name
+        assert 'jax.default_backend() == "cpu"' in cell and "No GPU or TPU found" in cell
