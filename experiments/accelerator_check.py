@@ -589,7 +589,7 @@ def _meta(small: bool, budgets: dict) -> dict:
 
     return {
         **environment(),
-        "platform": d.platform,
+        "device_platform": d.platform,
         "device_kind": d.device_kind,
         "device_count": jax.device_count(),
         "jax_version": jax.__version__,
@@ -685,7 +685,8 @@ def _f(x, spec: str) -> str:
 def summary(record: dict) -> str:
     """The printed table: one block per part."""
     m, p = record["meta"], record["parts"]
-    lines = [f"{m['device_kind']} x{m['device_count']} ({m['platform']}), jax {m['jax_version']}"]
+    device = f"{m['device_kind']} x{m['device_count']} ({m['device_platform']})"
+    lines = [f"{device}, jax {m['jax_version']}, jaxlib {m['jaxlib_version']}"]
     for part, r in p.items():
         head = f"[{part}] {r['elapsed_s']:.1f} s of {r['budget_s']:.0f}"
         head += f", skipped {len(r['skipped'])}" if r["skipped"] else ""
