@@ -151,6 +151,9 @@ class Budget:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
 
 def _host(tree):
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), tree)
@@ -345,6 +348,7 @@ def _selectors() -> dict[str, Callable]:
 def part_selection(sizes_log2: Sequence[int], repeats: int, budget: Budget) -> dict:
     rows = []
     methods = _selectors()
+    cpu = jax.default_backend() == "cpu"
     for lg in sizes_log2:
         n = 2**lg
         x = jnp.asarray(bench_selection.make_data("laplace", n))
@@ -354,14 +358,20 @@ def part_selection(sizes_log2: Sequence[int], repeats: int, budget: Budget) -> d
             if budget.over():
                 budget.skipped.append(f"{name}:2^{lg}")
                 continue
+            if name == "sort_top_k" and cpu and lg > bench_selection.SORT_MAX_LOG2:
+                budget.skipped.append(f"{name}:2^{lg} (XLA:CPU sorts take seconds)")
+                continue
             f = bench_selection.threshold_fn(select, k)
             t0 = time.perf_counter()
             jax.block_until_ready(f(x))
             first = time.perf_counter() - t0
-            ms = median_ms(f, x, repeats=repeats)
+            # Fewer calls when the full median would not fit in what is left of the budget.
+            reps = repeats if first * (repeats + 2) < budget.left() else 1
+            ms = median_ms(f, x, warmup=2 if reps > 1 else 0, repeats=reps)
             t, count, _ = f(x)
             row["methods"][name] = {
                 "ms": ms,
+                "repeats": reps,
                 "first_call_s": first,
                 "count": int(count),
                 "count_over_k": int(count) / k,
@@ -380,20 +390,32 @@ def part_selection(sizes_log2: Sequence[int], repeats: int, budget: Budget) -> d
 def part_model(trees: Sequence[str], steps: int, out: str, small: bool, budget: Budget) -> dict:
     rows = []
     devices = [1] + ([jax.device_count()] if jax.device_count() > 1 and not small else [])
-    for tree in trees:
+    keep = ("tree", "devices", "compressor", "leaves", "compile_s", "step_ms", "skipped_steps",
+            "hlo")  # fmt: skip
+    for i, tree in enumerate(trees):
+        t_tree = time.perf_counter()
         for n_dev in devices:
-            if budget.over():
-                budget.skipped.append(f"{tree}:{n_dev}")
-                continue
-            left = max(budget.seconds - budget.elapsed(), 1.0)
-            record = bench_model.run(
-                [tree], list(MODEL_COMPRESSORS), ["tree"], [n_dev],
-                steps=steps, warmup=1, budget_s=left / len(MODEL_COMPRESSORS),
-                outdir=os.path.join(out, "bench_model", f"{tree}_{n_dev}"),
-            )  # fmt: skip
-            keep = ("tree", "devices", "compressor", "leaves", "compile_s", "step_ms",
-                    "step_vs_sgd", "compile_vs_sgd", "skipped_steps", "hlo")  # fmt: skip
-            rows += [{k: r[k] for k in keep} for r in record["rows"]]
+            for name in MODEL_COMPRESSORS:
+                if budget.over():
+                    budget.skipped.append(f"{tree}:{n_dev}:{name}")
+                    continue
+                record = bench_model.run(
+                    [tree], [name], ["tree"], [n_dev], steps=steps, warmup=1,
+                    budget_s=max(budget.left(), 1.0),
+                    outdir=os.path.join(out, "bench_model", f"{tree}_{n_dev}_{name}"),
+                )  # fmt: skip
+                rows += [{k: r[k] for k in keep} for r in record["rows"]]
+        # The trees grow: one that would take twice this one's time is left out.
+        if i + 1 < len(trees) and 2 * (time.perf_counter() - t_tree) > budget.left():
+            budget.skipped += [f"{t} (the last tree took over half the budget left)"
+                               for t in trees[i + 1 :]]  # fmt: skip
+            break
+    sgd = {(r["tree"], r["devices"]): r for r in rows if r["compressor"] == "sgd"}
+    for r in rows:
+        base = sgd.get((r["tree"], r["devices"]))
+        for key, what in (("step_ms", "step"), ("compile_s", "compile")):
+            ok = base and r[key] is not None and base[key]
+            r[f"{what}_vs_sgd"] = r[key] / base[key] if ok else None
     return {"compressors": {c: bench_model.COMPRESSORS[c] for c in MODEL_COMPRESSORS}, "rows": rows}
 
 
@@ -432,32 +454,38 @@ def _setup(model_name: str, dataset: str, compressor: str, mesh, batch: int, sma
     return loss_fn, tx, placed, state, batches, sum(x.size for x in jax.tree.leaves(params))
 
 
-def _train(model_name, dataset, compressor, mesh, steps, batch, small) -> dict:
+def _train(model_name, dataset, compressor, mesh, steps, batch, small, budget) -> dict:
     loss_fn, tx, params, state, batches, n_params = _setup(
         model_name, dataset, compressor, mesh, batch, small
     )
     step = dist.make_train_step(loss_fn, tx, mesh)
     losses, times = [], []
     for i in range(steps + 1):  # the first call compiles
+        if i > 2 and budget.over():  # the steps run so far are the measurement
+            break
         t0 = time.perf_counter()
         params, state, metrics = jax.block_until_ready(step(params, state, batches(i)))
         times.append(time.perf_counter() - t0)
         losses.append(float(np.mean(metrics["loss"])))
     compile_s, times = times[0], times[1:]
     timer = dist.make_time_split(loss_fn, tx, mesh, train_step=step)
-    split = timer(params, state, batches(0), repeats=1 if small else 5)
+    # time_split runs three programs `repeats` times each: as many as the budget left allows.
+    fit = int(budget.left() / (3 * statistics.median(times)))
+    repeats = 1 if small else max(1, min(5, fit))
+    split = timer(params, state, batches(0), repeats=repeats)
     return {
         "model": model_name,
         "dataset": dataset,
         "compressor": compressor,
         "params": int(n_params),
         "devices": mesh.size,
-        "steps": steps + 1,
+        "steps": len(times) + 1,
         "compile_s": compile_s,
         "step_ms": 1e3 * statistics.median(times),
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "time_split_ms": {k: 1e3 * v for k, v in split._asdict().items()},
+        "time_split_repeats": repeats,
     }
 
 
@@ -472,7 +500,14 @@ def part_training(cfg: dict, small: bool, budget: Budget) -> dict:
             rows.append(
                 {"run": name}
                 | _train(
-                    model_name, dataset, compressor, mesh, cfg["train_steps"], cfg["batch"], small
+                    model_name,
+                    dataset,
+                    compressor,
+                    mesh,
+                    cfg["train_steps"],
+                    cfg["batch"],
+                    small,
+                    budget,
                 )  # fmt: skip
             )
     return {"rows": rows, "ratio": 0.01}
@@ -646,7 +681,7 @@ def plot(part: str, result: dict, path: str) -> None:
         ax.set_xlabel("elements (float32)")
         ax.set_ylabel("median ms")
         ax.legend(fontsize="small")
-    elif rows:
+    elif rows and part != "selection":
         if part == "conformance":
             labels = [f"{r['name']} ({r['mode']})" for r in rows]
             values = [r.get("compile_s") or 0.0 for r in rows]
