@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-compressors lint docs bench clean
+.PHONY: test demo demo-compressors lint docs bench accelerator-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,12 @@ demo-compressors: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m experiments.bench_selection
+
+# On whatever backend JAX finds (install jax[cuda12] or jax[tpu] into .venv first):
+# every compressor against the host CPU, selection, model trees, training, overlap.
+# docs/accelerators.md describes the parts and the JSON.
+accelerator-check: $(STAMP)
+	$(PY) -m experiments.accelerator_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(TEST_CACHE) docs/_build docs/api

@@ -14,11 +14,20 @@ is written by name (``"bfloat16"``), which the factories accept.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jaxcomp
 
-__all__ = ["build", "spec"]
+__all__ = [
+    "CONFORMANCE",
+    "CONFORMANCE_OPTIMIZERS",
+    "FIXED_THRESHOLD",
+    "build",
+    "conformance_compressor",
+    "conformance_optimizer",
+    "spec",
+]
 
 
 def spec(compressor: str, **kwargs: Any) -> dict[str, Any]:
@@ -39,3 +48,81 @@ def build(preset: dict[str, Any], axis_name: str | None = None, **overrides: Any
     """
     factory = getattr(jaxcomp, preset["compressor"])
     return factory(axis_name=axis_name, **{**preset["kwargs"], **overrides})
+
+
+# The conformance families: every compressor and compressed optimizer of jaxcomp, as the
+# conformance suite (tests/test_conformance.py, through tests/helpers.py's FACTORIES and
+# OPTIMIZERS) and experiments.accelerator_check build them. A sparsifier's ratio is given
+# at build time (conformance_compressor); quantizers and low-rank take none.
+
+# Laplace(0, 1) data in the conformance tests: P(|x| > 2) = e^-2 ~ 13.5%, so the fixed
+# threshold often overflows a 10% capacity (exercises the extraction path).
+FIXED_THRESHOLD = 2.0
+
+CONFORMANCE = {
+    "top_k": spec("top_k"),
+    "top_k_sort": spec("top_k", method="sort"),
+    "ldte_bs": spec("ldte_bs"),
+    "binary_search": spec("binary_search"),
+    "dgc": spec("dgc"),
+    "trimmed_top_k": spec("trimmed_top_k"),
+    "gaussian_k": spec("gaussian_k"),
+    "random_k": spec("random_k"),
+    "threshold": spec("threshold", threshold=FIXED_THRESHOLD),
+    # Quantizers: min_dense_size 0 unless the caller sets it, so that small leaves
+    # are quantized.
+    "qsgd": spec("qsgd", levels=7, bucket_size=64, min_dense_size=0),
+    "qsgd_ef": spec("qsgd", levels=1, norm="max", error_feedback=True, min_dense_size=0),
+    "onebit": spec("onebit", bucket_size=100),
+    "sign_sgd": spec("sign_sgd"),
+    "ef_sign_sgd": spec("ef_sign_sgd", bucket_size=64),
+    "bounded_sign": spec("bounded_sign", lam=0.5, error_bound=0.9),
+    "terngrad": spec("terngrad", bucket_size=64),
+    "terngrad_clip_ef": spec("terngrad", clip=2.5, error_feedback=True),
+    "natural": spec("natural_compression"),
+    "natural_dithering_ef": spec(
+        "natural_compression", levels=3, bucket_size=50, error_feedback=True
+    ),
+    "signum": spec("signum", momentum=0.9, bucket_size=64),
+    "cast_bf16_ef": spec("cast", dtype="bfloat16", error_feedback=True),
+    "cast_fp16": spec("cast", dtype="float16"),
+    # Low rank, rank 1: (n + m) * 1 * 2 < n m for the suites' matrices; 0-D and 1-D
+    # leaves go dense.
+    "powersgd": spec("powersgd", rank=1),
+}
+
+# Compressed optimizers (their update is Adam's step). Small schedules, so that a few
+# steps cross every stage (0/1 Adam: variance steps, 1-bit steps, stage 2).
+CONFORMANCE_OPTIMIZERS = {
+    "onebit_adam": spec("onebit_adam", learning_rate=0.01, freeze_step=2),
+    "onebit_adam_two_stage": spec(
+        "onebit_adam", learning_rate=0.01, freeze_step=2, codec="sign_l2", exchange="two_stage"
+    ),
+    "zero_one_adam": spec(
+        "zero_one_adam",
+        learning_rate=0.01,
+        var_freeze_step=3,
+        var_update_scaler=1,
+        local_step_scaler=1,
+    ),
+    "zero_one_adam_two_stage": spec(
+        "zero_one_adam",
+        learning_rate=0.01,
+        var_freeze_step=3,
+        var_update_scaler=1,
+        local_step_clipper=1,
+        exchange="two_stage",
+    ),
+}
+
+
+def conformance_compressor(name: str, ratio: float, axis_name: str | None = None, **overrides):
+    """The compressor ``CONFORMANCE[name]``; ``ratio`` reaches only factories that take one."""
+    preset = CONFORMANCE[name]
+    takes_ratio = "ratio" in inspect.signature(getattr(jaxcomp, preset["compressor"])).parameters
+    return build(preset, axis_name, **({"ratio": ratio} if takes_ratio else {}), **overrides)
+
+
+def conformance_optimizer(name: str, axis_name: str | None = None, **overrides):
+    """The compressed optimizer ``CONFORMANCE_OPTIMIZERS[name]``."""
+    return build(CONFORMANCE_OPTIMIZERS[name], axis_name, **overrides)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-import jaxcomp
+from experiments import presets
 from jaxcomp.selection import selectors
 
 # ---------------------------------------------------------------------------
@@ -124,42 +124,11 @@ def compile_flags_without_devices() -> str:
 # Compressor factories (the conformance suite runs every one).
 # ---------------------------------------------------------------------------
 
-# Laplace(0, 1) data in the conformance tests: P(|x| > 2) = e^-2 ~ 13.5%, so the fixed
-# threshold often overflows a 10% capacity (exercises the extraction path).
-FIXED_T = 2.0
-
+# The factories live in experiments/presets.py (CONFORMANCE), shared with
+# experiments.accelerator_check; FACTORIES[name](ratio, **kw) builds one.
+FIXED_T = presets.FIXED_THRESHOLD
 FACTORIES = {
-    "top_k": lambda ratio, **kw: jaxcomp.top_k(ratio, **kw),
-    "top_k_sort": lambda ratio, **kw: jaxcomp.top_k(ratio, method="sort", **kw),
-    "ldte_bs": lambda ratio, **kw: jaxcomp.ldte_bs(ratio, **kw),
-    "binary_search": lambda ratio, **kw: jaxcomp.binary_search(ratio, **kw),
-    "dgc": lambda ratio, **kw: jaxcomp.dgc(ratio, **kw),
-    "trimmed_top_k": lambda ratio, **kw: jaxcomp.trimmed_top_k(ratio, **kw),
-    "gaussian_k": lambda ratio, **kw: jaxcomp.gaussian_k(ratio, **kw),
-    "random_k": lambda ratio, **kw: jaxcomp.random_k(ratio, **kw),
-    "threshold": lambda ratio, **kw: jaxcomp.threshold(ratio, threshold=FIXED_T, **kw),
-    # Quantizers take no ratio (ignored here); min_dense_size 0 unless a test sets it,
-    # so that the suite's small leaves are quantized.
-    "qsgd": lambda ratio, **kw: jaxcomp.qsgd(7, bucket_size=64, **{"min_dense_size": 0, **kw}),
-    "qsgd_ef": lambda ratio, **kw: jaxcomp.qsgd(
-        1, norm="max", error_feedback=True, **{"min_dense_size": 0, **kw}
-    ),
-    "onebit": lambda ratio, **kw: jaxcomp.onebit(bucket_size=100, **kw),
-    "sign_sgd": lambda ratio, **kw: jaxcomp.sign_sgd(**kw),
-    "ef_sign_sgd": lambda ratio, **kw: jaxcomp.ef_sign_sgd(bucket_size=64, **kw),
-    "bounded_sign": lambda ratio, **kw: jaxcomp.bounded_sign(0.5, error_bound=0.9, **kw),
-    "terngrad": lambda ratio, **kw: jaxcomp.terngrad(bucket_size=64, **kw),
-    "terngrad_clip_ef": lambda ratio, **kw: jaxcomp.terngrad(clip=2.5, error_feedback=True, **kw),
-    "natural": lambda ratio, **kw: jaxcomp.natural_compression(**kw),
-    "natural_dithering_ef": lambda ratio, **kw: jaxcomp.natural_compression(
-        levels=3, bucket_size=50, error_feedback=True, **kw
-    ),
-    "signum": lambda ratio, **kw: jaxcomp.signum(0.9, bucket_size=64, **kw),
-    "cast_bf16_ef": lambda ratio, **kw: jaxcomp.cast(jnp.bfloat16, error_feedback=True, **kw),
-    "cast_fp16": lambda ratio, **kw: jaxcomp.cast(jnp.float16, **kw),
-    # Low-rank (ratio ignored): rank 1, so the suites' (20, 25), (17, 9), (30, 4) and
-    # (4, 25) leaves are compressed ((n + m) * 1 * 2 < n m); 0-D and 1-D leaves go dense.
-    "powersgd": lambda ratio, **kw: jaxcomp.powersgd(1, **kw),
+    name: functools.partial(presets.conformance_compressor, name) for name in presets.CONFORMANCE
 }
 
 # Quantizers: name -> (bits per coordinate, bucket size or None, float32 scales per bucket).
@@ -192,21 +161,8 @@ LOW_RANK = {"powersgd": 1}
 # section); they take a learning rate and no ratio. Small schedules so the 8-step
 # conformance runs cross every stage (0/1 Adam: variance steps, 1-bit steps, stage 2).
 OPTIMIZERS = {
-    "onebit_adam": lambda **kw: jaxcomp.onebit_adam(0.01, freeze_step=2, **kw),
-    "onebit_adam_two_stage": lambda **kw: jaxcomp.onebit_adam(
-        0.01, freeze_step=2, codec="sign_l2", exchange="two_stage", **kw
-    ),
-    "zero_one_adam": lambda **kw: jaxcomp.zero_one_adam(
-        0.01, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1, **kw
-    ),
-    "zero_one_adam_two_stage": lambda **kw: jaxcomp.zero_one_adam(
-        0.01,
-        var_freeze_step=3,
-        var_update_scaler=1,
-        local_step_clipper=1,
-        exchange="two_stage",
-        **kw,
-    ),  # fmt: skip
+    name: functools.partial(presets.conformance_optimizer, name)
+    for name in presets.CONFORMANCE_OPTIMIZERS
 }
 SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS and name not in LOW_RANK)
 

@@ -1,4 +1,4 @@
-"""GPU readiness without a GPU: everything jaxcomp jits lowers for CUDA.
+"""GPU and TPU readiness without either: everything jaxcomp jits lowers for CUDA and TPU.
 
 ``jax.export.export(jax.jit(f), platforms=("cuda",))`` lowers ``f`` to StableHLO for
 CUDA on this CPU-only jaxlib (no CUDA plugin needed, no compilation): a lowering that
@@ -19,6 +19,10 @@ callback, a ``platform_dependent`` without a GPU branch) fails here. Checked:
 * the backend switches of :mod:`jaxcomp.selection._kernels`: the CUDA export holds the
   GPU formulation and the CPU export the CPU one, and the GPU formulation, run here on
   CPU, gives the numpy reference's results, identical to the CPU formulation's.
+
+TPU (``platforms=("tpu",)``, the same way): every compressor's update, its custom calls
+in ``TPU_CUSTOM_CALLS`` (jaxcomp's hold none), and the kernels' TPU form: the plain one,
+as CUDA's (``_kernels.PLATFORM_FORMS``), run forced on CPU by the GPU-form test.
 
 Not checked (needs a GPU): that XLA:GPU compiles these modules, their speed, and
 numerics of GPU kernels (e.g. TF32 matmuls; jaxcomp's matmuls ask for HIGHEST).
@@ -95,6 +99,17 @@ CUDA_CUSTOM_CALLS = frozenset(
     }
 )
 
+# TPU: XLA:TPU's built-in targets with a stable serialization in jax.export's list (QR,
+# Householder product, eigh, LU, approximate top-k, buffers, Pallas' tpu_custom_call) and
+# the sharding markers. Found by exporting for ("tpu",) on this jaxlib: jaxcomp's updates
+# and train steps hold no custom_call; QR lowers to Qr, lax.approx_max_k to ApproxTopK.
+TPU_CUSTOM_CALLS = frozenset(
+    {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement"}
+    | {"Qr", "ProductOfElementaryHouseholderReflectors", "Eigh", "LuDecomposition"}
+    | {"ApproxTopK", "AllocateBuffer", "tpu_custom_call"}
+)
+ALLOWED = {"cuda": CUDA_CUSTOM_CALLS, "tpu": TPU_CUSTOM_CALLS}
+
 # Both the pretty (`custom_call @name(`) and the generic (`call_target_name = "name"`)
 # MLIR spellings.
 _CUSTOM_CALL = re.compile(r'custom_call\s*@"?([\w.$-]+)|call_target_name\s*=\s*"([^"]+)"')
@@ -120,10 +135,10 @@ def _multi_reduces(exp):
     return [(int(k), ty) for k, ty in _MULTI_REDUCE.findall(exp.mlir_module())]
 
 
-def _check_cuda(exp: export.Exported, args) -> None:
-    assert exp.platforms == ("cuda",)
-    bad = custom_call_targets(exp) - CUDA_CUSTOM_CALLS
-    assert not bad, f"custom calls a CUDA jaxlib lacks: {sorted(bad)}"
+def _check_cuda(exp: export.Exported, args, platform: str = "cuda") -> None:
+    assert exp.platforms == (platform,)
+    bad = custom_call_targets(exp) - ALLOWED[platform]
+    assert not bad, f"custom calls a {platform} jaxlib lacks: {sorted(bad)}"
     leaves = jax.tree.leaves(args)
     mesh = leaves[0].sharding.mesh
     assert exp.nr_devices == mesh.size
@@ -155,6 +170,8 @@ def test_custom_call_check_tells_cpu_from_cuda_targets():
     assert cpu and all(t.startswith("lapack_") for t in cpu)
     assert cpu.isdisjoint(CUDA_CUSTOM_CALLS)
     assert cuda and cuda <= CUDA_CUSTOM_CALLS
+    tpu = custom_call_targets(export.export(qr, platforms=("tpu",))(m))
+    assert tpu == {"Qr", "ProductOfElementaryHouseholderReflectors"} and tpu <= TPU_CUSTOM_CALLS
 
 
 # ---------------------------------------------------------------------------
@@ -185,11 +202,12 @@ def _update_export(tx, mesh, platform="cuda"):
     return export.export(f, platforms=(platform,))(*args), args
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("name", list(ALL))
-def test_compressor_update_exports_for_cuda(name, mesh_1d):
+def test_compressor_update_exports_for_cuda(name, platform, mesh_1d):
     tx = ALL[name](axis_name="data", min_dense_size=MIN_DENSE)
-    exp, args = _update_export(tx, mesh_1d)
-    _check_cuda(exp, args)
+    exp, args = _update_export(tx, mesh_1d, platform)
+    _check_cuda(exp, args, platform)
     # The updates come first, one per gradient leaf, shaped like it on every device.
     updates = exp.out_avals[: len(TREE)]
     assert [(a.shape, a.dtype) for a in updates] == [
@@ -291,8 +309,11 @@ KERNELS = {
 def test_kernel_exports_hold_their_backends_formulation(name):
     fn, args = KERNELS[name]
     cpu = export.export(jax.jit(fn), platforms=("cpu",))(*args)
-    cuda = export.export(jax.jit(fn), platforms=("cuda",))(*args)
+    cuda, tpu = (export.export(jax.jit(fn), platforms=(p,))(*args) for p in ("cuda", "tpu"))
     assert cuda.platforms == ("cuda",) and not custom_call_targets(cuda)
+    # TPU takes the plain form too (_kernels.PLATFORM_FORMS): the same module as CUDA's.
+    assert kernels.PLATFORM_FORMS["tpu"] == kernels.PLATFORM_FORMS["cuda"] == "default"
+    assert tpu.mlir_module() == cuda.mlir_module()
     # CPU: the variadic row reduce whose extra output is kept live by an
     # optimization_barrier copy of the threshold(s); CUDA: no barrier.
     assert _op_count(cpu, "stablehlo.optimization_barrier") >= 1
@@ -336,8 +357,9 @@ def _gpu_form(fn):
     return run
 
 
-@pytest.mark.parametrize("n", [N, 3 * 1024, 200])
-def test_gpu_formulations_match_numpy_and_the_cpu_kernels(n, monkeypatch):
+@pytest.mark.parametrize(("n", "platform"), [(N, "cuda"), (3 * 1024, "cuda"), (200, "cuda"),
+                                             (N, "tpu")])  # fmt: skip
+def test_gpu_formulations_match_numpy_and_the_cpu_kernels(n, platform, monkeypatch):
     x = _awkward(n, n)
     a = np.abs(x)
     ts = np.float32([0.0, 1.5, 2.0, np.inf])
@@ -346,7 +368,10 @@ def test_gpu_formulations_match_numpy_and_the_cpu_kernels(n, monkeypatch):
     cpu_counts = [int(kernels.count_above(a, t)) for t in ts]
     cpu_many = np.asarray(kernels.count_above_many(a, ts))
     cpu_ext = [jax.device_get(kernels.extract(x, t, cap)) for t in ts]
-    monkeypatch.setattr(kernels, "_by_backend", lambda *args, cpu, default: default(*args))
+    # The platform's form (kernels.PLATFORM_FORMS), traced and run here on CPU.
+    form = kernels.PLATFORM_FORMS[platform]
+    pick = lambda *a, cpu, default: {"cpu": cpu, "default": default}[form](*a)  # noqa: E731
+    monkeypatch.setattr(kernels, "_by_backend", pick)
     # Fresh functions (not the cached jits of the public kernels) through the GPU branch.
     count = _gpu_form(lambda a, t: kernels.count_above.__wrapped__(a, t))
     many = _gpu_form(lambda a, ts: kernels.count_above_many.__wrapped__(a, ts))

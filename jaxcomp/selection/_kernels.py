@@ -18,9 +18,18 @@ form (``tests/test_export.py`` checks both)::
     count_above_many    row-split variadic, barriers       one flat m-output variadic reduce
     extract (counts)    2-output variadic row reduce       jnp.sum(rows > t, axis=1)
 
-The two forms return identical integers (exact counts). Not switched: the structure of
-:func:`extract` (per-block counts, a scan over n / B blocks, a gather of
-``capacity x B`` elements, an in-row rank by a 0/1 matmul) is the classic two-level GPU
+The two forms return identical integers (exact counts). TPU takes the plain form
+deliberately (``PLATFORM_FORMS`` lists every platform's choice): the CPU form only works
+around XLA:CPU's emitters (YNNPACK fusions that exclude compares, a single-output reduce
+rewritten into a reduce-window tree), which TPU does not have. The plain form is what
+XLA's fusion is built for on any accelerator (compare + convert + reduce as one
+reduction over the whole vector), the ``optimization_barrier`` copies the CPU form needs
+would only keep XLA from fusing, and the 1024-row split, which buys XLA:CPU its two
+cores' loop partitioning, would only add a reshape (not measured on a TPU: none here).
+A TPU export holds only the plain form, the same module as CUDA's (``tests/test_export.py``
+checks it and runs that form, forced, on CPU). Not switched:
+the structure of :func:`extract` (per-block counts, a scan over n / B blocks, a gather
+of ``capacity x B`` elements, an in-row rank by a 0/1 matmul) is the classic two-level GPU
 stream compaction; ``jnp.nonzero(mask, size=c)`` would be two n-long cumulative sums and
 an n-element scatter-add instead. :func:`moments` (three plain reductions) and
 :func:`dense_split` (two ``where``) are backend-neutral. The GPU forms are what XLA:GPU
@@ -125,15 +134,22 @@ _COUNT_ROW = 1024
 _EXTRACT_BLOCK = 64
 
 
+# The form each platform lowers (see the module docstring): XLA:CPU's workaround form on
+# CPU, the plain one on GPUs and TPUs; any other platform takes the plain one too.
+PLATFORM_FORMS = {"cpu": "cpu", "cuda": "default", "rocm": "default", "tpu": "default"}
+
+
 def _by_backend(*args, cpu, default):
-    """``cpu(*args)`` when the program is lowered for XLA:CPU, else ``default(*args)``.
+    """The form ``PLATFORM_FORMS`` names for the platform the program is lowered for.
 
     ``lax.platform_dependent``: the choice is made at lowering time per platform (no
-    runtime conditional; a ``jax.export`` for ``("cuda",)`` contains only the default
-    branch, one for ``("cpu", "cuda")`` both). Both branches return identical results.
-    One indirection so that tests can run the non-CPU branch on CPU.
+    runtime conditional; a ``jax.export`` for ``("cuda",)`` or ``("tpu",)`` contains
+    only the plain branch, one for ``("cpu", "cuda")`` both). Both branches return
+    identical results. One indirection so that tests can run a platform's form on CPU.
     """
-    return lax.platform_dependent(*args, cpu=cpu, default=default)
+    forms = {"cpu": cpu, "default": default}
+    branches = {platform: forms[form] for platform, form in PLATFORM_FORMS.items()}
+    return lax.platform_dependent(*args, **branches, default=default)
 
 
 def _f32(x: jax.Array) -> jax.Array:

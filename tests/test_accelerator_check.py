@@ -1,0 +1,142 @@
+"""``python -m experiments.accelerator_check --small``: the accelerator check cannot rot.
+
+Runs the whole check on the test session's backend (8 simulated CPU devices)
+and checks its JSON against independent facts: the backend JAX reports, the
+selection counts recomputed in numpy from the same data, every part present
+with its budget. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+
+from experiments import accelerator_check as ac
+from experiments import bench_model, bench_selection, presets
+from jaxcomp.selection import selectors
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("accel")
+    ac.main(["accelerator_check", "--small", f"--out={out}"])
+    with open(out / "accelerator_check.json") as f:
+        return out, json.load(f)  # strict JSON: no NaN
+
+
+def test_every_part_is_present_with_its_budget_and_plot(record):
+    out, rec = record
+    assert list(rec["parts"]) == list(ac.PARTS)
+    for part, r in rec["parts"].items():
+        assert "error" not in r, (part, r.get("error"))
+        assert r["budget_s"] == ac.BUDGETS[part] and isinstance(r["skipped"], list)
+        assert (out / f"{part}.png").stat().st_size > 0
+    meta = rec["meta"]
+    d = jax.devices()[0]
+    assert (meta["device_kind"], meta["device_platform"]) == (d.device_kind, d.platform)
+    assert (meta["device_count"], meta["jax_version"]) == (jax.device_count(), jax.__version__)
+    assert meta["small"] and "memory" in meta
+
+
+def test_conformance_rows_pass_single_and_sharded(record):
+    r = record[1]["parts"]["conformance"]
+    names = {row["name"] for row in r["rows"]}
+    assert names == set(ac.SMALL_CONFORMANCE) - set(r["skipped"])
+    assert names <= set(presets.CONFORMANCE) | set(presets.CONFORMANCE_OPTIMIZERS)
+    modes = {row["mode"] for row in r["rows"]}
+    assert modes == {"single", f"shard_map_{jax.device_count()}"}
+    assert all(row["ok"] for row in r["rows"]), r["failed"]
+    # A sparsifier with error feedback is checked for nothing lost; an optimizer is not.
+    by = {(row["name"], row["mode"]): row for row in r["rows"]}
+    assert by[("ldte_bs", "single")]["nothing_lost"] is True
+    assert by[("onebit_adam", "single")]["nothing_lost"] is None
+
+
+def test_selection_counts_match_the_data(record):
+    r = record[1]["parts"]["selection"]
+    assert [row["log2_n"] for row in r["rows"]] == list(ac.SMALL["selection_log2"])
+    for row in r["rows"]:
+        a = np.abs(bench_selection.make_data("laplace", row["n"]))
+        k = selectors.target_count(bench_selection.ETA, row["n"])
+        assert row["k"] == k and set(row["methods"]) == set(ac.SELECTION)
+        for name, m in row["methods"].items():
+            count = int(np.sum(a > np.float32(m["threshold"])))
+            assert m["count"] == count and math.isclose(m["count_over_k"], count / k), name
+            assert count >= k, name  # every method here sends at least k
+        assert row["methods"]["top_k"]["count"] == k  # continuous data: no ties
+
+
+def test_model_rows_against_plain_sgd(record):
+    r = record[1]["parts"]["model"]
+    rows = {row["compressor"]: row for row in r["rows"]}
+    assert set(rows) == set(ac.MODEL_COMPRESSORS)
+    shapes = jax.tree.leaves(bench_model.tree_shapes("small"))
+    for row in rows.values():
+        assert row["tree"] == "small" and row["leaves"] == len(shapes) and row["compile_s"] > 0
+    assert rows["sgd"]["step_vs_sgd"] == 1.0
+
+
+def test_training_and_overlap(record):
+    parts = record[1]["parts"]
+    rows = parts["training"]["rows"]
+    assert [(row["run"], row["compressor"]) for row in rows] == [
+        ("mlp_digits", "dense"),
+        ("mlp_digits", "ldte_bs"),
+    ]
+    for row in rows:
+        assert row["devices"] == jax.device_count()
+        assert np.isfinite([row["loss_first"], row["loss_last"]]).all()
+        assert set(row["time_split_ms"]) >= {"forward_backward", "compression", "communication"}
+    ov = parts["overlap"]
+    assert ov["method"] == "hlo_schedule"
+    assert [row["overlap"] for row in ov["rows"]] == [False, True]
+    for row in ov["rows"]:
+        assert row["schedule"]["collectives"] > 0 and row["schedule"]["matmuls"] > 0
+
+
+def test_a_part_over_its_budget_records_what_it_skipped(tmp_path):
+    rec = ac.main(
+        ["accelerator_check", "--small", "--parts=selection", "--budget_s=selection:0",
+         f"--out={tmp_path}"]
+    )  # fmt: skip
+    r = rec["parts"]["selection"]
+    assert r["budget_s"] == 0.0 and all(not row["methods"] for row in r["rows"])
+    sizes = ac.SMALL["selection_log2"]
+    assert r["skipped"] == [f"{m}:2^{lg}" for lg in sizes for m in ac.SELECTION]
+    with pytest.raises(flags.IllegalFlagValueError):
+        ac.main(["accelerator_check", "--parts=nope"])
+
+
+def test_collectives_during_backward_reads_the_schedule():
+    def hlo(*ops):
+        body = "\n".join(f"  %i{i} = f32[4]{{0}} {op}(f32[4]{{0}} %p)" for i, op in enumerate(ops))
+        # A computation before the entry holds a dot that is not part of the schedule.
+        head = "HloModule m\n\n%add {\n  %x = f32[] dot(f32[] %a)\n}\n\n"
+        return f"{head}ENTRY %main {{\n{body}\n}}\n"
+
+    after = ac.collectives_during_backward(hlo("dot", "dot", "all-reduce", "fusion"))
+    during = ac.collectives_during_backward(hlo("dot", "all-gather-start", "convolution"))
+    none = ac.collectives_during_backward(hlo("dot", "fusion"))
+    assert (after["interleaved"], during["interleaved"], none["interleaved"]) == (
+        False,
+        True,
+        False,
+    )
+    assert after["matmuls"] == 2 and during["matmuls_after_first_collective"] == 1
+
+
+def test_notebooks_install_from_one_marked_variable_and_report_the_backend():
+    import pathlib  # noqa: PLC0415
+
+    import nbformat  # noqa: PLC0415
+
+    for path in sorted((pathlib.Path(__file__).parents[1] / "colab").glob("*.ipynb")):
+        cell = nbformat.read(path, as_version=4).cells[1].source
+        assert cell.count("REPO_URL") == 4 and 'REPO_URL = ""' in cell, path.name
+        assert "SET THIS" in cell and "git+{REPO_URL}" in cell, path.name
+        assert 'jax.default_backend() == "cpu"' in cell and "No GPU or TPU found" in cell
