@@ -13,6 +13,7 @@ survivors (documented in ``jaxcomp.selection.dgc_sample``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -183,9 +184,15 @@ def _jaxcomp_message(x, sel, k):
     return idx[idx < x.size]
 
 
+@functools.cache
+def _selector(k, options):
+    """One jitted selector per ``k`` and options: the start is an argument, so
+    every start (and seed) of a case runs one trace and compilation."""
+    return jax.jit(lambda v, s: S1.dgc_sample(v, k, start=s, **dict(options)))
+
+
 def _select(x, k, start, **options):
-    f = jax.jit(lambda v, s: S1.dgc_sample(v, k, start=s, **options))
-    return f(jnp.asarray(x), jnp.int32(start))
+    return _selector(k, tuple(sorted(options.items())))(jnp.asarray(x), jnp.int32(start))
 
 
 @pytest.mark.parametrize("name,n,k", CASES, ids=lambda v: str(v))
