@@ -27,8 +27,11 @@ part cannot starve the others.
    every device, with ``jaxcomp.distributed.make_time_split``.
 5. ``overlap`` (more than one device): ``make_train_step(overlap=True)``
    against compressing after the backward pass: step time, and whether the
-   collectives are scheduled among the backward pass's operations (read from
-   the compiled program's schedule, ``method: "hlo_schedule"``).
+   collectives run during the backward pass: from a profile of a few steps
+   (``jax.profiler.trace``: the time each device's collectives overlap its
+   compute ops, ``method: "profile"``), and from the compiled program's
+   schedule (``schedule``, ``method: "hlo_schedule"``; the answer when the
+   profile has no per-op events).
 
 Writes ``<out>/accelerator_check.json`` (``meta``: device kind, platform,
 device count, JAX and jaxlib versions, device and host memory; one entry per
@@ -39,9 +42,13 @@ described in docs/accelerators.md. ``--small`` runs the same code on tiny sizes
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
 import os
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -64,6 +71,7 @@ __all__ = [
     "PARTS",
     "check_update",
     "collectives_during_backward",
+    "collectives_overlap_in_profile",
     "define_flags",
     "main",
     "run",
@@ -71,6 +79,13 @@ __all__ = [
 
 AXIS = "data"
 PARTS = ("conformance", "selection", "model", "training", "overlap")
+# Steps run under jax.profiler.trace per overlap variant, after the timed steps.
+PROFILE_STEPS = 2
+# The overlapped share of the collectives' time above which the profile's answer is
+# "the collectives run during the backward pass". XLA:CPU's thunk executor runs
+# independent thunks concurrently now and then: microseconds of overlap in a step's
+# milliseconds of collectives, which vary from run to run and are not the overlap asked about.
+PROFILE_MIN_FRACTION = 0.01
 # Seconds per part (300 in all): a part over its budget skips its remaining items.
 BUDGETS = {"conformance": 70.0, "selection": 60.0, "model": 80.0, "training": 60.0, "overlap": 30.0}
 
@@ -558,6 +573,170 @@ def collectives_during_backward(hlo_text: str) -> dict:
     }
 
 
+# An HLO instruction's name and opcode, in any computation of the module.
+_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s([a-z][\w\-]*)\(")
+_PROFILE_COLLECTIVES = frozenset(
+    {*bench_model.COLLECTIVES}
+    | {f"{c}-{end}" for c in bench_model.COLLECTIVES for end in ("start", "done")}
+)
+# Ops that compute (the layers' forward and backward work); the rest (copies,
+# bitcasts, tuples, parameters, control flow) move or name data.
+_COMPUTE = ("fusion", "dot", "convolution", "custom-call", "reduce", "sort", "scatter")
+_PROFILE_EXAMPLES = 8  # overlapping collectives listed per variant
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The total length of the intersection of two sorted lists of disjoint intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _opcodes(hlo_text: str) -> dict[str, str]:
+    """Every instruction's name -> its opcode (a trace's op event names its instruction)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _NAMED.match(line)
+        if m:
+            out[m.group(1)] = m.group(3)
+    return out
+
+
+def collectives_overlap_in_profile(events: Sequence[dict], hlo_text: str) -> dict:
+    """How long a step's collectives run at the same time as its compute ops, from a trace.
+
+    ``events`` are Chrome-trace events (``jax.profiler.trace``'s
+    ``*.trace.json.gz``). The op events are the complete (``"ph": "X"``) events
+    whose ``args`` name an HLO instruction (``hlo_op``: XLA:CPU's thunk
+    executor writes one per thunk, with ``device_ordinal`` and ``run_id``), of
+    ``hlo_text``'s module when the event names one. Each is classified by its
+    instruction's opcode in ``hlo_text`` (an unknown name: its stem before the
+    first dot): a collective (all-reduce, all-gather, reduce-scatter,
+    all-to-all, collective-permute, collective-broadcast, and their async
+    ``-start``/``-done`` forms) or compute (fusion, dot, convolution,
+    custom-call, reduce, sort, scatter); the rest is counted, not used. Per
+    device and step (``device_ordinal``, ``run_id``), the union of the
+    collectives' intervals is intersected with the union of the compute
+    intervals: ``overlap_s`` sums that intersection over device-steps,
+    ``collective_s`` the collectives' union (so ``overlap_s <= collective_s``),
+    and ``overlap_fraction`` is their ratio (``None`` without collective time).
+    ``available`` is false, with a ``reason``, when no event names an
+    instruction.
+
+    Example:
+      >>> hlo = '''HloModule jit_step, is_scheduled=true
+      ... ENTRY %main {
+      ...   %dot.1 = f32[4]{0} dot(f32[4]{0} %p, f32[4]{0} %q)
+      ...   %ar = f32[4]{0} all-reduce-start(f32[4]{0} %dot.1), to_apply=%add
+      ... }'''
+      >>> def op(name, ts, dur, tid=1):
+      ...     args = {"hlo_op": name, "hlo_module": "jit_step", "device_ordinal": "0", "run_id": 7}
+      ...     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+      >>> r = collectives_overlap_in_profile([op("dot.1", 0, 10), op("ar", 6, 8, tid=2)], hlo)
+      >>> r["overlap_s"], r["collective_s"], r["overlap_fraction"], r["overlapping_collectives"]
+      (4e-06, 8e-06, 0.5, 1)
+    """
+    opcodes = _opcodes(hlo_text)
+    head = hlo_text.split("\n", 1)[0].replace(",", " ").split()
+    module = head[1] if len(head) > 1 and head[0] == "HloModule" else None
+    steps: dict[tuple, dict[str, list]] = {}
+    seen = {"collective": 0, "compute": 0, "other": 0}
+    for e in events:
+        args = e.get("args") or {}
+        name = args.get("hlo_op")
+        if e.get("ph") != "X" or not name or "dur" not in e:
+            continue
+        if module and args.get("hlo_module", module) != module:
+            continue
+        opcode = opcodes.get(name, name.split(".")[0])
+        if opcode in _PROFILE_COLLECTIVES:
+            kind = "collective"
+        elif opcode in _COMPUTE:
+            kind = "compute"
+        else:
+            kind = "other"
+        seen[kind] += 1
+        if kind != "other":
+            key = (str(args.get("device_ordinal", e.get("pid"))), str(args.get("run_id", "")))
+            lo = float(e["ts"])  # microseconds
+            ops = steps.setdefault(key, {"collective": [], "compute": []})
+            ops[kind].append((lo, lo + float(e["dur"]), name))
+    if not any(seen.values()):
+        reason = "no trace event names an HLO instruction (hlo_op) of this program"
+        return {"method": "profile", "available": False, "reason": reason}
+    overlap_us = collective_us = 0.0
+    overlapping, examples = 0, []
+    for (device, _), ops in sorted(steps.items()):
+        compute = _union([(lo, hi) for lo, hi, _ in ops["compute"]])
+        coll = _union([(lo, hi) for lo, hi, _ in ops["collective"]])
+        collective_us += sum(hi - lo for lo, hi in coll)
+        overlap_us += _intersection(coll, compute)
+        start = min(lo for lo, _, _ in ops["compute"] + ops["collective"])
+        for lo, hi, name in ops["collective"]:
+            o = _intersection([(lo, hi)], compute)
+            if o > 0:
+                overlapping += 1
+                if len(examples) < _PROFILE_EXAMPLES:
+                    examples.append({
+                        "device": device,
+                        "op": name,
+                        "start_s": 1e-6 * (lo - start),
+                        "end_s": 1e-6 * (hi - start),
+                        "overlap_s": 1e-6 * o,
+                    })  # fmt: skip
+    overlap_us = min(overlap_us, collective_us)  # float rounding only
+    return {
+        "method": "profile",
+        "available": True,
+        "device_steps": len(steps),
+        "op_events": seen,
+        "collective_s": 1e-6 * collective_us,
+        "overlap_s": 1e-6 * overlap_us,
+        "overlap_fraction": overlap_us / collective_us if collective_us > 0 else None,
+        "overlapping_collectives": overlapping,
+        "overlapping_examples": examples,
+    }
+
+
+def _profile_step(step, params, state, batches, hlo_text: str, steps: int) -> dict:
+    """Runs ``steps`` steps under ``jax.profiler.trace`` in a temporary directory, then reads it."""
+    t0 = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="jaxcomp_profile_") as d:
+            with jax.profiler.trace(d):
+                for i in range(steps):
+                    params, state, _ = jax.block_until_ready(step(params, state, batches(i)))
+            paths = glob.glob(os.path.join(d, "plugins", "profile", "*", "*.trace.json.gz"))
+            events = []
+            for path in paths:
+                with gzip.open(path, "rt") as f:
+                    trace = json.load(f)
+                events += trace["traceEvents"] if isinstance(trace, dict) else trace
+    except Exception as e:  # a profiler that cannot run is an answer to record
+        return {"method": "profile", "available": False, "reason": f"{type(e).__name__}: {e}"}
+    if not paths:
+        return {"method": "profile", "available": False,
+                "reason": "jax.profiler.trace wrote no *.trace.json.gz"}  # fmt: skip
+    found = collectives_overlap_in_profile(events, hlo_text)
+    return found | {"profiled_steps": steps, "elapsed_s": time.perf_counter() - t0}
+
+
 def part_overlap(cfg: dict, small: bool, budget: Budget) -> dict:
     if jax.device_count() < 2:
         budget.skipped.append("one device")
@@ -585,19 +764,31 @@ def part_overlap(cfg: dict, small: bool, budget: Budget) -> dict:
             t0 = time.perf_counter()
             params, state, _ = jax.block_until_ready(step(params, state, batches(i)))
             times.append(time.perf_counter() - t0)
+        # Like the timed steps, a variant that ran is profiled even past the budget
+        # (PROFILE_STEPS more steps): its answer is what the part is for.
+        profile = _profile_step(step, params, state, batches, hlo, PROFILE_STEPS)
         rows.append({
             "overlap": overlap,
             "model": model_name,
             "compile_s": compile_s,
             "step_ms": 1e3 * statistics.median(times),
             "schedule": schedule,
+            "profile": profile,
         })  # fmt: skip
     by = {r["overlap"]: r for r in rows}
+    on = by.get(True)
+    from_schedule = on["schedule"]["interleaved"] if on else None
+    if on and on["profile"]["available"]:
+        frac = on["profile"]["overlap_fraction"]
+        method, during = "profile", frac is not None and frac >= PROFILE_MIN_FRACTION
+    else:
+        method, during = "hlo_schedule", from_schedule
     return {
         "rows": rows,
-        "method": "hlo_schedule",
+        "method": method,
         "overlap_speedup": (by[False]["step_ms"] / by[True]["step_ms"]) if len(by) == 2 else None,
-        "collectives_during_backward": by[True]["schedule"]["interleaved"] if True in by else None,
+        "collectives_during_backward": during,
+        "schedule": {"method": "hlo_schedule", "collectives_during_backward": from_schedule},
     }
 
 
@@ -751,9 +942,17 @@ def summary(record: dict) -> str:
                 )
         elif part == "overlap" and r.get("rows"):
             for row in r["rows"]:
+                prof = row.get("profile", {})
+                seen = (
+                    f"profile: {_f(prof['overlap_fraction'], '.1%')} of the collectives' "
+                    f"{1e3 * prof['collective_s']:.2f} ms ({prof['device_steps']} device-steps) "
+                    "overlaps compute"
+                    if prof.get("available")
+                    else f"no profile ({prof.get('reason', '-')})"
+                )
                 lines.append(
                     f"  overlap={row['overlap']!s:5s} step {row['step_ms']:.2f} ms, collectives "
-                    f"among the compute: {row['schedule']['interleaved']}"
+                    f"among the compute in the schedule: {row['schedule']['interleaved']}; {seen}"
                 )
     return "\n".join(lines)
 

@@ -93,10 +93,40 @@ def test_training_and_overlap(record):
         assert np.isfinite([row["loss_first"], row["loss_last"]]).all()
         assert set(row["time_split_ms"]) >= {"forward_backward", "compression", "communication"}
     ov = parts["overlap"]
-    assert ov["method"] == "hlo_schedule"
     assert [row["overlap"] for row in ov["rows"]] == [False, True]
     for row in ov["rows"]:
         assert row["schedule"]["collectives"] > 0 and row["schedule"]["matmuls"] > 0
+        prof = row["profile"]
+        assert prof["method"] == "profile" and isinstance(prof["available"], bool)
+        if not prof["available"]:
+            assert prof["reason"]
+            continue
+        assert prof["profiled_steps"] == ac.PROFILE_STEPS and prof["elapsed_s"] > 0
+        # One (device, run) group per device and profiled step, at most.
+        assert 0 < prof["device_steps"] <= jax.device_count() * ac.PROFILE_STEPS
+        assert prof["op_events"]["collective"] > 0 and prof["op_events"]["compute"] > 0
+        assert 0 <= prof["overlap_s"] <= prof["collective_s"]
+        assert prof["collective_s"] > 0 and 0 <= prof["overlap_fraction"] <= 1
+        assert math.isclose(prof["overlap_fraction"], prof["overlap_s"] / prof["collective_s"])
+        examples = prof["overlapping_examples"]
+        assert len(examples) == min(prof["overlapping_collectives"], ac._PROFILE_EXAMPLES)
+        for ex in examples:
+            assert 0 <= ex["start_s"] < ex["end_s"]
+            assert 0 < ex["overlap_s"] <= ex["end_s"] - ex["start_s"] + 1e-12
+    # The part's answer comes from the overlap=True profile when there is one,
+    # the compiled schedule's answer stays beside it.
+    on = ov["rows"][1]
+    assert ov["schedule"] == {
+        "method": "hlo_schedule",
+        "collectives_during_backward": on["schedule"]["interleaved"],
+    }
+    if on["profile"]["available"]:
+        frac = on["profile"]["overlap_fraction"]
+        assert ov["method"] == "profile"
+        assert ov["collectives_during_backward"] == (frac >= ac.PROFILE_MIN_FRACTION)
+    else:
+        assert ov["method"] == "hlo_schedule"
+        assert ov["collectives_during_backward"] == on["schedule"]["interleaved"]
 
 
 def test_a_part_over_its_budget_records_what_it_skipped(tmp_path):
@@ -128,6 +158,50 @@ def test_collectives_during_backward_reads_the_schedule():
         False,
     )
     assert after["matmuls"] == 2 and during["matmuls_after_first_collective"] == 1
+
+
+def _event(name, ts, dur, device="0", run=1, module="jit_step"):
+    args = {"hlo_op": name, "hlo_module": module, "device_ordinal": device, "run_id": run}
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 1, "args": args}
+
+
+def test_collectives_overlap_in_profile_intersects_each_device_steps_intervals():
+    hlo = (
+        "HloModule jit_step, is_scheduled=true\n\nENTRY %main {\n"
+        "  %dot.1 = f32[4]{0} dot(f32[4]{0} %p, f32[4]{0} %q)\n"
+        "  %fusion.2 = f32[4]{0} fusion(f32[4]{0} %dot.1), kind=kLoop, calls=%f\n"
+        "  %psum.3 = f32[4]{0} all-reduce(f32[4]{0} %fusion.2), to_apply=%add\n"
+        "  %ag = f32[8]{0} all-gather-start(f32[4]{0} %fusion.2), dimensions={0}\n"
+        "  %copy.4 = f32[4]{0} copy(f32[4]{0} %psum.3)\n}\n"
+    )
+    events = [
+        # device 0, run 1: psum.3 [10, 30) overlaps dot.1 [0, 15) and fusion.2 [12, 20):
+        # their union [0, 20) covers 10 of its 20 us.
+        _event("dot.1", 0, 15),
+        _event("fusion.2", 12, 8),
+        _event("psum.3", 10, 20),
+        _event("copy.4", 0, 100),  # not compute: ignored
+        # device 0, run 2: after the compute, no overlap.
+        _event("dot.1", 0, 5, run=2),
+        _event("ag", 5, 10, run=2),
+        # device 1's compute does not overlap device 0's collectives.
+        _event("dot.1", 25, 10, device="1"),
+        # another program's events are not this one's.
+        _event("psum.3", 0, 1000, module="jit_other"),
+        {"ph": "X", "name": "Rendezvous", "ts": 0, "dur": 50, "args": {}},
+    ]
+    r = ac.collectives_overlap_in_profile(events, hlo)
+    assert r["method"] == "profile" and r["available"]
+    assert r["device_steps"] == 3
+    assert r["op_events"] == {"collective": 2, "compute": 4, "other": 1}
+    assert math.isclose(r["collective_s"], 30e-6) and math.isclose(r["overlap_s"], 10e-6)
+    assert math.isclose(r["overlap_fraction"], 1 / 3)
+    assert r["overlapping_collectives"] == 1
+    [ex] = r["overlapping_examples"]
+    assert (ex["device"], ex["op"]) == ("0", "psum.3")
+    assert math.isclose(ex["start_s"], 10e-6) and math.isclose(ex["overlap_s"], 10e-6)
+    none = ac.collectives_overlap_in_profile(events[-1:], hlo)
+    assert (none["method"], none["available"]) == ("profile", False) and none["reason"]
 
 
 def test_notebooks_install_from_one_marked_variable_and_report_the_backend():
