@@ -119,37 +119,15 @@ def threshold_search(
         return ~feasible & ~stuck & (it < max_iters)
 
     def body(s):
-        lo, hi, c_lo, c_hi, _, _, it, last, repeat, lo_zero = s
+        lo, hi, c_lo, c_hi, _, _, it, _, repeat, _ = s
         if search == "bisect":
             frac = jnp.float32(0.5)
         elif search == "fibonacci":
             frac = fib[it]
         else:
-            # Regula falsi on log(count): Laplacian (exponential) tails make
-            # log(count) nearly linear in t, so one or two probes usually land
-            # in [k, ub]. Illinois-style safeguard: after the same end moved
-            # twice in a row, bisect once, so it never stalls at one end.
-            f_lo = jnp.log(c_lo.astype(jnp.float32) + 1.0) - target
-            f_hi = jnp.log(c_hi.astype(jnp.float32) + 1.0) - target
-            interp = f_lo / jnp.maximum(f_lo - f_hi, 1e-6)
-            frac = jnp.where(repeat, 0.5, jnp.clip(interp, 0.02, 0.98))
+            frac = falsi_fraction(c_lo, c_hi, target, repeat)
         t = jnp.clip(lo + (hi - lo) * frac, lo, hi)
-        c = count_above(x, t)
-        too_many = c > ub
-        too_few = c < k
-        moved = jnp.where(too_many, 1, jnp.where(too_few, -1, 0)).astype(jnp.int32)
-        return (
-            jnp.where(too_many, t, lo),
-            jnp.where(too_few, t, hi),
-            jnp.where(too_many, c, c_lo),
-            jnp.where(too_few, c, c_hi),
-            t,
-            c,
-            it + 1,
-            moved,
-            (moved != 0) & (moved == last),
-            lo_zero & ~too_many,
-        )
+        return bracket_step(s, t, count_above(x, t), k, ub)
 
     # The current probe: the caller's estimate, else hi (count c_hi < k, so
     # the loop runs at least once).
@@ -546,3 +524,45 @@ def binary_search(
     )
     ok = (cm >= k) & (cm <= ub)
     return make_selection(jnp.where(ok, m, t), jnp.where(ok, cm, c), jnp.where(ok, 0, it + 1))
+
+
+def falsi_fraction(c_lo, c_hi, target, repeat):
+    """Where in ``[lo, hi]`` the next probe goes: regula falsi on ``log(count)``.
+
+    Laplacian (exponential) tails make ``log(count)`` nearly linear in the
+    threshold, so one or two probes usually land in ``[k, ub]``. Illinois-style
+    safeguard: after the same end moved twice in a row (``repeat``), bisect
+    once, so the search never stalls at one end. Shared by the per-leaf and
+    the segmented search, which must probe the same thresholds.
+    """
+    f_lo = jnp.log(c_lo.astype(jnp.float32) + 1.0) - target
+    f_hi = jnp.log(c_hi.astype(jnp.float32) + 1.0) - target
+    interp = f_lo / jnp.maximum(f_lo - f_hi, 1e-6)
+    return jnp.where(repeat, 0.5, jnp.clip(interp, 0.02, 0.98))
+
+
+def bracket_step(state, t, c, k, ub):
+    """The search state after probing threshold ``t`` with count ``c``.
+
+    ``state`` is ``(lo, hi, c_lo, c_hi, t, c, it, last, repeat, lo_zero)``:
+    too many above ``t`` (``c > ub``) raises ``lo`` to ``t``, too few
+    (``c < k``) lowers ``hi``; ``last``/``repeat`` track which end moved (for
+    :func:`falsi_fraction`'s safeguard). Shared by the per-leaf and the
+    segmented search (per segment, elementwise).
+    """
+    lo, hi, c_lo, c_hi, _, _, it, last, _, lo_zero = state
+    too_many = c > ub
+    too_few = c < k
+    moved = jnp.where(too_many, 1, jnp.where(too_few, -1, 0)).astype(jnp.int32)
+    return (
+        jnp.where(too_many, t, lo),
+        jnp.where(too_few, t, hi),
+        jnp.where(too_many, c, c_lo),
+        jnp.where(too_few, c, c_hi),
+        t,
+        c,
+        it + 1,
+        moved,
+        (moved != 0) & (moved == last),
+        lo_zero & ~too_many,
+    )

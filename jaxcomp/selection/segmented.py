@@ -61,6 +61,7 @@ from jax import lax
 from jaxcomp import _validation as V
 from jaxcomp._vma import varying_like
 from jaxcomp.selection import selectors as S1
+from jaxcomp.selection.ldte import bracket_step, falsi_fraction
 
 # What moved to packed stays importable from here (sparsify and users read it as
 # segmented.<name>): hence the noqa on names only re-exported.
@@ -344,32 +345,15 @@ def _search(layout, x, k, ub, lo, hi, c_lo, c_hi, t, c, lo_zero, *, upper, searc
 
     def body(s):
         go = running(s)
-        lo, hi, c_lo, c_hi, t_old, c_old, it, last, repeat, lo_z = s
+        lo, hi, c_lo, c_hi, _, _, it, _, repeat, _ = s
         if search == "bisect":
             frac = jnp.float32(0.5)
         elif search == "fibonacci":
             frac = fib[jnp.minimum(it, fib.shape[0] - 1)]
         else:
-            f_lo = jnp.log(c_lo.astype(jnp.float32) + 1.0) - target
-            f_hi = jnp.log(c_hi.astype(jnp.float32) + 1.0) - target
-            interp = f_lo / jnp.maximum(f_lo - f_hi, 1e-6)
-            frac = jnp.where(repeat, 0.5, jnp.clip(interp, 0.02, 0.98))
+            frac = falsi_fraction(c_lo, c_hi, target, repeat)
         t = jnp.clip(lo + rounded_product(hi - lo, frac), lo, hi)
-        c = count_above(layout, x, t)
-        too_many, too_few = c > ub, c < k
-        moved = jnp.where(too_many, 1, jnp.where(too_few, -1, 0)).astype(jnp.int32)
-        new = (
-            jnp.where(too_many, t, lo),
-            jnp.where(too_few, t, hi),
-            jnp.where(too_many, c, c_lo),
-            jnp.where(too_few, c, c_hi),
-            t,
-            c,
-            it + 1,
-            moved,
-            (moved != 0) & (moved == last),
-            lo_z & ~too_many,
-        )
+        new = bracket_step(s, t, count_above(layout, x, t), k, ub)
         return tuple(jnp.where(go, a, b) for a, b in zip(new, s, strict=True))
 
     zeros = jnp.zeros_like(k)
