@@ -54,6 +54,7 @@ from jaxcomp.transforms.adam_base import (
     zeros_like_tree,
 )
 from jaxcomp.transforms.base import apply_nonfinite_policy
+from jaxcomp.transforms.two_level import accepts_two_level_axis
 
 __all__ = ["OnebitAdamState", "onebit_adam"]
 
@@ -103,6 +104,7 @@ class _OnebitAdamConfig(AdamConfig):
     freeze_step: int  # >= 1: warm-up steps (dense exchange) before v is frozen
 
 
+@accepts_two_level_axis()
 def onebit_adam(
     learning_rate: float | Callable,
     b1: float = 0.9,

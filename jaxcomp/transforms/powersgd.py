@@ -114,6 +114,7 @@ from jaxcomp.transforms.base import (
     check_common_options,
     resolve_residual_dtype,
 )
+from jaxcomp.transforms.two_level import accepts_two_level_axis
 
 __all__ = [
     "POWERSGD_RESHAPES",
@@ -127,6 +128,13 @@ __all__ = [
 POWERSGD_RESHAPES = ("first", "last")
 
 _WHO = "jaxcomp.powersgd"
+
+
+def _matrix_rows(arguments: dict):
+    """Two-level shards keep whole rows of the matrix view (``reshape``)."""
+    if arguments.get("reshape", "first") == "last":
+        return lambda shape: shape[-1] if len(shape) >= 2 else 1
+    return lambda shape: math.prod(shape[1:]) if len(shape) >= 2 else 1
 
 
 def matrix_plan(
@@ -401,6 +409,7 @@ def _groups(plans: list, cdts: list) -> list:
     return [_Group(*key, tuple(idx)) for key, idx in groups.items()]
 
 
+@accepts_two_level_axis(row_length=_matrix_rows)
 def powersgd(
     rank: int,
     *,

@@ -90,6 +90,7 @@ from jaxcomp.transforms.base import (
     check_common_options,
     resolve_residual_dtype,
 )
+from jaxcomp.transforms.two_level import accepts_two_level_axis
 
 __all__ = [
     "CAST_DTYPES",
@@ -188,6 +189,7 @@ class MomentumQuantizeState(NamedTuple):
 _MERGE_LEAVES = True
 
 
+@accepts_two_level_axis()
 def quantize(
     quantizer: Quantizer,
     *,

@@ -72,6 +72,7 @@ from jaxcomp.transforms.base import (
     check_common_options,
     resolve_residual_dtype,
 )
+from jaxcomp.transforms.two_level import accepts_two_level_axis
 
 __all__ = [
     "DGC_WARMUP",
@@ -515,6 +516,7 @@ def _layout(cfg: _Config, tree: Any) -> _Layout:
 # ---------------------------------------------------------------------------
 
 
+@accepts_two_level_axis()
 def sparsify(
     selector: str | Callable[..., selectors.Selection],
     ratio: float,

@@ -62,6 +62,7 @@ from jaxcomp.transforms.adam_base import (
     zeros_like_tree,
 )
 from jaxcomp.transforms.base import apply_nonfinite_policy
+from jaxcomp.transforms.two_level import accepts_two_level_axis
 
 __all__ = ["ZeroOneAdamState", "zero_one_adam"]
 
@@ -131,6 +132,7 @@ class _ZeroOneAdamConfig(AdamConfig):
         return self.local_step_clipper > 1
 
 
+@accepts_two_level_axis()
 def zero_one_adam(
     learning_rate: float | Callable,
     b1: float = 0.9,
