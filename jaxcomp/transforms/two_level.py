@@ -330,6 +330,15 @@ def accepts_two_level_axis(
     Args:
       row_length: called with the factory's bound arguments, the
         ``row_length`` of :func:`two_level` (None: element-wise).
+
+    Example:
+      >>> import optax
+      >>> @accepts_two_level_axis()
+      ... def scaled(factor, *, axis_name=None):
+      ...     return optax.scale(factor)
+      >>> tx = scaled(2.0, axis_name=("node", "local"))  # scale(2.0) on each shard
+      >>> type(scaled(2.0, axis_name="data")).__name__
+      'GradientTransformationExtraArgs'
     """
 
     def decorate(factory: Callable) -> Callable:
