@@ -609,9 +609,9 @@ def _local_phases_time(
 ) -> float:
     """Reduce-scatter then all-gather within a node, each by its fastest of ``algorithms``."""
     padded = parts * shard_bytes  # the reduce-scatter splits into equal shards
-    return min(
-        reduce_scatter_time(parts, padded, bandwidth, latency, a) for a in algorithms
-    ) + min(allgather_time(parts, shard_bytes, bandwidth, latency, a) for a in algorithms)
+    scatter = min(reduce_scatter_time(parts, padded, bandwidth, latency, a) for a in algorithms)
+    gather = min(allgather_time(parts, shard_bytes, bandwidth, latency, a) for a in algorithms)
+    return scatter + gather
 
 
 def _compression_time(method: Method, workload: Workload, cluster: Cluster) -> float:
