@@ -173,7 +173,8 @@ class Cluster:
       gpus_per_node: ``i`` >= 1.
       intra_bandwidth: GPU-GPU bandwidth inside a node (``C_gwd``, e.g. PCIe).
       intra_latency: per-message latency inside a node.
-      inter_bandwidth: network bandwidth between nodes (``C_nwd``).
+      inter_bandwidth: network bandwidth between nodes (``C_nwd``): a node's
+        link, shared by its GPUs when they use it at once.
       inter_latency: network latency between nodes (``C_ncost``).
       host_bandwidth: CPU-GPU bandwidth (``C_cwd``) when inter-node traffic is
         staged through host memory (no GPUDirect RDMA): every inter-node byte
