@@ -7,8 +7,11 @@ Ethernet, for the paper's two platforms (K40c, Fig. 7; V100, Fig. 8), with
 LDTE-BS under the paper's all-reduce reading of the sparse exchange, and
 parameter-server exchanges (dense, and sparse push with dense pull). Prints
 the paper's claims beside the model's numbers for the same inputs and says
-where and why they differ. Writes ``scalability.json`` and
-``scalability.png``.
+where and why they differ. Also predicts a two-level (node x local)
+cluster of 8-GPU nodes with NVLink inside: dense SGD as one flat ring and as
+NCCL's two-level all-reduce, LDTE-BS with today's sparse all-gather and with
+the two-level compressed exchange (:data:`TWO_LEVEL_ASSUMPTIONS`). Writes
+``scalability.json``, ``scalability.png`` and ``scalability_two_level.png``.
 
     python -m experiments.scalability --out results/
 
@@ -34,11 +37,14 @@ __all__ = [
     "claims_table",
     "curves",
     "define_flags",
+    "TWO_LEVEL_ASSUMPTIONS",
     "format_pays_table",
+    "format_two_level_table",
     "implied_overhead",
     "main",
     "pays_table",
     "run",
+    "two_level_table",
 ]
 
 MiB = 2**20
@@ -311,6 +317,127 @@ def format_pays_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# Two-level (node x local) prediction: 8-GPU nodes, NVLink inside, V100 times.
+TWO_LEVEL_NODES = (4, 8, 16)
+TWO_LEVEL_GPUS = 8
+TWO_LEVEL_GBPS = (1, 10, 100)
+NVLINK = 150e9  # B/s per GPU within a node (V100 NVLink 2.0: 6 links x 25 GB/s per direction)
+TWO_LEVEL_PLATFORM = "v100"
+TWO_LEVEL_ASSUMPTIONS = {
+    "cluster": (
+        f"{TWO_LEVEL_NODES} nodes x {TWO_LEVEL_GPUS} GPUs; within a node NVLink {NVLINK:g} B/s, "
+        f"latency {INTRA_LATENCY} s; between nodes {TWO_LEVEL_GBPS} Gbps, latency "
+        f"{INTER_LATENCY} s, GPUDirect RDMA (no host staging); a node's link is shared by its "
+        "GPUs"
+    ),
+    "times": (
+        f"{TWO_LEVEL_PLATFORM}: batch {K40C_BATCH_TIME / V100_OVER_K40C:.4f} s, LDTE-BS "
+        f"{K40C_COMPRESSION['ldte_bs'] / V100_OVER_K40C:.4f} s for the whole gradient "
+        "(two-level: x 1/8, each GPU compresses its shard)"
+    ),
+    "methods": (
+        "dense flat ring (one ring of every GPU, each step at the slowest hop); dense two-level "
+        "(reduce-scatter in node, all-reduce across nodes, all-gather in node); LDTE-BS at "
+        f"{RATIO}, rle messages, flat (all-gather in node, then of the node's messages across "
+        "nodes) and two-level (reduce-scatter in node, all-gather of each GPU's shard message "
+        "across nodes, all-gather in node)"
+    ),
+}
+TWO_LEVEL_METHODS = ("dense flat ring", "dense two-level", "ldte_bs flat", "ldte_bs two-level")
+
+
+def two_level_methods(platform: str = TWO_LEVEL_PLATFORM) -> dict[str, sc.Method]:
+    """The four exchanges of the two-level table, by label."""
+    ldte = methods(platform)["ldte_bs"]
+    return dict(
+        zip(
+            TWO_LEVEL_METHODS,
+            (
+                sc.dense_sgd("flat_ring"),
+                sc.dense_sgd(),
+                ldte,
+                dataclasses.replace(ldte, exchange="two_level"),
+            ),
+            strict=True,
+        )
+    )
+
+
+def two_level_table(
+    nodes=TWO_LEVEL_NODES, links_gbps=TWO_LEVEL_GBPS, gpus_per_node: int = TWO_LEVEL_GPUS
+) -> list[dict]:
+    """Predicted iteration of each exchange: one row per (nodes, link, method)."""
+    w = workload(TWO_LEVEL_PLATFORM)
+    rows = []
+    for n in nodes:
+        for link in links_gbps:
+            c = sc.Cluster(
+                nodes=n,
+                gpus_per_node=gpus_per_node,
+                intra_bandwidth=NVLINK,
+                intra_latency=INTRA_LATENCY,
+                inter_bandwidth=sc.gbps(link),
+                inter_latency=INTER_LATENCY,
+            )
+            for name, m in two_level_methods().items():
+                t = sc.iteration_time(m, c, w)
+                rows.append(
+                    {
+                        "nodes": n,
+                        "gpus": c.workers,
+                        "link_gbps": link,
+                        "method": name,
+                        "compression_s": t.compression,
+                        "communication_s": t.communication,
+                        "iteration_s": t.total,
+                        "speedup": c.workers * w.batch_time / t.total,
+                    }
+                )
+    return rows
+
+
+def format_two_level_table(rows: list[dict]) -> str:
+    """A row per (nodes, link), a column per method: speedup (communication ms)."""
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    lines = [f"{'nodes x GPUs':>12} {'link':>6}" + "".join(f"{n:>20}" for n in names)]
+    keys = list(dict.fromkeys((r["nodes"], r["gpus"], r["link_gbps"]) for r in rows))
+    for nodes, gpus, link in keys:
+        cells = []
+        for name in names:
+            (r,) = [
+                r for r in rows if (r["nodes"], r["link_gbps"], r["method"]) == (nodes, link, name)
+            ]
+            cells.append(f"{r['speedup']:>9.1f}x ({r['communication_s'] * 1e3:>6.1f} ms)")
+        head = f"{nodes} x {gpus // nodes}"
+        lines.append(f"{head:>12} {format(link, 'g') + 'G':>6}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def plot_two_level(rows: list[dict], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    links = list(dict.fromkeys(r["link_gbps"] for r in rows))
+    fig, axes = plt.subplots(1, len(links), figsize=(4.5 * len(links), 4), squeeze=False)
+    for ax, link in zip(axes[0], links, strict=True):
+        for name in dict.fromkeys(r["method"] for r in rows):
+            sel = [r for r in rows if r["link_gbps"] == link and r["method"] == name]
+            ax.plot([r["gpus"] for r in sel], [r["speedup"] for r in sel], marker="o", label=name)
+        ax.set_title(f"{format(link, 'g')} Gbps between nodes, NVLink within")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("speedup over 1 GPU (dense SGD)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Two-level exchange model, {MODEL}, LDTE-BS at {RATIO}, V100 times (assumed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(data: dict, path: Path) -> None:
     import matplotlib  # noqa: PLC0415
 
@@ -357,14 +484,21 @@ def plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run(out: str | Path, nodes=NODES, verbose: bool = True, pays: dict | None = None) -> dict:
-    """Computes the curves, the claims table and the compression-pays grid; writes JSON + PNG.
+def run(
+    out: str | Path,
+    nodes=NODES,
+    verbose: bool = True,
+    pays: dict | None = None,
+    two_level: dict | None = None,
+) -> dict:
+    """Computes the curves, the claims, compression-pays and two-level tables; writes JSON + PNG.
 
     Args:
       out: output folder.
       nodes: node counts of the curves.
       verbose: print the tables.
       pays: keyword arguments of :func:`pays_table` (None: its defaults).
+      two_level: keyword arguments of :func:`two_level_table` (None: its defaults).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -372,15 +506,18 @@ def run(out: str | Path, nodes=NODES, verbose: bool = True, pays: dict | None = 
     rows = claims_table()
     notes = _explanations(rows)
     pays = pays_table(**(pays or {}))
+    levels = two_level_table(**(two_level or {}))
     result = {
         "assumptions": ASSUMPTIONS,
         "claims": rows,
         "notes": notes,
         "curves": data,
         "compression_pays": pays,
+        "two_level": {"assumptions": TWO_LEVEL_ASSUMPTIONS, "rows": levels},
     }
     (out / "scalability.json").write_text(jsonio.dumps(result, indent=1))
     plot(data, out / "scalability.png")
+    plot_two_level(levels, out / "scalability_two_level.png")
     if verbose:
         print("Assumed inputs:")
         for k, v in ASSUMPTIONS.items():
@@ -411,7 +548,19 @@ def run(out: str | Path, nodes=NODES, verbose: bool = True, pays: dict | None = 
             "chosen and dense time / chosen time:"
         )
         print(format_pays_table(pays))
-        print(f"\nwrote {out / 'scalability.json'} and {out / 'scalability.png'}")
+        print("\nTwo levels (node x local), speedup over 1 GPU (communication per iteration):")
+        for k, v in TWO_LEVEL_ASSUMPTIONS.items():
+            print(f"  {k}: {v}")
+        print(format_two_level_table(levels))
+        compression = {r["method"]: r["compression_s"] for r in levels if "ldte" in r["method"]}
+        print(
+            "LDTE-BS compression per iteration (in the speedup, not in the ms): "
+            + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in compression.items())
+        )
+        print(
+            f"\nwrote {out / 'scalability.json'}, {out / 'scalability.png'} and "
+            f"{out / 'scalability_two_level.png'}"
+        )
     return result
 
 
@@ -439,6 +588,19 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         **fv,
     )
     flags.DEFINE_bool("pays_overlap", False, "dense overlaps compute", **fv)
+    flags.DEFINE_string(
+        "two_level_nodes",
+        ",".join(str(n) for n in TWO_LEVEL_NODES),
+        "two-level table: node counts (comma-separated)",
+        **fv,
+    )
+    flags.DEFINE_string(
+        "two_level_gbps",
+        ",".join(format(g, "g") for g in TWO_LEVEL_GBPS),
+        "two-level table: inter-node link speeds (Gbps, comma-separated)",
+        **fv,
+    )
+    flags.DEFINE_integer("two_level_gpus", TWO_LEVEL_GPUS, "two-level table: GPUs per node", **fv)
 
 
 def main(argv) -> None:
@@ -451,7 +613,12 @@ def main(argv) -> None:
         "compute_time": args.pays_compute_ms / 1e3,
         "overlap": args.pays_overlap,
     }
-    run(args.out, pays=pays)
+    two_level = {
+        "nodes": tuple(int(n) for n in args.two_level_nodes.split(",")),
+        "links_gbps": tuple(float(g) for g in args.two_level_gbps.split(",")),
+        "gpus_per_node": args.two_level_gpus,
+    }
+    run(args.out, pays=pays, two_level=two_level)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The scalability model (jaxcomp.planning.scalability) and its experiment."""
 
+import dataclasses
 import json
 import math
 
@@ -69,6 +70,8 @@ def test_compression_time_number_or_callable_per_bucket():
         sc.ldte_bs(1e-3, 0.01),
         sc.naive_rgc(1e-3, 0.01, exchange="allreduce"),
         sc.dgc(1e-3, 0.01, exchange="server"),
+        sc.dense_sgd(exchange="flat_ring"),
+        sc.ldte_bs(1e-3, 0.01, exchange="two_level"),
     ],
     ids=lambda m: f"{m.name}-{m.exchange}",
 )
@@ -93,7 +96,13 @@ def test_speedup_and_throughput():
 
 @pytest.mark.parametrize(
     "method",
-    [sc.dense_sgd(), sc.dense_sgd(exchange="server"), sc.ldte_bs(1e-3, 1e-3)],
+    [
+        sc.dense_sgd(),
+        sc.dense_sgd(exchange="server"),
+        sc.dense_sgd(exchange="flat_ring"),
+        sc.ldte_bs(1e-3, 1e-3),
+        sc.ldte_bs(1e-3, 1e-3, exchange="two_level"),
+    ],
     ids=lambda m: m.exchange,
 )
 def test_more_bandwidth_never_slower(method):
@@ -180,6 +189,113 @@ def test_server_wins_only_where_it_should():
     assert set(d.times) == set(sc.EXCHANGE_CHOICES)
 
 
+# Two levels: 3 nodes of 4 GPUs, 100 GB/s and 1 us within a node, 1 GB/s and
+# 100 us between nodes (the node's link, shared by its GPUs).
+TWO_LEVELS = dict(
+    nodes=3, gpus_per_node=4, intra_bandwidth=1e11, intra_latency=1e-6,
+    inter_bandwidth=1e9, inter_latency=1e-4,
+)  # fmt: skip
+
+
+def test_two_level_sparse_by_hand():
+    g, L, j = 4e6, 4, 3
+    # Each GPU owns 1e6 / 4 = 250_000 elements; k = 250; the rle message is
+    # what the codec writes for 250 values among 250_000 (zeros in one run).
+    shard, k = 250_000, 250
+    m_shard = len(coding.encode_sparse(np.arange(shard - k, shard), np.ones(k, np.float32), shard))
+    reduce_scatter = (L - 1) / L * g / 1e11 + (L - 1) * 1e-6
+    all_gather = (L - 1) * (g / L) / 1e11 + (L - 1) * 1e-6
+    across = (j - 1) * L * m_shard / 1e9 + (j - 1) * 1e-4  # L shard messages per node link
+    method = sc.ldte_bs(1e-3, 0.02, exchange="two_level")
+    t = sc.iteration_time(method, sc.Cluster(**TWO_LEVELS), MB4)
+    assert t.communication == pytest.approx(reduce_scatter + across + all_gather)
+    assert t.compression == pytest.approx(0.02 / L)  # a quarter of the elements compressed
+    pairs = dataclasses.replace(method, message="pairs")
+    assert _comm(pairs, **TWO_LEVELS) == pytest.approx(
+        reduce_scatter + all_gather + (j - 1) * L * k * 8 / 1e9 + (j - 1) * 1e-4
+    )
+    # A callable compression time is summed over the shards: ceil(3001 / 4) = 751.
+    buckets = sc.Workload(batch_time=1.0, gradient_elements=[1000, 3001])
+    cost = lambda n: 1e-3 + 1e-6 * n  # noqa: E731
+    shards = sc.iteration_time(
+        dataclasses.replace(method, compression_time=cost), sc.Cluster(**TWO_LEVELS), buckets
+    )
+    assert shards.compression == pytest.approx(2e-3 + 1e-6 * (250 + 751))
+
+
+def test_dense_is_nccl_two_level_and_flat_ring_by_hand():
+    g, L, j, n = 4e6, 4, 3, 12
+    # NCCL: reduce-scatter in the node, each GPU all-reduces its g / L across
+    # nodes (the L GPUs share the node's link), all-gather in the node.
+    nccl = (
+        (L - 1) / L * g / 1e11 + (L - 1) * 1e-6
+        + L * 2 * (j - 1) / j * (g / L) / 1e9 + 2 * (j - 1) * 1e-4
+        + (L - 1) / L * g / 1e11 + (L - 1) * 1e-6
+    )  # fmt: skip
+    assert _comm(sc.dense_sgd(), **TWO_LEVELS) == pytest.approx(nccl)
+    # One ring through all 12 GPUs: every step waits for the inter-node hop.
+    flat = 2 * (n - 1) / n * g / 1e9 + 2 * (n - 1) * 1e-4
+    assert _comm(sc.dense_sgd(exchange="flat_ring"), **TWO_LEVELS) == pytest.approx(flat)
+    one_node = dict(TWO_LEVELS, nodes=1)
+    assert _comm(sc.dense_sgd(exchange="flat_ring"), **one_node) == pytest.approx(
+        2 * 3 / 4 * g / 1e11 + 2 * 3 * 1e-6
+    )
+
+
+def test_compression_pays_two_levels_by_hand():
+    # 4 devices per node own 1M elements (4 MB) each of a 4M-element bucket;
+    # 3 nodes, 1 GB/s and 100 us between them, 100 GB/s and 1 us within.
+    kw = dict(bandwidth=1e9, latency=1e-4, ratio=1e-3, compression_time=1e-3)
+    d = sc.compression_pays(
+        4 * 10**6, 3, local_devices=4, intra_bandwidth=1e11, intra_latency=1e-6, **kw
+    )
+    shard, message = 4e6, 1000 * 8.0
+    # Within the node, halving/doubling (2 rounds) beats the ring (3) on 4 devices.
+    intra = 3 / 4 * 4 * shard / 1e11 + 2e-6 + 3 * shard / 1e11 + 2e-6
+    inter = {
+        "dense": 2 * 2 / 3 * 4 * shard / 1e9 + 2 * 2 * 1e-4,
+        "sparse": 2 * 4 * message / 1e9 + 2 * 1e-4,
+        "server": max(2 * 4 * message, 2 * 4 * shard) / 1e9 + 2 * 1e-4,
+    }
+    assert d.intra_time == pytest.approx(intra)
+    assert d.inter_times == pytest.approx(inter)
+    assert d.times == pytest.approx(
+        {e: intra + t + (0 if e == "dense" else 1e-3) for e, t in inter.items()}
+    )
+    assert d.exchange == "sparse"
+    assert (d.dense_time, d.compressed_time) == (d.times["dense"], d.times["sparse"])
+    # One device per node is today's one-level call, whatever intra_* say.
+    for size, n in ((2**22, 8), (1000, 64), (10**6, 2)):
+        today = sc.compression_pays(size, n, **kw)
+        one = sc.compression_pays(size, n, local_devices=1, intra_bandwidth=1.0, **kw)
+        assert one == today and one.intra_time == 0.0
+        exchange_only = {e: t - (e != "dense") * 1e-3 for e, t in today.times.items()}
+        assert one.inter_times == pytest.approx(exchange_only)
+
+
+def test_compression_pays_two_levels_flips_with_the_inter_node_link():
+    # 8 nodes of 8 devices (150 GB/s within), a 4M-element bucket, a slow
+    # compressor (5 ms on a 512k-element shard): compress at 1 Gbps between
+    # nodes, send dense at 1 TB/s, where the dense all-reduce of the shards
+    # takes 2 * 7/8 * 16.8 MB / 1e12 = 29 us.
+    size, L, j = 2**22, 8, 8
+    kw = dict(ratio=1e-3, compression_time=5e-3, latency=5e-5, local_devices=L,
+              intra_bandwidth=150e9, intra_latency=1e-5)  # fmt: skip
+    slow = sc.compression_pays(size, j, bandwidth=sc.gbps(1), **kw)
+    fast = sc.compression_pays(size, j, bandwidth=1e12, **kw)
+    assert (slow.compress, slow.exchange) == (True, "sparse")
+    assert (fast.compress, fast.exchange) == (False, "dense")
+    for link, d in ((sc.gbps(1), slow), (1e12, fast)):
+        # Dense vs sparse on the node's link: 2 (j-1)/j * size * 4 bytes against
+        # (j-1) * L * ceil(1e-3 * size / L) pairs, plus the compression time.
+        dense = 2 * (j - 1) / j * size * 4 / link
+        sparse = (j - 1) * L * math.ceil(1e-3 * size / L) * 8 / link + 5e-3
+        assert (sparse < dense) == d.compress, link
+        assert d.intra_time > 0 and d.times["dense"] == pytest.approx(
+            d.intra_time + d.inter_times["dense"]
+        )
+
+
 @pytest.mark.parametrize(
     ("make", "name"),
     [
@@ -196,6 +312,10 @@ def test_server_wins_only_where_it_should():
         (lambda: sc.ldte_bs(compression_time=-1.0), "compression_time"),
         (lambda: sc.ldte_bs(exchange="ring"), "exchange"),
         (lambda: sc.dense_sgd(exchange="allgather"), "exchange"),
+        (lambda: sc.dense_sgd(exchange="two_level"), "exchange"),
+        (lambda: sc.ldte_bs(exchange="flat_ring"), "exchange"),
+        (lambda: sc.reduce_scatter_time(0, 1.0, 1.0), "peers"),
+        (lambda: sc.reduce_scatter_time(2, 1.0, 0.0), "bandwidth"),
         (lambda: sc.ldte_bs(message="zip"), "message"),
         (lambda: sc.iteration_time(sc.dense_sgd(), "cluster", MB4), "cluster"),
         (lambda: sc.allreduce_time(0, 1.0, 1.0), "peers"),
@@ -218,6 +338,42 @@ def test_server_wins_only_where_it_should():
         (
             lambda: sc.compression_pays(10, 2, bandwidth=1.0, ratio=0.1, exchanges=("gossip",)),
             "exchanges",
+        ),
+        (
+            lambda: sc.compression_pays(10, 2, bandwidth=1.0, ratio=0.1, local_devices=0),
+            "local_devices",
+        ),
+        (
+            lambda: sc.compression_pays(10, 2, bandwidth=1.0, ratio=0.1, local_devices=1.5),
+            "local_devices",
+        ),
+        (
+            lambda: sc.compression_pays(10, 2, bandwidth=1.0, ratio=0.1, local_devices=2),
+            "intra_bandwidth must be given",
+        ),
+        (
+            lambda: sc.compression_pays(
+                10, 2, bandwidth=1.0, ratio=0.1, local_devices=2, intra_bandwidth=0.0
+            ),
+            "intra_bandwidth",
+        ),
+        (
+            lambda: sc.compression_pays(
+                10,
+                2,
+                bandwidth=1.0,
+                ratio=0.1,
+                local_devices=2,
+                intra_bandwidth=1.0,
+                intra_latency=-1.0,
+            ),
+            "intra_latency",
+        ),
+        (  # the shard of 10 elements over 2 devices holds 5: capacity 6 cannot fit
+            lambda: sc.compression_pays(
+                10, 2, bandwidth=1.0, capacity=6, local_devices=2, intra_bandwidth=1.0
+            ),
+            "capacity",
         ),
     ],
 )
@@ -269,3 +425,30 @@ def test_message_k_is_the_sparsifiers_k():
     assert target_count(0.07, 100) == 7 == math.ceil(7.0)
     method = sc.ldte_bs(0.07, message="pairs")
     assert sc.sparse_message_bytes(method, sc.Workload(1.0, 100)) == 7 * (4 + 4)
+
+
+def test_experiment_two_level_table(tmp_path, capsys):
+    from experiments import scalability as exp
+
+    small = {"nodes": (2, 4), "links_gbps": (1.0, 100.0), "gpus_per_node": 4}
+    result = exp.run(tmp_path, nodes=(1, 2), verbose=True, two_level=small)
+    assert (tmp_path / "scalability_two_level.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "scalability.json").read_text())
+    assert saved["two_level"] == json.loads(json.dumps(result["two_level"]))
+    assert set(saved) == {
+        "assumptions", "claims", "notes", "curves", "compression_pays", "two_level"
+    }  # fmt: skip
+    rows = saved["two_level"]["rows"]
+    assert len(rows) == 2 * 2 * len(exp.TWO_LEVEL_METHODS)
+    keys = {"nodes", "gpus", "link_gbps", "method", "compression_s", "communication_s",
+            "iteration_s", "speedup"}  # fmt: skip
+    assert all(set(r) == keys for r in rows)
+    assert {r["method"] for r in rows} == set(exp.TWO_LEVEL_METHODS)
+    assert {(r["nodes"], r["gpus"]) for r in rows} == {(2, 8), (4, 16)}
+    by = {(r["nodes"], r["link_gbps"], r["method"]): r for r in rows}
+    # At 1 Gbps between nodes the node's link carries L times less with two levels.
+    slow = {m: by[(4, 1.0, m)]["communication_s"] for m in exp.TWO_LEVEL_METHODS}
+    assert slow["ldte_bs two-level"] < slow["ldte_bs flat"] < slow["dense two-level"]
+    assert slow["dense two-level"] < slow["dense flat ring"]
+    out = capsys.readouterr().out
+    assert "Two levels (node x local)" in out and "ldte_bs two-level" in out

@@ -30,7 +30,27 @@ optionally staged through host memory (``C_cwd``, ``host_bandwidth``)::
                 (each node forwards its GPUs' messages; nothing is merged)
 
 where ``g`` is the dense gradient's bytes and ``m`` one GPU's sparse
-message. The paper's text lost its formulas; two choices were needed:
+message. The inter-node bandwidth is the node's: its ``i`` GPUs share it
+(the ``i * m`` above). Beyond the paper, two exchanges on a
+``("node", "local")`` mesh (``L = i`` GPUs per node, ``j`` nodes)::
+
+    dense, flat ring (exchange="flat_ring"): one ring of i j GPUs, every step
+        as slow as its slowest hop: all-reduce(g) on i j peers at
+        min(C_gwd, C_nwd), max(intra_latency, C_ncost) per step
+    two-level compressed (exchange="two_level"):
+        1. reduce-scatter(g) within the node: each GPU owns its node's sum
+           of 1/L of the gradient, (L-1)/L * g bytes, L-1 latencies;
+        2. compress that shard (compression time x 1/L), all-gather its
+           message m_s (~ m / L) across nodes: every GPU of the node does
+           so at once on the shared link, (j-1) * L * m_s / C_nwd
+           + (j-1) * C_ncost;
+        3. all-gather(g / L) within the node: (L-1)/L * g, L-1 latencies.
+
+The default dense exchange is already NCCL's two-level one: reduce-scatter
+within the node, all-reduce of ``g / L`` across nodes by each of the ``L``
+GPUs on the shared link (``2 (j-1)/j * g / C_nwd`` in all), all-gather within
+the node cost exactly the intra then inter all-reduce above.
+The paper's text lost its formulas; two choices were needed:
 
 * **How sparse messages travel.** The sum of ``N`` different top-k sets is
   not k-sparse, so a sparse message cannot be ring all-reduced at its own
@@ -86,6 +106,7 @@ __all__ = [
     "IterationTime",
     "Method",
     "Workload",
+    "DENSE_EXCHANGES",
     "allgather_time",
     "allreduce_time",
     "compression_pays",
@@ -95,6 +116,7 @@ __all__ = [
     "iteration_time",
     "ldte_bs",
     "naive_rgc",
+    "reduce_scatter_time",
     "rle_message_bytes",
     "server_time",
     "sparse_message_bytes",
@@ -104,7 +126,9 @@ __all__ = [
 ]
 
 # How a sparse method's messages travel (``Method.exchange``).
-SPARSE_EXCHANGES = ("allgather", "allreduce", "server")
+SPARSE_EXCHANGES = ("allgather", "allreduce", "server", "two_level")
+# How dense SGD's gradient travels (``Method.exchange``).
+DENSE_EXCHANGES = ("allreduce", "server", "flat_ring")
 # Wire format of a sparse message (``Method.message``).
 MESSAGE_FORMATS = ("rle", "pairs")
 # What :func:`compression_pays` chooses between; names as in ``jaxcomp.comm.EXCHANGES``.
@@ -149,7 +173,8 @@ class Cluster:
       gpus_per_node: ``i`` >= 1.
       intra_bandwidth: GPU-GPU bandwidth inside a node (``C_gwd``, e.g. PCIe).
       intra_latency: per-message latency inside a node.
-      inter_bandwidth: network bandwidth between nodes (``C_nwd``).
+      inter_bandwidth: network bandwidth between nodes (``C_nwd``): a node's
+        link, shared by its GPUs when they use it at once.
       inter_latency: network latency between nodes (``C_ncost``).
       host_bandwidth: CPU-GPU bandwidth (``C_cwd``) when inter-node traffic is
         staged through host memory (no GPUDirect RDMA): every inter-node byte
@@ -274,13 +299,21 @@ class Method:
         iteration (a number), or a callable of a bucket's element count
         summed over buckets (e.g. :func:`jaxcomp.planning.fit_sparsify_cost`'s
         fit of measured times, or :func:`jaxcomp.planning.linear_cost`).
+        With ``exchange="two_level"`` a GPU compresses only its shard
+        (``ceil(n / i)`` elements of each bucket): the callable is summed
+        over the shards, a number scaled by the shard's share of elements.
       fill: elements sent per bucket over ``k`` (LDTE-BS sends ``nnz`` in
         ``[k, 1.5 k]``; 1.0 models exactly ``k``, as the paper's figures do).
-      exchange: ``"allreduce"`` (default) or ``"server"`` for dense SGD; one
-        of :data:`SPARSE_EXCHANGES` for a sparsifier: ``"allgather"``
-        (default), ``"allreduce"`` (the paper's formula on the compressed
-        size) or ``"server"`` (sparse push, dense pull, as
-        :func:`jaxcomp.comm.server_sparse_mean`).
+      exchange: one of :data:`DENSE_EXCHANGES` for dense SGD:
+        ``"allreduce"`` (default; hierarchical, the cost of NCCL's two-level
+        all-reduce), ``"server"`` or ``"flat_ring"`` (one ring of every
+        GPU); one of :data:`SPARSE_EXCHANGES` for a sparsifier:
+        ``"allgather"`` (default), ``"allreduce"`` (the paper's formula on
+        the compressed size), ``"server"`` (sparse push, dense pull, as
+        :func:`jaxcomp.comm.server_sparse_mean`) or ``"two_level"``
+        (dense reduce-scatter within the node, each GPU compresses its
+        ``1/i`` shard and all-gathers it across nodes, dense all-gather
+        within the node; see the module docstring).
       message: ``"rle"`` (the paper's run-length format,
         :func:`rle_message_bytes`) or ``"pairs"`` (int32 index + value, what
         jaxcomp's all-gather moves).
@@ -310,7 +343,7 @@ class Method:
                 self, "compression_time", _nonneg("compression_time", self.compression_time)
             )
         object.__setattr__(self, "fill", V.check_real("fill", self.fill, 0, low_open=True))
-        choices = ("allreduce", "server") if self.ratio is None else SPARSE_EXCHANGES
+        choices = DENSE_EXCHANGES if self.ratio is None else SPARSE_EXCHANGES
         if self.exchange is None:
             object.__setattr__(self, "exchange", choices[0])
         object.__setattr__(self, "exchange", V.check_choice("exchange", self.exchange, choices))
@@ -477,6 +510,24 @@ def allreduce_time(
     return 2.0 * (p - 1) / p * nbytes / bandwidth + 2.0 * _rounds(p, algorithm) * latency
 
 
+def reduce_scatter_time(
+    peers: int, nbytes: float, bandwidth: float, latency: float = 0.0, algorithm: str = "ring"
+) -> float:
+    """Reduce-scatter of ``nbytes`` (the whole buffer): ``(p-1)/p * nbytes / bw + R * latency``.
+
+    Each peer ends with the sum of its ``1/p`` of the buffer: half an
+    all-reduce (``R`` as in :func:`allreduce_time`).
+
+    Example:
+      >>> reduce_scatter_time(4, 4e6, 1e9, 1e-5)  # 3/4 * 4 MB / 1 GB/s + 3 latencies
+      0.00303
+    """
+    p = _peers("peers", peers)
+    nbytes, bandwidth = _nonneg("nbytes", nbytes), _positive("bandwidth", bandwidth)
+    latency = _nonneg("latency", latency)
+    return (p - 1) / p * nbytes / bandwidth + _rounds(p, algorithm) * latency
+
+
 def allgather_time(
     peers: int, nbytes: float, bandwidth: float, latency: float = 0.0, algorithm: str = "ring"
 ) -> float:
@@ -548,12 +599,33 @@ class IterationTime(NamedTuple):
     total: float
 
 
-def _compression_time(method: Method, workload: Workload) -> float:
+def _shards(workload: Workload, parts: int) -> Workload:
+    """One GPU's shard after a reduce-scatter over ``parts``: ``ceil(n / parts)`` per bucket."""
+    buckets = tuple(-(-n // parts) for n in workload.buckets)
+    return dataclasses.replace(workload, gradient_elements=buckets)
+
+
+def _local_phases_time(
+    parts: int, shard_bytes: float, bandwidth: float, latency: float, algorithms=("ring",)
+) -> float:
+    """Reduce-scatter then all-gather within a node, each by its fastest of ``algorithms``."""
+    padded = parts * shard_bytes  # the reduce-scatter splits into equal shards
+    scatter = min(reduce_scatter_time(parts, padded, bandwidth, latency, a) for a in algorithms)
+    gather = min(allgather_time(parts, shard_bytes, bandwidth, latency, a) for a in algorithms)
+    return scatter + gather
+
+
+def _compression_time(method: Method, workload: Workload, cluster: Cluster) -> float:
     ct = method.compression_time
+    compressed = workload
+    if method.exchange == "two_level":  # each GPU compresses its shard only
+        compressed = _shards(workload, cluster.gpus_per_node)
     if not callable(ct):
-        return float(ct)
+        if compressed is workload:
+            return float(ct)
+        return float(ct) * compressed.elements / workload.elements
     total = 0.0
-    for n in workload.buckets:
+    for n in compressed.buckets:
         v = float(ct(n))
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"compression_time({n}) = {v!r}: must be finite and >= 0")
@@ -561,15 +633,40 @@ def _compression_time(method: Method, workload: Workload) -> float:
     return total
 
 
+def _flat_ring_time(c: Cluster, nbytes: float) -> float:
+    """One ring through every GPU: each step waits for its slowest hop."""
+    if c.nodes == 1:
+        bandwidth, latency = c.intra_bandwidth, c.intra_latency
+    else:
+        bandwidth = min(c.intra_bandwidth, 1.0 / c._inter_seconds_per_byte())
+        latency = max(c.intra_latency, c.inter_latency)
+    return allreduce_time(c.workers, nbytes, bandwidth, latency)
+
+
+def _two_level_time(method: Method, c: Cluster, w: Workload) -> float:
+    """Reduce-scatter within the node, sparse all-gather of the shards across, all-gather within."""
+    i, j = c.gpus_per_node, c.nodes
+    shard = _shards(w, i)
+    intra = _local_phases_time(i, float(shard.nbytes), c.intra_bandwidth, c.intra_latency)
+    # The node's i GPUs all-gather their shards' messages at once on its link.
+    node_bundle = i * sparse_message_bytes(method, shard)
+    inter_bw = 1.0 / c._inter_seconds_per_byte()
+    return intra + allgather_time(j, node_bundle, inter_bw, c.inter_latency)
+
+
 def _communication(method: Method, c: Cluster, w: Workload) -> float:
     i, j = c.gpus_per_node, c.nodes
     inter_bw = 1.0 / c._inter_seconds_per_byte()
     if not method.sparse:
         g = float(w.nbytes)
+        if method.exchange == "flat_ring":
+            return _flat_ring_time(c, g)
         intra = allreduce_time(i, g, c.intra_bandwidth, c.intra_latency)
         if method.exchange == "server":
             return intra + server_time(j, g, g, inter_bw, c.inter_latency)
         return intra + allreduce_time(j, g, inter_bw, c.inter_latency)
+    if method.exchange == "two_level":
+        return _two_level_time(method, c, w)
     m = sparse_message_bytes(method, w)
     if method.exchange == "allreduce":  # the paper's formula on the compressed size
         return allreduce_time(i, m, c.intra_bandwidth, c.intra_latency) + allreduce_time(
@@ -619,7 +716,7 @@ def iteration_time(
     _check_types(method, cluster, workload)
     overlap = V.check_bool("overlap", overlap)
     compute = workload.batch_time
-    compression = _compression_time(method, workload) if method.sparse else 0.0
+    compression = _compression_time(method, workload, cluster) if method.sparse else 0.0
     comm = _communication(method, cluster, workload) if cluster.workers > 1 else 0.0
     total = max(compute + compression, comm) if overlap else compute + compression + comm
     return IterationTime(compute, compression, comm, total)
@@ -680,17 +777,26 @@ class ExchangeDecision:
       exchange: ``"dense"`` (ring all-reduce of the dense tensor, no
         compression), ``"sparse"`` (all-gather of the sparse messages) or
         ``"server"`` (sparse push, dense pull): the names of
-        ``jaxcomp.comm.EXCHANGES`` plus the parameter server.
+        ``jaxcomp.comm.EXCHANGES`` plus the parameter server. With two
+        levels, how the inter-node step moves each device's shard.
       dense_time: predicted seconds sending dense.
       compressed_time: predicted seconds of the best compressed exchange
         (compression included); ``inf`` when none was allowed.
-      times: predicted seconds of every candidate, by exchange name.
+      times: predicted seconds of every candidate, by exchange name
+        (compute, compression and both levels included).
+      intra_time: seconds of the dense reduce-scatter and all-gather within
+        the node, part of every candidate's time (0 with one level).
+      inter_times: seconds of each candidate's exchange among the
+        ``n_devices`` peers (across nodes with two levels), without
+        compression, compute or the intra-node part.
 
     Example:
       >>> d = compression_pays(10**6, 8, bandwidth=1e9, ratio=1e-3)
       >>> # dense: 2 * 7/8 * 4 MB / 1 GB/s; sparse: 7 * 1000 pairs * 8 B / 1 GB/s
       >>> d.compress, d.exchange, d.dense_time, d.compressed_time
       (True, 'sparse', 0.007, 5.6e-05)
+      >>> d.intra_time, d.inter_times["sparse"]
+      (0.0, 5.6e-05)
     """
 
     compress: bool
@@ -698,9 +804,43 @@ class ExchangeDecision:
     dense_time: float
     compressed_time: float
     times: Mapping[str, float]
+    intra_time: float = 0.0
+    inter_times: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return self.compress
+
+
+def _check_local_level(local_devices, intra_bandwidth, intra_latency):
+    """Validated ``(L, intra_bandwidth, intra_latency)`` of :func:`compression_pays`."""
+    local = V.check_int("local_devices", local_devices, 1)
+    if intra_bandwidth is None:
+        if local > 1:
+            raise ValueError(
+                f"intra_bandwidth must be given (> 0) when local_devices > 1, got {local}"
+            )
+    else:
+        intra_bandwidth = _positive("intra_bandwidth", intra_bandwidth)
+    return local, intra_bandwidth, _nonneg("intra_latency", intra_latency)
+
+
+def _check_exchanges(exchanges) -> tuple[str, ...]:
+    if isinstance(exchanges, str) or not isinstance(exchanges, Sequence):
+        raise ValueError(f"exchanges must be a sequence of {EXCHANGE_CHOICES}, got {exchanges!r}")
+    exchanges = tuple(V.check_choice("exchanges", e, EXCHANGE_CHOICES) for e in exchanges)
+    if "dense" not in exchanges:
+        raise ValueError(f"exchanges must include 'dense', got {exchanges!r}")
+    return exchanges
+
+
+def _candidate_times(peers, local, dense_bytes, message, bandwidth, latency):
+    """Seconds of each candidate across the ``peers``' link, carrying ``local`` devices' shards."""
+    dense, bundle = local * dense_bytes, local * message  # the link is shared by the node
+    return {
+        "dense": min(allreduce_time(peers, dense, bandwidth, latency, a) for a in ALGORITHMS),
+        "sparse": min(allgather_time(peers, bundle, bandwidth, latency, a) for a in ALGORITHMS),
+        "server": server_time(peers, bundle, dense, bandwidth, latency),
+    }
 
 
 def compression_pays(
@@ -717,6 +857,9 @@ def compression_pays(
     compute_time: float = 0.0,
     exchanges: Sequence[str] = EXCHANGE_CHOICES,
     overlap: bool = False,
+    local_devices: int = 1,
+    intra_bandwidth: float | None = None,
+    intra_latency: float = 0.0,
 ) -> ExchangeDecision:
     """Whether compressing one gradient bucket beats sending it dense, and how.
 
@@ -733,6 +876,21 @@ def compression_pays(
     * ``"server"``: ``compression_time`` + parameter server, sparse push and
       dense pull (:func:`jaxcomp.comm.server_sparse_mean`).
 
+    **Two levels** (``local_devices = L > 1``; ``axis_name=("node",
+    "local")``): ``n_devices`` is then the number of nodes ``j`` and
+    ``bandwidth``/``latency`` describe the inter-node link of a node, which
+    its ``L`` devices share (as :class:`Cluster` models it). Every candidate
+    first reduce-scatters the bucket within the node (``intra_bandwidth``,
+    ``intra_latency``), leaving each device ``s = ceil(size / L)`` elements,
+    and ends with their all-gather within the node: ``intra_time``, the same
+    for every candidate. In between, the candidates above act on the
+    shards, all ``L`` devices of a node at once: dense is an all-reduce of
+    ``L * s * itemsize`` bytes on the node's link, sparse an all-gather of
+    ``L`` messages of ``capacity`` pairs, where ``capacity`` (and
+    ``compression_time``) are one device's for its shard. So the choice is
+    per bucket whether to compress the inter-node step; the intra-node
+    steps stay dense.
+
     Each collective takes the faster of the ring and the recursive
     halving/doubling algorithm (:data:`ALGORITHMS`): a tuned library picks
     the latter for small messages, where the ring's ``p - 1`` latencies
@@ -747,29 +905,38 @@ def compression_pays(
     for the dense baseline when the framework overlaps it.
 
     Args:
-      size: elements of the bucket (>= 1).
-      n_devices: peers exchanging it (>= 1).
-      bandwidth: bytes per second per link (> 0).
-      latency: seconds per message (>= 0).
-      capacity: (index, value) pairs in one device's message; or give
-        ``ratio`` (``capacity = ceil(ratio * size)``). One of the two.
+      size: elements of the bucket (>= 1), before any reduce-scatter.
+      n_devices: peers exchanging it (>= 1); with two levels, the nodes.
+      bandwidth: bytes per second per link (> 0); with two levels, a
+        node's inter-node link.
+      latency: seconds per message (>= 0) on that link.
+      capacity: (index, value) pairs in one device's message (for its shard
+        with two levels, at most ``ceil(size / local_devices)``); or give
+        ``ratio`` (``capacity = ceil(ratio * elements compressed)``). One of
+        the two.
       ratio: compression ratio in (0, 1].
       itemsize: bytes per value.
       index_itemsize: bytes per index.
-      compression_time: seconds to select/compress the bucket on one device.
+      compression_time: seconds to select/compress what one device
+        compresses: the bucket, or with two levels its shard.
       compute_time: seconds of compute the exchange adds to (reported times
         only; with ``overlap`` the exchange hides behind it).
       exchanges: candidates to consider, a subset of :data:`EXCHANGE_CHOICES`
         (must include ``"dense"``).
       overlap: each candidate costs ``max(compute, exchange)`` instead of
         the sum (compression is never hidden).
+      local_devices: devices per node ``L`` (>= 1); 1 (default): one level.
+      intra_bandwidth: bytes per second between a node's devices (> 0);
+        required when ``local_devices > 1``.
+      intra_latency: seconds per message within a node (>= 0).
 
     Returns:
       :class:`ExchangeDecision` (truthy when compressing pays).
 
     Raises:
       ValueError: an argument out of range (named), neither or both of
-        ``capacity`` and ``ratio``, or an unknown exchange.
+        ``capacity`` and ``ratio``, an unknown exchange, or
+        ``local_devices > 1`` without ``intra_bandwidth``.
 
     Example:
       >>> slow = compression_pays(2**22, 8, bandwidth=gbps(1), ratio=1e-3, compression_time=2e-3)
@@ -778,41 +945,53 @@ def compression_pays(
       >>> fast = compression_pays(2**22, 8, bandwidth=gbps(400), ratio=1e-3, compression_time=2e-3)
       >>> fast.compress, fast.exchange, round(fast.dense_time * 1e3, 3)
       (False, 'dense', 0.587)
+
+      Two levels: 4 nodes of 8 devices, 1 GB/s between nodes, 100 GB/s
+      within; 8M elements, so each device owns a 1M-element (4 MB) shard:
+
+      >>> d = compression_pays(8 * 10**6, 4, bandwidth=1e9, ratio=1e-3,
+      ...                      local_devices=8, intra_bandwidth=1e11)
+      >>> round(d.intra_time, 9)  # 7/8 * 32 MB / 100 GB/s, then 7 * 4 MB / 100 GB/s
+      0.00056
+      >>> # dense: 2 * 3/4 * 8 * 4 MB / 1 GB/s; sparse: 3 * 8 * 1000 pairs * 8 B / 1 GB/s
+      >>> round(d.inter_times["dense"], 9), round(d.inter_times["sparse"], 9)
+      (0.048, 0.000192)
+      >>> d.exchange, round(d.dense_time, 9), round(d.compressed_time, 9)
+      ('sparse', 0.04856, 0.000752)
     """
     size = V.check_int("size", size, 1)
     n = V.check_int("n_devices", n_devices, 1)
     bandwidth = _positive("bandwidth", bandwidth)
     latency = _nonneg("latency", latency)
+    local, intra_bandwidth, intra_latency = _check_local_level(
+        local_devices, intra_bandwidth, intra_latency
+    )
+    shard = -(-size // local)  # elements each device compresses and exchanges across nodes
     if (capacity is None) == (ratio is None):
         raise ValueError("give exactly one of capacity and ratio")
     if capacity is None:
-        capacity = target_count(V.check_ratio("ratio", ratio), size)
-    capacity = V.check_int("capacity", capacity, 1, size)
+        capacity = target_count(V.check_ratio("ratio", ratio), shard)
+    capacity = V.check_int("capacity", capacity, 1, shard)
     itemsize = V.check_int("itemsize", itemsize, 1)
     index_itemsize = V.check_int("index_itemsize", index_itemsize, 1)
     compression_time = _nonneg("compression_time", compression_time)
     compute_time = _nonneg("compute_time", compute_time)
     overlap = V.check_bool("overlap", overlap)
-    if isinstance(exchanges, str) or not isinstance(exchanges, Sequence):
-        raise ValueError(f"exchanges must be a sequence of {EXCHANGE_CHOICES}, got {exchanges!r}")
-    exchanges = tuple(V.check_choice("exchanges", e, EXCHANGE_CHOICES) for e in exchanges)
-    if "dense" not in exchanges:
-        raise ValueError(f"exchanges must include 'dense', got {exchanges!r}")
+    exchanges = _check_exchanges(exchanges)
 
-    dense_bytes = float(size * itemsize)
+    shard_bytes = float(shard * itemsize)
     message = float(capacity * (index_itemsize + itemsize))
-    # Well-tuned collectives: the faster of the ring and recursive doubling.
-    comm = {
-        "dense": min(allreduce_time(n, dense_bytes, bandwidth, latency, a) for a in ALGORITHMS),
-        "sparse": min(allgather_time(n, message, bandwidth, latency, a) for a in ALGORITHMS),
-        "server": server_time(n, message, dense_bytes, bandwidth, latency),
-    }
+    inter = _candidate_times(n, local, shard_bytes, message, bandwidth, latency)
+    intra = 0.0
+    if local > 1:  # well-tuned collectives within the node too
+        intra = _local_phases_time(local, shard_bytes, intra_bandwidth, intra_latency, ALGORITHMS)
 
     def total(name):
         extra = 0.0 if name == "dense" else compression_time
+        comm = inter[name] + intra if local > 1 else inter[name]
         if overlap:
-            return max(compute_time, comm[name]) + extra
-        return compute_time + extra + comm[name]
+            return max(compute_time, comm) + extra
+        return compute_time + extra + comm
 
     times = {name: total(name) for name in exchanges}
     best = min(exchanges, key=lambda e: (times[e], e != "dense"))  # ties: stay dense
@@ -823,4 +1002,6 @@ def compression_pays(
         dense_time=times["dense"],
         compressed_time=min(compressed) if compressed else math.inf,
         times=times,
+        intra_time=intra,
+        inter_times={name: inter[name] for name in exchanges},
     )
