@@ -51,6 +51,7 @@ autosummary_generate = False
 PUBLIC_MODULES = (
     "jaxcomp",
     "jaxcomp.transforms",
+    "jaxcomp.transforms.two_level",
     "jaxcomp.selection",
     "jaxcomp.selection.ldte",
     "jaxcomp.quantization",

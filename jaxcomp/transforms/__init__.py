@@ -38,6 +38,7 @@ from jaxcomp.transforms.sparsify import (
     SparsifyState,
     sparsify,
 )
+from jaxcomp.transforms.two_level import TwoLevelState
 
 __all__ = [
     "DGC_WARMUP",
@@ -48,6 +49,7 @@ __all__ = [
     "QuantizeState",
     "Quantizer",
     "SparsifyState",
+    "TwoLevelState",
     "ZeroOneAdamState",
     "binary_search",
     "bounded_sign",
