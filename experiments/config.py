@@ -97,8 +97,14 @@ CODED_EXCHANGES = cssgd.EXCHANGES
 # parameters (jaxcomp.aggregation.make_gossip_train_step), not this replicated one;
 # not "scatter": FSDP's reduce-scatter (jaxcomp.distributed.sharded_optimizer).
 _RUN_EXCLUDED = ("gossip", "scatter")
+# The aliases too ("sparse" for "allgather"): older config.json records use them.
 SPARSIFIER_EXCHANGES = tuple(
-    e for e in jaxcomp.comm.sparse_allreduce.EXCHANGES if e not in _RUN_EXCLUDED
+    e
+    for e in (
+        *jaxcomp.comm.sparse_allreduce.EXCHANGES,
+        *jaxcomp.comm.sparse_allreduce.EXCHANGE_ALIASES,
+    )
+    if e not in _RUN_EXCLUDED
 )
 QUANTIZER_EXCHANGES = tuple(e for e in _QUANTIZER_EXCHANGES if e not in _RUN_EXCLUDED)
 EXCHANGES = tuple(
@@ -235,9 +241,10 @@ class TrainConfig:
         uncoded need ``compressor="dense"``, one process, ``redundancy``, and
         a ``batch_size`` that is a multiple of ``C(num_devices, redundancy)``.
         A sparsifier's exchange (``jaxcomp.comm.sparse_allreduce.EXCHANGES``:
-        ``"sparse"``, ``"dense"``, ``"server"``, ``"sparcml"``, ``"gtopk"``,
-        ``"oktopk"``, ``"scalecom"``, ``"auto"``, ``"auto_topk"``) or a
-        quantizer's (``"allgather"``, ``"server"``): passed to the compressor.
+        ``"allgather"`` (alias ``"sparse"``), ``"dense"``, ``"server"``,
+        ``"sparcml"``, ``"gtopk"``, ``"oktopk"``, ``"scalecom"``, ``"auto"``,
+        ``"auto_topk"``) or a quantizer's (``"allgather"``, ``"server"``):
+        passed to the compressor.
       redundancy: CSSGD's ``r``, devices per block, in ``[1, num_devices]``
         (coded/uncoded only, required there).
       coded_value_range: the integers cover ``[-v, v]`` (None: 10.0, the

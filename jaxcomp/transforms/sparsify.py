@@ -585,12 +585,14 @@ def sparsify(
         ``optax.apply_if_finite`` (refused: it would hang the step).
       exchange: how messages travel with ``axis_name``
         (:mod:`jaxcomp.comm.sparse_allreduce`): the exact mean
-        (``"sparse"``, ``"dense"``, ``"server"``, ``"sparcml"``, ``"auto"``:
-        sparse or dense, fewer bytes), a global selection of the summed
-        messages whose leftovers return to a residual (``"gtopk"``,
-        ``"oktopk"``, ``"scalecom"``, ``"auto_topk"``), or decentralized
-        ``"gossip"``. ``include=`` works with ``"sparse"``, ``"dense"`` and
-        ``"auto"`` only.
+        (``"allgather"`` of the (index, value) pairs, ``"dense"`` all-reduce,
+        ``"server"``, ``"sparcml"``, ``"auto"``: allgather or dense, fewer
+        bytes), a global selection of the summed messages whose leftovers
+        return to a residual (``"gtopk"``, ``"oktopk"``, ``"scalecom"``,
+        ``"auto_topk"``), or decentralized ``"gossip"``. ``"sparse"`` is an
+        alias of ``"allgather"`` (the same collective, the same results).
+        ``include=`` works with ``"allgather"``, ``"dense"`` and ``"auto"``
+        only.
       low_pass: ScaleCom's low-pass filter on the residual, ``beta`` in
         (0, 1]: ``r <- r + beta * (r + g - sent - r)``, deliberately lossy
         below 1. May be traced. None: 1, plain error feedback.
@@ -766,7 +768,15 @@ def _make_config(
     reuse_period = V.check_int(
         "reuse_period", 1 if reuse_period is None else reuse_period, 1, 2**31 - 1
     )
-    exchange = V.check_choice("exchange", exchange, sparse_allreduce.EXCHANGES)
+    # Aliases ("sparse") become the canonical name here, once: the steps and
+    # the per-group choices of "auto" only know the canonical names.
+    exchange = sparse_allreduce.canonical_exchange(
+        V.check_choice(
+            "exchange",
+            exchange,
+            sparse_allreduce.EXCHANGES + tuple(sparse_allreduce.EXCHANGE_ALIASES),
+        )
+    )
     if exchange == "scatter" and (groups is not None or granularity != "layer"):
         raise ValueError(
             "exchange='scatter' reduce-scatters each leaf over the devices that own its slices: "
@@ -1040,7 +1050,7 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
 # gather, SparCML's rounds or all-reduce; "auto" and "auto_topk" pick a kind
 # per group). See _exchange_packed.
 _PACKED_EXCHANGES = (
-    "sparse", "dense", "auto", "server", "gossip", "gtopk", "oktopk", "sparcml", "auto_topk",
+    "allgather", "dense", "auto", "server", "gossip", "gtopk", "oktopk", "sparcml", "auto_topk",
 )  # fmt: skip
 # ScaleCom's cyclic leader, for all groups in one all-reduce of indices and
 # one of values: see _scalecom_packed.
@@ -1525,11 +1535,11 @@ def _exchange_packed(
             if ex.returned_indices is not None:  # the overflow (none on one device)
                 back_idx, back = _returned_pairs(cfg, ex, residual.dtype)
                 flat_res = flat_res.at[back_idx].add(back, mode="drop")
-        for kind in ("sparse", "gtopk", "oktopk"):
+        for kind in ("allgather", "gtopk", "oktopk"):
             if kind not in of_kind:
                 continue
             idx, vals = segmented.extract(layout, sent_out, mask, slots(kind))
-            if kind == "sparse":
+            if kind == "allgather":
                 mean, _ = collectives.sparse_mean(idx, vals, size, cfg.axis_name, include=include)
             else:
                 if kind == "gtopk":
@@ -1592,7 +1602,7 @@ def _packed_wire_bytes(kinds, caps, sizes, item: int, n_dev: int, flagged: bool)
     flags = 4 if flagged else 0
     rounds = sparse_allreduce.gtopk_rounds(n_dev) if n_dev > 1 else 0
     wire_of = {
-        "sparse": lambda c, n: (
+        "allgather": lambda c, n: (
             collectives.allgather_bytes(c * (4 + item), n_dev)
             + (collectives.allreduce_bytes(flags, n_dev) if flags else 0)
         ),
