@@ -287,6 +287,7 @@ class _Config:
     residual_dtype: Any  # None: per group, see resolve_residual_dtype
     axis_name: Any
     exchange: str
+    error_feedback: bool  # False: memory-less, the residual written as zeros
     nonfinite: str
     granularity: str
     groups: Any  # None, or a validated groups spec (see resolve_groups)
@@ -533,6 +534,7 @@ def sparsify(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    error_feedback: bool = True,
     low_pass: float | jax.Array | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
@@ -593,6 +595,14 @@ def sparsify(
         alias of ``"allgather"`` (the same collective, the same results).
         ``include=`` works with ``"allgather"``, ``"dense"`` and ``"auto"``
         only.
+      error_feedback: True (default, every sparsifier paper): what is not
+        sent stays in the residual and is sent later. False: memory-less
+        sparsification (GRACE's ``TopKCompressor`` with ``NoneMemory``): the
+        update is the mean over devices of ``select(g_i)`` (of the velocity
+        with ``momentum``), what is not sent is dropped, and
+        ``state.residual`` stays zeros (kept, so the state's structure is
+        the same either way). Excludes ``low_pass`` and ``defer_residual``
+        (both act on the residual).
       low_pass: ScaleCom's low-pass filter on the residual, ``beta`` in
         (0, 1]: ``r <- r + beta * (r + g - sent - r)``, deliberately lossy
         below 1. May be traced. None: 1, plain error feedback.
@@ -648,6 +658,7 @@ def sparsify(
         groups=groups,
         reuse_period=reuse_period,
         exchange=exchange,
+        error_feedback=error_feedback,
         low_pass=low_pass,
         defer_residual=defer_residual,
     )
@@ -713,6 +724,7 @@ def _make_config(
     groups,
     reuse_period,
     exchange,
+    error_feedback,
     low_pass,
     defer_residual,
 ) -> _Config:
@@ -752,6 +764,14 @@ def _make_config(
             "defer_residual=True applies to one device (axis_name=None): with an exchange the "
             f"residual is updated by a k-sized scatter and nothing is deferred; got "
             f"axis_name={common.axis_name!r}"
+        )
+    error_feedback = V.check_bool("error_feedback", error_feedback)
+    if not error_feedback and (low_pass is not None or defer_residual):
+        # Both act on the residual, which memory-less sparsification never keeps.
+        raise ValueError(
+            "error_feedback=False keeps no residual, so low_pass and defer_residual have "
+            f"nothing to act on: leave them unset, got low_pass={low_pass!r}, "
+            f"defer_residual={defer_residual!r}"
         )
     low_pass = V.check_real(
         "low_pass", 1.0 if low_pass is None else low_pass, 0.0, 1.0, low_open=True,
@@ -840,6 +860,7 @@ def _make_config(
         residual_dtype=common.residual_dtype,
         axis_name=common.axis_name,
         exchange=exchange,
+        error_feedback=error_feedback,
         nonfinite=common.nonfinite,
         granularity=granularity,
         groups=groups,
@@ -1371,6 +1392,12 @@ def finish_step(cfg: _Config, state, inputs: _StepInputs, outs, finite, stats=No
             sent_threshold=leaf_array("sent_threshold", jnp.float32, jnp.inf),
             sent_limit=leaf_array("sent_limit", jnp.int32, 0),
         )
+    elif not cfg.error_feedback:
+        # Memory-less: what the step did not send is dropped (exchanges that
+        # return pairs to a residual included). Zeros typed like the residual
+        # (device-varying under shard_map), so a scan's carry keeps its type.
+        zeros = [_vma.varying_like(jnp.zeros_like(r), r) for r in fields["res"]]
+        memory = dict(residual=treedef.unflatten(zeros))
     else:
         memory = dict(residual=treedef.unflatten(fields["res"]))
     new_state = state._replace(
