@@ -153,7 +153,7 @@ class TrainConfig:
         ``reshape="last"`` (``(fan_in, out)`` matrices); 0/1 Adam syncs every
         step (``local_step_clipper=1``: the replicated parameters of these
         runs cannot take local steps). ``momentum`` is the Adams' ``b1`` and
-        signum's own momentum.
+        signum's ``beta`` (its moving average).
       warmup_epochs: epochs of DGC warm-up (``jaxcomp.DGC_WARMUP[:warmup_epochs]``;
         sparsifiers only when nonzero).
       momentum: SGD momentum.
@@ -897,6 +897,7 @@ OWNED_KWARGS = {
     "axis_name": "the mesh (always 'data')",
     "seed": "--seed",
     "momentum": "--momentum and --momentum_correction",
+    "beta": "--momentum (signum's moving average)",
     "warmup_ratios": "--warmup_epochs",
     "steps_per_epoch": "--warmup_epochs and the data",
     "groups": "--merge",
@@ -926,7 +927,7 @@ def _owned(c: TrainConfig, lr, on_compressor: bool, steps_per_epoch: int, groups
         # Kept in the state only when measured: a copy of the message.
         return dict(seed=c.seed, keep_message=c.coded_bytes_every is not None, **exchange)
     if c.compressor == "signum":
-        return dict(momentum=c.momentum, **exchange)
+        return dict(beta=c.momentum, **exchange)
     if c.compressor in LOW_RANK:
         # Flax kernels are (..., fan_in, out): matrices of their last dimension.
         return dict(reshape="last", seed=c.seed)
