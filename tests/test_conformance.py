@@ -267,7 +267,9 @@ def test_momentum_correction_lost_nothing(name, masking):
                 assert not np.any(np.asarray(new.residual[leaf])), leaf
                 # (u rounded to the leaf's dtype: the message travels in it.)
                 on = sent != 0
-                wire_two, wire_fma = (f32(jnp.asarray(u).astype(g[leaf].dtype)) for u in (u_two, u_fma))
+                wire_two, wire_fma = (
+                    f32(jnp.asarray(u).astype(g[leaf].dtype)) for u in (u_two, u_fma)
+                )
                 assert np.all((sent[on] == wire_two[on]) | (sent[on] == wire_fma[on])), leaf
                 continue
             if not masking:

@@ -87,6 +87,7 @@ def canonical_exchange(name):
     """
     return EXCHANGE_ALIASES.get(name, name) if isinstance(name, str) else name
 
+
 INDEX_ITEMSIZE = 4  # messages carry int32 indices
 
 
