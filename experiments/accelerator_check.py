@@ -221,6 +221,8 @@ def _nothing_lost(name: str, g: dict, upd: dict, state) -> bool | None:
     """``sent + residual == g`` on the first step (None: no residual, or an optimizer)."""
     if name in presets.CONFORMANCE_OPTIMIZERS:
         return None
+    if presets.CONFORMANCE[name]["kwargs"].get("error_feedback") is False:
+        return None  # memory-less by choice (top_k_no_ef): its residual stays zero
     res = optax.tree.get(state, "residual")
     if res is None:
         return None

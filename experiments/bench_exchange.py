@@ -70,7 +70,7 @@ QUANTIZERS = {
     "terngrad": spec("terngrad"),
     "natural": spec("natural_compression"),
     "natural_allreduce": spec("natural_compression", exchange="allreduce"),
-    "signum_majority": spec("signum", momentum=0.9),
+    "signum_majority": spec("signum", beta=0.9),
     "cast_bf16_allgather": spec("cast", dtype="bfloat16"),
     "cast_bf16_allreduce": spec("cast", dtype="bfloat16", exchange="allreduce"),
     "cast_fp16_allreduce": spec("cast", dtype="float16", exchange="allreduce"),

@@ -97,8 +97,14 @@ CODED_EXCHANGES = cssgd.EXCHANGES
 # parameters (jaxcomp.aggregation.make_gossip_train_step), not this replicated one;
 # not "scatter": FSDP's reduce-scatter (jaxcomp.distributed.sharded_optimizer).
 _RUN_EXCLUDED = ("gossip", "scatter")
+# The aliases too ("sparse" for "allgather"): older config.json records use them.
 SPARSIFIER_EXCHANGES = tuple(
-    e for e in jaxcomp.comm.sparse_allreduce.EXCHANGES if e not in _RUN_EXCLUDED
+    e
+    for e in (
+        *jaxcomp.comm.sparse_allreduce.EXCHANGES,
+        *jaxcomp.comm.sparse_allreduce.EXCHANGE_ALIASES,
+    )
+    if e not in _RUN_EXCLUDED
 )
 QUANTIZER_EXCHANGES = tuple(e for e in _QUANTIZER_EXCHANGES if e not in _RUN_EXCLUDED)
 EXCHANGES = tuple(
@@ -147,7 +153,7 @@ class TrainConfig:
         ``reshape="last"`` (``(fan_in, out)`` matrices); 0/1 Adam syncs every
         step (``local_step_clipper=1``: the replicated parameters of these
         runs cannot take local steps). ``momentum`` is the Adams' ``b1`` and
-        signum's own momentum.
+        signum's ``beta`` (its moving average).
       warmup_epochs: epochs of DGC warm-up (``jaxcomp.DGC_WARMUP[:warmup_epochs]``;
         sparsifiers only when nonzero).
       momentum: SGD momentum.
@@ -235,9 +241,10 @@ class TrainConfig:
         uncoded need ``compressor="dense"``, one process, ``redundancy``, and
         a ``batch_size`` that is a multiple of ``C(num_devices, redundancy)``.
         A sparsifier's exchange (``jaxcomp.comm.sparse_allreduce.EXCHANGES``:
-        ``"sparse"``, ``"dense"``, ``"server"``, ``"sparcml"``, ``"gtopk"``,
-        ``"oktopk"``, ``"scalecom"``, ``"auto"``, ``"auto_topk"``) or a
-        quantizer's (``"allgather"``, ``"server"``): passed to the compressor.
+        ``"allgather"`` (alias ``"sparse"``), ``"dense"``, ``"server"``,
+        ``"sparcml"``, ``"gtopk"``, ``"oktopk"``, ``"scalecom"``, ``"auto"``,
+        ``"auto_topk"``) or a quantizer's (``"allgather"``, ``"server"``):
+        passed to the compressor.
       redundancy: CSSGD's ``r``, devices per block, in ``[1, num_devices]``
         (coded/uncoded only, required there).
       coded_value_range: the integers cover ``[-v, v]`` (None: 10.0, the
@@ -890,6 +897,7 @@ OWNED_KWARGS = {
     "axis_name": "the mesh (always 'data')",
     "seed": "--seed",
     "momentum": "--momentum and --momentum_correction",
+    "beta": "--momentum (signum's moving average)",
     "warmup_ratios": "--warmup_epochs",
     "steps_per_epoch": "--warmup_epochs and the data",
     "groups": "--merge",
@@ -919,7 +927,7 @@ def _owned(c: TrainConfig, lr, on_compressor: bool, steps_per_epoch: int, groups
         # Kept in the state only when measured: a copy of the message.
         return dict(seed=c.seed, keep_message=c.coded_bytes_every is not None, **exchange)
     if c.compressor == "signum":
-        return dict(momentum=c.momentum, **exchange)
+        return dict(beta=c.momentum, **exchange)
     if c.compressor in LOW_RANK:
         # Flax kernels are (..., fan_in, out): matrices of their last dimension.
         return dict(reshape="last", seed=c.seed)

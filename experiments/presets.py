@@ -69,6 +69,9 @@ CONFORMANCE = {
     "gaussian_k": spec("gaussian_k"),
     "random_k": spec("random_k"),
     "threshold": spec("threshold", threshold=FIXED_THRESHOLD),
+    # Memory-less top-k (GRACE's TopKCompressor with NoneMemory): the residual stays
+    # zero, what is not sent is dropped.
+    "top_k_no_ef": spec("top_k", error_feedback=False),
     # Quantizers: min_dense_size 0 unless the caller sets it, so that small leaves
     # are quantized.
     "qsgd": spec("qsgd", levels=7, bucket_size=64, min_dense_size=0),
@@ -83,7 +86,7 @@ CONFORMANCE = {
     "natural_dithering_ef": spec(
         "natural_compression", levels=3, bucket_size=50, error_feedback=True
     ),
-    "signum": spec("signum", momentum=0.9, bucket_size=64),
+    "signum": spec("signum", beta=0.9, bucket_size=64),
     "cast_bf16_ef": spec("cast", dtype="bfloat16", error_feedback=True),
     "cast_fp16": spec("cast", dtype="float16"),
     # Low rank, rank 1: (n + m) * 1 * 2 < n m for the suites' matrices; 0-D and 1-D

@@ -147,8 +147,11 @@ QUANTIZERS = {
     "cast_bf16_ef": (16, None, 1),  # a float32 power-of-two scale per leaf
     "cast_fp16": (16, None, 1),
 }
-# Quantizers without error feedback: their residual stays zero.
-NO_ERROR_FEEDBACK = ("qsgd", "sign_sgd", "terngrad", "natural", "signum", "cast_fp16")
+# Compressors without error feedback: their residual stays zero (the quantizers
+# allocate none; the memory-less sparsifier keeps zeros).
+NO_ERROR_FEEDBACK = (
+    "qsgd", "sign_sgd", "terngrad", "natural", "signum", "cast_fp16", "top_k_no_ef",
+)  # fmt: skip
 # Quantizers drawing random numbers (the device index is folded into the key).
 RANDOMIZED = ("qsgd", "qsgd_ef", "terngrad", "terngrad_clip_ef", "natural", "natural_dithering_ef")
 # Quantizers whose exchange is a majority vote, not a mean (exchange="majority").

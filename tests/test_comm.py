@@ -122,13 +122,17 @@ def test_exchange_mean_auto_picks_the_cheaper_collective(mesh, capacity, want_sp
     idx, vals = random_messages(np.random.default_rng(3), size, capacity, pad=2)
     ref = decompress(idx, vals, size).mean(0)
     results = {}
-    for exchange in comm.EXCHANGES:
+    for exchange in (*comm.EXCHANGES, *comm.EXCHANGE_ALIASES):
         fn = per_device(lambda i, v, e=exchange: comm.exchange_mean(i, v, size, "data", exchange=e))
         results[exchange] = run(mesh, fn, idx, vals, out_specs=P("data"))
         np.testing.assert_allclose(results[exchange][0][0], ref, atol=1e-6)
     sparse_bytes = (N - 1) * capacity * 8
     dense_bytes = 2 * (N - 1) / N * size * 4
-    np.testing.assert_array_equal(results["sparse"][1], sparse_bytes)
+    np.testing.assert_array_equal(results["allgather"][1], sparse_bytes)
+    # The alias is the same collective: the same mean, bit for bit, the same bytes.
+    for alias, canonical in comm.EXCHANGE_ALIASES.items():
+        for got, want in zip(results[alias], results[canonical], strict=True):
+            np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(results["dense"][1], dense_bytes)
     np.testing.assert_array_equal(results["auto"][1], sparse_bytes if want_sparse else dense_bytes)
     with pytest.raises(ValueError, match="exchange"):

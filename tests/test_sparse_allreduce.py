@@ -328,12 +328,13 @@ def test_cyclic_leader_rotates_and_is_exact():
 @pytest.mark.parametrize(
     "name, n_dev, want",
     [
-        ("auto", 8, "sparse"),
+        ("auto", 8, "allgather"),
         ("auto", 2048, "dense"),
-        ("auto", 6, "sparse"),
+        ("auto", 6, "allgather"),
         ("auto_topk", 8, "oktopk"),
-        ("auto_topk", 2, "sparse"),  # a tie: the exact one
+        ("auto_topk", 2, "allgather"),  # a tie: the exact one
         ("gtopk", 8, "gtopk"),
+        ("sparse", 8, "allgather"),  # an alias: reported by its canonical name
     ],
 )
 def test_choose_exchange(name, n_dev, want):

@@ -16,6 +16,7 @@
 """
 
 import ast
+import importlib
 import inspect
 import pathlib
 
@@ -271,19 +272,53 @@ def _vocabulary_rows():
     rows = {}
     for line in page.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[0].startswith("`") and cells[0] != "`exchange` default":
+        if len(cells) == 6 and cells[0].startswith("`") and cells[0] != "`exchange` default":
             rows[cells[0].strip("`")] = cells[1:]
     return rows
 
 
+# The constants the table's `exchange` names column refers to.
+_EXCHANGE_NAMES = {
+    "sparse_allreduce.EXCHANGES": "jaxcomp.comm.sparse_allreduce.EXCHANGES",
+    "QUANTIZER_EXCHANGES": "jaxcomp.comm.quantized.QUANTIZER_EXCHANGES",
+    "VOTE_EXCHANGES": "jaxcomp.comm.quantized.VOTE_EXCHANGES",
+    "ADAM_EXCHANGES": "jaxcomp.transforms.adam.ADAM_EXCHANGES",
+}
+
+
+def _constant(dotted: str):
+    module, name = dotted.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _required_arguments(params) -> dict:
+    """Cheap values for the arguments without a default, to build a factory."""
+    from jaxcomp.transforms.quantize import sign_quantizer  # noqa: PLC0415
+
+    values = {
+        "selector": "top_k",
+        "ratio": 0.1,
+        "quantizer": sign_quantizer(),
+        "rank": 1,
+        "learning_rate": 0.01,
+        "threshold": 1.0,
+        "freeze_step": 2,
+        "var_freeze_step": 2,
+    }
+    out = {p: values[p] for p, v in params.items() if v.default is v.empty}
+    return {**out, "levels": 4} if "levels" in params else out  # qsgd: levels or bits
+
+
 def test_every_factory_matches_the_vocabulary_table():
-    """docs/vocabulary.md's table is the signatures' (positional arguments, defaults)."""
+    """docs/vocabulary.md's table is the signatures' (positional arguments, defaults, names)."""
     rows = _vocabulary_rows()
     assert len(rows) >= 20, rows
     factories = [n for n in jaxcomp.__all__ if n in rows]
     assert sorted(factories) == sorted(rows), set(rows) ^ set(factories)
-    for name, (positional, exchange, error_feedback, _) in rows.items():
-        params = inspect.signature(getattr(jaxcomp, name)).parameters
+    aliases = tuple(jaxcomp.comm.EXCHANGE_ALIASES)
+    for name, (positional, exchange, names, error_feedback, beta) in rows.items():
+        factory = getattr(jaxcomp, name)
+        params = inspect.signature(factory).parameters
         leading = [p for p, v in params.items() if v.kind is v.POSITIONAL_OR_KEYWORD]
         expected = f"`{', '.join(leading)}`" if leading else "-"
         assert positional == expected, (name, positional, expected)
@@ -292,7 +327,24 @@ def test_every_factory_matches_the_vocabulary_table():
         if "error_feedback" in params:
             assert error_feedback == f"`{params['error_feedback'].default}`", name
         else:
-            assert error_feedback in ("always on", "-"), name
+            assert error_feedback == "-", name
+        # `momentum` is DGC's momentum correction only; Signum's moving average is `beta`.
+        if "beta" in params:
+            assert beta.startswith("`beta`"), (name, beta)
+        elif "momentum" in params:
+            assert beta == "DGC momentum correction", (name, beta)
+        else:
+            assert beta == "-", (name, beta)
+        # Every name of the exchange column builds (aliases too, for the sparsifiers).
+        if "exchange" not in params:
+            assert names == "-", name
+            continue
+        accepted = [e for c in names.split(", ") for e in _constant(_EXCHANGE_NAMES[c.strip("`")])]
+        assert params["exchange"].default in accepted, name
+        if "sparse_allreduce.EXCHANGES" in names:
+            accepted += aliases
+        for e in accepted:
+            factory(**_required_arguments(params), axis_name="data", exchange=e)
 
 
 # The step skeleton: the step builders (the units at or above ``distributed``)

@@ -1,12 +1,14 @@
 """Collectives that move (compressed) gradients inside ``jax.shard_map``."""
 
 from jaxcomp.comm.collectives import (
+    EXCHANGE_ALIASES,
     EXCHANGES,
     GOSSIP_WEIGHTS,
     DecentralizedExchangeError,
     allgather_bytes,
     allreduce_bytes,
     axis_size,
+    canonical_exchange,
     check_gossip_weights,
     dense_mean,
     dense_scatter_mean,
@@ -27,11 +29,13 @@ from jaxcomp.comm.local import without_communication
 
 __all__ = [
     "EXCHANGES",
+    "EXCHANGE_ALIASES",
     "GOSSIP_WEIGHTS",
     "DecentralizedExchangeError",
     "allgather_bytes",
     "allreduce_bytes",
     "axis_size",
+    "canonical_exchange",
     "check_gossip_weights",
     "dense_mean",
     "dense_scatter_mean",

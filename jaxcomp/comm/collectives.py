@@ -39,12 +39,14 @@ from jaxcomp import _vma
 
 __all__ = [
     "EXCHANGES",
+    "EXCHANGE_ALIASES",
     "GOSSIP_WEIGHTS",
     "DecentralizedExchangeError",
     "all_gather_invariant",
     "allgather_bytes",
     "allreduce_bytes",
     "axis_size",
+    "canonical_exchange",
     "dense_mean",
     "exchange_mean",
     "fastest_mask",
@@ -62,8 +64,29 @@ __all__ = [
     "weighted_mean",
 ]
 
-# Values of the ``exchange`` argument of :func:`exchange_mean`.
-EXCHANGES = ("auto", "sparse", "dense")
+# Values of the ``exchange`` argument of :func:`exchange_mean`, canonical names
+# (docs/vocabulary.md): "allgather" is the all-gather of the compressed messages
+# in every family (the quantizers' too), "dense" the all-reduce of decoded values.
+EXCHANGES = ("auto", "allgather", "dense")
+# Older spellings still accepted wherever an exchange name is, meaning exactly
+# the canonical name (no warning: "sparse" is in configs and scripts, and the
+# same collective runs either way, bit for bit).
+EXCHANGE_ALIASES = {"sparse": "allgather"}
+
+
+def canonical_exchange(name):
+    """``name`` with an alias of :data:`EXCHANGE_ALIASES` replaced by its canonical name.
+
+    Anything else (canonical names, invalid values) is returned unchanged, for
+    the caller's own check to name.
+
+    Example:
+      >>> from jaxcomp.comm import canonical_exchange
+      >>> canonical_exchange("sparse"), canonical_exchange("dense")
+      ('allgather', 'dense')
+    """
+    return EXCHANGE_ALIASES.get(name, name) if isinstance(name, str) else name
+
 
 INDEX_ITEMSIZE = 4  # messages carry int32 indices
 
@@ -382,7 +405,7 @@ def exchange_mean(
       values: ``[capacity]`` message values.
       size: length of the dense result.
       axis_name: mesh axis.
-      exchange: ``"auto"``, ``"sparse"`` or ``"dense"``.
+      exchange: ``"auto"``, ``"allgather"`` (alias ``"sparse"``) or ``"dense"``.
       dense: optional, the message already scattered into a dense ``[size]``
         tensor of ``values.dtype`` (saves the local scatter on the dense path).
       include: optional backup-worker flag, see :func:`sparse_mean`.
@@ -401,12 +424,14 @@ def exchange_mean(
       >>> f(jnp.array([1], jnp.int32), jnp.array([2.0])).tolist()
       [0.0, 2.0, 0.0]
     """
-    V.check_choice("exchange", exchange, EXCHANGES)
+    exchange = canonical_exchange(
+        V.check_choice("exchange", exchange, EXCHANGES + tuple(EXCHANGE_ALIASES))
+    )
     if exchange == "auto":
         itemsize = jnp.dtype(values.dtype).itemsize
         use_sparse = prefer_sparse(indices.shape[0], size, itemsize, axis_size(axis_name))
     else:
-        use_sparse = exchange == "sparse"
+        use_sparse = exchange == "allgather"
     if use_sparse:
         return sparse_mean(indices, values, size, axis_name, include=include)
     if dense is None:

@@ -48,7 +48,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxcomp.comm.collectives import INDEX_ITEMSIZE, allgather_bytes, allreduce_bytes, axis_size
+from jaxcomp.comm.collectives import (
+    EXCHANGE_ALIASES,
+    INDEX_ITEMSIZE,
+    allgather_bytes,
+    allreduce_bytes,
+    axis_size,
+    canonical_exchange,
+)
 from jaxcomp.comm.exact_allreduce import (
     cyclic_mean,
     scatter_capacity,
@@ -73,10 +80,12 @@ from jaxcomp.comm.topk_allreduce import (
 __all__ = [
     "EXACT_EXCHANGES",
     "EXCHANGES",
+    "EXCHANGE_ALIASES",
     "INCLUDE_EXCHANGES",
     "OKTOPK_SLACK",
     "POWER_OF_TWO_EXCHANGES",
     "Exchanged",
+    "canonical_exchange",
     "check_device_count",
     "check_include",
     "choose_exchange",
@@ -114,14 +123,14 @@ def check_device_count(exchange: str, n_dev: int) -> None:
 
     Example:
       >>> check_device_count("gtopk", 8)  # fine
-      >>> check_device_count("sparse", 3)  # any count
+      >>> check_device_count("allgather", 3)  # any count
       >>> try:
       ...     check_device_count("gtopk", 3)
       ... except ValueError as e:
       ...     print(str(e)[:60])
       exchange='gtopk' pairs devices by recursive doubling and nee
     """
-    if exchange in POWER_OF_TWO_EXCHANGES:
+    if canonical_exchange(exchange) in POWER_OF_TWO_EXCHANGES:
         check_power_of_two(exchange, n_dev)
 
 
@@ -129,11 +138,13 @@ def check_device_count(exchange: str, n_dev: int) -> None:
 # One entry point for the sparsifiers.
 # ---------------------------------------------------------------------------
 
-# Values of the sparsifiers' ``exchange`` argument.
+# Values of the sparsifiers' ``exchange`` argument, canonical names
+# (docs/vocabulary.md); :data:`EXCHANGE_ALIASES` holds the older spellings
+# still accepted ("sparse" for "allgather").
 EXCHANGES = (
     "auto",
     "auto_topk",
-    "sparse",
+    "allgather",
     "dense",
     "server",
     "sparcml",
@@ -146,10 +157,10 @@ EXCHANGES = (
 # Exchanges that pair devices by recursive doubling: a power-of-two device count.
 POWER_OF_TWO_EXCHANGES = ("gtopk", "sparcml")
 # Exchanges whose result is the exact mean of the messages.
-EXACT_EXCHANGES = ("sparse", "dense", "server", "sparcml")
+EXACT_EXCHANGES = ("allgather", "dense", "server", "sparcml")
 # Exchanges that take ``include=`` (backup workers): the mean over the included
 # devices. The server and SparCML divide by N, so they reject it.
-INCLUDE_EXCHANGES = ("sparse", "dense")
+INCLUDE_EXCHANGES = ("allgather", "dense")
 
 
 def check_include(name: str) -> None:
@@ -160,13 +171,13 @@ def check_include(name: str) -> None:
     mix neighbours.
 
     Example:
-      >>> check_include("sparse")  # takes it
+      >>> check_include("allgather")  # takes it (so does its alias "sparse")
       >>> check_include("gtopk")
       Traceback (most recent call last):
           ...
       ValueError: exchange='gtopk' does not take include= (backup workers): ...
     """
-    if name not in (*INCLUDE_EXCHANGES, "auto"):
+    if canonical_exchange(name) not in (*INCLUDE_EXCHANGES, "auto"):
         raise ValueError(
             f"exchange={name!r} does not take include= (backup workers): only "
             f"{INCLUDE_EXCHANGES} (and 'auto') average over the included devices"
@@ -176,7 +187,8 @@ def check_include(name: str) -> None:
 def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: int) -> str:
     """The exchange ``"auto"`` / ``"auto_topk"`` stand for (static, from sizes and ``N``).
 
-    ``"auto"`` keeps the exact mean: the sparse all-gather when it moves
+    ``"auto"`` keeps the exact mean: the all-gather of the pairs
+    (``"allgather"``) when it moves
     fewer bytes than a dense all-reduce at full capacity
     (:func:`jaxcomp.comm.prefer_sparse`), else dense. (SparCML is exact too
     but is never cheaper at full capacity; it pays only when the devices
@@ -184,17 +196,18 @@ def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: i
     for it by name.) ``"auto_topk"`` also considers the exchanges that apply
     a global top of the sum instead of the union (``gtopk``, ``oktopk``) and
     takes the fewest bytes per device (ties: the exact one). Other names are
-    returned unchanged.
+    returned as their canonical name (``"sparse"`` as ``"allgather"``).
 
     Example:
       >>> from jaxcomp.comm.sparse_allreduce import choose_exchange
       >>> [choose_exchange("auto", 4195, 2**22, 4, n) for n in (8, 2048)]
-      ['sparse', 'dense']
+      ['allgather', 'dense']
       >>> [choose_exchange("auto_topk", 4195, 2**22, 4, n) for n in (2, 8, 32)]
-      ['sparse', 'oktopk', 'oktopk']
+      ['allgather', 'oktopk', 'oktopk']
     """
     from jaxcomp.comm.collectives import prefer_sparse  # noqa: PLC0415 (same package)
 
+    name = canonical_exchange(name)
     if name not in ("auto", "auto_topk"):
         return name
     if n_dev <= 1:
@@ -202,12 +215,12 @@ def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: i
     pair = 4 + itemsize
     costs = {"dense": allreduce_bytes(size * itemsize, n_dev)}
     if prefer_sparse(capacity, size, itemsize, n_dev):
-        costs["sparse"] = allgather_bytes(capacity * pair, n_dev)
+        costs["allgather"] = allgather_bytes(capacity * pair, n_dev)
     if name == "auto_topk":
         if is_power_of_two(n_dev):
             costs["gtopk"] = gtopk_rounds(n_dev) * capacity * pair
         costs["oktopk"] = oktopk_wire_bytes(capacity, n_dev, itemsize)
-    order = ["sparse", "dense", "gtopk", "oktopk"]  # ties: the exact one first
+    order = ["allgather", "dense", "gtopk", "oktopk"]  # ties: the exact one first
     return min(costs, key=lambda e: (costs[e], order.index(e)))
 
 
@@ -243,7 +256,8 @@ def exchange(
     wire.
 
     Args:
-      name: one of :data:`EXCHANGES` except ``"scalecom"``.
+      name: one of :data:`EXCHANGES` except ``"scalecom"`` (or an alias of
+        :data:`EXCHANGE_ALIASES`).
       indices, values, size, axis_name: the message (see the module docstring).
       dense: optional, this device's message scattered into ``[size]``.
       include: backup-worker flag (only :data:`INCLUDE_EXCHANGES` take it).
@@ -269,7 +283,7 @@ def exchange(
     if include is not None:
         check_include(name)
     name = choose_exchange(name, indices.shape[0], size, jnp.dtype(values.dtype).itemsize, n_dev)
-    if name in ("sparse", "dense"):
+    if name in ("allgather", "dense"):
         return Exchanged(
             *collectives.exchange_mean(
                 indices, values, size, axis_name, exchange=name, dense=dense, include=include

@@ -53,7 +53,7 @@ class Exchanged(NamedTuple):
       >>> from jaxcomp.comm.sparse_allreduce import exchange
       >>> mesh = jax.make_mesh((1,), ("data",))
       >>> f = jax.jit(jax.shard_map(
-      ...     lambda i, v: exchange("sparse", i, v, 4, "data"),
+      ...     lambda i, v: exchange("allgather", i, v, 4, "data"),
       ...     mesh=mesh, in_specs=P(), out_specs=P()))
       >>> out = f(jnp.array([0, 2], jnp.int32), jnp.array([1.0, 3.0]))
       >>> out.update.tolist(), out.returned_indices is None

@@ -6,8 +6,8 @@ TernGrad, natural compression, Signum, 16-bit casts, ...); the named factories
 in ``quantizers.py`` only pick the codec and the options. It is the analogue
 of :func:`jaxcomp.sparsify`. Per step and per leaf:
 
-    v      = b v + (1 - b) g           # only with momentum=b (Signum's)
-    R      = e + v  (error feedback)  or  R = v  (without); v = g without momentum
+    v      = b v + (1 - b) g           # only with beta=b (Signum's moving average)
+    R      = e + v  (error feedback)  or  R = v  (without); v = g without beta
     msg    = encode(R)                 # packed codes + float32 scales
     S      = decode(msg)               # what every receiver reconstructs
     e_new  = R - S                     # with error feedback; else no e is kept
@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -159,7 +160,7 @@ class QuantizeState(NamedTuple):
 
 
 class MomentumQuantizeState(NamedTuple):
-    """State of :func:`quantize` with ``momentum`` (Signum): :class:`QuantizeState` + ``velocity``.
+    """State of :func:`quantize` with ``beta`` (Signum): :class:`QuantizeState` + ``velocity``.
 
     A separate type, so that :class:`QuantizeState` (and checkpoints and
     :mod:`jaxcomp.elastic`'s rules for it) keep their layout.
@@ -167,8 +168,8 @@ class MomentumQuantizeState(NamedTuple):
     Attributes:
       step, residual, key, message_bytes, wire_bytes, nonfinite_steps,
         message: as in :class:`QuantizeState`.
-      velocity: the momentum ``v = b v + (1 - b) g`` per device, a pytree like
-        the gradients in the residual dtype; ``None`` for ``momentum=0``
+      velocity: the moving average ``v = b v + (1 - b) g`` per device, a pytree like
+        the gradients in the residual dtype; ``None`` for ``beta=0``
         (signSGD: nothing is allocated). A skipped (non-finite) step keeps it.
     """
 
@@ -201,8 +202,9 @@ def quantize(
     nonfinite: str = "skip",
     seed: int | jax.Array = 0,
     keep_message: bool = False,
-    momentum: float | jax.Array | None = None,
+    beta: float | jax.Array | None = None,
     accumulation_dtype: Any = None,
+    momentum: float | jax.Array | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """A quantizing compressor, with optional error feedback, around any codec.
 
@@ -252,7 +254,7 @@ def quantize(
         (e.g. QSGD's Elias-coded size with
         :func:`jaxcomp.coding.coded_message_bytes`). Off by default: it costs
         a copy of the message in the state.
-      momentum: ``None`` (default): none, the state is a
+      beta: ``None`` (default): none, the state is a
         :class:`QuantizeState`. A number ``b`` in ``[0, 1)`` (traceable):
         the codec sees the exponential moving average ``v = b v + (1 - b) g``
         of this device's gradients (Signum's momentum, Bernstein et al.;
@@ -272,10 +274,13 @@ def quantize(
         it (``"allreduce"``: the chunk's owner; ``"server"``: the root), so
         ``sum_d residual_d + N * update == sum_d (old residual_d + grad_d)``
         up to the partial sums' rounding, and later steps send it.
+      momentum: deprecated alias of ``beta`` (a DeprecationWarning, the same
+        result; both given: ValueError). In jaxcomp ``momentum`` names DGC's
+        momentum correction (:func:`jaxcomp.sparsify`), a different rule.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with :class:`QuantizeState`
-      (:class:`MomentumQuantizeState` with ``momentum``).
+      (:class:`MomentumQuantizeState` with ``beta``).
       ``update`` also takes ``include`` (this device's backup-worker flag): a
       left-out device's message is zeroed, the mean is over included devices.
 
@@ -303,7 +308,7 @@ def quantize(
         exchange=exchange,
         error_feedback=error_feedback,
         keep_message=keep_message,
-        momentum=momentum,
+        beta=resolve_beta(beta, momentum, "quantize"),
         accumulation_dtype=accumulation_dtype,
     )
 
@@ -324,14 +329,39 @@ class _Config:
     exchange: QuantizedExchange  # codec, axis, exchange, accumulation dtype, error feedback
     common: CommonOptions
     keep_message: bool
-    momentum: Any  # None (no velocity field), a float, or a JAX array (injected)
+    beta: Any  # None (no velocity field), a float, or a JAX array (injected)
     use_velocity: bool
-    state_type: type  # QuantizeState, or MomentumQuantizeState with momentum
+    state_type: type  # QuantizeState, or MomentumQuantizeState with beta
     merge_leaves: bool  # one exchange for all leaves (False: per leaf, the tests' reference)
 
     @property
     def error_feedback(self) -> bool:
         return self.exchange.error_feedback
+
+
+def resolve_beta(beta, momentum, who: str):
+    """``beta``, or the value of its deprecated alias ``momentum`` (with a DeprecationWarning).
+
+    ``momentum`` meant Signum's moving-average coefficient here; in jaxcomp it
+    now means DGC's momentum correction only (:func:`jaxcomp.sparsify`), so the
+    coefficient is called ``beta``. Passing both is a ValueError (which one
+    was meant is unknown). ``who`` names the factory in the messages.
+    """
+    if momentum is None:
+        return beta
+    if beta is not None:
+        raise ValueError(
+            f"{who}: pass beta (the moving-average coefficient) or its deprecated alias "
+            f"momentum, not both; got beta={beta!r}, momentum={momentum!r}"
+        )
+    warnings.warn(
+        f"{who}(momentum=...) is deprecated: the moving-average coefficient is called "
+        "beta (momentum means DGC's momentum correction in jaxcomp); pass beta= instead, "
+        "same result",
+        DeprecationWarning,
+        stacklevel=3,  # the caller of the factory
+    )
+    return momentum
 
 
 def _make_config(
@@ -341,7 +371,7 @@ def _make_config(
     exchange,
     error_feedback,
     keep_message,
-    momentum,
+    beta,
     accumulation_dtype,
 ) -> _Config:
     """Validates :func:`quantize`'s arguments (each error names its argument)."""
@@ -367,19 +397,19 @@ def _make_config(
             "keep_message=True is for one message per leaf; exchange='allreduce' sends N "
             "chunk messages (use exchange='allgather' to measure messages)"
         )
-    with_momentum = momentum is not None
-    if with_momentum:
-        momentum = V.check_real("momentum", momentum, 0.0, 1.0, high_open=True, allow_traced=True)
+    with_velocity = beta is not None
+    if with_velocity:
+        beta = V.check_real("beta", beta, 0.0, 1.0, high_open=True, allow_traced=True)
     return _Config(
         exchange=QuantizedExchange(
             quantizer, common.axis_name, exchange, acc_dtype, error_feedback
         ),
         common=common,
         keep_message=keep_message,
-        momentum=momentum,
-        # A JAX-array momentum (injected hyperparameter) keeps a velocity even when 0.
-        use_velocity=with_momentum and (V.is_dynamic(momentum) or momentum > 0),
-        state_type=MomentumQuantizeState if with_momentum else QuantizeState,
+        beta=beta,
+        # A JAX-array beta (injected hyperparameter) keeps a velocity even when 0.
+        use_velocity=with_velocity and (V.is_dynamic(beta) or beta > 0),
+        state_type=MomentumQuantizeState if with_velocity else QuantizeState,
         merge_leaves=_MERGE_LEAVES,
     )
 
@@ -512,8 +542,8 @@ def _encode_leaf(cfg: _Config, g, residual, velocity, key, sends, send_ok) -> En
     new_vel = None
     if cfg.use_velocity:
         # b and 1 - b in the residual dtype, so that an injected (array)
-        # momentum gives the same bits as the same Python float.
-        b = jnp.asarray(cfg.momentum).astype(rdt)
+        # beta gives the same bits as the same Python float.
+        b = jnp.asarray(cfg.beta).astype(rdt)
         v = velocity.reshape(-1)
         # A skipped step keeps the velocity and accumulates nothing.
         v = jnp.where(send_ok, b * v + (1 - b) * x, v)

@@ -15,7 +15,7 @@ factory                      message per bucket of ``d`` values            feedb
 :func:`bounded_sign`         ``lam ||x||_2 / sqrt(d) * sign(x)``, bounded  on        1
 :func:`terngrad`             ``max|x| * sign * Bernoulli(|x| / max|x|)``   off       2
 :func:`natural_compression`  ``sign * 2^e``, stochastic, unbiased          off       9 (sign + exp)
-:func:`signum`               ``sign(momentum)``, majority vote             off       1
+:func:`signum`               ``sign(beta-average)``, majority vote         off       1
 :func:`cast`                 ``x`` as float16 / bfloat16                   off       16
 ===========================  ============================================  ========  ===============
 
@@ -43,7 +43,7 @@ from jaxcomp.quantization import (
     sign_quantizer,
     terngrad_quantizer,
 )
-from jaxcomp.transforms.quantize import quantize
+from jaxcomp.transforms.quantize import quantize, resolve_beta
 
 __all__ = [
     "bounded_sign",
@@ -410,8 +410,9 @@ def natural_compression(
 
 
 def signum(
-    momentum: float | jax.Array = 0.9,
+    beta: float | jax.Array | None = None,
     *,
+    momentum: float | jax.Array | None = None,
     bucket_size: int | None = None,
     axis_name: Any = None,
     exchange: str = "majority",
@@ -423,7 +424,7 @@ def signum(
 ) -> _Tx:
     """Signum / signSGD with majority vote (Bernstein et al., 2018).
 
-    Each device keeps ``v = b v + (1 - b) g`` (``b = momentum``; ``b = 0`` is
+    Each device keeps ``v = b v + (1 - b) g`` (``b = beta``; ``b = 0`` is
     signSGD, no velocity allocated), sends ``sign(v)`` (1 bit per value; a
     bucket of zeros abstains, zeros elsewhere vote ``+``) and the update is
     the majority vote ``sign(sum_d sign(v_d))`` in ``{-1, 0, +1}`` (a tie is
@@ -444,7 +445,11 @@ def signum(
     full-precision momentum: keep it 0 for the paper's Signum.
 
     Args:
-      momentum: ``b`` in ``[0, 1)`` (traceable); the paper's default 0.9.
+      beta: ``b`` in ``[0, 1)``, the moving-average coefficient (traceable);
+        None: 0.9, the paper's default.
+      momentum: deprecated alias of ``beta`` (a DeprecationWarning, the same
+        result; both given: ValueError). In jaxcomp ``momentum`` names DGC's
+        momentum correction (:func:`jaxcomp.sparsify`), a different rule.
       bucket_size: values sharing one abstain/vote scale (None: the whole
         leaf). Set it to an embedding's row length so that rows not in the
         batch abstain rather than vote ``+``.
@@ -458,7 +463,7 @@ def signum(
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxcomp
-      >>> tx = jaxcomp.signum(0.5)
+      >>> tx = jaxcomp.signum(beta=0.5)
       >>> g = {"w": jnp.array([1.0, -3.0, 2.0])}
       >>> update = jax.jit(tx.update)
       >>> u, state = update(g, tx.init(g))
@@ -466,9 +471,10 @@ def signum(
       >>> u["w"].tolist(), state.velocity["w"].tolist()  # v = 0.5 v + 0.5 g
       ([-1.0, -1.0, 1.0], [-0.75, -0.25, 0.5])
     """
+    beta = resolve_beta(beta, momentum, "signum")
     return quantize(
         sign_quantizer(bucket_size, scale="unit"),
-        momentum=momentum,
+        beta=0.9 if beta is None else beta,
         error_feedback=error_feedback,
         axis_name=axis_name,
         exchange=exchange,

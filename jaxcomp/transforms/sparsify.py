@@ -288,6 +288,7 @@ class _Config:
     residual_dtype: Any  # None: per group, see resolve_residual_dtype
     axis_name: Any
     exchange: str
+    error_feedback: bool  # False: memory-less, the residual written as zeros
     nonfinite: str
     granularity: str
     groups: Any  # None, or a validated groups spec (see resolve_groups)
@@ -535,6 +536,7 @@ def sparsify(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    error_feedback: bool = True,
     low_pass: float | jax.Array | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
@@ -587,12 +589,22 @@ def sparsify(
         ``optax.apply_if_finite`` (refused: it would hang the step).
       exchange: how messages travel with ``axis_name``
         (:mod:`jaxcomp.comm.sparse_allreduce`): the exact mean
-        (``"sparse"``, ``"dense"``, ``"server"``, ``"sparcml"``, ``"auto"``:
-        sparse or dense, fewer bytes), a global selection of the summed
-        messages whose leftovers return to a residual (``"gtopk"``,
-        ``"oktopk"``, ``"scalecom"``, ``"auto_topk"``), or decentralized
-        ``"gossip"``. ``include=`` works with ``"sparse"``, ``"dense"`` and
-        ``"auto"`` only.
+        (``"allgather"`` of the (index, value) pairs, ``"dense"`` all-reduce,
+        ``"server"``, ``"sparcml"``, ``"auto"``: allgather or dense, fewer
+        bytes), a global selection of the summed messages whose leftovers
+        return to a residual (``"gtopk"``, ``"oktopk"``, ``"scalecom"``,
+        ``"auto_topk"``), or decentralized ``"gossip"``. ``"sparse"`` is an
+        alias of ``"allgather"`` (the same collective, the same results).
+        ``include=`` works with ``"allgather"``, ``"dense"`` and ``"auto"``
+        only.
+      error_feedback: True (default, every sparsifier paper): what is not
+        sent stays in the residual and is sent later. False: memory-less
+        sparsification (GRACE's ``TopKCompressor`` with ``NoneMemory``): the
+        update is the mean over devices of ``select(g_i)`` (of the velocity
+        with ``momentum``), what is not sent is dropped, and
+        ``state.residual`` stays zeros (kept, so the state's structure is
+        the same either way). Excludes ``low_pass`` and ``defer_residual``
+        (both act on the residual).
       low_pass: ScaleCom's low-pass filter on the residual, ``beta`` in
         (0, 1]: ``r <- r + beta * (r + g - sent - r)``, deliberately lossy
         below 1. May be traced. None: 1, plain error feedback.
@@ -648,6 +660,7 @@ def sparsify(
         groups=groups,
         reuse_period=reuse_period,
         exchange=exchange,
+        error_feedback=error_feedback,
         low_pass=low_pass,
         defer_residual=defer_residual,
     )
@@ -713,6 +726,7 @@ def _make_config(
     groups,
     reuse_period,
     exchange,
+    error_feedback,
     low_pass,
     defer_residual,
 ) -> _Config:
@@ -753,6 +767,14 @@ def _make_config(
             f"residual is updated by a k-sized scatter and nothing is deferred; got "
             f"axis_name={common.axis_name!r}"
         )
+    error_feedback = V.check_bool("error_feedback", error_feedback)
+    if not error_feedback and (low_pass is not None or defer_residual):
+        # Both act on the residual, which memory-less sparsification never keeps.
+        raise ValueError(
+            "error_feedback=False keeps no residual, so low_pass and defer_residual have "
+            f"nothing to act on: leave them unset, got low_pass={low_pass!r}, "
+            f"defer_residual={defer_residual!r}"
+        )
     low_pass = V.check_real(
         "low_pass", 1.0 if low_pass is None else low_pass, 0.0, 1.0, low_open=True,
         allow_traced=True,
@@ -768,7 +790,15 @@ def _make_config(
     reuse_period = V.check_int(
         "reuse_period", 1 if reuse_period is None else reuse_period, 1, 2**31 - 1
     )
-    exchange = V.check_choice("exchange", exchange, sparse_allreduce.EXCHANGES)
+    # Aliases ("sparse") become the canonical name here, once: the steps and
+    # the per-group choices of "auto" only know the canonical names.
+    exchange = sparse_allreduce.canonical_exchange(
+        V.check_choice(
+            "exchange",
+            exchange,
+            sparse_allreduce.EXCHANGES + tuple(sparse_allreduce.EXCHANGE_ALIASES),
+        )
+    )
     if exchange == "scatter" and (groups is not None or granularity != "layer"):
         raise ValueError(
             "exchange='scatter' reduce-scatters each leaf over the devices that own its slices: "
@@ -832,6 +862,7 @@ def _make_config(
         residual_dtype=common.residual_dtype,
         axis_name=common.axis_name,
         exchange=exchange,
+        error_feedback=error_feedback,
         nonfinite=common.nonfinite,
         granularity=granularity,
         groups=groups,
@@ -1042,7 +1073,7 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
 # gather, SparCML's rounds or all-reduce; "auto" and "auto_topk" pick a kind
 # per group). See _exchange_packed.
 _PACKED_EXCHANGES = (
-    "sparse", "dense", "auto", "server", "gossip", "gtopk", "oktopk", "sparcml", "auto_topk",
+    "allgather", "dense", "auto", "server", "gossip", "gtopk", "oktopk", "sparcml", "auto_topk",
 )  # fmt: skip
 # ScaleCom's cyclic leader, for all groups in one all-reduce of indices and
 # one of values: see _scalecom_packed.
@@ -1363,6 +1394,12 @@ def finish_step(cfg: _Config, state, inputs: _StepInputs, outs, finite, stats=No
             sent_threshold=leaf_array("sent_threshold", jnp.float32, jnp.inf),
             sent_limit=leaf_array("sent_limit", jnp.int32, 0),
         )
+    elif not cfg.error_feedback:
+        # Memory-less: what the step did not send is dropped (exchanges that
+        # return pairs to a residual included). Zeros typed like the residual
+        # (device-varying under shard_map), so a scan's carry keeps its type.
+        zeros = [_vma.varying_like(jnp.zeros_like(r), r) for r in fields["res"]]
+        memory = dict(residual=treedef.unflatten(zeros))
     else:
         memory = dict(residual=treedef.unflatten(fields["res"]))
     new_state = state._replace(
@@ -1527,11 +1564,11 @@ def _exchange_packed(
             if ex.returned_indices is not None:  # the overflow (none on one device)
                 back_idx, back = _returned_pairs(cfg, ex, residual.dtype)
                 flat_res = flat_res.at[back_idx].add(back, mode="drop")
-        for kind in ("sparse", "gtopk", "oktopk"):
+        for kind in ("allgather", "gtopk", "oktopk"):
             if kind not in of_kind:
                 continue
             idx, vals = segmented.extract(layout, sent_out, mask, slots(kind))
-            if kind == "sparse":
+            if kind == "allgather":
                 mean, _ = collectives.sparse_mean(idx, vals, size, cfg.axis_name, include=include)
             else:
                 if kind == "gtopk":
@@ -1594,7 +1631,7 @@ def _packed_wire_bytes(kinds, caps, sizes, item: int, n_dev: int, flagged: bool)
     flags = 4 if flagged else 0
     rounds = sparse_allreduce.gtopk_rounds(n_dev) if n_dev > 1 else 0
     wire_of = {
-        "sparse": lambda c, n: (
+        "allgather": lambda c, n: (
             collectives.allgather_bytes(c * (4 + item), n_dev)
             + (collectives.allreduce_bytes(flags, n_dev) if flags else 0)
         ),
