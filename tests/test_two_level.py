@@ -568,3 +568,230 @@ def test_two_level_sparse_bytes_target():
     # it would be 2/8 of it, still over 100x: asserted too).
     dense = 2 * (N - 1) / N * n * 4
     assert 100 * inter <= dense * 2 / N, (inter, dense)
+
+
+# ---------------------------------------------------------------------------
+# 4. The paths next to the happy one.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
+def test_float16_node_sum_overflows_but_the_mean_fits(nodes, local):
+    """float16 gradients near 65504 / 2: any two of them sum past float16's range,
+    their mean does not; the update stays finite and is the reference's."""
+    rng = np.random.default_rng(7)
+    g = {"h": (30000.0 + rng.integers(-64, 64, size=(N, 24)) * 8).astype(np.float16)}
+    run = Runner(jaxcomp.top_k(0.5, axis_name=AX), _mesh(nodes, local))
+    state = run.init(g)
+    upd, new = run(g, state)
+    assert np.all(np.isfinite(f32(upd["h"]))) and np.all(np.isfinite(new.inner.residual["h"]))
+    ref_upd, ref_res = ref_sparse_step(g, state.inner.residual, nodes, local, 0.5)
+    np.testing.assert_allclose(f32(upd["h"][0]), ref_upd["['h']"], rtol=2**-10)
+    np.testing.assert_allclose(new.inner.residual["h"], ref_res["['h']"], atol=16.0)
+
+
+def test_x64_float64_leaves():
+    with jax.enable_x64(True):
+        nodes, local = 2, 4
+        spec = {"w": ((50,), np.float64), "v": ((3, 5), np.float32)}
+        run = Runner(jaxcomp.top_k(0.1, axis_name=AX), _mesh(nodes, local))
+        rng = np.random.default_rng(8)
+        state = run.init(_grads(rng, spec))
+        assert state.inner.residual["w"].dtype == np.float64
+        for _ in range(3):
+            g = _grads(rng, spec)
+            upd, new = run(g, state)
+            assert upd["w"].dtype == np.float64 and upd["v"].dtype == np.float32
+            ref_upd, ref_res = ref_sparse_step(g, state.inner.residual, nodes, local, 0.1)
+            np.testing.assert_array_equal(new.inner.residual["w"], ref_res["['w']"])
+            np.testing.assert_allclose(upd["w"][0], ref_upd["['w']"], rtol=0, atol=1e-15)
+            state = new
+        assert run.traces == 1
+
+
+TINY_SPEC = {
+    "scalar": ((), np.float32),
+    "empty": ((0,), np.float32),
+    "empty2": ((0, 5), np.float32),
+    "three": ((3,), np.float32),  # fewer elements than local devices
+    "row": ((1, 6), np.float32),  # PowerSGD: one row, on the first device only
+    "h": ((2,), BF16),
+}
+TINY = {
+    "top_k": (lambda: jaxcomp.top_k(0.5, axis_name=AX), None),
+    "ef_sign_sgd": (lambda: jaxcomp.ef_sign_sgd(min_dense_size=0, axis_name=AX), None),
+    "powersgd": (lambda: jaxcomp.powersgd(1, axis_name=AX), _psgd_rows),
+}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_empty_and_scalar_leaves(name):
+    nodes, local = 2, 4
+    make, rows = TINY[name]
+    run = Runner(make(), _mesh(nodes, local))
+    rng = np.random.default_rng(9)
+    state = run.init(_grads(rng, TINY_SPEC))
+    for t in range(2):
+        g = _grads(rng, TINY_SPEC)
+        upd, new = run(g, state)
+        _same_on_every_device(upd)
+        for p, gl in g.items():
+            assert upd[p].dtype == gl.dtype and upd[p].shape == gl.shape, p
+        check_invariant(g, state.inner.residual, upd, new.inner.residual, nodes, local, rows, t)
+        if name == "top_k":
+            ref_upd, ref_res = ref_sparse_step(g, state.inner.residual, nodes, local, 0.5)
+            check_sparse_step(g, upd, new, ref_upd, ref_res)
+        if name != "ef_sign_sgd":  # padding is never sent: its residual stays zero
+            assert not np.any(new.inner.residual["scalar"][:, 0][np.arange(N) % local != 0])
+            assert not np.any(new.inner.residual["three"][np.arange(N) % local == 3])
+        state = new
+    assert run.traces == 1
+
+
+@pytest.mark.parametrize("policy", ["skip", "zero"])
+def test_nan_on_one_device(policy):
+    """A NaN in device 5's gradient (node 1, local 1) at element 3 of a 40-element leaf
+    reaches, through the reduce-scatter, the node mean held by its owner (node 1,
+    local 0). skip: that device sends nothing this step and keeps its residual; zero:
+    the non-finite element of the node mean counts as 0. No residual becomes NaN."""
+    nodes, local = 2, 4
+    run = Runner(jaxcomp.top_k(0.2, nonfinite=policy, axis_name=AX), _mesh(nodes, local))
+    spec = {"w": ((40,), np.float32), "b": ((8,), np.float32)}
+    rng = np.random.default_rng(10)
+    state = run.init(_grads(rng, spec))
+    _, state = run(_grads(rng, spec), state)
+    g = _grads(rng, spec)
+    g["w"][5, 3] = np.nan
+    upd, new = run(g, state)
+    for p in g:
+        assert np.all(np.isfinite(f32(upd[p]))) and np.all(np.isfinite(new.inner.residual[p]))
+    skip = {(1, 0)} if policy == "skip" else ()
+    ref_upd, ref_res = ref_sparse_step(
+        g, state.inner.residual, nodes, local, 0.2, skip=skip, zero=policy == "zero"
+    )
+    check_sparse_step(g, upd, new, ref_upd, ref_res)
+    if policy == "skip":
+        assert bits(new.inner.residual["w"][4]) == bits(state.inner.residual["w"][4])
+    steps = np.asarray(new.inner.nonfinite_steps) - np.asarray(state.inner.nonfinite_steps)
+    assert steps.tolist() == [1 if d == 4 else 0 for d in range(N)]
+
+
+@pytest.mark.parametrize("name", ["include", "scatter", "jaxcomp_overlap"])
+def test_unsupported_extra_arguments_rejected(name):
+    tx = jaxcomp.top_k(0.1, axis_name=AX)
+    with pytest.raises(ValueError, match=name):
+        tx.update({"w": jnp.ones(4)}, None, **{name: jnp.bool_(True)})
+
+
+@pytest.mark.parametrize("axis_name", [("a", "b", "c"), ("node", "node"), ("node", 3), (1, 2)])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda ax: jaxcomp.top_k(0.1, axis_name=ax),
+        lambda ax: jaxcomp.qsgd(4, axis_name=ax),
+        lambda ax: jaxcomp.powersgd(1, axis_name=ax),
+        lambda ax: jaxcomp.onebit_adam(0.01, freeze_step=2, axis_name=ax),
+    ],
+    ids=["top_k", "qsgd", "powersgd", "onebit_adam"],
+)
+def test_bad_axis_name_rejected(factory, axis_name):
+    with pytest.raises(ValueError, match="axis_name"):
+        factory(axis_name)
+
+
+def test_init_outside_shard_map_is_a_clear_error():
+    tx = jaxcomp.top_k(0.1, axis_name=AX)
+    with pytest.raises(ValueError, match=r"init: axis_name \('node', 'local'\).*shard_map"):
+        tx.init({"w": jnp.ones(4)})
+
+
+# ---------------------------------------------------------------------------
+# optax wrappers around a two-level compressor.
+# ---------------------------------------------------------------------------
+
+WRAP_SPEC = {"w": ((24,), np.float32), "b": ((6,), np.float32)}
+
+
+def _bare_updates(rng_seed, steps, ratio=0.25):
+    """The bare two-level top_k's per-step updates (stacked per device) on seeded grads."""
+    run = Runner(jaxcomp.top_k(ratio, axis_name=AX), _mesh(2, 4))
+    rng = np.random.default_rng(rng_seed)
+    grads = [_grads(rng, WRAP_SPEC) for _ in range(steps)]
+    state = run.init(grads[0])
+    out = []
+    for g in grads:
+        u, state = run(g, state)
+        out.append(u)
+    return grads, out
+
+
+def test_chain_with_sgd_and_inject_hyperparams():
+    grads, bare = _bare_updates(11, 3)
+    txs = {
+        "chain": optax.chain(jaxcomp.top_k(0.25, axis_name=AX), optax.sgd(0.5)),
+        "inject": optax.inject_hyperparams(jaxcomp.top_k, static_args=("ratio",))(
+            ratio=0.25, axis_name=AX, low_pass=1.0
+        ),
+    }
+    for name, tx in txs.items():
+        run = Runner(tx, _mesh(2, 4))
+        state = run.init(grads[0])
+        for g, want in zip(grads, bare, strict=True):
+            u, state = run(g, state)
+            factor = -0.5 if name == "chain" else 1.0
+            for p in g:
+                np.testing.assert_array_equal(u[p], want[p] * np.float32(factor), err_msg=name)
+        assert run.traces == 1
+    # A ratio left to inject_hyperparams would be traced: a clear error naming static_args.
+    tx = optax.inject_hyperparams(jaxcomp.top_k)(ratio=0.25, axis_name=AX)
+    with pytest.raises(ValueError, match="static_args"):
+        Runner(tx, _mesh(2, 4)).init(grads[0])
+
+
+def test_multi_steps_and_masked():
+    grads, _ = _bare_updates(12, 1)
+    rng = np.random.default_rng(13)
+    g2 = _grads(rng, WRAP_SPEC)
+    mean = {p: (grads[0][p] + g2[p]) / 2 for p in g2}  # exact: dyadic gradients
+    bare = Runner(jaxcomp.top_k(0.25, axis_name=AX), _mesh(2, 4))
+    want, _ = bare(mean, bare.init(mean))
+    ms = Runner(optax.MultiSteps(jaxcomp.top_k(0.25, axis_name=AX), 2), _mesh(2, 4))
+    state = ms.init(mean)
+    u1, state = ms(grads[0], state)
+    assert not any(np.any(u1[p]) for p in u1)
+    u2, state = ms(g2, state)
+    for p in g2:
+        np.testing.assert_array_equal(u2[p], want[p], err_msg=p)
+    # masked: "w" compressed as alone, "b" passed through (each device's own gradient).
+    masked = Runner(optax.masked(jaxcomp.top_k(0.25, axis_name=AX), {"w": True, "b": False}),
+                    _mesh(2, 4))  # fmt: skip
+    alone = Runner(jaxcomp.top_k(0.25, axis_name=AX), _mesh(2, 4))
+    sub = {"w": g2["w"]}
+    want_w, _ = alone(sub, alone.init(sub))
+    u, _ = masked(g2, masked.init(g2))
+    np.testing.assert_array_equal(u["w"], want_w["w"])
+    np.testing.assert_array_equal(u["b"], g2["b"])
+
+
+def test_apply_if_finite():
+    """optax.apply_if_finite would skip one device's exchange (a hang): refused, naming
+    jaxcomp.apply_if_finite; that one, given the two-level axis_name, skips a step with
+    a NaN on any device everywhere, and otherwise gives the bare compressor's update."""
+    grads, bare = _bare_updates(14, 2)
+    with pytest.raises(ValueError, match="jaxcomp.apply_if_finite"):
+        tx = optax.apply_if_finite(jaxcomp.top_k(0.25, axis_name=AX), 3)
+        run = Runner(tx, _mesh(2, 4))
+        run(grads[0], run.init(grads[0]))
+    tx = jaxcomp.apply_if_finite(jaxcomp.top_k(0.25, axis_name=AX), 3, axis_name=AX)
+    run = Runner(tx, _mesh(2, 4))
+    state = run.init(grads[0])
+    bad = {p: v.copy() for p, v in grads[0].items()}
+    bad["w"][6, 0] = np.nan
+    u, new = run(bad, state)
+    assert not any(np.any(u[p]) for p in u)
+    assert bits(new.inner_state.inner.residual["w"]) == bits(state.inner_state.inner.residual["w"])
+    for g, want in zip(grads, bare, strict=True):
+        u, new = run(g, new)
+        for p in g:
+            np.testing.assert_array_equal(u[p], want[p], err_msg=p)
+    assert run.traces == 1
