@@ -25,12 +25,12 @@ from __future__ import annotations
 import functools
 import math
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import helpers
 from helpers import bits, cap_of, expected_sent, f32, k_of, ref_threshold
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -344,7 +344,7 @@ def test_sign_quantizer_padding_takes_part_in_the_bucket():
     upd, new = run(g, state)
     pad = np.asarray(new.inner.residual["a"])[[3, 7], 1:]
     s = node_means(g["a"], 2, 4)
-    for j, d in enumerate((3, 7)):  # owner of [9, pad, pad]: mean of the >= 0 values
+    for j in range(2):  # devices 3 and 7 own [9, pad, pad]: the mean of the >= 0 values
         pos_mean = np.mean([v for v in s[j, 3] if v >= 0])
         np.testing.assert_allclose(pad[j], -pos_mean, rtol=1e-6)
     check_invariant(g, None, upd, new.inner.residual, 2, 4)
@@ -375,8 +375,9 @@ def test_qsgd_two_level_is_unbiased_and_bounded():
     se = ups.std(axis=0) / np.sqrt(T)
     assert np.all(np.abs(ups.mean(axis=0) - target) <= 5 * se + 1e-6)
     s = node_means(g["w"], nodes, local).astype(np.float64)  # one bucket per shard
-    bound = unblock(np.linalg.norm(s, axis=-1).mean(axis=0)[:, None] * np.ones(s.shape[-1]),
-                    (6, 10))  # fmt: skip
+    bound = unblock(
+        np.linalg.norm(s, axis=-1).mean(axis=0)[:, None] * np.ones(s.shape[-1]), (6, 10)
+    )
     assert np.all(np.abs(ups) <= bound[None] * (1 + 1e-6))
     assert run.traces == 1
 
@@ -436,8 +437,16 @@ def test_powersgd_matches_numpy(nodes, local):
                     if pad_rows:
                         assert not np.any(got_res[d].reshape(shard)[-pad_rows:]), (p, d)
             _close(f32(upd[p][0]), unblock(out, shape, r), 2e-5, (t, p))
-        check_invariant(g, state.inner.residual, upd, new.inner.residual, nodes, local,
-                        row_length=_psgd_rows, what=t)  # fmt: skip
+        check_invariant(
+            g,
+            state.inner.residual,
+            upd,
+            new.inner.residual,
+            nodes,
+            local,
+            row_length=_psgd_rows,
+            what=t,
+        )
         state = new
     assert run.traces == 1
 
@@ -506,6 +515,20 @@ BYTES_COMPRESSORS = {
 }
 
 
+def _flat_step(tx, mesh, axis, g):
+    """The state (numpy, per device) after one step of ``tx`` on a 1-D ``mesh``."""
+    spec = P(axis)
+    init = jax.shard_map(
+        lambda x: _stack(tx.init(_first(x))),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+        check_vma=False,
+    )
+    put = jax.device_put(g, NamedSharding(mesh, spec))
+    return jax.device_get(helpers.mesh_update(tx, mesh, axis)(put, jax.jit(init)(put)))[1]
+
+
 @pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
 @pytest.mark.parametrize("name", list(BYTES_COMPRESSORS))
 def test_bytes_per_link_class(name, nodes, local):
@@ -526,13 +549,7 @@ def test_bytes_per_link_class(name, nodes, local):
         shape = gl.shape[1:]
         s = node_means(gl, nodes, local, rows(shape))[:, 0]
         shards[p] = s.reshape(nodes, -1, rows(shape)) if rows(shape) > 1 else s
-    flat = make("node")
-    spec = P("node")
-    init = jax.jit(jax.shard_map(lambda x: _stack(flat.init(_first(x))), mesh=flat_mesh,
-                                 in_specs=spec, out_specs=spec, check_vma=False))  # fmt: skip
-    put = jax.device_put(shards, NamedSharding(flat_mesh, spec))
-    _, flat_state = helpers.mesh_update(flat, flat_mesh, "node")(put, init(put))
-    wire = np.asarray(flat_state.wire_bytes)
+    wire = _flat_step(make("node"), flat_mesh, "node", shards).wire_bytes
     assert np.all(wire > 0) and np.all(wire == wire[0])
     np.testing.assert_array_equal(new.inter_node_bytes, [wire[0]] * N)
 
@@ -551,11 +568,7 @@ def test_two_level_sparse_bytes_target():
     # The flat 1-D mesh of 8: an all-gather sends (N - 1) messages; the N - L of them
     # addressed to the devices of the other node cross the slow link.
     flat_mesh = jax.make_mesh((N,), ("data",))
-    flat = jaxcomp.top_k(ratio, axis_name="data")
-    put = jax.device_put(g, NamedSharding(flat_mesh, P("data")))
-    init = jax.jit(jax.shard_map(lambda x: _stack(flat.init(_first(x))), mesh=flat_mesh,
-                                 in_specs=P("data"), out_specs=P("data"), check_vma=False))  # fmt: skip
-    _, flat_state = jax.device_get(helpers.mesh_update(flat, flat_mesh)(put, init(put)))
+    flat_state = _flat_step(jaxcomp.top_k(ratio, axis_name="data"), flat_mesh, "data", g)
     flat_wire = float(flat_state.wire_bytes[0])
     k = k_of(ratio, n)
     assert flat_wire == (N - 1) * cap_of(k, n) * 8  # a sparse all-gather of (int32, float32)
@@ -763,8 +776,9 @@ def test_multi_steps_and_masked():
     for p in g2:
         np.testing.assert_array_equal(u2[p], want[p], err_msg=p)
     # masked: "w" compressed as alone, "b" passed through (each device's own gradient).
-    masked = Runner(optax.masked(jaxcomp.top_k(0.25, axis_name=AX), {"w": True, "b": False}),
-                    _mesh(2, 4))  # fmt: skip
+    masked = Runner(
+        optax.masked(jaxcomp.top_k(0.25, axis_name=AX), {"w": True, "b": False}), _mesh(2, 4)
+    )
     alone = Runner(jaxcomp.top_k(0.25, axis_name=AX), _mesh(2, 4))
     sub = {"w": g2["w"]}
     want_w, _ = alone(sub, alone.init(sub))
