@@ -1312,3 +1312,54 @@ def test_adam_state_round_trips_through_elastic(name, tmp_path):
         params_r, state_r, _ = step(params_r, state_r, b)
         _assert_same_bits(params_r, params, "params")
         _assert_same_bits(state_r, state, "states")
+
+
+# ---------------------------------------------------------------------------
+# The two-level exchange (axis_name=("node", "local")) on a 2x4 mesh.
+# ---------------------------------------------------------------------------
+
+TWO_LEVEL_TREE = {"w": ((12, 10), jnp.float32), "h": ((9,), jnp.bfloat16), "s": ((), jnp.float32)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_two_level_shapes_and_lost_nothing(name):
+    """Two steps on 2x4: the update has the gradients' shapes and dtypes and is the same on
+    every device; with error feedback ``L sum e_new + N u == L sum e + sum g`` (residuals
+    are per shard: the device of local index ``l`` owns rows ``l`` of the padded leaf)."""
+    nodes, local, n_dev = 2, 4, 8
+    axes = ("node", "local")
+    mesh = jax.make_mesh((nodes, local), axes)
+    tx = FACTORIES[name](RATIO, axis_name=axes)
+    sharding = NamedSharding(mesh, P(axes))
+    init = jax.jit(
+        jax.shard_map(
+            lambda g: jax.tree.map(lambda a: a[None], tx.init(jax.tree.map(lambda a: a[0], g))),
+            mesh=mesh, in_specs=P(axes), out_specs=P(axes), check_vma=False,
+        )
+    )  # fmt: skip
+    step = mesh_update(tx, mesh, axes)
+    rng = np.random.default_rng(0)
+    stacked = {k: ((n_dev, *s), dt) for k, (s, dt) in TWO_LEVEL_TREE.items()}
+    state = init(jax.device_put(laplace_tree(stacked, rng), sharding))
+    for _ in range(2):
+        g = laplace_tree(stacked, rng)
+        upd, new = jax.device_get(step(jax.device_put(g, sharding), state))
+        old_res, new_res = (optax.tree.get(s, "residual") for s in (jax.device_get(state), new))
+        for leaf, gl in g.items():
+            u = np.asarray(upd[leaf])
+            assert u.dtype == gl.dtype and u.shape == gl.shape, leaf
+            assert all(bits(u[d]) == bits(u[0]) for d in range(n_dev)), leaf
+            if name in NO_ERROR_FEEDBACK:
+                continue
+            shape = gl.shape[1:]
+            n = math.prod(shape)
+
+            def placed(res, leaf=leaf, n=n, shape=shape):
+                e = np.asarray(res[leaf], np.float64).reshape(nodes, -1)[:, :n]
+                return e.sum(axis=0).reshape(shape)
+
+            lhs = local * placed(new_res) + n_dev * f32(u[0]).astype(np.float64)
+            rhs = local * placed(old_res) + f32(gl).astype(np.float64).sum(axis=0)
+            tol = (2e-6 if gl.dtype == jnp.float32 else 2e-2) * n_dev * max(1, np.abs(rhs).max())
+            assert np.max(np.abs(lhs - rhs)) <= tol, (leaf, np.max(np.abs(lhs - rhs)))
+        state = jax.device_put(new, sharding)

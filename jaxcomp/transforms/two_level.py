@@ -27,8 +27,10 @@ is the plain mean of the ``N`` gradients.
 elements (``R = 1`` for element-wise compressors; PowerSGD keeps its
 matrix rows whole), the rows padded with zeros to a multiple of ``L`` and
 split into ``L`` contiguous blocks: the shard has ``ceil(M / L)`` rows,
-shape ``(ceil(M / L),)`` or ``(ceil(M / L), R)``. Padding is zero and stays
-zero (its residual too). ``min_dense_size``, ``groups`` and every per-leaf
+shape ``(ceil(M / L),)`` or ``(ceil(M / L), R)``. Padding enters as zeros
+and its decoded values are dropped when the leaf is reassembled; a
+compressor that never sends a zero as nonzero (sparsifiers, PowerSGD, QSGD)
+keeps its residual zero, a sign quantizer (zero sent as ``+scale``) does not. ``min_dense_size``, ``groups`` and every per-leaf
 option apply to the shards. All leaves of a dtype travel in one
 reduce-scatter and one all-gather per step (the cost does not grow with the
 leaf count); float16 values are divided by ``L`` before they are added, so
