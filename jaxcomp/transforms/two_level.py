@@ -30,8 +30,9 @@ split into ``L`` contiguous blocks: the shard has ``ceil(M / L)`` rows,
 shape ``(ceil(M / L),)`` or ``(ceil(M / L), R)``. Padding enters as zeros
 and its decoded values are dropped when the leaf is reassembled; a
 compressor that never sends a zero as nonzero (sparsifiers, PowerSGD, QSGD)
-keeps its residual zero, a sign quantizer (zero sent as ``+scale``) does not. ``min_dense_size``, ``groups`` and every per-leaf
-option apply to the shards. All leaves of a dtype travel in one
+keeps its residual zero, a sign quantizer (zero sent as ``+scale``) does
+not, and its padding takes part in the bucket's scale. ``min_dense_size``,
+``groups`` and every per-leaf option apply to the shards. All leaves of a dtype travel in one
 reduce-scatter and one all-gather per step (the cost does not grow with the
 leaf count); float16 values are divided by ``L`` before they are added, so
 a sum that would overflow where the mean fits does not.
@@ -42,6 +43,14 @@ buffer's bytes (a ring's cost; the buffers of 16-bit leaves in their own
 dtype), and ``inter_node_bytes``, the compressor's own ``wire_bytes``
 (counted for its ``nodes`` peers). Their sum is the step's
 ``wire_bytes`` for :func:`jaxcomp.distributed.make_train_step`.
+
+**Non-finite gradients.** The compressor's ``nonfinite`` policy is applied
+on each device before the reduce-scatter, so one device's NaN never reaches
+its node's other values: ``"zero"`` replaces that device's non-finite
+elements by 0, ``"skip"`` drops that device's whole gradient this step (as
+on a flat mesh, where it would send nothing). The compressor then sees
+finite node means; ``TwoLevelState.nonfinite_steps`` counts this device's
+non-finite steps.
 
 The state is per device and shaped like the shards, so ``init`` must run
 where the ``"local"`` axis is bound (inside ``shard_map``, as
@@ -67,7 +76,9 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomp import _validation as V
 from jaxcomp.comm import collectives
+from jaxcomp.transforms.base import NONFINITE_POLICIES, apply_nonfinite_policy
 
 __all__ = [
     "TwoLevelState",
@@ -87,11 +98,14 @@ class TwoLevelState(NamedTuple):
         in the last step (the reduce-scatter and the all-gather).
       inter_node_bytes: float32, bytes it sent over inter-node links (the
         compressor's exchange over the node axis; its ``wire_bytes``).
+      nonfinite_steps: int32, steps whose gradient on this device held a NaN
+        or Inf (handled by the ``nonfinite`` policy before the reduce-scatter).
     """
 
     inner: Any
     intra_node_bytes: jax.Array
     inter_node_bytes: jax.Array
+    nonfinite_steps: jax.Array
 
 
 def is_two_level(axis_name: Any) -> bool:
@@ -148,6 +162,7 @@ class _Config:
     node_axis: str
     local_axis: str
     row_length: Callable[[tuple[int, ...]], int]
+    nonfinite: str | None
 
 
 def _plan(cfg: _Config, leaves: list, local: int) -> list:
@@ -227,7 +242,8 @@ def _init(cfg: _Config, inner: optax.GradientTransformation, params) -> TwoLevel
     plan = _plan(cfg, leaves, local)
     shards = [jnp.zeros(p[2], jnp.asarray(x).dtype) for x, p in zip(leaves, plan, strict=True)]
     zero = jnp.zeros([], jnp.float32)
-    return TwoLevelState(inner.init(jax.tree.unflatten(treedef, shards)), zero, zero)
+    inner_state = inner.init(jax.tree.unflatten(treedef, shards))
+    return TwoLevelState(inner_state, zero, zero, jnp.zeros([], jnp.int32))
 
 
 def _update(cfg: _Config, inner, updates, state: TwoLevelState, params, extra):
@@ -240,6 +256,9 @@ def _update(cfg: _Config, inner, updates, state: TwoLevelState, params, extra):
             )
     extra = {k: v for k, v in extra.items() if k not in ("include", "scatter", "jaxcomp_overlap")}
     local = _local_size(cfg, "update")
+    finite = jnp.bool_(True)
+    if cfg.nonfinite is not None:  # on this device, before its NaN reaches the node's values
+        updates, finite, _ = apply_nonfinite_policy(updates, cfg.nonfinite)
     leaves, treedef = jax.tree.flatten(updates)
     plan = _plan(cfg, leaves, local)
     shards, intra_in = _scatter_mean(cfg, leaves, plan, local)
@@ -254,7 +273,9 @@ def _update(cfg: _Config, inner, updates, state: TwoLevelState, params, extra):
     )
     out, intra_out = _gather(cfg, jax.tree.leaves(shard_updates), leaves, plan, local)
     intra = jnp.float32(intra_in + intra_out)
-    return jax.tree.unflatten(treedef, out), TwoLevelState(inner_state, intra, _wire(inner_state))
+    bad = state.nonfinite_steps + (~finite).astype(jnp.int32)
+    new_state = TwoLevelState(inner_state, intra, _wire(inner_state), bad)
+    return jax.tree.unflatten(treedef, out), new_state
 
 
 def _wire(state) -> jax.Array:
@@ -280,6 +301,7 @@ def two_level(
     local_axis: str,
     *,
     row_length: Callable[[tuple[int, ...]], int] | None = None,
+    nonfinite: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner`` (built with ``axis_name=node_axis``) on this device's shard.
 
@@ -293,6 +315,8 @@ def two_level(
       local_axis: the fast (intra-node) mesh axis.
       row_length: leaf shape to the number of elements a shard keeps together
         in a row (PowerSGD: a matrix row); None: element-wise (1).
+      nonfinite: the policy (``"skip"``/``"zero"``) applied on each device
+        before the reduce-scatter; None leaves non-finite values to ``inner``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with :class:`TwoLevelState`.
@@ -312,7 +336,9 @@ def two_level(
     """
     if node_axis == local_axis:
         raise ValueError(f"two_level: node_axis and local_axis must differ, got {node_axis!r}")
-    cfg = _Config(node_axis, local_axis, row_length or (lambda shape: 1))
+    if nonfinite is not None:
+        nonfinite = V.check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+    cfg = _Config(node_axis, local_axis, row_length or (lambda shape: 1), nonfinite)
     inner = optax.with_extra_args_support(inner)
 
     def update(updates, state, params=None, **extra):
@@ -355,8 +381,10 @@ def accepts_two_level_axis(
             node_axis, local_axis = axis_name
             bound.arguments["axis_name"] = node_axis
             inner = factory(*bound.args, **bound.kwargs)
+            bound.apply_defaults()
             rows = None if row_length is None else row_length(bound.arguments)
-            return two_level(inner, node_axis, local_axis, row_length=rows)
+            nonfinite = bound.arguments.get("nonfinite")
+            return two_level(inner, node_axis, local_axis, row_length=rows, nonfinite=nonfinite)
 
         return wrapped
 
