@@ -65,6 +65,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomp._vma import check_not_in_local_branch
 from jaxcomp.comm import collectives
 
 __all__ = [
@@ -237,6 +238,9 @@ def _update(cfg: _Config, inner, updates, state: TwoLevelState, params, extra):
                 "backward-overlapped step each need their own two-level form)"
             )
     extra = {k: v for k, v in extra.items() if k not in ("include", "scatter", "jaxcomp_overlap")}
+    # Refused here, before the inner compressor's own check, whose remedy would
+    # name the node axis alone (a decision per node row still hangs the local exchange).
+    check_not_in_local_branch((cfg.node_axis, cfg.local_axis), "the two-level exchange")
     local = _local_size(cfg, "update")
     leaves, treedef = jax.tree.flatten(updates)
     plan = _plan(cfg, leaves, local)
