@@ -78,7 +78,7 @@ def shard_batch(batch, mesh: Mesh, axis_name="data"):
     return jax.tree.map(lambda x: _place(x, sharding), batch)
 
 
-def two_level_mesh(local: int | None = None, axis_names=("node", "local")) -> Mesh:
+def two_level_mesh(local: int | None = None, axis_names=("node", "local"), devices=None) -> Mesh:
     """The ``(nodes, local)`` mesh of the two-level exchange, one node per row of devices.
 
     The devices in process order (process index, then id): with several
@@ -89,11 +89,12 @@ def two_level_mesh(local: int | None = None, axis_names=("node", "local")) -> Me
 
     Args:
       local: devices per node (None: ``jax.local_device_count()``, one node per
-        process); must divide ``jax.device_count()``.
+        process); must divide the device count.
       axis_names: the (node, local) axis names.
+      devices: the devices to lay out (None: ``jax.devices()``).
 
     Returns:
-      A ``jax.sharding.Mesh`` of shape ``(jax.device_count() // local, local)``.
+      A ``jax.sharding.Mesh`` of shape ``(len(devices) // local, local)``.
 
     Raises:
       ValueError: when ``local`` is not a positive divisor of the device count.
@@ -105,7 +106,8 @@ def two_level_mesh(local: int | None = None, axis_names=("node", "local")) -> Me
       >>> dict(mesh.shape) == {"node": jax.device_count(), "local": 1}
       True
     """
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = jax.devices() if devices is None else list(devices)
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     local = jax.local_device_count() if local is None else local
     if isinstance(local, bool) or not isinstance(local, int | np.integer) or local < 1:
         raise ValueError(f"two_level_mesh: local must be a positive int, got {local!r}")

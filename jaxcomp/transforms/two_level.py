@@ -342,7 +342,7 @@ def accepts_two_level_axis(
       ...     return optax.scale(factor)
       >>> tx = scaled(2.0, axis_name=("node", "local"))  # scale(2.0) on each shard
       >>> type(scaled(2.0, axis_name="data")).__name__
-      'GradientTransformationExtraArgs'
+      'GradientTransformation'
     """
 
     def decorate(factory: Callable) -> Callable:
