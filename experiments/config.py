@@ -48,12 +48,15 @@ __all__ = [
     "QUANTIZERS",
     "SAMPLINGS",
     "SPARSIFIERS",
+    "TWO_LEVEL_AXES",
     "TrainConfig",
     "build_optimizer",
+    "data_axis",
     "invalid",
     "is_coded",
     "kwarg_name",
     "learning_rate",
+    "mesh_shape",
     "resolve_config",
     "validate_config",
     "validate_data",
@@ -61,6 +64,8 @@ __all__ = [
 ]
 
 AXIS = "data"
+# The mesh axes of a two-level run (``mesh="NODESxLOCAL"``): the slow axis first.
+TWO_LEVEL_AXES = ("node", "local")
 SPARSIFIERS = (
     "ldte_bs",
     "top_k",
@@ -176,6 +181,16 @@ class TrainConfig:
         ``MERGE_BETA``, 1 / 1.25e9 (10 GbE); only with ``merge`` ``"greedy"``
         or ``"optimal"``.
       num_devices: mesh size (None: every device).
+      mesh: ``"NODESxLOCAL"`` (e.g. ``"2x4"``): the two-level mesh
+        ``(nodes, local)`` over axes ``("node", "local")``, the compressor
+        given ``axis_name=("node", "local")`` (a dense reduce-scatter inside
+        each node, the compressor across nodes on the owned shard, an
+        all-gather back; :mod:`jaxcomp.transforms.two_level`); ``NODES *
+        LOCAL`` must be the device count, and with several processes
+        ``LOCAL`` each process's devices (one node per process). None (the
+        default): the flat 1-D mesh over ``"data"``. Data-parallel runs
+        only (not ``sampling="feature"``, CSSGD, ``merge``,
+        ``fit_check_epochs`` or ``coded_bytes_every``).
       dataset: ``digits``, ``synthetic``, ``cifar10``, ``cifar100``.
       data_dir: CIFAR directory or ``.tar.gz`` archive.
       download: download CIFAR when ``data_dir`` does not exist.
@@ -285,6 +300,7 @@ class TrainConfig:
     merge_alpha: float | None = None
     merge_beta: float | None = None
     num_devices: int | None = None
+    mesh: str | None = None
     dataset: str = "digits"
     data_dir: str | None = None
     download: bool = False
@@ -455,6 +471,57 @@ def validate_data(c: TrainConfig, num_train: int, shape, n: int | None) -> None:
         )
 
 
+def mesh_shape(config: TrainConfig) -> tuple[int, int] | None:
+    """``(nodes, local)`` of ``config.mesh`` (``"NODESxLOCAL"``), None for the flat mesh.
+
+    Raises:
+      ValueError: (``ConfigError``) a ``mesh`` not of that form.
+
+    Example:
+      >>> from experiments.config import TrainConfig, mesh_shape
+      >>> mesh_shape(TrainConfig(mesh="2x4")), mesh_shape(TrainConfig())
+      ((2, 4), None)
+    """
+    if config.mesh is None:
+        return None
+    parts = str(config.mesh).lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        invalid(
+            f"mesh (--mesh) must be NODESxLOCAL with positive ints (e.g. 2x4), got {config.mesh!r}"
+        )
+    return int(parts[0]), int(parts[1])
+
+
+def data_axis(config: TrainConfig):
+    """The axis name the batch is split over and the compressor exchanges over.
+
+    Example:
+      >>> from experiments.config import TrainConfig, data_axis
+      >>> data_axis(TrainConfig()), data_axis(TrainConfig(mesh="2x4"))
+      ('data', ('node', 'local'))
+    """
+    return AXIS if config.mesh is None else TWO_LEVEL_AXES
+
+
+def _validate_mesh(c: TrainConfig, n: int | None) -> None:
+    """A two-level ``mesh``: its form, its size, and the modes it works with."""
+    shape = mesh_shape(c)
+    if shape is None:
+        return
+    if n is not None and shape[0] * shape[1] != n:
+        invalid(f"mesh={c.mesh!r} (--mesh) has {shape[0] * shape[1]} devices, the run {n}")
+    others = {
+        "sampling='feature'": c.sampling == "feature",
+        f"exchange={c.exchange!r} (CSSGD)": is_coded(c),
+        "merge (profiled on the flat mesh)": c.merge not in (None, "none"),
+        "fit_check_epochs (reads whole residuals)": bool(c.fit_check_epochs),
+        "coded_bytes_every (reads whole messages)": c.coded_bytes_every is not None,
+    }
+    bad = [name for name, on in others.items() if on]
+    if bad:
+        invalid(f"mesh={c.mesh!r} (--mesh, the two-level exchange) does not work with {bad[0]}")
+
+
 @functools.lru_cache(maxsize=8)
 def _param_shapes(model: str, shape: tuple, num_classes: int, norm: str):
     """The model's parameters as ``jax.ShapeDtypeStruct`` (traced, not computed)."""
@@ -487,7 +554,21 @@ def _validate_optimizer(config: TrainConfig, num_train: int, shape, num_classes)
         # Built inside the trace too: factories make small constants (jnp
         # scalars), which outside a trace would start a JAX backend.
         tx, _ = build_optimizer(c, spe, spe * c.epochs)
-        return tx.init(params)
+        shape = mesh_shape(c)
+        if shape is None:
+            return tx.init(params)
+        # The two-level state is per device: init reads the local axis (an abstract mesh).
+        mesh = jax.sharding.AbstractMesh(shape, TWO_LEVEL_AXES)
+        spec = jax.sharding.PartitionSpec(TWO_LEVEL_AXES)
+        per_device = lambda p: jax.tree.map(lambda x: jnp.asarray(x)[None], tx.init(p))  # noqa: E731
+        mapped = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=jax.sharding.PartitionSpec(),
+            out_specs=spec,
+            check_vma=False,
+        )
+        return mapped(params)
 
     try:
         jax.eval_shape(init)
@@ -567,6 +648,7 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
             )
     _validate_sampling(c)
     n = c.num_devices or device_count
+    _validate_mesh(c, n)
     if n is not None and c.compressor in SPARSIFIERS and c.exchange is not None:
         # The exchange's own trace-time check, before anything is written.
         try:
@@ -878,7 +960,7 @@ def _build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int
         "kwargs": kwargs,
     }
     compressor = presets.build(
-        preset, AXIS, **_owned(c, lr, on_compressor, steps_per_epoch, groups)
+        preset, data_axis(c), **_owned(c, lr, on_compressor, steps_per_epoch, groups)
     )
     if c.compressor in COMPRESSED_OPTIMIZERS:
         return compressor, compressor
@@ -894,7 +976,7 @@ def _build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int
 # The factory arguments the experiment sets from its general fields (or
 # fixes), per kind of compressor; compressor_kwargs may not set them.
 OWNED_KWARGS = {
-    "axis_name": "the mesh (always 'data')",
+    "axis_name": "--mesh ('data', or ('node', 'local') for a two-level mesh)",
     "seed": "--seed",
     "momentum": "--momentum and --momentum_correction",
     "beta": "--momentum (signum's moving average)",

@@ -98,6 +98,11 @@ _HELP = {
         "bytes/s, 10 GbE; only with --merge greedy or optimal)."
     ),
     "num_devices": "Mesh size (simulated devices on CPU).",
+    "mesh": (
+        "NODESxLOCAL (e.g. 2x4): the two-level mesh, the compressor dense inside a node and "
+        "compressing across nodes (metrics: intra/inter_node_bytes_per_step_per_device); "
+        "default: the flat 1-D mesh."
+    ),
     "dataset": "digits | synthetic | cifar10 | cifar100.",
     "data_dir": "CIFAR directory or .tar.gz archive.",
     "download": "Download CIFAR if data_dir does not exist.",
@@ -462,9 +467,19 @@ def main(argv) -> None:
             name = f"{name} ({config.sampling} sampling)"
         print(
             f"{name}: test accuracy {100 * final['test_accuracy']:.2f}% after "
-            f"{final['epoch']} epochs, {final['bytes_per_step_per_device']:.0f} bytes/step/device, "
-            f"wall {final['wall_time']:.1f}s; outputs in {f.workdir}"
+            f"{final['epoch']} epochs, {final['bytes_per_step_per_device']:.0f} bytes/step/device"
+            f"{_link_bytes_text(final)}, wall {final['wall_time']:.1f}s; outputs in {f.workdir}"
         )
+
+
+def _link_bytes_text(record: dict) -> str:
+    """`` (intra-node X, inter-node Y)`` of a two-level run's record, else empty."""
+    if "intra_node_bytes_per_step_per_device" not in record:
+        return ""
+    return (
+        f" (intra-node {record['intra_node_bytes_per_step_per_device']:.0f}, "
+        f"inter-node {record['inter_node_bytes_per_step_per_device']:.0f})"
+    )
 
 
 if __name__ == "__main__":

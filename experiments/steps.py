@@ -36,7 +36,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from experiments import timing
-from experiments.config import AXIS, TrainConfig, learning_rate, resolve_config, with_weight_decay
+from experiments.config import (
+    AXIS,
+    TrainConfig,
+    data_axis,
+    learning_rate,
+    resolve_config,
+    with_weight_decay,
+)
 from jaxcomp import cssgd
 from jaxcomp import sampling as sampling_lib
 from jaxcomp.distributed.skeleton import device_slice, device_stack, shard_step
@@ -180,17 +187,29 @@ def _stateful_loss_fn(model):
     return loss_fn
 
 
-def data_parallel_mode(model, tx, mesh, init_params, init_model_state, num_params: int) -> Mode:
+# The step's bytes per link class with a two-level mesh (make_train_step's metrics).
+LINK_SUMS = ("intra_node_bytes", "inter_node_bytes")
+
+
+def data_parallel_mode(
+    model, tx, mesh, init_params, init_model_state, num_params: int, axis_name=AXIS
+) -> Mode:
     """Replicated parameters, sharded batch: :func:`jaxcomp.distributed.make_train_step`.
 
     ``message_bytes`` and ``density`` are read from the per-device optimizer
     state the step returns (means over the devices); ``wire_bytes`` is the
-    step's own metric.
+    step's own metric. With a two-level ``axis_name`` (``("node", "local")``)
+    each device compresses its shard of the node's mean gradient: its count
+    is scaled by the local axis size to give the density of that gradient,
+    and the step's ``intra_node_bytes`` and ``inter_node_bytes`` are summed
+    too (``*_per_step_per_device`` in the record).
     """
     stateful = bool(init_model_state)
+    two_level = isinstance(axis_name, tuple)
+    shard_scale = mesh.shape[axis_name[1]] if two_level else 1
     loss_fn = _stateful_loss_fn(model) if stateful else _loss_fn(model)
     make_step = functools.partial(
-        jaxcomp.distributed.make_train_step, loss_fn, tx, mesh, AXIS, mutable=stateful
+        jaxcomp.distributed.make_train_step, loss_fn, tx, mesh, axis_name, mutable=stateful
     )
     stats = jax.jit(
         lambda s: jax.tree.map(
@@ -198,7 +217,7 @@ def data_parallel_mode(model, tx, mesh, init_params, init_model_state, num_param
         )
     )
     params = jaxcomp.distributed.replicate(init_params, mesh)
-    carry = (params, jaxcomp.distributed.init_opt_state(tx, params, mesh, AXIS))
+    carry = (params, jaxcomp.distributed.init_opt_state(tx, params, mesh, axis_name))
     if stateful:
         carry = (*carry, jaxcomp.distributed.replicate(init_model_state, mesh))
 
@@ -217,7 +236,9 @@ def data_parallel_mode(model, tx, mesh, init_params, init_model_state, num_param
                 "loss": m["loss"],
                 "wire_bytes": m.get("wire_bytes", jnp.float32(0)),
                 "message_bytes": s["message_bytes"],
-                "density": s["density"],
+                # Quantizers' -1 (no density) stays -1.
+                "density": jnp.where(s["density"] >= 0, s["density"] * shard_scale, s["density"]),
+                **{k: m.get(k, jnp.float32(0)) for k in (LINK_SUMS if two_level else ())},
             }
             return (params, opt_state, *((model_state,) if stateful else ())), metrics
 
@@ -229,7 +250,7 @@ def data_parallel_mode(model, tx, mesh, init_params, init_model_state, num_param
     # The split's other two programs, compiled on the first epoch that reports it.
     timer = _lazy(
         lambda: jaxcomp.distributed.make_time_split(
-            loss_fn, tx, mesh, AXIS, mutable=stateful, train_step=compiled_step
+            loss_fn, tx, mesh, axis_name, mutable=stateful, train_step=compiled_step
         )
     )
 
@@ -238,13 +259,20 @@ def data_parallel_mode(model, tx, mesh, init_params, init_model_state, num_param
 
     return Mode(
         carry=carry,
-        place=lambda xb, yb: jaxcomp.distributed.shard_batch((xb, yb), mesh, AXIS),
+        place=lambda xb, yb: jaxcomp.distributed.shard_batch((xb, yb), mesh, axis_name),
         compile=compile,
         time_split=time_split,
         host_params=host_tree,
         compressed=init_params,
-        batch_devices=mesh.shape[AXIS],
+        batch_devices=mesh.devices.size,
+        sums=(*STEP_SUMS, *LINK_SUMS) if two_level else STEP_SUMS,
+        record=_link_record if two_level else Mode.record,
     )
+
+
+def _link_record(opt_state, sums, steps) -> dict:
+    """A two-level run's bytes per link class, per step and device."""
+    return {f"{k}_per_step_per_device": sums[k] / steps for k in LINK_SUMS}
 
 
 def _model_state(carry):
@@ -581,7 +609,7 @@ def make_mode(config: TrainConfig, model, tx, mesh, variables, steps_per_epoch: 
       config: the resolved configuration.
       model: the Flax model.
       tx: the optimizer (:func:`experiments.config.build_optimizer`).
-      mesh: the 1-D mesh over ``AXIS``.
+      mesh: the 1-D mesh over ``AXIS`` (two-level with ``config.mesh``).
       variables: the model's initial variables (``params`` and, with
         BatchNorm, its running averages).
       steps_per_epoch: steps per epoch (the feature slices' schedule).
@@ -595,4 +623,6 @@ def make_mode(config: TrainConfig, model, tx, mesh, variables, steps_per_epoch: 
     # updated by every step, used to evaluate, checkpointed.
     model_state = {k: v for k, v in variables.items() if k != "params"}
     num_params = sum(int(np.size(x)) for x in jax.tree.leaves(init_params))
-    return data_parallel_mode(model, tx, mesh, init_params, model_state, num_params)
+    return data_parallel_mode(
+        model, tx, mesh, init_params, model_state, num_params, data_axis(config)
+    )

@@ -65,6 +65,12 @@ the mean, over the epoch's measured steps, of the Elias-coded size of
 device 0's message, ``jaxcomp.coding.coded_message_bytes``, beside the
 fixed-width ``message_bytes``; -1 when not measured),
 ``step_time`` (median seconds of the epoch's steps, host work included),
+with a two-level ``mesh`` (``"NODESxLOCAL"``) also
+``intra_node_bytes_per_step_per_device`` and
+``inter_node_bytes_per_step_per_device`` (the two-level exchange's bytes
+over each link class; their sum is its part of ``bytes_per_step_per_device``;
+``density`` is then the fraction of the node-mean gradient sent, each
+device's count over its shard times ``LOCAL``),
 and the time split of a step (``time_split``; seconds, -1 when off),
 measured after each epoch on its last batch and the current state, as
 medians of 5 calls on fresh copies of the donated state:
@@ -134,12 +140,15 @@ from experiments.config import (
     QUANTIZERS,
     SAMPLINGS,
     SPARSIFIERS,
+    TWO_LEVEL_AXES,
     ConfigError,
     TrainConfig,
     build_optimizer,
+    data_axis,
     invalid,
     is_coded,
     learning_rate,
+    mesh_shape,
     resolve_config,
     validate_config,
     validate_data,
@@ -405,6 +414,16 @@ def _write_plots(run: _Run, workdir: str) -> None:
         )
 
 
+def _mesh(c: TrainConfig, n_dev: int):
+    """The run's mesh: flat over ``AXIS``, or two-level ``(nodes, local)`` with ``mesh``."""
+    shape = mesh_shape(c)
+    if shape is None:
+        return jax.make_mesh((n_dev,), (AXIS,), devices=jax.devices()[:n_dev])
+    return jaxcomp.distributed.two_level_mesh(
+        shape[1], TWO_LEVEL_AXES, devices=jax.devices()[:n_dev]
+    )
+
+
 def train_and_evaluate(
     config: TrainConfig,
     workdir: str,
@@ -451,8 +470,8 @@ def train_and_evaluate(
     c, n_dev, dataset = _prepare(config, workdir, overwrite)
     spe = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
     spe = min(spe, c.max_steps_per_epoch or spe)
-    mesh = jax.make_mesh((n_dev,), (AXIS,), devices=jax.devices()[:n_dev])
-    model = models.make_model(c.model, dataset.num_classes, norm=c.norm, axis_name=AXIS)
+    mesh = _mesh(c, n_dev)
+    model = models.make_model(c.model, dataset.num_classes, norm=c.norm, axis_name=data_axis(c))
     variables = model.init(jax.random.key(c.seed), dataset.train_x[:1])
     num_params = sum(int(np.size(x)) for x in jax.tree.leaves(variables["params"]))
     groups = merge_plan = None

@@ -18,7 +18,6 @@ WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 TIMEOUT_S = 180
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 2
-TOTAL = NUM_PROCESSES * LOCAL_DEVICES
 
 
 def free_port() -> int:
@@ -59,12 +58,14 @@ def wait_all(procs):
                 p.wait()
 
 
-def test_two_processes_match_one_process(tmp_path):
+def run_processes(tmp_path, local_devices=LOCAL_DEVICES, extra=()):
+    """The workers' results: ``([one per process], the single process's)``."""
+    total = NUM_PROCESSES * local_devices
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
     outs = [tmp_path / f"proc{i}.npz" for i in range(NUM_PROCESSES)]
     single_out = tmp_path / "single.npz"
-    common = ["--total_devices", str(TOTAL)]
+    common = ["--total_devices", str(total), *extra]
     try:
         for i in range(NUM_PROCESSES):
             procs.append(
@@ -75,21 +76,42 @@ def test_two_processes_match_one_process(tmp_path):
                         f"--coordinator={coordinator}",
                         f"--num_processes={NUM_PROCESSES}",
                         f"--process_id={i}",
-                        f"--local_devices={LOCAL_DEVICES}",
+                        f"--local_devices={local_devices}",
                         *common,
                     ],
                     worker_env(),
                 )
             )
-        procs.append(launch(["--mode=single", f"--out={single_out}", *common], worker_env(TOTAL)))
+        procs.append(launch(["--mode=single", f"--out={single_out}", *common], worker_env(total)))
     finally:
         wait_all(procs)  # bounded by TIMEOUT_S each; kills whatever is left
+    return [np.load(o) for o in outs], np.load(single_out)
 
-    results = [np.load(o) for o in outs]
-    single = np.load(single_out)
+
+def test_two_processes_match_one_process(tmp_path):
+    results, single = run_processes(tmp_path)
     for key in ("w", "b"):
         np.testing.assert_array_equal(results[0][key], results[1][key])  # identical replicas
         np.testing.assert_allclose(results[0][key], single[key], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(results[0]["losses"], single["losses"], rtol=1e-5)
     assert results[0]["losses"][-1] < results[0]["losses"][0]  # it trained
     assert np.any(results[0]["w"] != 0)
+
+
+def test_two_level_with_one_node_per_process_matches_one_process(tmp_path):
+    """2 processes x 4 devices as the ("node", "local") mesh: node = process, top_k two-level."""
+    local = 4
+    results, single = run_processes(tmp_path, local, ["--two_level_local", str(local)])
+    for key in ("w", "b"):
+        np.testing.assert_array_equal(results[0][key], results[1][key])  # identical replicas
+        np.testing.assert_allclose(results[0][key], single[key], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results[0]["losses"], single["losses"], rtol=1e-5)
+    assert results[0]["losses"][-1] < results[0]["losses"][0]  # it trained
+    # Bytes: intra 2 (L - 1) / L of the padded leaves (w: 64 -> 16 per shard, b: 1 -> 1);
+    # inter the sparse all-gather to the other node of min(n, ceil(1.5 k)) pairs per shard.
+    padded = 4 * (64 + 4)
+    pairs = 3 + 1  # w's shard of 16: k = 2, capacity 3; b's shard of 1: 1
+    want = [2 * (local - 1) / local * padded, 8 * pairs, 0.0]
+    want[2] = want[0] + want[1]
+    np.testing.assert_allclose(results[0]["link_bytes"], [want] * len(results[0]["losses"]))
+    np.testing.assert_allclose(single["link_bytes"], results[0]["link_bytes"])

@@ -1227,3 +1227,72 @@ def test_flat_records_map_into_compressor_kwargs(flat, compressor, kwargs):
     assert workdir_lib.config_differences(old, record) == []
     changed = {**old, next(k for k in flat if k != "compressor"): 3}
     assert workdir_lib.config_differences(changed, record) != []
+
+
+def test_two_level_mesh_run_records_link_bytes_and_resumes(tmp_path):
+    """--mesh=2x4: the ("node", "local") mesh, its bytes per link class, a resumable workdir."""
+    from experiments import cli, main  # noqa: PLC0415
+
+    argv = ["main", "--mesh=2x4", "--compressor=top_k", "--ratio=0.1", "--num_devices=8"]
+    config = main.config_from_flags(cli.parse(main.define_flags, argv))
+    assert config.mesh == "2x4" and train.data_axis(config) == ("node", "local")
+    config = dataclasses.replace(
+        TINY,
+        mesh=config.mesh,
+        compressor=config.compressor,
+        compressor_kwargs=config.compressor_kwargs,
+        num_devices=8,
+        epochs=2,
+        checkpoint=True,
+        time_split=False,
+    )
+    first = train.train_and_evaluate(config, str(tmp_path), stop_after_epoch=1)
+    resumed = train.train_and_evaluate(config, str(tmp_path))
+    assert [r["epoch"] for r in resumed["records"]] == [1, 2]
+    assert resumed["records"][0] == first["records"][0]
+    record = resumed["records"][-1]
+    # Intra-node: reduce-scatter and all-gather, 2 (L - 1) / L of each leaf padded to L rows.
+    sizes = [np.size(x) for x in jax.tree.leaves(resumed["params"])]
+    padded = 4 * sum(-(-n // 4) * 4 for n in sizes)
+    assert record["intra_node_bytes_per_step_per_device"] == pytest.approx(2 * 3 / 4 * padded)
+    assert 0 < record["inter_node_bytes_per_step_per_device"] < padded
+    assert record["bytes_per_step_per_device"] == pytest.approx(
+        record["intra_node_bytes_per_step_per_device"]
+        + record["inter_node_bytes_per_step_per_device"]
+    )
+    # Density of the node-mean gradient: each device's shard count times L.
+    assert 0.1 <= record["density"] < 0.12
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert "inter_node_bytes_per_step_per_device" in json.loads(lines[-1])
+
+
+def test_config_json_without_mesh_resumes_as_the_flat_mesh(tmp_path):
+    config = dataclasses.replace(TINY, epochs=2, checkpoint=True, time_split=False)
+    first = train.train_and_evaluate(config, str(tmp_path), stop_after_epoch=1)
+    path = tmp_path / train.CONFIG_FILE
+    stored = json.loads(path.read_text())
+    del stored["config"]["mesh"]  # written before the field existed
+    path.write_text(json.dumps(stored))
+    resumed = train.train_and_evaluate(config, str(tmp_path))
+    assert [r["epoch"] for r in resumed["records"]] == [1, 2]
+    assert resumed["records"][0] == first["records"][0]
+    assert "intra_node_bytes_per_step_per_device" not in resumed["records"][-1]
+    # The two-level mesh is another run.
+    two_level = dataclasses.replace(config, mesh="1x2", epochs=3)
+    with pytest.raises(train.WorkdirError, match="mesh=None there, '1x2' now"):
+        train.train_and_evaluate(two_level, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"mesh": "2by4"}, "NODESxLOCAL"),
+        ({"mesh": "3x3"}, "has 9 devices, the run 8"),
+        ({"mesh": "2x4", "sampling": "feature"}, "sampling='feature'"),
+        ({"mesh": "2x4", "exchange": "coded", "redundancy": 2}, "CSSGD"),
+    ],
+)
+def test_bad_two_level_mesh_is_an_invalid_config(overrides, message):
+    config = dataclasses.replace(TINY, num_devices=8, **overrides)
+    with pytest.raises(train.ConfigError, match=message):
+        train.validate_config(config, 8)

@@ -57,6 +57,7 @@ from jaxcomp.distributed.placement import (
     place_params,
     replicate,
     shard_batch,
+    two_level_mesh,
 )
 from jaxcomp.distributed.pmap import (
     make_pmap_train_step,
@@ -103,5 +104,6 @@ __all__ = [
     "split_step_time",
     "stack_for_pmap",
     "time_split",
+    "two_level_mesh",
     "unexchanged_leaves",
 ]

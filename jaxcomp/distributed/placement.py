@@ -26,6 +26,7 @@ __all__ = [
     "place_params",
     "replicate",
     "shard_batch",
+    "two_level_mesh",
 ]
 
 
@@ -75,6 +76,49 @@ def shard_batch(batch, mesh: Mesh, axis_name="data"):
     """
     sharding = NamedSharding(mesh, P(axis_name))
     return jax.tree.map(lambda x: _place(x, sharding), batch)
+
+
+def two_level_mesh(local: int | None = None, axis_names=("node", "local"), devices=None) -> Mesh:
+    """The ``(nodes, local)`` mesh of the two-level exchange, one node per row of devices.
+
+    The devices in process order (process index, then id): with several
+    processes and the default ``local`` each process's devices form one node
+    row, so the ``"local"`` axis stays inside a process (its fast links) and
+    the ``"node"`` axis crosses processes. Give the compressor and
+    :func:`~jaxcomp.distributed.make_train_step` ``axis_name=axis_names``.
+
+    Args:
+      local: devices per node (None: ``jax.local_device_count()``, one node per
+        process); must divide the device count.
+      axis_names: the (node, local) axis names.
+      devices: the devices to lay out (None: ``jax.devices()``).
+
+    Returns:
+      A ``jax.sharding.Mesh`` of shape ``(len(devices) // local, local)``.
+
+    Raises:
+      ValueError: when ``local`` is not a positive divisor of the device count.
+
+    Example:
+      >>> import jax
+      >>> from jaxcomp.distributed import two_level_mesh
+      >>> mesh = two_level_mesh(local=1)
+      >>> dict(mesh.shape) == {"node": jax.device_count(), "local": 1}
+      True
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    local = jax.local_device_count() if local is None else local
+    if isinstance(local, bool) or not isinstance(local, int | np.integer) or local < 1:
+        raise ValueError(f"two_level_mesh: local must be a positive int, got {local!r}")
+    if len(devices) % local:
+        raise ValueError(
+            f"two_level_mesh: local={local} does not divide the {len(devices)} devices"
+        )
+    if len(axis_names) != 2 or axis_names[0] == axis_names[1]:
+        raise ValueError(f"two_level_mesh: axis_names must be two names, got {axis_names!r}")
+    grid = np.array(devices, dtype=object).reshape(len(devices) // local, local)
+    return Mesh(grid, tuple(axis_names))
 
 
 class ParamLayout(NamedTuple):

@@ -75,7 +75,9 @@ __all__ = [
     "device_slice",
     "device_stack",
     "jit_step",
+    "link_bytes",
     "shard_step",
+    "wire_bytes_total",
 ]
 
 # The policies for update leaves tx does not average (make_train_step's ``unexchanged``).
@@ -412,8 +414,42 @@ def mean_leaves(grads, paths, axis_name, include=None):
 # --- compress and count ------------------------------------------------------------
 
 
+# The byte fields of a state: a compressor's ``wire_bytes``; a two-level
+# exchange's (TwoLevelState) intra-node bytes beside its inner compressor's
+# ``wire_bytes`` (its ``inter_node_bytes`` repeats those: never added to the total).
+WIRE_FIELDS = ("wire_bytes", "intra_node_bytes")
+LINK_FIELDS = ("intra_node_bytes", "inter_node_bytes")
+
+
+def _fields_total(state, fields, inner_run_bytes=None):
+    """Sum of the fields named ``fields`` in ``state``, or None (:func:`wire_bytes_total`)."""
+    is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+    total, found = jnp.float32(0), False
+    for node in jax.tree.leaves(state, is_leaf=is_multi):
+        if is_multi(node):
+            inner = _fields_total(node.inner_opt_state, fields)
+            if inner_run_bytes is not None:
+                inner = jnp.float32(inner_run_bytes)
+            if inner is not None:
+                skip = node.skip_state
+                skipped = skip.get("should_skip") if isinstance(skip, dict) else None
+                ran = True if skipped is None else ~jnp.ravel(skipped)[0]
+                total, found = total + jnp.where(ran, inner, 0), True
+    rest = jax.tree.map(lambda x: None if is_multi(x) else x, state, is_leaf=is_multi)
+    # Each field is a scalar, or one per model shard (stacked): summed over them.
+    for field in fields:
+        for _, v in optax.tree.get_all_with_path(rest, field):
+            total, found = total + jnp.sum(jnp.asarray(v, jnp.float32)), True
+    return total if found else None
+
+
 def wire_bytes_total(state, inner_run_bytes=None):
-    """Sum of every ``wire_bytes`` field in ``state`` (a chain may hold several), or None.
+    """Bytes sent this step: every ``wire_bytes`` field in ``state`` (a chain may hold several).
+
+    A two-level exchange (:class:`~jaxcomp.transforms.two_level.TwoLevelState`)
+    adds its ``intra_node_bytes`` to its compressor's ``wire_bytes`` (the
+    inter-node bytes): its ``inter_node_bytes`` repeats those and is not
+    added again. None when nothing in ``state`` reports bytes.
 
     Under ``optax.MultiSteps`` (optax 0.2.x) the inner transformation runs,
     its exchange included, on every mini-step that is not skipped (on the
@@ -424,43 +460,64 @@ def wire_bytes_total(state, inner_run_bytes=None):
     :func:`inner_run_wire_bytes`), else the inner state's ``wire_bytes``
     (jaxcomp's exchanges send the same bytes on every run, so that is this
     run's, bar the mini-steps before the first kept run, which read 0).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.distributed.skeleton import wire_bytes_total
+      >>> from jaxcomp.transforms.two_level import TwoLevelState
+      >>> inner = {"wire_bytes": jnp.float32(12.0)}
+      >>> float(wire_bytes_total(TwoLevelState(inner, jnp.float32(42.0), jnp.float32(12.0))))
+      54.0
     """
-    is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
-    total, found = jnp.float32(0), False
-    for node in jax.tree.leaves(state, is_leaf=is_multi):
-        if is_multi(node):
-            inner = wire_bytes_total(node.inner_opt_state)
-            if inner_run_bytes is not None:
-                inner = jnp.float32(inner_run_bytes)
-            if inner is not None:
-                skip = node.skip_state
-                skipped = skip.get("should_skip") if isinstance(skip, dict) else None
-                ran = True if skipped is None else ~jnp.ravel(skipped)[0]
-                total, found = total + jnp.where(ran, inner, 0), True
-    rest = jax.tree.map(lambda x: None if is_multi(x) else x, state, is_leaf=is_multi)
-    # Each field is a scalar, or one per model shard (stacked): summed over them.
-    for _, v in optax.tree.get_all_with_path(rest, "wire_bytes"):
-        total, found = total + jnp.sum(jnp.asarray(v, jnp.float32)), True
-    return total if found else None
+    return _fields_total(state, WIRE_FIELDS, inner_run_bytes)
 
 
-def inner_run_wire_bytes(tx, grads, state, params, extra):
+def link_bytes(state, inner_run_bytes=None):
+    """``(intra_node_bytes, inter_node_bytes)`` sent this step (None: no two-level exchange).
+
+    The sums of those fields of every
+    :class:`~jaxcomp.transforms.two_level.TwoLevelState` in ``state`` (a
+    compressor given ``axis_name=(node, local)``); their sum is its part of
+    :func:`wire_bytes_total`. ``inner_run_bytes``: under ``optax.MultiSteps``
+    one inner run's pair (:func:`inner_run_wire_bytes` with
+    ``count=link_bytes``), counted on every mini-step that ran it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.distributed.skeleton import link_bytes
+      >>> from jaxcomp.transforms.two_level import TwoLevelState
+      >>> state = (TwoLevelState({"wire_bytes": 12.0}, jnp.float32(42.0), jnp.float32(12.0)),)
+      >>> [float(b) for b in link_bytes(state)], link_bytes({"wire_bytes": 12.0})
+      ([42.0, 12.0], None)
+    """
+    if _fields_total(state, LINK_FIELDS[:1]) is None:
+        return None
+    runs = (None, None) if inner_run_bytes is None else inner_run_bytes
+    return tuple(
+        _fields_total(state, (field,), run) for field, run in zip(LINK_FIELDS, runs, strict=True)
+    )
+
+
+def inner_run_wire_bytes(tx, grads, state, params, extra, count=None):
     """Bytes one run of ``optax.MultiSteps``' inner update sends, if they are a constant.
 
     optax keeps the inner state of the last mini-step only, so the bytes of
     the other mini-steps' runs are never stored. jaxcomp's exchanges compute
     their bytes from shapes and the device count: in the inner update's
     jaxpr (traced, nothing run) the bytes are then a function of literals
-    alone, evaluated here. None when ``tx`` is not ``optax.MultiSteps`` or the
-    bytes depend on data (the caller falls back to the stored count).
+    alone, evaluated here. ``count``: the inner state to its bytes, a scalar
+    or a tuple of them (default :func:`wire_bytes_total`; :func:`link_bytes`
+    for the two-level pair). None when ``tx`` is not ``optax.MultiSteps`` or
+    the bytes depend on data (the caller falls back to the stored count).
     """
     multi = getattr(tx.update, "__self__", tx)
     if not isinstance(multi, optax.MultiSteps) or not isinstance(state, optax.MultiStepsState):
         return None
     inner = optax.with_extra_args_support(multi.inner_opt)
+    count = wire_bytes_total if count is None else count
 
     def wire(g, s, p, e):
-        total = wire_bytes_total(inner.update(g, s, p, **e)[1])
+        total = count(inner.update(g, s, p, **e)[1])
         return jnp.float32(0) if total is None else total
 
     try:
@@ -470,15 +527,14 @@ def inner_run_wire_bytes(tx, grads, state, params, extra):
         return None
 
 
-def _constant_output(closed) -> float | None:
-    """The value of a one-output jaxpr's output if it depends on no input and no effect."""
+def _constant_output(closed):
+    """The value of a jaxpr's output (a float; a tuple of them for several) if it
+    depends on no input and no effect, else None."""
     literal = jax.extend.core.Literal
     jaxpr = closed.jaxpr
-    (out,) = jaxpr.outvars
-    if isinstance(out, literal):
-        return float(out.val)
+    outs = list(jaxpr.outvars)
     inputs = set(jaxpr.invars)
-    needed, cone = {out}, []
+    needed, cone = {v for v in outs if not isinstance(v, literal)}, []
     for eqn in reversed(jaxpr.eqns):
         if not any(v in needed for v in eqn.outvars):
             continue
@@ -486,6 +542,8 @@ def _constant_output(closed) -> float | None:
             return None
         cone.append(eqn)
         needed.update(v for v in eqn.invars if not isinstance(v, literal))
+    if needed & inputs:
+        return None  # an output is an input itself
     env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     if any(isinstance(env.get(v), jax.core.Tracer) for v in needed):
         return None  # closed over the step's own values: not a constant
@@ -493,10 +551,11 @@ def _constant_output(closed) -> float | None:
     with jax.ensure_compile_time_eval():
         for eqn in reversed(cone):
             args = [v.val if isinstance(v, literal) else env[v] for v in eqn.invars]
-            outs = eqn.primitive.bind(*args, **eqn.params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-            env.update(zip(eqn.outvars, outs, strict=True))
-    return float(env[out])
+            results = eqn.primitive.bind(*args, **eqn.params)
+            results = results if eqn.primitive.multiple_results else [results]
+            env.update(zip(eqn.outvars, results, strict=True))
+    values = tuple(float(v.val if isinstance(v, literal) else env[v]) for v in outs)
+    return values[0] if len(values) == 1 else values
 
 
 def compress(tx, grads, state, params, extra, axis_name, who: str, *, update=None, probe=True):

@@ -44,6 +44,17 @@ proportion to their sizes: each of ``M`` equal shards sends ``ceil(ratio * n
 same shard. With a model axis of size 1 this is the 1-D step. Place the
 parameters with :func:`~jaxcomp.distributed.place_params` and the state with
 :func:`init_opt_state` (both given the same ``param_specs``).
+
+**Two-level mesh** (``axis_name=("node", "local")`` on ``jax.make_mesh((nodes,
+L), ("node", "local"))``, or :func:`~jaxcomp.distributed.two_level_mesh` with
+several processes): the batch and the per-device state are split over both
+axes (``N = nodes * L`` rows), and a compressor given the same ``axis_name``
+runs the two-level exchange (:mod:`jaxcomp.transforms.two_level`: a dense
+reduce-scatter inside the node, the compressor on the owned shard across
+nodes, an all-gather back). ``metrics`` then report ``intra_node_bytes`` and
+``inter_node_bytes`` beside ``wire_bytes`` (:func:`~jaxcomp.distributed.skeleton.link_bytes`).
+Un-exchanged leaves and a dense optimizer are averaged over all ``N``
+devices. Not with ``overlap=True``.
 """
 
 from __future__ import annotations
@@ -82,13 +93,16 @@ from jaxcomp.distributed.skeleton import (
     compress,
     device_slice,
     device_stack,
+    inner_run_wire_bytes,
     jit_step,
+    link_bytes,
     mean_leaves,
     shard_step,
     unexchanged_paths,
     wire_bytes_total,
 )
 from jaxcomp.transforms import overlap as overlap_lib
+from jaxcomp.transforms.two_level import is_two_level
 
 __all__ = [
     "init_opt_state",
@@ -112,7 +126,9 @@ def init_opt_state(
       tx: the optimizer (compressor chained with an optax optimizer).
       params: the parameters (placed replicated with :func:`replicate` if not).
       mesh: the device mesh.
-      axis_name: the data-parallel axis.
+      axis_name: the data-parallel axis, or a tuple of axes (``("node",
+        "local")`` for the two-level exchange): leaves then get shape ``(N,
+        ...)`` for the ``N = nodes * L`` devices, sharded over both.
       param_specs: with model axes in ``mesh`` (every axis but ``axis_name``),
         how each parameter is sharded over them (:func:`place_params`; None:
         replicated). Each model shard then holds the state of its own slices:
@@ -195,7 +211,11 @@ def make_train_step(
         ``rng=`` (this device's key).
       tx: the optimizer (a compressor chained with an optax optimizer).
       mesh: the device mesh.
-      axis_name: mesh axis the batch is split over.
+      axis_name: mesh axis the batch is split over, or a tuple of axes
+        (``("node", "local")`` on ``jax.make_mesh((nodes, L), ("node",
+        "local"))``: the batch and the per-device state are split over both,
+        the dense mean is over all devices; give the compressor the same
+        ``axis_name`` for the two-level exchange, see the module docstring).
       has_aux: whether ``loss_fn`` returns auxiliary outputs (returned per
         device in ``metrics["aux"]`` with a leading device axis).
       mutable: whether the model has mutable collections (Flax
@@ -245,6 +265,11 @@ def make_train_step(
       (mean over devices) and ``wire_bytes`` (bytes one device put on the
       wire this step, mean over devices: the sum of every ``wire_bytes``
       field in the state plus the dense all-reduce of un-exchanged leaves).
+      With a compressor given ``axis_name=(node, local)`` (the two-level
+      exchange, :mod:`jaxcomp.transforms.two_level`) also
+      ``intra_node_bytes`` and ``inter_node_bytes``, the bytes it sent over
+      each link class (mean over devices; ``wire_bytes`` includes both, and
+      the dense all-reduce of un-exchanged leaves besides).
 
     Raises:
       ValueError: for a bad ``unexchanged``; with ``unexchanged="error"``,
@@ -321,6 +346,11 @@ def _step_config(loss_fn, tx, mesh, axis_name, *, overlap, param_specs, **option
         return lambda params, *args, **kw: vg(to_varying(params, axis_name), *args, **kw)
 
     model_axes = tuple(a for a in mesh.axis_names if a not in axis_name_tuple(axis_name))
+    if overlap and is_two_level(axis_name):
+        raise ValueError(
+            f"make_train_step(overlap=True) does not support the two-level exchange "
+            f"(axis_name={axis_name!r}): compress after the backward pass (overlap=False)"
+        )
     if overlap and (model_axes or fsdp_specs(param_specs, axis_name)):
         raise ValueError(
             "make_train_step(overlap=True) works with replicated parameters on a mesh with the "
@@ -438,6 +468,7 @@ def _per_device_step(
             cfg.loss_fn, params, state, extra, batch, has_aux=cfg.returns_aux, **kwargs
         )
         dense_wire, wire = jnp.float32(0), wire_bytes_total(state)
+        links = None
     else:
         # FSDP leaves: this device holds a slice; the forward and the
         # compressor see the whole parameter (gathered), the update keeps
@@ -447,7 +478,8 @@ def _per_device_step(
         grads, dense_wire = mean_leaves(grads, dense_paths, axis_name, include)
         # With model axes tx runs once per model shard: compress's probes
         # (the branch check, optax.MultiSteps' bytes) see whole leaves only.
-        updates, state, wire = compress(
+        probe = not layout.model_axes
+        updates, new_state, wire = compress(
             tx,
             grads,
             state,
@@ -456,8 +488,10 @@ def _per_device_step(
             axis_name,
             "make_train_step",
             update=sharded_update(tx, layout),
-            probe=not layout.model_axes,
+            probe=probe,
         )
+        links = _link_bytes(tx, grads, state, new_state, full, extra, probe)
+        state = new_state
         updates = own_slices(updates, params, layout, axis_name)
         dense_wire = dense_wire + gather_wire
     params = optax.apply_updates(params, updates)
@@ -469,8 +503,24 @@ def _per_device_step(
     wire = _step_wire_bytes(cfg, wire, dense_wire, dense_paths, layout)
     if wire is not None:
         metrics["wire_bytes"] = lax.pmean(wire, axis_name)
+    if links is not None:
+        # Summed over the model shards' stacked statistics, as wire_bytes.
+        for name, value in zip(("intra_node_bytes", "inter_node_bytes"), links, strict=True):
+            metrics[name] = lax.pmean(value / cfg.n_model_devices, axis_name)
     aux_out = device_stack(aux) if cfg.has_aux else None
     return params, device_stack(state), model_state, metrics, aux_out
+
+
+def _link_bytes(tx, grads, state, new_state, params, extra, probe):
+    """``(intra, inter)`` node bytes of a two-level exchange in ``tx``, or None.
+
+    Under ``optax.MultiSteps`` one inner run's pair, traced from the state
+    before the update (``probe``: as :func:`compress`'s count).
+    """
+    if link_bytes(new_state) is None:
+        return None
+    run = inner_run_wire_bytes(tx, grads, state, params, extra, count=link_bytes) if probe else None
+    return link_bytes(new_state, run)
 
 
 def _step_wire_bytes(cfg: _StepConfig, wire, dense_wire, dense_paths, layout):

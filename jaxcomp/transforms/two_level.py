@@ -77,6 +77,7 @@ import optax
 from jax import lax
 
 from jaxcomp import _validation as V
+from jaxcomp._vma import check_not_in_local_branch
 from jaxcomp.comm import collectives
 from jaxcomp.transforms.base import NONFINITE_POLICIES, apply_nonfinite_policy
 
@@ -255,6 +256,9 @@ def _update(cfg: _Config, inner, updates, state: TwoLevelState, params, extra):
                 "backward-overlapped step each need their own two-level form)"
             )
     extra = {k: v for k, v in extra.items() if k not in ("include", "scatter", "jaxcomp_overlap")}
+    # Refused here, before the inner compressor's own check, whose remedy would
+    # name the node axis alone (a decision per node row still hangs the local exchange).
+    check_not_in_local_branch((cfg.node_axis, cfg.local_axis), "the two-level exchange")
     local = _local_size(cfg, "update")
     finite = jnp.bool_(True)
     if cfg.nonfinite is not None:  # on this device, before its NaN reaches the node's values
@@ -366,7 +370,7 @@ def accepts_two_level_axis(
       ...     return optax.scale(factor)
       >>> tx = scaled(2.0, axis_name=("node", "local"))  # scale(2.0) on each shard
       >>> type(scaled(2.0, axis_name="data")).__name__
-      'GradientTransformationExtraArgs'
+      'GradientTransformation'
     """
 
     def decorate(factory: Callable) -> Callable:
