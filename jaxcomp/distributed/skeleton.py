@@ -466,7 +466,7 @@ def wire_bytes_total(state, inner_run_bytes=None):
       >>> from jaxcomp.distributed.skeleton import wire_bytes_total
       >>> from jaxcomp.transforms.two_level import TwoLevelState
       >>> inner = {"wire_bytes": jnp.float32(12.0)}
-      >>> float(wire_bytes_total(TwoLevelState(inner, jnp.float32(42.0), jnp.float32(12.0))))
+      >>> float(wire_bytes_total(TwoLevelState(inner, jnp.float32(42.0), jnp.float32(12.0), 0)))
       54.0
     """
     return _fields_total(state, WIRE_FIELDS, inner_run_bytes)
@@ -486,7 +486,7 @@ def link_bytes(state, inner_run_bytes=None):
       >>> import jax.numpy as jnp
       >>> from jaxcomp.distributed.skeleton import link_bytes
       >>> from jaxcomp.transforms.two_level import TwoLevelState
-      >>> state = (TwoLevelState({"wire_bytes": 12.0}, jnp.float32(42.0), jnp.float32(12.0)),)
+      >>> state = (TwoLevelState({"wire_bytes": 12.0}, jnp.float32(42.0), jnp.float32(12.0), 0),)
       >>> [float(b) for b in link_bytes(state)], link_bytes({"wire_bytes": 12.0})
       ([42.0, 12.0], None)
     """
