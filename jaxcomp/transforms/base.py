@@ -39,6 +39,7 @@ __all__ = [
     "apply_nonfinite_policy",
     "check_common_options",
     "resolve_residual_dtype",
+    "tree_all_finite",
 ]
 
 # Values of every compressor's ``nonfinite`` argument (see apply_nonfinite_policy).
@@ -160,12 +161,45 @@ def apply_nonfinite_policy(updates: Any, nonfinite: str):
       ([1.0, 0.0, 2.0], False, True)
     """
     grads = jax.tree.map(jnp.asarray, updates)
-    finite = jnp.all(jnp.stack([all_finite(g) for g in jax.tree.leaves(grads)] or [True]))
+    finite = tree_all_finite(grads)
     if nonfinite == "zero":
         grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0).astype(g.dtype), grads)
         return grads, finite, jnp.bool_(True)
     grads = jax.tree.map(lambda g: jnp.where(finite, g, 0).astype(g.dtype), grads)
     return grads, finite, finite
+
+
+def tree_all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every leaf is finite: one bool scalar for the whole tree.
+
+    The leaves' :func:`all_finite` sums (``sum(g - g)``: 0 when finite, NaN
+    otherwise) are stacked behind an ``optimization_barrier`` and reduced
+    once. Without the barrier XLA rewrites the combination (an ``and`` of
+    per-leaf flags, or a sum of the stacked sums) into a scalar chain as long
+    as the tree and copies it into every fusion that reads the flag: a
+    compressor that reads it a few times per leaf then compiled a number of
+    ops quadratic in the leaf count (40,000 ``is-finite`` for QSGD on 100
+    leaves).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.transforms.base import tree_all_finite
+      >>> bool(tree_all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.nan])}))
+      False
+      >>> bool(tree_all_finite({"a": jnp.ones(3), "b": jnp.zeros((0,))})), bool(tree_all_finite({}))
+      (True, True)
+    """
+    sums = [_finite_sum(g) for g in jax.tree.leaves(tree) if jnp.size(g)]
+    if not sums:
+        return jnp.bool_(True)
+    return jnp.isfinite(jnp.sum(jax.lax.optimization_barrier(jnp.stack(sums))))
+
+
+def _finite_sum(g: jax.Array) -> jax.Array:
+    """``sum(g - g)`` in float32 (float64 under x64 for float64 leaves): 0 or NaN."""
+    g = jnp.asarray(g)
+    dtype = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
+    return jnp.sum(g - g).astype(dtype)
 
 
 def all_finite(g: jax.Array) -> jax.Array:
