@@ -816,3 +816,79 @@ def test_apply_if_finite():
         for p in g:
             np.testing.assert_array_equal(u[p], want[p], err_msg=p)
     assert run.traces == 1
+
+
+# ---------------------------------------------------------------------------
+# The compressor's own exchanges over the node axis, and the Adams.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxcomp.top_k(0.25, exchange="gtopk", axis_name=AX),
+        lambda: jaxcomp.top_k(0.25, exchange="oktopk", axis_name=AX),
+        lambda: jaxcomp.top_k(0.25, exchange="dense", axis_name=AX),
+        lambda: jaxcomp.ef_sign_sgd(exchange="server", axis_name=AX),
+        lambda: jaxcomp.qsgd(4, error_feedback=True, exchange="allreduce", axis_name=AX),
+    ],
+    ids=["gtopk", "oktopk", "dense", "sign_server", "qsgd_allreduce"],
+)
+def test_node_axis_exchanges_lose_nothing(make):
+    """Every exchange runs over the node axis only: same update everywhere, nothing lost."""
+    nodes, local = 4, 2
+    run = Runner(make(), _mesh(nodes, local))
+    spec = {"w": ((40,), np.float32), "v": ((9, 3), np.float32)}
+    rng = np.random.default_rng(12)
+    state = run.init(_grads(rng, spec))
+    for t in range(2):
+        g = _grads(rng, spec)
+        upd, new = run(g, state)
+        _same_on_every_device(upd)
+        check_invariant(g, state.inner.residual, upd, new.inner.residual, nodes, local, None, t)
+        state = new
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+def test_adams_on_the_shards_match_their_flat_run_on_the_node_means(name):
+    """1-bit / 0/1 Adam two-level = the same optimizer on a flat mesh of `nodes` devices
+    fed each node's mean, shard by shard (its moments live on the shards)."""
+    nodes, local = 2, 4
+    make = {
+        "onebit_adam": lambda ax: jaxcomp.onebit_adam(0.01, freeze_step=2, axis_name=ax),
+        "zero_one_adam": lambda ax: jaxcomp.zero_one_adam(0.01, var_freeze_step=2, axis_name=ax),
+    }[name]
+    run = Runner(make(AX), _mesh(nodes, local))
+    spec = {"w": ((16,), np.float32)}  # 4 elements a shard, no padding
+    rng = np.random.default_rng(13)
+    grads = [_grads(rng, spec) for _ in range(4)]
+    state = run.init(grads[0])
+    flat_tx = make("node")
+    flat_mesh = jax.make_mesh((nodes,), ("node",), devices=jax.devices()[:nodes])
+
+    def flat_steps(gs):  # one shard column: per node the node mean of that shard
+        gs = [{"w": g[0]} for g in gs]
+        s = flat_tx.init(gs[0])
+        out = []
+        for g in gs:
+            u, s = flat_tx.update(g, s)
+            out.append(u["w"])
+        return out
+
+    flat = jax.jit(
+        jax.shard_map(
+            flat_steps, mesh=flat_mesh, in_specs=P("node"), out_specs=P(), check_vma=False
+        )
+    )
+    by_node = NamedSharding(flat_mesh, P("node"))
+    ups = []
+    for g in grads:
+        upd, state = run(g, state)
+        _same_on_every_device(upd)
+        ups.append(f32(upd["w"][0]))
+    means = [node_means(g["w"], nodes, local) for g in grads]  # (nodes, local, 4)
+    for l in range(local):  # noqa: E741
+        shard_in = [jax.device_put(jnp.asarray(m[:, l]), by_node) for m in means]
+        ref = flat(shard_in)
+        for t in range(len(grads)):
+            np.testing.assert_allclose(ups[t][4 * l : 4 * l + 4], f32(ref[t]), rtol=1e-5, atol=1e-6)
