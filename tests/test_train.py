@@ -1114,7 +1114,7 @@ def test_low_pass_reaches_the_sparsifier_and_is_checked(monkeypatch):
 
 @pytest.mark.parametrize(
     "compressor, exchange",
-    [("dense", "gtopk"), ("qsgd", "gtopk"), ("top_k", "allgather"), ("top_k", "nope")],
+    [("dense", "gtopk"), ("qsgd", "gtopk"), ("top_k", "majority"), ("top_k", "nope")],
 )
 def test_exchange_the_compressor_lacks_is_rejected(compressor, exchange):
     config = dataclasses.replace(TINY, compressor=compressor, exchange=exchange)

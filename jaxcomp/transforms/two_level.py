@@ -116,11 +116,11 @@ def is_two_level(axis_name: Any) -> bool:
       ValueError: for a tuple or list that is not two distinct axis names.
 
     Example:
-      >>> is_two_level(("node", "local")), is_two_level("data"), is_two_level(None)
+      >>> is_two_level(("node", "local")), is_two_level("data"), is_two_level(("data",))
       (True, False, False)
     """
-    if not isinstance(axis_name, tuple | list):
-        return False
+    if not isinstance(axis_name, tuple | list) or len(axis_name) == 1:
+        return False  # one name, or one name in a tuple (JAX's spelling of the same axis)
     if len(axis_name) != 2 or not all(isinstance(a, str) for a in axis_name):
         raise ValueError(
             "axis_name must be a mesh axis name, or two of them (node_axis, local_axis) for "
