@@ -527,6 +527,7 @@ def run(
     out = Path(outdir)
     meta = {
         **environment(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "device_count": jax.device_count(),
         "command": list(command),
         "steps": steps,
@@ -653,6 +654,22 @@ def _settings(fv: flags.FlagValues) -> dict:
     return values
 
 
+# XLA:CPU (jaxlib 0.10.2) deadlocks now and then executing the PowerSGD update on
+# ResNet-50's tree (161 leaves) under its concurrency-optimized scheduler: every thread
+# parked on a futex, 0% CPU, within the first ~10 steps (12 of 12 runs here; 80- and
+# 120-leaf subsets, rank 1, resnet20 did not). With the scheduler off, 0 of 5 runs hung.
+# Cause inside XLA not established (not jaxcomp: no params, chain, donation needed).
+# It must be in XLA_FLAGS before JAX starts: compile(compiler_options=...) did not help.
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _set_cpu_scheduler() -> None:
+    """Turns XLA:CPU's concurrency-optimized scheduler off unless ``XLA_FLAGS`` names it."""
+    flags_now = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags_now:
+        os.environ["XLA_FLAGS"] = f"{flags_now} {CPU_SCHEDULER_FLAG}".strip()
+
+
 def _set_devices(n: int) -> None:
     """At least ``n`` CPU devices, set before JAX starts (a device count already set stays)."""
     if n <= 1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
@@ -673,6 +690,7 @@ def main(argv: Sequence[str] | flags.FlagValues) -> None:
     """
     fv = cli.parse(define_flags, argv)
     settings = _settings(fv)
+    _set_cpu_scheduler()  # read when the backend starts: a no-op if JAX already runs
     _set_devices(max(settings["devices"]))
     record = run(**settings, command=cli.command(argv))
     print(format_table(record["rows"]))
