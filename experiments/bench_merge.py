@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from experiments import cli, jsonio  # noqa: E402
 from experiments.models import make_model  # noqa: E402
 from experiments.presets import build, spec  # noqa: E402
+from experiments.steps import classifier_loss  # noqa: E402
 from experiments.timing import environment, median_ms, median_ms_threaded  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 from jaxcomp import planning  # noqa: E402
@@ -106,15 +107,6 @@ def measure_exchange_cost(mesh, ratio: float, sizes=(2**12, 2**14, 2**16, 2**18)
     return planning.linear_cost(fit.alpha, fit.beta, 8 * 1.5 * ratio), (nbytes, seconds)
 
 
-def _loss_fn(model):
-    def loss_fn(params, batch):
-        x, y = batch
-        logits = model.apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    return loss_fn
-
-
 def run(
     ratio: float,
     per_device_batch: int,
@@ -133,7 +125,7 @@ def run(
     x = x.astype(np.float32)
     y = rng.integers(0, 10, per_device_batch * n_dev).astype(np.int32)
     params = model.init(jax.random.key(0), jnp.asarray(x[:1]))["params"]
-    loss_fn = _loss_fn(model)
+    loss_fn = classifier_loss(model)
     one_device = (jnp.asarray(x[:per_device_batch]), jnp.asarray(y[:per_device_batch]))
 
     t0 = time.perf_counter()

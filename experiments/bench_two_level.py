@@ -34,9 +34,7 @@ all-gather's, and at least 100x under the dense ring all-reduce's.
 What a user pays (2x4 against the flat 8-device mesh, top_k): compile time
 (first call minus a step) and median step time of the whole jitted, donated
 training step (``jaxcomp.distributed.make_train_step`` with ResNet-20's loss
-on a small batch; if the step refuses the two-level axis, a jitted
-``shard_map`` of grads + ``tx.update`` + ``optax.apply_updates`` with
-donation, recorded as ``step_kind``); the compile time of the two-level
+on a small batch); the compile time of the two-level
 wrapper alone on trees of 10 and 100 leaves of the same total size; and the
 collective equations in its jaxpr by primitive and axis (one reduce-scatter
 and one all-gather over ``"local"`` per dtype, whatever the leaf count).
@@ -77,6 +75,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp  # noqa: E402
 from experiments import cli, jsonio, models  # noqa: E402
+from experiments.steps import classifier_loss  # noqa: E402
 from experiments.timing import environment  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 
@@ -356,44 +355,6 @@ def _targets(rows: list[dict], tree: str) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def _loss_fn(model):
-    def loss(params, batch):
-        x, y = batch
-        logits = model.apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    return loss
-
-
-def _manual_step(loss, tx, mesh, axes, params, batch):
-    """jit(shard_map) of grads + ``tx.update`` + ``apply_updates``, params and state donated."""
-
-    def init(p):
-        return jax.tree.map(lambda x: jnp.asarray(x)[None], tx.init(p))
-
-    opt_state = jax.jit(
-        jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=P(axes), check_vma=False)
-    )(params)
-
-    def body(p, s, b):
-        s = jax.tree.map(lambda x: x[0], s)
-        value, grads = jax.value_and_grad(loss)(p, b)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), jax.tree.map(lambda x: x[None], s), value
-
-    step = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(P(), P(axes), P(axes)),
-            out_specs=(P(), P(axes), P(axes)),
-            check_vma=False,
-        ),
-        donate_argnums=(0, 1),
-    )
-    return step, (params, opt_state)
-
-
 def _time_step(step, state, batch, repeats: int) -> dict:
     """First call (trace + compile + one step) and the median of ``repeats`` donated steps."""
     t0 = time.perf_counter()
@@ -415,7 +376,7 @@ def _time_step(step, state, batch, repeats: int) -> dict:
 def _user_cost(small: bool, repeats: int) -> dict:
     """Flat (8 devices) vs two-level (2x4) top_k: the whole training step."""
     model = _resnet(small)
-    loss = _loss_fn(model)
+    loss = classifier_loss(model)
     per_device = 2 if small else 4
     rng = np.random.default_rng(1)
     x = rng.normal(size=(N_DEVICES * per_device, 32, 32, 3)).astype(np.float32)
@@ -426,27 +387,11 @@ def _user_cost(small: bool, repeats: int) -> dict:
         mesh = jax.make_mesh(shape, axes if isinstance(axes, tuple) else (axes,))
         tx = optax.chain(_compressor("top_k", axes), optax.sgd(0.1))
         batch = jax.device_put((x, y), NamedSharding(mesh, P(axes)))
-        try:
-            # "error": a leaf the compressor did not exchange would be averaged densely
-            # before it, and the step would no longer be the two-level exchange alone.
-            step = dist.make_train_step(loss, tx, mesh, axes, unexchanged="error")
-            state = (dist.replicate(init, mesh), dist.init_opt_state(tx, init, mesh, axes))
-            row = {"step_kind": "make_train_step", **_time_step(step, state, batch, repeats)}
-        except Exception as e:  # noqa: BLE001  make_train_step without the two-level axis
-            step, state = _manual_step(loss, tx, mesh, axes, dist.replicate(init, mesh), batch)
-            row = {"step_kind": "shard_map(grad + tx.update + apply_updates), donated"}
-            row["make_train_step_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            row.update(_time_step(step, state, batch, repeats))
-        rows[name] = row
-    if rows["flat"]["step_kind"] != rows["two_level"]["step_kind"]:
-        # Compare like with like: the flat step too as the hand-written one.
-        mesh = jax.make_mesh((N_DEVICES,), (FLAT,))
-        tx = optax.chain(_compressor("top_k", FLAT), optax.sgd(0.1))
-        batch = jax.device_put((x, y), NamedSharding(mesh, P(FLAT)))
-        step, state = _manual_step(loss, tx, mesh, FLAT, dist.replicate(init, mesh), batch)
-        rows["flat_make_train_step"] = rows["flat"]
-        rows["flat"] = {"step_kind": rows["two_level"]["step_kind"]}
-        rows["flat"].update(_time_step(step, state, batch, repeats))
+        # "error": a leaf the compressor did not exchange would be averaged densely
+        # before it, and the step would no longer be the two-level exchange alone.
+        step = dist.make_train_step(loss, tx, mesh, axes, unexchanged="error")
+        state = (dist.replicate(init, mesh), dist.init_opt_state(tx, init, mesh, axes))
+        rows[name] = {"step_kind": "make_train_step", **_time_step(step, state, batch, repeats)}
     ratios = {
         f"two_level_over_flat_{k}": rows["two_level"][k] / rows["flat"][k]
         for k in ("compile_s", "step_ms")

@@ -52,6 +52,7 @@ __all__ = [
     "FEATURE_PARAM_SPECS",
     "Mode",
     "TIME_SPLIT_FIELDS",
+    "classifier_loss",
     "coded_mode",
     "data_parallel_mode",
     "feature_batch",
@@ -159,8 +160,8 @@ def _lazy(build):
     return functools.cache(build)
 
 
-def _loss_fn(model):
-    """``loss(params, (x, y))`` of a model without mutable state."""
+def classifier_loss(model):
+    """``loss(params, (x, y))``: softmax cross-entropy of a model without mutable state."""
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch[0])
@@ -207,7 +208,7 @@ def data_parallel_mode(
     stateful = bool(init_model_state)
     two_level = isinstance(axis_name, tuple)
     shard_scale = mesh.shape[axis_name[1]] if two_level else 1
-    loss_fn = _stateful_loss_fn(model) if stateful else _loss_fn(model)
+    loss_fn = _stateful_loss_fn(model) if stateful else classifier_loss(model)
     make_step = functools.partial(
         jaxcomp.distributed.make_train_step, loss_fn, tx, mesh, axis_name, mutable=stateful
     )
@@ -549,7 +550,7 @@ def coded_mode(config: TrainConfig, model, tx, mesh, init_params) -> Mode:
     """CSSGD (``exchange`` coded or uncoded): :func:`jaxcomp.cssgd.make_train_step`."""
     c = config
     coded_cfg = _coded_config(c)
-    loss_fn = _loss_fn(model)
+    loss_fn = classifier_loss(model)
     params = jaxcomp.distributed.replicate(init_params, mesh)
     # (CodedState, sgd state) per device: a pytree that orbax saves like any other.
     opt_state = cssgd.init_opt_state(tx, params, mesh, AXIS, seed=c.seed)

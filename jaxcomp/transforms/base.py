@@ -38,6 +38,7 @@ __all__ = [
     "all_finite",
     "apply_nonfinite_policy",
     "check_common_options",
+    "indices_by_dtype",
     "resolve_residual_dtype",
     "tree_all_finite",
 ]
@@ -109,6 +110,25 @@ def check_common_options(
     nonfinite = V.check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
     return CommonOptions(axis_name, min_dense_size, residual_dtype, nonfinite, seed)
+
+
+def indices_by_dtype(leaves: Sequence[Any]) -> dict:
+    """Indices of ``leaves`` per dtype, dtypes in order of first appearance.
+
+    The grouping of the compressors that move all leaves of a dtype in one
+    buffer (PowerSGD's all-reduces, the two-level exchange's collectives).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.transforms.base import indices_by_dtype
+      >>> groups = indices_by_dtype([jnp.zeros(2), jnp.zeros(3, jnp.bfloat16), jnp.ones(1)])
+      >>> {str(d): i for d, i in groups.items()}
+      {'float32': [0, 2], 'bfloat16': [1]}
+    """
+    groups: dict = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(jnp.dtype(x.dtype), []).append(i)
+    return groups
 
 
 def resolve_residual_dtype(residual_dtype: Any, leaves: Sequence[Any]) -> jnp.dtype:

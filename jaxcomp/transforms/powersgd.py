@@ -112,6 +112,7 @@ from jaxcomp.comm import collectives
 from jaxcomp.transforms.base import (
     apply_nonfinite_policy,
     check_common_options,
+    indices_by_dtype,
     resolve_residual_dtype,
 )
 from jaxcomp.transforms.two_level import accepts_two_level_axis
@@ -289,14 +290,6 @@ def _split(buf: jax.Array, like: list) -> list:
     return out
 
 
-def _by_dtype(xs: list) -> dict:
-    """Indices of ``xs`` per dtype, dtypes in order of first appearance."""
-    groups: dict = {}
-    for i, x in enumerate(xs):
-        groups.setdefault(jnp.dtype(x.dtype), []).append(i)
-    return groups
-
-
 def _psum_flat(xs: list, axis_name, count=None):
     """``(sums of xs over the devices, summed count)`` in one all-reduce per dtype.
 
@@ -306,7 +299,7 @@ def _psum_flat(xs: list, axis_name, count=None):
     the end of the float32 buffer, or travels alone if there is none.
     """
     out: list = [None] * len(xs)
-    groups = _by_dtype(xs)
+    groups = indices_by_dtype(xs)
     f32 = jnp.dtype(jnp.float32)
     host = f32 if count is not None and f32 in groups else None
     total = None if host is not None or count is None else lax.psum(count, axis_name)
@@ -327,7 +320,7 @@ def _dense_means(xs: list, axis_name) -> list:
     hook's contiguous buffer of uncompressed tensors). Elementwise the same as one
     ``dense_mean`` per array."""
     out: list = [None] * len(xs)
-    for idx in _by_dtype(xs).values():
+    for idx in indices_by_dtype(xs).values():
         parts = [xs[i].reshape(-1) for i in idx]
         buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
         mean, _ = collectives.dense_mean(buf, axis_name)

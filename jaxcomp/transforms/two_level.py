@@ -79,7 +79,7 @@ from jax import lax
 from jaxcomp import _validation as V
 from jaxcomp._vma import check_not_in_local_branch
 from jaxcomp.comm import collectives
-from jaxcomp.transforms.base import NONFINITE_POLICIES, tree_all_finite
+from jaxcomp.transforms.base import NONFINITE_POLICIES, indices_by_dtype, tree_all_finite
 
 __all__ = [
     "TwoLevelState",
@@ -176,18 +176,11 @@ def _plan(cfg: _Config, leaves: list, local: int) -> list:
     return plan
 
 
-def _by_dtype(leaves: list) -> dict:
-    groups: dict = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(jnp.dtype(x.dtype), []).append(i)
-    return groups
-
-
 def _pack(leaves: list, plan: list, local: int) -> list:
     """``(dtype, leaf indices, buffer)`` per dtype: each buffer ``(local, size)``, row ``l``
     holding device ``l``'s shard of every leaf of that dtype."""
     packed = []
-    for dtype, idx in _by_dtype(leaves).items():
+    for dtype, idx in indices_by_dtype(leaves).items():
         blocks = []
         for i in idx:
             m, r, rows = plan[i][0], plan[i][1], plan[i][2][0]
@@ -232,7 +225,7 @@ def _gather(cfg: _Config, shards: list, like: list, plan: list, local: int):
     """Step 3: every leaf whole again from the ``local`` devices' shards, and the bytes sent."""
     out: list = [None] * len(shards)
     wire = 0.0
-    for dtype, idx in _by_dtype(shards).items():
+    for dtype, idx in indices_by_dtype(shards).items():
         buf = jnp.concatenate([jnp.reshape(shards[i], (-1,)) for i in idx]).astype(dtype)
         full = collectives.all_gather_invariant(buf, cfg.local_axis)  # (local, size)
         wire += collectives.array_nbytes(buf) * (local - 1)
