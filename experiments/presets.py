@@ -92,6 +92,11 @@ CONFORMANCE = {
     # Low rank, rank 1: (n + m) * 1 * 2 < n m for the suites' matrices; 0-D and 1-D
     # leaves go dense.
     "powersgd": spec("powersgd", rank=1),
+    # The hook's batched variant: every leaf of one dtype in one square matrix.
+    "powersgd_batched": spec("powersgd", rank=1, batched=True),
+    # 16-bit P and Q all-reduces (fp16_compress_wrapper / bf16_compress_wrapper).
+    "powersgd_fp16": spec("powersgd", rank=1, pq_dtype="float16"),
+    "powersgd_batched_bf16": spec("powersgd", rank=1, batched=True, pq_dtype="bfloat16"),
 }
 
 # Compressed optimizers (their update is Adam's step). Small schedules, so that a few

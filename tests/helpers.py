@@ -156,8 +156,13 @@ NO_ERROR_FEEDBACK = (
 RANDOMIZED = ("qsgd", "qsgd_ef", "terngrad", "terngrad_clip_ef", "natural", "natural_dithering_ef")
 # Quantizers whose exchange is a majority vote, not a mean (exchange="majority").
 MAJORITY = ("signum",)
-# Low-rank compressors: name -> rank.
-LOW_RANK = {"powersgd": 1}
+# Low-rank compressors: name -> (rank, batched, bytes per P/Q value).
+LOW_RANK = {
+    "powersgd": (1, False, 4),
+    "powersgd_batched": (1, True, 4),
+    "powersgd_fp16": (1, False, 2),
+    "powersgd_batched_bf16": (1, True, 2),
+}
 
 # Compressed *optimizers*: the update is Adam's step, not a compressed gradient, so
 # "nothing lost" holds for the momentum they exchange (test_conformance's optimizer
@@ -182,17 +187,42 @@ def mesh_update(tx, mesh, axis_name: str = "data"):
     return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
-def low_rank_bytes(name: str, shape, itemsize: int, min_dense: int = 0) -> int:
-    """Independent message size of low-rank compressor ``name``: the hook's rule
-    (``view(shape[0], -1)``, compressed iff ``(n + m) r * 2 < n m``), ``P`` and ``Q`` in
-    float32; the dense leaf otherwise."""
-    size = math.prod(shape)
-    if len(shape) >= 2 and size > max(min_dense, 0):
-        n, m = shape[0], size // shape[0]
-        r = min(n, m, LOW_RANK[name])
-        if (n + m) * r * 2 < n * m:
-            return (n + m) * r * 4
-    return size * itemsize
+def low_rank_bytes(name: str, tree, min_dense: int = 0):
+    """Independent message sizes per leaf (a pytree of ints like ``tree``, whose leaves
+    have ``shape`` and ``dtype``) of low-rank compressor ``name``.
+
+    Per leaf, the hook's rule: ``view(shape[0], -1)``, compressed iff ``(n + m) r * 2 <
+    n m``, ``P`` and ``Q`` of the given width; the dense leaf otherwise. Batched (the
+    hook's ``batched_powerSGD_hook``): the leaves of one dtype with more than
+    ``min_dense`` elements form a bucket, a ``s x s`` matrix with ``s = ceil(sqrt(total))``,
+    compressed iff ``2 s r * 2 < s^2``; its ``2 s r`` values are counted at its first leaf.
+    """
+    rank, batched, item = LOW_RANK[name]
+    leaves, treedef = jax.tree.flatten(tree)
+    sizes = [math.prod(x.shape) for x in leaves]
+    out = [size * np.dtype(x.dtype).itemsize for x, size in zip(leaves, sizes, strict=True)]
+    if batched:
+        buckets: dict = {}
+        for i, (x, size) in enumerate(zip(leaves, sizes, strict=True)):
+            if size > max(min_dense, 0):
+                buckets.setdefault(np.dtype(x.dtype), []).append(i)
+        for idx in buckets.values():
+            total = sum(sizes[i] for i in idx)
+            s = math.ceil(math.sqrt(total))
+            while s * s < total:  # float sqrt rounding
+                s += 1
+            r = min(s, rank)
+            if 2 * s * r * 2 < s * s:
+                for i in idx:
+                    out[i] = 2 * s * r * item if i == idx[0] else 0
+        return treedef.unflatten(out)
+    for i, (x, size) in enumerate(zip(leaves, sizes, strict=True)):
+        if len(x.shape) >= 2 and size > max(min_dense, 0):
+            n, m = x.shape[0], size // x.shape[0]
+            r = min(n, m, rank)
+            if (n + m) * r * 2 < n * m:
+                out[i] = (n + m) * r * item
+    return treedef.unflatten(out)
 
 
 def quantized_bytes(name: str, n: int) -> int:
