@@ -35,6 +35,42 @@ buffers; one buffer per dtype): the all-reduces per step do not grow with the
 number of leaves. A leaf gets the update it gets alone, up to float32 rounding
 (XLA picks other kernels for a batch).
 
+Batched (``batched=True``, PyTorch's ``batched_powerSGD_hook``): a bucket is
+every leaf of one gradient dtype with more than ``min_dense_size`` elements,
+in ``jax.tree.flatten`` order (the hook's bucket is DDP's, of one dtype; the
+per-dtype buffers above are the same grouping). The bucket's accumulators are
+flattened, concatenated and zero-padded to ``s * s`` with ``s =
+ceil(sqrt(size))``, and that one ``s x s`` matrix is compressed as above at
+``r = min(s, rank)``: one ``P`` and one ``Q`` per bucket, ``2 s r`` values on the
+wire whatever the number of leaves (scalars and biases included), the
+warm-started ``Q`` stored at the bucket's first leaf. Error feedback is per
+element, so it is the hook's on the flattened bucket, with one difference:
+the hook also keeps the error of the padding (``-S`` there) and adds it back
+next step; here the padding is zero every step (it is no gradient). The
+bucket is compressed when ``2 s r * min_compression_rate < s^2`` (the hook
+always compresses). Batching leaves without aligning their rows destroys
+their low-rank structure: the hook's documentation recommends it at rank 1,
+where it is cheapest, and warns that accuracy usually drops.
+
+16-bit ``P`` and ``Q`` (``pq_dtype``): PyTorch gets them by wrapping the hook
+in ``fp16_compress_wrapper``/``bf16_compress_wrapper``, which casts the whole
+bucket to 16 bits, runs the hook there (``M``, the residual, the products,
+Gram-Schmidt and ``S`` all in 16 bits) and casts ``S`` back. Here only what
+travels is 16-bit: each device's ``M Q`` and ``P^T M``, divided by the device
+count ``N``, are rounded to ``pq_dtype`` and all-reduced in it (their sums
+rounded as the collective adds), then used in the compute dtype: ``P =
+orth(sum)``, ``Q = sum * N / K``. ``M``, the residual, the
+orthogonalisation and ``S`` stay in the compute dtype, so the rounding of
+``P`` and ``Q`` lands in ``S`` and the residual ``M - S`` keeps it (nothing is
+lost; a 16-bit residual, the wrapper's, would lose the small errors that error
+feedback exists to keep). The division by ``N`` (exact for a power of two;
+the hook's ``fp16_compress_hook`` divides before its all-reduce too) and a
+saturating cast below ``max / N`` keep a float16 sum of ``N`` messages finite:
+with gradients beyond float16's range the messages saturate (``P``'s scale
+does not matter, it is orthogonalised; a saturated ``Q`` gives an ``S`` that
+is no projection), the update stays finite and the residual keeps the rest.
+Bytes: 2 per value in ``message_bytes`` and ``wire_bytes``.
+
 Contracts (tested): the update is identical on every device (typed
 device-invariant under ``shard_map``'s ``check_vma``, like the other jaxcomp
 exchanges); its rank per leaf is at most ``r``; it is ``P P^T M`` (summed
@@ -362,7 +398,8 @@ class PowerSGDState(NamedTuple):
         in the residual dtype (per device under ``shard_map``); ``None`` with
         ``error_feedback=False``.
       q: the warm-started ``Q`` per leaf, an ``[m, r]`` array in the residual
-        dtype for compressed leaves and ``None`` for dense ones (the mean
+        dtype for compressed leaves and ``None`` for dense ones (``batched=True``:
+        the bucket's ``[s, r]`` at its first leaf, ``None`` at the others) (the mean
         ``Q`` of the last PowerSGD step, identical on every device; before
         the first one, the initial random draw). ``None`` with
         ``warm_start=False``.
@@ -372,9 +409,11 @@ class PowerSGDState(NamedTuple):
         warm start, every step without. No device index is folded in, so
         every device draws the same ``Q``.
       message_bytes: int32 per leaf, bytes this device contributed in the last
-        step: ``(n + m) r`` values of ``P`` and ``Q`` in the residual dtype,
-        or the dense leaf in the gradient dtype (dense leaves; every leaf
-        before ``start_iter``); 0 on a step that sent nothing.
+        step: ``(n + m) r`` values of ``P`` and ``Q`` in the residual dtype
+        (``pq_dtype``: 2 bytes each; ``batched=True``: a bucket's ``2 s r``
+        counted at its first leaf, 0 at the others), or the dense leaf in the
+        gradient dtype (dense leaves; every leaf before ``start_iter``); 0 on a
+        step that sent nothing.
       wire_bytes: float32, bytes this device put on the wire in the last step:
         a ring all-reduce's ``2 (N - 1) / N`` times each message, plus one
         float32 count with ``nonfinite="skip"`` (0 with ``axis_name=None``).
@@ -528,7 +567,20 @@ def powersgd(
         ``static_args`` when you give them to ``inject_hyperparams``.
       reshape: ``"first"`` (the hook's ``(shape[0], -1)``) or ``"last"``
         (``(-1, shape[-1])``, for Flax's ``(kh, kw, in, out)`` kernels), see
-        :func:`matrix_plan`. 2-D leaves are the same either way.
+        :func:`matrix_plan`. 2-D leaves are the same either way. Unused with
+        ``batched=True``.
+      batched: PyTorch's ``batched_powerSGD_hook``: all leaves of one dtype
+        (more than ``min_dense_size`` elements each) flattened into one
+        zero-padded square matrix of side ``ceil(sqrt(size))`` with one ``P``
+        and one ``Q`` (see the module docstring and :func:`bucket_plan`). Far
+        fewer bytes and a smaller program than per-leaf PowerSGD at the same
+        rank, usually at a worse approximation (the hook recommends rank 1).
+      pq_dtype: ``None`` (default: ``P`` and ``Q`` travel in the compute dtype)
+        or ``jnp.float16``/``jnp.bfloat16``: the two all-reduces in 16 bits
+        (PyTorch's ``fp16_compress_wrapper``/``bf16_compress_wrapper`` around
+        the hook, applied to the messages only; the rounding stays in the
+        residual; float16 saturates instead of overflowing; see the module
+        docstring).
       residual_dtype: float dtype of the residual, of ``P``, ``Q`` and of the
         computation. ``None`` (default): float32, or the leaf's dtype where
         wider (float64 under ``jax_enable_x64``), as in :func:`jaxcomp.sparsify`.
@@ -568,6 +620,14 @@ def powersgd(
       (True, [1.0, 1.0, 1.0, 1.0, 1.0])
       >>> jax.tree.map(int, optax.tree.get(state, "message_bytes"))  # (6 + 5) * 4
       {'b': 20, 'w': 44}
+
+      The batched variant with 16-bit ``P`` and ``Q``: ``b`` and ``w`` (35 values)
+      as one ``6 x 6`` matrix, ``2 * 6`` bfloat16 values counted at ``b``:
+
+      >>> tx = powersgd(rank=1, batched=True, pq_dtype=jnp.bfloat16)
+      >>> u, state = tx.update(g, tx.init(g))
+      >>> jax.tree.map(int, optax.tree.get(state, "message_bytes"))
+      {'b': 24, 'w': 0}
     """
     cfg = _make_config(
         rank,
