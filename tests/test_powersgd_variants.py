@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from helpers import Counted, bits, f32, mesh_update
 from jax.sharding import NamedSharding
@@ -56,26 +57,34 @@ def _round(x, dtype):
     return np.clip(x, -big, big).astype(dtype).astype(np.float64)
 
 
-def _ref_batched(flats, q_prev, pq=None):
+def _ref_batched(flats, q_prev, pq=None, sends=None):
     """One step of the hook on the devices' flattened buckets ``flats`` (float64).
 
     Returns ``(S truncated to n, Q)``."""
-    n_dev, n = len(flats), flats[0].size
+    n = flats[0].size
     s = math.isqrt(n - 1) + 1
     mats = [np.pad(f, (0, s * s - n)).reshape(s, s) for f in flats]
-    approx, q = _ref_matrix_step(mats, q_prev, pq, n_dev)
+    approx, q = _ref_matrix_step(mats, q_prev, pq, sends)
     return approx.reshape(-1)[:n], q
 
 
-def _ref_matrix_step(mats, q_prev, pq=None, n_dev=1):
-    """The power step on the devices' matrices; with ``pq`` the messages rounded."""
+def _ref_matrix_step(mats, q_prev, pq=None, sends=None):
+    """The power step on the devices' matrices; with ``pq`` the messages rounded.
+
+    Devices with ``sends[d]`` False (a non-finite gradient) contribute nothing; ``Q`` is
+    the mean over the ``K`` others (the 16-bit messages are divided by ``N``, their
+    rounded sum multiplied by ``N / K``)."""
+    n_dev = len(mats)
+    sends = [True] * n_dev if sends is None else sends
+    mats = [m for m, ok in zip(mats, sends, strict=True) if ok]
+    k = len(mats)
     q = _orth(q_prev)
     p = _round(sum(_round(m @ q / n_dev, pq) for m in mats), pq)
     p = _orth(p)
     if pq is None:
-        qm = sum(m.T @ p for m in mats) / n_dev
+        qm = sum(m.T @ p for m in mats) / k
     else:
-        qm = _round(sum(_round(m.T @ p / n_dev, pq) for m in mats), pq)
+        qm = _round(sum(_round(m.T @ p / n_dev, pq) for m in mats), pq) * n_dev / k
     return p @ qm.T, qm
 
 
@@ -187,7 +196,9 @@ def _stack(tree):
 def test_batched_on_eight_devices_matches_the_hook(pq):
     """8 simulated devices in ``shard_map``, three steps: the update is the same on every
     device and the hook's (summed ``P``, mean ``Q``), each device keeps its own residual,
-    the bytes are a ring all-reduce of ``2 s r`` values per bucket plus the count."""
+    the bytes are a ring all-reduce of ``2 s r`` values per bucket plus the count. At the
+    last step device 3 has a NaN: it sends nothing and keeps its residual, the others
+    share ``S`` from their ``K = 7`` messages and the update is ``(K / N) S``."""
     mesh = jax.make_mesh((N_DEV,), ("data",))
     sharding = NamedSharding(mesh, P("data"))
     tx = powersgd(RANK, batched=True, pq_dtype=pq, axis_name="data")
@@ -197,6 +208,10 @@ def test_batched_on_eight_devices_matches_the_hook(pq):
     item = 4 if pq is None else 2
     for t in range(3):
         g = _tree(rng, (N_DEV,))
+        sends = [not (t == 2 and d == 3) for d in range(N_DEV)]
+        if t == 2:
+            g["w"] = g["w"].at[3, 0, 0].set(jnp.nan)
+        k_sent = sum(sends)
         upd, new = jax.device_get(f(jax.device_put(g, sharding), state))
         old = jax.device_get(state)
         wire = 2.0 * (N_DEV - 1) / N_DEV * 4  # the non-finite count (nonfinite="skip")
@@ -208,21 +223,30 @@ def test_batched_on_eight_devices_matches_the_hook(pq):
             ]
             flats = [_flat(a, names) for a in accs]
             s = math.isqrt(flats[0].size - 1) + 1
-            ref_s, ref_q = _ref_batched(flats, np.asarray(old.q[first][0]), pq)
+            ref_s, ref_q = _ref_batched(flats, np.asarray(old.q[first][0]), pq, sends)
             for k in names:
                 for d in range(N_DEV):
                     assert bits(upd[k][d]) == bits(upd[k][0]), (t, k, d)
-                    _check_residual(accs[d][k], f32(upd[k][0]), new.residual[k][d])
+                    if not sends[d]:  # kept bit for bit
+                        assert bits(new.residual[k][d]) == bits(old.residual[k][d]), (t, k)
+                    elif k_sent == N_DEV:
+                        _check_residual(accs[d][k], f32(upd[k][0]), new.residual[k][d])
             eps = max(float(jnp.finfo(g[k].dtype).eps) for k in names)
             if pq is None:
                 tol_q, tol_s = REL, max(REL, 2 * eps)
             else:  # XLA sums the 16-bit messages in its own order: a few float16 ulps
                 tol_q = tol_s = max(8 * float(jnp.finfo(jnp.float16).eps), 2 * eps)
             got = _flat({k: f32(upd[k][0]) for k in names}, names)
-            _close(got, ref_s, tol_s, (t, first))
+            _close(got, ref_s * k_sent / N_DEV, tol_s, (t, first))
             _close(np.asarray(new.q[first][0]), ref_q, tol_q, (t, first))
+            for d in range(N_DEV):  # what each device sent: S, the same everywhere
+                if sends[d]:
+                    sent = flats[d] - _flat({k: new.residual[k][d] for k in names}, names)
+                    _close(sent, ref_s, tol_s, (t, first, d))
             nbytes = 2 * s * RANK * item
-            np.testing.assert_array_equal(np.asarray(new.message_bytes[first]), nbytes)
+            np.testing.assert_array_equal(
+                np.asarray(new.message_bytes[first]), [nbytes if ok else 0 for ok in sends]
+            )
             wire += 2.0 * (N_DEV - 1) / N_DEV * nbytes
         np.testing.assert_allclose(np.asarray(new.wire_bytes), wire, rtol=1e-6)
         state = jax.device_put(new, sharding)
@@ -334,3 +358,30 @@ def test_bad_arguments_name_the_argument():
         powersgd(1, pq_dtype="int8")
     with pytest.raises(ValueError, match="pq_dtype"):
         powersgd(1, pq_dtype="not a dtype")
+
+
+def test_batched_bf16_pq_inside_chain_and_multisteps():
+    """``optax.MultiSteps(chain(powersgd(batched, pq_dtype=bfloat16), sgd), 2)``: the first
+    call returns zeros, the second applies ``-lr S`` of the hook's port (16-bit rounding
+    included) on the mean of the two gradients; the state stays readable."""
+    lr = 0.5
+    spec = {"a": (24, 20), "b": (20,)}
+    inner = optax.chain(powersgd(1, batched=True, pq_dtype=jnp.bfloat16), optax.sgd(lr))
+    tx = optax.MultiSteps(inner, every_k_schedule=2)
+    params = {k: jnp.zeros(s) for k, s in spec.items()}
+    state = tx.init(params)
+    q0 = np.asarray(optax.tree.get(state, "q")["a"])
+    f = jax.jit(tx.update)
+    rng = np.random.default_rng(5)
+    grads = [{k: jnp.asarray(rng.laplace(size=s), jnp.float32) for k, s in spec.items()}]
+    grads.append({k: jnp.asarray(rng.laplace(size=s), jnp.float32) for k, s in spec.items()})
+    u0, state = f(grads[0], state, params)
+    assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(u0))
+    u1, state = f(grads[1], state, params)
+    mean = {k: (f32(grads[0][k]) + f32(grads[1][k])) / 2 for k in spec}
+    flat = np.concatenate([mean["a"].reshape(-1), mean["b"]]).astype(np.float64)
+    ref_s, _ = _ref_batched([flat], q0, "bfloat16")
+    got = np.concatenate([f32(u1["a"]).reshape(-1), f32(u1["b"])])
+    _close(got, -lr * ref_s, 1e-4)
+    mb = jax.tree.map(int, optax.tree.get(state, "message_bytes"))
+    assert mb == {"a": 2 * 23 * 1 * 2, "b": 0}, mb  # 500 values: a 23 x 23 matrix
