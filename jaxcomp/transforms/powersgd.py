@@ -58,7 +58,8 @@ bucket to 16 bits, runs the hook there (``M``, the residual, the products,
 Gram-Schmidt and ``S`` all in 16 bits) and casts ``S`` back. Here only what
 travels is 16-bit: each device's ``M Q`` and ``P^T M``, divided by the device
 count ``N``, are rounded to ``pq_dtype`` and all-reduced in it (their sums
-rounded as the collective adds), then used in the compute dtype: ``P =
+rounded as the collective adds; XLA:CPU promotes a 16-bit all-reduce to
+float32 and rounds the sum once), then used in the compute dtype: ``P =
 orth(sum)``, ``Q = sum * N / K``. ``M``, the residual, the
 orthogonalisation and ``S`` stay in the compute dtype, so the rounding of
 ``P`` and ``Q`` lands in ``S`` and the residual ``M - S`` keeps it (nothing is
@@ -579,8 +580,10 @@ def powersgd(
         or ``jnp.float16``/``jnp.bfloat16``: the two all-reduces in 16 bits
         (PyTorch's ``fp16_compress_wrapper``/``bf16_compress_wrapper`` around
         the hook, applied to the messages only; the rounding stays in the
-        residual; float16 saturates instead of overflowing; see the module
-        docstring).
+        residual; float16 saturates instead of overflowing, and its messages
+        below ``6e-8`` round to zero, kept in the residual; see the module
+        docstring). With ``nonfinite="skip"`` the count then travels in an
+        all-reduce of its own.
       residual_dtype: float dtype of the residual, of ``P``, ``Q`` and of the
         computation. ``None`` (default): float32, or the leaf's dtype where
         wider (float64 under ``jax_enable_x64``), as in :func:`jaxcomp.sparsify`.
