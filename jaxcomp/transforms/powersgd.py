@@ -494,7 +494,8 @@ def _layout(cfg: _Config, leaves: list, cdts: list) -> tuple[list, list]:
     for i, x in enumerate(leaves):
         size = math.prod(jnp.shape(x))
         if size > 0 and size > cfg.min_dense_size:
-            members.setdefault((jnp.dtype(x.dtype), jnp.dtype(cdts[i])), []).append(i)
+            dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+            members.setdefault((jnp.dtype(dtype), jnp.dtype(cdts[i])), []).append(i)
     for (_, cdt), idx in members.items():
         size = sum(math.prod(jnp.shape(leaves[i])) for i in idx)
         pl = bucket_plan(size, cfg.rank, min_compression_rate=cfg.min_compression_rate)
@@ -833,7 +834,7 @@ def _init(cfg: _Config, params) -> PowerSGDState:
     cdts = [resolve_residual_dtype(cfg.residual_dtype, [p]) for p in leaves]
     key = jax.random.key(cfg.seed)
     qs: list = [None] * len(leaves)
-    for grp in _layout(cfg, [jnp.asarray(p) for p in leaves], cdts)[1]:
+    for grp in _layout(cfg, leaves, cdts)[1]:
         # One Q per leaf, or per bucket (batched=True: stored at its first leaf).
         for i in grp.leaves[:1] if grp.flat else grp.leaves:
             qs[i] = _draw_q(key, cfg.start_iter, i, grp.m, grp.r, grp.cdt)
