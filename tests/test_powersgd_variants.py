@@ -385,3 +385,26 @@ def test_batched_bf16_pq_inside_chain_and_multisteps():
     _close(got, -lr * ref_s, 1e-4)
     mb = jax.tree.map(int, optax.tree.get(state, "message_bytes"))
     assert mb == {"a": 2 * 23 * 1 * 2, "b": 0}, mb  # 500 values: a 23 x 23 matrix
+
+
+def test_batched_without_warm_start_or_error_feedback_draws_the_documented_q():
+    """No warm start, no error feedback: each step the bucket's ``Q`` is the documented
+    draw ``normal(fold_in(fold_in(key, t), i), (s, r))`` with ``i`` the bucket's first
+    leaf, and the update is the port's on the gradient alone."""
+    spec = {"a": (7,), "b": (30, 12), "c": ()}  # one bucket: 367 values, s = 20
+    tx = powersgd(3, batched=True, warm_start=False, error_feedback=False, seed=4)
+    cx = Counted(tx)
+    rng = np.random.default_rng(6)
+    state = tx.init({k: jnp.zeros(s) for k, s in spec.items()})
+    assert state.q is None and state.residual is None
+    key = jax.random.key(4)
+    for t in range(2):
+        g = {k: jnp.asarray(rng.laplace(size=s), jnp.float32) for k, s in spec.items()}
+        upd, state = cx(g, state)
+        q_t = jax.random.normal(jax.random.fold_in(jax.random.fold_in(key, t), 0), (20, 3))
+        flat = np.concatenate([f32(g[k]).reshape(-1) for k in sorted(spec)]).astype(np.float64)
+        ref_s, _ = _ref_batched([flat], np.asarray(q_t, np.float64))
+        got = np.concatenate([f32(upd[k]).reshape(-1) for k in sorted(spec)])
+        _close(got, ref_s, REL, t)
+        assert int(state.message_bytes["a"]) == 2 * 20 * 3 * 4
+    assert cx.traces == 1
