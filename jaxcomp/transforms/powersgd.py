@@ -87,7 +87,7 @@ Layout of the code: :func:`powersgd` validates its arguments into a frozen
 :class:`_Config`; ``init`` and ``update`` are the module-level :func:`_init`
 and :func:`_update` over it. A step (:func:`_update_leaves`) reads the leaves
 and the state into :class:`_StepInputs` (accumulators ``M``, plans, the
-:class:`_Group` batches), averages the dense leaves
+:class:`_Group` batches or buckets, from :func:`_layout`), averages the dense leaves
 (:func:`_exchange_dense_leaves`), then runs the power iteration over the
 groups (:func:`_power_step`: ``M Q`` per group in :func:`_local_p`, the two
 all-reduces :func:`_exchange_p` and :func:`_exchange_q`, ``S = P Q^T`` and
@@ -399,11 +399,11 @@ class PowerSGDState(NamedTuple):
         in the residual dtype (per device under ``shard_map``); ``None`` with
         ``error_feedback=False``.
       q: the warm-started ``Q`` per leaf, an ``[m, r]`` array in the residual
-        dtype for compressed leaves and ``None`` for dense ones (``batched=True``:
-        the bucket's ``[s, r]`` at its first leaf, ``None`` at the others) (the mean
+        dtype for compressed leaves and ``None`` for dense ones (the mean
         ``Q`` of the last PowerSGD step, identical on every device; before
-        the first one, the initial random draw). ``None`` with
-        ``warm_start=False``.
+        the first one, the initial random draw). ``batched=True``: the
+        bucket's ``[s, r]`` at its first leaf, ``None`` at its others.
+        ``None`` with ``warm_start=False``.
       key: raw uint32 PRNG key data. Leaf ``i`` (in ``jax.tree.flatten``
         order) draws ``Q`` at step ``t`` from ``jax.random.normal(fold_in(
         fold_in(key, t), i), (m, r))``: once, at ``t = start_iter``, with a
