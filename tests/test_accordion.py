@@ -155,6 +155,7 @@ def test_levels_and_updates_match_reference():
         # (int32 index, float32 value) pairs of the active level's message
         want_bytes = [8 * int(np.count_nonzero(x)) for x in ref_updates]
         np.testing.assert_array_equal(np.asarray(state.message_bytes), want_bytes)
+        np.testing.assert_array_equal(8 * np.asarray(state.sent_count), want_bytes)
         np.testing.assert_array_equal(np.asarray(state.setting), np.take([LOW, HIGH], state.level))
     per_interval = np.array(levels)[::INTERVAL].T
     np.testing.assert_array_equal(per_interval[:2], EXPECTED_LEVELS[:2])

@@ -60,7 +60,7 @@ __all__ = ["AccordionState", "accordion"]
 # Inner-state fields the wrapper moves out of the instances (residual) or
 # reads from them (bytes); hidden from ``optax.tree.get`` so that the
 # wrapper's own fields are the only ones of these names.
-_HOISTED = ("residual", "wire_bytes", "message_bytes")
+_HOISTED = ("residual", "wire_bytes", "message_bytes", "sent_count")
 
 
 class AccordionState(NamedTuple):
@@ -84,6 +84,9 @@ class AccordionState(NamedTuple):
         tuple of arrays, without their residual and byte fields.
       message_bytes: int32 per leaf, bytes of the last step's message at the
         level that was active.
+      sent_count: int32 per leaf, elements sent at the active level (a
+        sparsifier's ``sent_count``), or None when the inner compressor has
+        no such statistic (PowerSGD).
       wire_bytes: float32, bytes this device put on the wire in the last
         step: both instances' exchanges (static capacities).
     """
@@ -96,6 +99,7 @@ class AccordionState(NamedTuple):
     residual: Any
     inner: tuple
     message_bytes: jax.Array
+    sent_count: jax.Array | None
     wire_bytes: jax.Array
 
 
@@ -134,21 +138,13 @@ def _check_level(name: str, value, argument: str):
 
 def _strip(state):
     """``state`` without its hoisted fields (None there)."""
-    present = {}
-    for field in _HOISTED:
-        try:
-            optax.tree.get(state, field)
-        except KeyError:
-            continue
-        present[field] = None
+    present = {f: None for f in _HOISTED if optax.tree.get_all_with_path(state, f)}
     return optax.tree.set(state, **present) if present else state
 
 
 def _field(state, name):
-    try:
-        return optax.tree.get(state, name)
-    except KeyError:
-        return None
+    """The one field ``name`` of ``state``, None when absent."""
+    return optax.tree.get(state, name)
 
 
 def _per_leaf(tree, num_leaves: int, dtype) -> jax.Array:
@@ -256,6 +252,7 @@ def accordion(
         num_leaves = treedef.num_leaves
         states = tuple(tx.init(params) for tx in txs)
         residual = _field(states[0], "residual")
+        sent = _field(states[0], "sent_count")
         inner = tuple(jax.tree.leaves(tuple(_strip(s) for s in states)))
         return AccordionState(
             step=jnp.zeros((), jnp.int32),
@@ -266,6 +263,7 @@ def accordion(
             residual=residual,
             inner=inner,
             message_bytes=jnp.zeros((num_leaves,), jnp.int32),
+            sent_count=None if sent is None else jnp.zeros((num_leaves,), jnp.int32),
             wire_bytes=jnp.zeros((), jnp.float32),
         )
 
@@ -299,6 +297,13 @@ def accordion(
             _per_leaf(_field(s_low, "message_bytes"), num_leaves, jnp.int32),
             _per_leaf(_field(s_high, "message_bytes"), num_leaves, jnp.int32),
         )
+        sent = _field(s_low, "sent_count")
+        if sent is not None:
+            sent = jnp.where(
+                state.level == 0,
+                _per_leaf(sent, num_leaves, jnp.int32),
+                _per_leaf(_field(s_high, "sent_count"), num_leaves, jnp.int32),
+            )
         wire = sum(
             jnp.sum(jnp.asarray(w, jnp.float32))
             for s in (s_low, s_high)
@@ -344,6 +349,7 @@ def accordion(
             residual=residual,
             inner=inner,
             message_bytes=message,
+            sent_count=sent,
             wire_bytes=wire,
         )
         return new_updates, new_state
