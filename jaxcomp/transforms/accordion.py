@@ -105,9 +105,9 @@ class AccordionState(NamedTuple):
 
 def _resolve_factory(compressor) -> Callable[..., optax.GradientTransformation]:
     if isinstance(compressor, str):
-        import jaxcomp  # the package imports this module: late
+        from jaxcomp import transforms  # the package imports this module: late
 
-        factory = getattr(jaxcomp, compressor, None)
+        factory = getattr(transforms, compressor, None)
         if not callable(factory):
             raise ValueError(f"compressor must be a jaxcomp factory name, got {compressor!r}")
         return factory
