@@ -245,6 +245,42 @@ def test_empty_and_scalar_leaves():
     assert state.level.tolist() == [0, 1]
 
 
+def test_nonfinite_gradient_skips_both_levels():
+    # One leaf at each level; a NaN in the high-level leaf: the default policy
+    # ("skip") sends nothing at either level and keeps every residual.
+    tx = jaxcomp.accordion(jaxcomp.top_k, low=0.5, high=0.25, interval=1)
+    update = jax.jit(tx.update)
+    g = {"a": jnp.arange(1.0, 9.0), "b": jnp.arange(1.0, 9.0)}
+    state = tx.init(g)
+    for scale in (1.0, 1.0, 8.0):  # "a" triples in norm (critical), "b" steady
+        _, state = update({"a": scale * g["a"], "b": g["b"]}, state)
+    assert state.level.tolist() == [0, 1]
+    old = jax.tree.map(np.asarray, state.residual)
+    bad = {"a": g["a"], "b": g["b"].at[3].set(jnp.nan)}
+    u, state = update(bad, state)
+    for k in ("a", "b"):
+        np.testing.assert_array_equal(np.asarray(u[k]), 0.0)
+        np.testing.assert_array_equal(np.asarray(state.residual[k]), old[k])
+    assert int(state.nonfinite_steps) == 1
+
+
+def test_bfloat16_gradients_keep_the_rounding_in_the_residual():
+    tx = jaxcomp.accordion(jaxcomp.top_k, low=0.5, high=0.25, interval=1)
+    rng = np.random.default_rng(5)
+    g = {"w": jnp.asarray(rng.normal(size=40), jnp.bfloat16)}
+    state = tx.init(g)
+    update = jax.jit(tx.update)
+    for step in range(4):
+        gs = {"w": (g["w"] * (1 + step)).astype(jnp.bfloat16)}
+        old = np.asarray(state.residual["w"], np.float32)
+        u, state = update(gs, state)
+        assert u["w"].dtype == jnp.bfloat16
+        res = np.asarray(state.residual["w"], np.float32)
+        np.testing.assert_array_equal(
+            np.asarray(u["w"], np.float32) + res, old + np.asarray(gs["w"], np.float32)
+        )
+
+
 @pytest.mark.parametrize(
     "kwargs, name",
     [

@@ -89,6 +89,8 @@ class AccordionState(NamedTuple):
         no such statistic (PowerSGD).
       wire_bytes: float32, bytes this device put on the wire in the last
         step: both instances' exchanges (static capacities).
+      nonfinite_steps: int32, steps whose gradients held NaN or Inf (both
+        instances see them: the inactive one gets ``g * 0``).
     """
 
     step: jax.Array
@@ -101,6 +103,7 @@ class AccordionState(NamedTuple):
     message_bytes: jax.Array
     sent_count: jax.Array | None
     wire_bytes: jax.Array
+    nonfinite_steps: jax.Array
 
 
 def _resolve_factory(compressor) -> Callable[..., optax.GradientTransformation]:
@@ -163,15 +166,28 @@ def _per_leaf(tree, num_leaves: int, dtype) -> jax.Array:
     return jnp.full((num_leaves,), total / max(num_leaves, 1)).astype(dtype)
 
 
-def _split(tree, low_leaf: list, treedef):
-    """``tree`` (None allowed) split into (at the low level, at the high level) by leaf."""
+def _split(tree, low_leaf: list, treedef, *, poison: bool = False):
+    """``tree`` (None allowed) split into (at the low level, at the high level) by leaf.
+
+    With ``poison``, a leaf's other instance gets ``x * 0`` instead of zeros: 0
+    where ``x`` is finite, NaN where it is not, so that both instances see a
+    non-finite gradient whenever the tree holds one and apply the inner
+    compressor's non-finite policy to the same step (``"skip"``: neither sends).
+    """
     if tree is None:
         return None, None
     leaves = treedef.flatten_up_to(tree)
-    zero = [jnp.zeros_like(x) for x in leaves]
+    zero = [x * 0 if poison else jnp.zeros_like(x) for x in leaves]
     low = [jnp.where(c, x, z) for c, x, z in zip(low_leaf, leaves, zero, strict=True)]
     high = [jnp.where(c, z, x) for c, x, z in zip(low_leaf, leaves, zero, strict=True)]
     return treedef.unflatten(low), treedef.unflatten(high)
+
+
+def _nonfinite_steps(low, high, previous):
+    counts = [c for s in (low, high) if (c := _field(s, "nonfinite_steps")) is not None]
+    if not counts:
+        return previous
+    return jnp.maximum(*counts) if len(counts) == 2 else counts[0]
 
 
 def _join(a, b):
@@ -265,6 +281,7 @@ def accordion(
             message_bytes=jnp.zeros((num_leaves,), jnp.int32),
             sent_count=None if sent is None else jnp.zeros((num_leaves,), jnp.int32),
             wire_bytes=jnp.zeros((), jnp.float32),
+            nonfinite_steps=jnp.zeros((), jnp.int32),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -275,7 +292,7 @@ def accordion(
         shapes = jax.eval_shape(lambda u: tuple(_strip(tx.init(u)) for tx in txs), updates)
         states = jax.tree.structure(shapes).unflatten(state.inner)
         low_leaf = [state.level[i] == 0 for i in range(num_leaves)]
-        g_low, g_high = _split(updates, low_leaf, treedef)
+        g_low, g_high = _split(updates, low_leaf, treedef, poison=True)
         r_low, r_high = _split(state.residual, low_leaf, treedef)
         states = [
             optax.tree.set(s, residual=r) if r is not None else s
@@ -351,6 +368,7 @@ def accordion(
             message_bytes=message,
             sent_count=sent,
             wire_bytes=wire,
+            nonfinite_steps=_nonfinite_steps(s_low, s_high, state.nonfinite_steps),
         )
         return new_updates, new_state
 
