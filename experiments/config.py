@@ -388,7 +388,8 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     ``compressor_kwargs``: sparsifiers ``ratio=1e-3``, ``granularity="layer"``
     and (but ``random_k``, which has no threshold to reuse) ``reuse_period=1``;
     ``qsgd`` ``levels=16`` when neither ``levels`` nor ``bits`` is given;
-    ``powersgd`` ``rank=4``; other keys as given (unset: the factory's
+    ``powersgd`` ``rank=4``; ``accordion`` ``compressor="top_k"``, ``low=0.99``,
+    ``high=0.1`` (over top-k); other keys as given (unset: the factory's
     default). Sparsifiers ``momentum_correction=True`` and ``merge="none"``
     unless set, the others ``momentum_correction=False`` (dense: either value
     is the same run). ``exchange="default"`` becomes None (the same run);
@@ -428,6 +429,13 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
         kw["levels"] = 16
     if c.compressor in LOW_RANK:
         kw.setdefault("rank", 4)
+    if c.compressor == "accordion":
+        # The paper's top-k levels (Agarwal et al., 2021): ratio 0.99 in critical
+        # regimes, 0.1 otherwise.
+        kw.setdefault("compressor", "top_k")
+        if kw["compressor"] == "top_k":
+            kw.setdefault("low", 0.99)
+            kw.setdefault("high", 0.1)
     return c
 
 
