@@ -92,12 +92,6 @@ CONFORMANCE = {
     # Low rank, rank 1: (n + m) * 1 * 2 < n m for the suites' matrices; 0-D and 1-D
     # leaves go dense.
     "powersgd": spec("powersgd", rank=1),
-    # Accordion over top-k, deciding every 2 steps between ratios 0.5 and 0.1 (its
-    # "compressor" keyword is spec's own argument's name: the preset spelled out).
-    "accordion_top_k": {
-        "compressor": "accordion",
-        "kwargs": {"compressor": "top_k", "low": 0.5, "high": 0.1, "interval": 2},
-    },
 }
 
 # Compressed optimizers (their update is Adam's step). Small schedules, so that a few

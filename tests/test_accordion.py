@@ -281,6 +281,38 @@ def test_bfloat16_gradients_keep_the_rounding_in_the_residual():
         )
 
 
+def test_dgc_momentum_velocity_is_handed_over():
+    """DGC's momentum correction (u = m u + g; R = e + u; send top-k of R; e = R - sent;
+    u = 0 where sent), in numpy with one velocity and one residual across the switches."""
+    m = 0.9
+    tx = jaxcomp.accordion(jaxcomp.top_k, low=0.5, high=0.125, interval=1, momentum=m)
+    update = jax.jit(tx.update)
+    rng = np.random.default_rng(7)
+    base = (rng.permutation(16) + 1.0).astype(np.float32) * rng.choice([-1.0, 1.0], 16)
+    state = tx.init({"w": jnp.zeros(16)})
+    u_ref = np.zeros(16, np.float32)
+    e_ref = np.zeros(16, np.float32)
+    levels = []
+    for scale in (1.0, 1.0, 1.0, 4.0, 4.0, 4.0, 4.0):
+        g = (scale * base).astype(np.float32)
+        level = int(state.level[0])
+        levels.append(level)
+        u_ref = np.float32(m) * u_ref + g
+        acc = e_ref + u_ref
+        sent = _ref_topk(acc, (0.5, 0.125)[level])
+        e_ref = acc - sent
+        u_ref = np.where(sent != 0, np.float32(0), u_ref)
+        out, state = update({"w": jnp.asarray(g)}, state)
+        np.testing.assert_allclose(np.asarray(out["w"]), sent, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(state.residual["w"]), e_ref, rtol=1e-6, atol=1e-6)
+    assert set(levels) == {0, 1}  # both levels ran, with switches between them
+
+
+def test_two_level_axis_is_rejected():
+    with pytest.raises(ValueError, match="axis_name"):
+        jaxcomp.accordion("top_k", low=0.5, high=0.1, interval=1, axis_name=("node", "local"))
+
+
 @pytest.mark.parametrize(
     "kwargs, name",
     [

@@ -257,6 +257,14 @@ def accordion(
     eta = V.check_real("eta", eta, 0.0, low_open=True)
     if argument in compressor_kwargs:
         raise ValueError(f"{argument} is set by low and high, got {argument}= as well")
+    axis = compressor_kwargs.get("axis_name")
+    if isinstance(axis, (tuple, list)) and len(axis) > 1:
+        # A two-level exchange wraps each instance's state in a TwoLevelState
+        # whose byte and non-finite fields the wrapper does not combine.
+        raise ValueError(
+            f"axis_name must be one mesh axis for jaxcomp.accordion, got {axis!r} "
+            "(the two-level exchange is not supported)"
+        )
     txs = (
         factory(**{argument: low}, **compressor_kwargs),
         factory(**{argument: high}, **compressor_kwargs),
