@@ -154,8 +154,9 @@ def test_compare_accordion_rows_are_valid_configs():
         kw["powersgd_r4"]["rank"],
         kw["powersgd_r1"]["rank"],
     )
-    bad = compare.for_compressor(base, {"compressor": "accordion", "compressor_kwargs": {}})
-    with pytest.raises(train.ConfigError, match="accordion"):
+    swapped = {"compressor": "top_k", "low": 0.1, "high": 0.99}
+    bad = compare.for_compressor(base, {"compressor": "accordion", "compressor_kwargs": swapped})
+    with pytest.raises(train.ConfigError, match="accordion.*high"):
         train.validate_config(bad)
 
 
