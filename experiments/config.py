@@ -34,6 +34,7 @@ from jaxcomp import sampling as sampling_lib
 from jaxcomp.comm.quantized import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
 
 __all__ = [
+    "ADAPTIVE",
     "AXIS",
     "CODED_EXCHANGES",
     "CODED_FIELDS",
@@ -90,7 +91,12 @@ QUANTIZERS = (
 LOW_RANK = ("powersgd",)
 # Whole optimizers with compression inside (nothing chained after them).
 COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
-COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS, *LOW_RANK, *COMPRESSED_OPTIMIZERS)
+# Wrappers that switch an inner compressor's level (compressor_kwargs name the inner
+# factory and its levels: {"compressor": "top_k", "low": 0.99, "high": 0.1}).
+ADAPTIVE = ("accordion",)
+COMPRESSORS = (
+    "dense", *SPARSIFIERS, *QUANTIZERS, *LOW_RANK, *COMPRESSED_OPTIMIZERS, *ADAPTIVE,
+)  # fmt: skip
 SCHEDULES = ("constant", "cosine", "step")
 NORMS = models.NORMS
 MERGES = ("none", "greedy", "optimal")
@@ -346,6 +352,8 @@ def _kind(compressor: str) -> str:
         return "the low-rank compressor"
     if compressor in COMPRESSED_OPTIMIZERS:
         return "the compressed optimizer"
+    if compressor in ADAPTIVE:
+        return "the adaptive wrapper"
     return "the baseline"
 
 
@@ -380,7 +388,8 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     ``compressor_kwargs``: sparsifiers ``ratio=1e-3``, ``granularity="layer"``
     and (but ``random_k``, which has no threshold to reuse) ``reuse_period=1``;
     ``qsgd`` ``levels=16`` when neither ``levels`` nor ``bits`` is given;
-    ``powersgd`` ``rank=4``; other keys as given (unset: the factory's
+    ``powersgd`` ``rank=4``; ``accordion`` ``compressor="top_k"``, ``low=0.99``,
+    ``high=0.1`` (over top-k); other keys as given (unset: the factory's
     default). Sparsifiers ``momentum_correction=True`` and ``merge="none"``
     unless set, the others ``momentum_correction=False`` (dense: either value
     is the same run). ``exchange="default"`` becomes None (the same run);
@@ -420,6 +429,13 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
         kw["levels"] = 16
     if c.compressor in LOW_RANK:
         kw.setdefault("rank", 4)
+    if c.compressor == "accordion":
+        # The paper's top-k levels (Agarwal et al., 2021): ratio 0.99 in critical
+        # regimes, 0.1 otherwise.
+        kw.setdefault("compressor", "top_k")
+        if kw["compressor"] == "top_k":
+            kw.setdefault("low", 0.99)
+            kw.setdefault("high", 0.1)
     return c
 
 
@@ -955,6 +971,9 @@ def _build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int
     if c.compressor in COMPRESSED_OPTIMIZERS:
         # Unset: a fifth of the run's steps (the 1-bit Adam paper's 15-25% warm-up).
         kwargs.setdefault(kwarg_name(c.compressor, "freeze_step"), max(1, total_steps // 5))
+    if c.compressor == "accordion":
+        # Unset: Accordion decides once per epoch (the paper's interval).
+        kwargs.setdefault("interval", steps_per_epoch)
     preset = {
         "compressor": "dense_exchange" if c.compressor == "dense" else c.compressor,
         "kwargs": kwargs,
@@ -1017,4 +1036,8 @@ def _owned(c: TrainConfig, lr, on_compressor: bool, steps_per_epoch: int, groups
         return dict(learning_rate=lr, b1=c.momentum)
     if c.compressor == "zero_one_adam":
         return dict(learning_rate=lr, b1=c.momentum, local_step_clipper=1)
+    if c.compressor == "accordion":
+        inner = c.compressor_kwargs.get("compressor")
+        layout = {"reshape": "last"} if inner in LOW_RANK else {}
+        return dict(seed=c.seed, **layout, **exchange)
     return exchange

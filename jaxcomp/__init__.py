@@ -22,11 +22,13 @@ from jaxcomp import (
 from jaxcomp.distributed import accumulate_then_compress, apply_if_finite, dense_exchange
 from jaxcomp.transforms import (
     DGC_WARMUP,
+    AccordionState,
     DeferredSparsifyState,
     Quantizer,
     QuantizeState,
     SparsifyState,
     TwoLevelState,
+    accordion,
     binary_search,
     bounded_sign,
     cast,
@@ -58,11 +60,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DGC_WARMUP",
+    "AccordionState",
     "DeferredSparsifyState",
     "QuantizeState",
     "Quantizer",
     "SparsifyState",
     "TwoLevelState",
+    "accordion",
     "accumulate_then_compress",
     "aggregation",
     "analysis",

@@ -134,6 +134,32 @@ def test_compare_rows_are_valid_configs():
     assert paper == {"ratio": 1e-3, "variant": "paper"}
 
 
+def test_compare_accordion_rows_are_valid_configs():
+    # compare --table=accordion: every row validates in the table's setting, and the
+    # Accordion rows switch between exactly the levels of the fixed rows beside them.
+    from experiments import compare, train  # noqa: PLC0415
+
+    rows, setting = compare.TABLES["accordion"]
+    base = train.TrainConfig(**setting)
+    configs = {n: compare.for_compressor(base, o) for n, o in rows.items()}
+    for config in configs.values():
+        train.validate_config(config)
+        assert not config.momentum_correction and config.warmup_epochs == 0
+    kw = {n: c.compressor_kwargs for n, c in configs.items()}
+    assert (kw["accordion_top_k"]["low"], kw["accordion_top_k"]["high"]) == (
+        kw["top_k_0.99"]["ratio"],
+        kw["top_k_0.1"]["ratio"],
+    )
+    assert (kw["accordion_powersgd"]["low"], kw["accordion_powersgd"]["high"]) == (
+        kw["powersgd_r4"]["rank"],
+        kw["powersgd_r1"]["rank"],
+    )
+    swapped = {"compressor": "top_k", "low": 0.1, "high": 0.99}
+    bad = compare.for_compressor(base, {"compressor": "accordion", "compressor_kwargs": swapped})
+    with pytest.raises(train.ConfigError, match="accordion.*high"):
+        train.validate_config(bad)
+
+
 def test_dlgs_table_rows_are_the_papers_methods():
     # compare --table=dlgs: each row passes validation in the paper's setting,
     # and the rows differ exactly in what the DLGS paper compares.

@@ -754,6 +754,8 @@ def _unused_cases():
     unused["powersgd"] = {**sparse_only, **qsgd_only, **freeze_only}
     for n in train.COMPRESSED_OPTIMIZERS:
         unused[n] = {**sparse_only, **qsgd_only, **rank_only}
+    # Accordion passes its other arguments to its inner compressor (top_k by default).
+    unused["accordion"] = {**qsgd_only, **rank_only, **freeze_only}
     return [(n, k, v) for n in train.COMPRESSORS for k, v in unused[n].items()]
 
 

@@ -1,6 +1,7 @@
 """Optax gradient transformations: the compressors users call."""
 
 from jaxcomp.quantization import Quantizer
+from jaxcomp.transforms.accordion import AccordionState, accordion
 from jaxcomp.transforms.adam import (
     OnebitAdamState,
     ZeroOneAdamState,
@@ -41,6 +42,7 @@ from jaxcomp.transforms.sparsify import (
 from jaxcomp.transforms.two_level import TwoLevelState
 
 __all__ = [
+    "AccordionState",
     "DGC_WARMUP",
     "DeferredSparsifyState",
     "MomentumQuantizeState",
@@ -51,6 +53,7 @@ __all__ = [
     "SparsifyState",
     "TwoLevelState",
     "ZeroOneAdamState",
+    "accordion",
     "binary_search",
     "bounded_sign",
     "cast",
