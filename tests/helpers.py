@@ -171,11 +171,15 @@ SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS and nam
 
 
 def mesh_update(tx, mesh, axis_name: str = "data"):
-    """Jitted ``tx.update`` on every device's row of stacked (grads, state): per-device outputs."""
+    """Jitted ``tx.update`` on every device's row of stacked (grads, state): per-device outputs.
 
-    def run(grads, state):
+    Called as ``(grads, state, params)`` it passes every device's row of the
+    stacked params to ``tx.update`` too.
+    """
+
+    def run(grads, state, *params):
         first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
-        upd, new = tx.update(first(grads), first(state))
+        upd, new = tx.update(first(grads), first(state), *(first(p) for p in params))
         return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
 
     spec = P(axis_name)
