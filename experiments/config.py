@@ -89,7 +89,7 @@ QUANTIZERS = (
 # PowerSGD: rank-r power iteration, chained before SGD like the others.
 LOW_RANK = ("powersgd",)
 # Whole optimizers with compression inside (nothing chained after them).
-COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
+COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS, *LOW_RANK, *COMPRESSED_OPTIMIZERS)
 SCHEDULES = ("constant", "cosine", "step")
 NORMS = models.NORMS
@@ -1013,7 +1013,7 @@ def _owned(c: TrainConfig, lr, on_compressor: bool, steps_per_epoch: int, groups
     if c.compressor in LOW_RANK:
         # Flax kernels are (..., fan_in, out): matrices of their last dimension.
         return dict(reshape="last", seed=c.seed)
-    if c.compressor == "onebit_adam":
+    if c.compressor in ("onebit_adam", "onebit_lamb"):
         return dict(learning_rate=lr, b1=c.momentum)
     if c.compressor == "zero_one_adam":
         return dict(learning_rate=lr, b1=c.momentum, local_step_clipper=1)

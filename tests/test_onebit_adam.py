@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_update
+from helpers import mesh_update, np_compressed_allreduce, sign_codec
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,13 +38,6 @@ def _stacked(tree, mesh):
 
 def _stack_init(tx, params, mesh):
     return _stacked(jax.tree.map(lambda x: np.stack([np.asarray(x)] * N), tx.init(params)), mesh)
-
-
-def sign_codec(x):
-    """numpy ``||x||_1 / d * sign(x)`` (zeros sent as +), one bucket."""
-    x = np.asarray(x, np.float32)
-    scale = np.float32(np.sum(np.abs(x), dtype=np.float64) / x.size)
-    return np.where(x < 0, -scale, scale).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -515,39 +508,6 @@ def test_schedule_learning_rate_and_tree_mismatch():
 # ---------------------------------------------------------------------------
 # The two-stage exchange (DeepSpeed's compressed_allreduce).
 # ---------------------------------------------------------------------------
-
-
-def _np_scale(v, kind):
-    v = np.asarray(v, np.float64)
-    if v.size == 0:
-        return 0.0
-    return np.abs(v).sum() / v.size if kind == "l1" else np.sqrt((v * v).sum() / v.size)
-
-
-def _np_signed(v, scale):
-    return np.where(np.asarray(v) >= 0, scale, -scale)
-
-
-def np_compressed_allreduce(x, worker_err, server_err, ok, kind):
-    """DeepSpeed's compressed_allreduce in numpy, float64.
-
-    x, worker_err: (N, d); server_err: (d,), the servers' chunks concatenated;
-    ok: (N,) bool, devices that send. Chunks of ceil(d / 8N) * 8 values, server j
-    owns chunk j. Returns (result, new worker errors, new server errors).
-    """
-    n, d = x.shape
-    buf = np.where(ok[:, None], x + worker_err, 0.0)
-    sent = np.stack([_np_signed(b, _np_scale(b, kind)) for b in buf]) * ok[:, None]
-    new_worker = np.where(ok[:, None], buf - sent, worker_err)
-    avg = sent.sum(axis=0) / max(ok.sum(), 1)
-    chunk = -(-d // (8 * n)) * 8
-    out, new_server = np.zeros(d), np.zeros(d)
-    for j in range(n):
-        sl = slice(j * chunk, min(d, (j + 1) * chunk))
-        sb = avg[sl] + server_err[sl]
-        out[sl] = _np_signed(sb, _np_scale(sb, kind))
-        new_server[sl] = sb - out[sl]
-    return out, new_worker, new_server
 
 
 TWO_STAGE_TREE = {"w": (12,), "m": (5, 7), "b": ()}  # d = 47 compressed, "b" dense

@@ -121,11 +121,11 @@ def test_resume_gives_identical_parameters(tmp_path):
         train.train_and_evaluate(dataclasses.replace(config, epochs=3), str(tmp_path / "b"))
 
 
-@pytest.mark.parametrize("compressor", ["onebit_adam", "zero_one_adam"])
+@pytest.mark.parametrize("compressor", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
 def test_compressed_adam_checkpoints_and_resumes(tmp_path, compressor):
     # Their state holds a zero-size leaf (the server error of the all-gather
     # exchange), which orbax refuses to save: the first checkpoint crashed.
-    freeze = {"onebit_adam": "freeze_step", "zero_one_adam": "var_freeze_step"}[compressor]
+    freeze = "var_freeze_step" if compressor == "zero_one_adam" else "freeze_step"
     config = dataclasses.replace(
         TINY,
         compressor=compressor,

@@ -3,8 +3,10 @@
 from jaxcomp.quantization import Quantizer
 from jaxcomp.transforms.adam import (
     OnebitAdamState,
+    OnebitLambState,
     ZeroOneAdamState,
     onebit_adam,
+    onebit_lamb,
     zero_one_adam,
 )
 from jaxcomp.transforms.powersgd import PowerSGDState, powersgd
@@ -45,6 +47,7 @@ __all__ = [
     "DeferredSparsifyState",
     "MomentumQuantizeState",
     "OnebitAdamState",
+    "OnebitLambState",
     "PowerSGDState",
     "QuantizeState",
     "Quantizer",
@@ -61,6 +64,7 @@ __all__ = [
     "natural_compression",
     "onebit",
     "onebit_adam",
+    "onebit_lamb",
     "powersgd",
     "qsgd",
     "qsvrg",
