@@ -1194,7 +1194,8 @@ def test_optimizer_shard_map_exchange_loses_nothing(name):
                 x = b1 * old.mu[leaf].astype(np.float64) + (1 - b1) * x
                 mean = new.mu[leaf][0].astype(np.float64)
             elif name.startswith("onebit_lamb"):  # the local momentum, scaled per leaf
-                scale = new.scaling_coeff[leaf][0].astype(np.float64)
+                # One coefficient per leaf, in leaf order (v, w).
+                scale = new.scaling_coeff[0][sorted(spec).index(leaf)].astype(np.float64)
                 x = scale * (b1 * old.mu[leaf].astype(np.float64) + (1 - b1) * x)
                 mean = scale * new.mu[leaf][0].astype(np.float64)
             else:  # stage 1 of 0/1 Adam: the gradient is exchanged, m = b1 m + (1 - b1) mean
@@ -1286,10 +1287,11 @@ def test_state_round_trips_through_orbax(name, tmp_path):
         _assert_same_bits(restored, state, "states")
 
 
-@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
 def test_adam_state_round_trips_through_elastic(name, tmp_path):
     """elastic.save / elastic.restore on the same device count: 1-bit and 0/1 Adam's
-    default (single-stage) states come back bit for bit and train on identically."""
+    and 1-bit LAMB's default (single-stage) states come back bit for bit and train on
+    identically."""
     from jaxcomp import distributed as dist  # noqa: PLC0415
     from jaxcomp import elastic  # noqa: PLC0415
 

@@ -1015,3 +1015,24 @@ def test_weight_decay_needs_params_and_mask_must_fit():
         # Without weight decay the parameters stay optional.
         tx = make(exp_avg_mask={"w": np.array([1, 1, 0, 1])})
         tx.update(g, tx.init(g))
+
+
+def test_inject_hyperparams_weight_decay():
+    """An injected (traced) weight_decay: the plain run's updates, the parameters required."""
+    params = {"w": jnp.linspace(-1.0, 2.0, 16)}
+    g = {"w": jnp.cos(params["w"])}
+    for make, schedule in (
+        (onebit_adam, {"freeze_step": 1}),
+        (zero_one_adam, {"var_freeze_step": 1}),
+    ):
+        ref = make(0.01, weight_decay=0.1, **schedule)
+        tx = optax.inject_hyperparams(make, static_args=(*schedule, "bias_correction"))(
+            learning_rate=0.01, weight_decay=0.1, **schedule
+        )
+        s, r = tx.init(params), ref.init(params)
+        for _ in range(3):
+            u, s = jax.jit(tx.update)(g, s, params)
+            ur, r = jax.jit(ref.update)(g, r, params)
+            np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(ur["w"]), rtol=1e-4)
+        with pytest.raises(ValueError, match="weight_decay.*params"):
+            tx.update(g, s)

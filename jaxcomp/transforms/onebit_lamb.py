@@ -48,6 +48,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp import _sharding
@@ -94,11 +95,12 @@ class OnebitLambState(NamedTuple):
       residual: error-feedback memory of the scaled momentum (per device).
       server_residual: ``exchange="two_stage"``'s server error, as in
         :class:`jaxcomp.transforms.onebit_adam.OnebitAdamState`.
-      scaling_coeff: float32 per leaf, ``s_j`` (``scaling_coeff``), set at
-        the first compressed step (1 before).
-      coeff_freeze: float32 per leaf, ``c_frozen`` (``lamb_coeff_freeze``).
-      last_factor: float32 per leaf, the last factor ``f`` (``last_factor``).
-      lamb_coeff: float32 per leaf, the trust ratio of the last step, ``c``
+      scaling_coeff: float32 ``(L,)``, one value per leaf in
+        ``jax.tree.leaves(params)`` order (as the three below): ``s_j``
+        (``scaling_coeff``), set at the first compressed step (1 before).
+      coeff_freeze: float32 ``(L,)``, ``c_frozen`` (``lamb_coeff_freeze``).
+      last_factor: float32 ``(L,)``, the last factor ``f`` (``last_factor``).
+      lamb_coeff: float32 ``(L,)``, the trust ratio of the last step, ``c``
         or ``c_frozen f`` (DeepSpeed's ``get_lamb_coeffs()``).
       message_bytes, wire_bytes, nonfinite_steps: as in ``OnebitAdamState``.
     """
@@ -228,7 +230,7 @@ def onebit_lamb(
       >>> round(float(optax.tree.norm(u)), 4)
       0.5
       >>> u, state = tx.update(g, state, params)  # 1-bit momentum, frozen ratio
-      >>> round(float(state.coeff_freeze["w"]), 4), int(state.message_bytes["w"])
+      >>> round(float(state.coeff_freeze[0]), 4), int(state.message_bytes["w"])
       (0.0791, 5)
     """
     hyperparameters = check_hyperparameters(learning_rate, b1, b2, eps)
@@ -287,7 +289,8 @@ def _lamb_init(cfg: _OnebitLambConfig, params) -> OnebitLambState:
     V.check_gradient_leaves(params, f"{cfg.who}.init", "parameter")
     check_exp_avg_mask(cfg, params, f"{cfg.who}.init")
     zeros = moment_dtypes(params, cfg.common.residual_dtype)
-    per_leaf = lambda v: jax.tree.map(lambda _: jnp.asarray(v, jnp.float32), params)  # noqa: E731
+    n_leaves = len(jax.tree.leaves(params))
+    per_leaf = lambda v: jnp.full([n_leaves], v, jnp.float32)  # noqa: E731
     return OnebitLambState(
         count=jnp.zeros([], jnp.int32),
         mu=zeros,
@@ -342,7 +345,7 @@ def _lamb_step(cfg: _OnebitLambConfig, updates, state, params):
         functools.partial(_compressed_momentum_step, cfg, g, ok, n_ok, p),
         state,
     )
-    step = jax.tree.map(lambda c, u: c.astype(u.dtype) * u, new.lamb_coeff, direction)
+    step = _leafwise(new.lamb_coeff, direction, lambda c, u: c.astype(u.dtype) * u)
     new_updates = scale_updates(step_size_at(cfg.learning_rate, state.count), step, updates)
 
     live = n_ok > 0  # some device contributed: else the step is dropped everywhere
@@ -358,6 +361,16 @@ def _lamb_step(cfg: _OnebitLambConfig, updates, state, params):
     return tree_where(live, new_updates, zeros_like_tree(new_updates)), merged
 
 
+def _stack(scalars):
+    """float32 ``(L,)`` of per-leaf scalars (``(0,)`` for a tree without leaves)."""
+    return jnp.stack(scalars) if scalars else jnp.zeros([0], jnp.float32)
+
+
+def _norms(tree):
+    """float32 ``(L,)``: ``||x||_2`` of each leaf, in leaf order (0 for an empty leaf)."""
+    return _stack([_norm(x) for x in jax.tree.leaves(tree)])
+
+
 def _warm_up_step(cfg: _OnebitLambConfig, grads, ok, n_ok, p, count_inc, s):
     """LAMB on the dense mean gradient; the clipped trust ratio is averaged into ``coeff_freeze``.
 
@@ -367,22 +380,15 @@ def _warm_up_step(cfg: _OnebitLambConfig, grads, ok, n_ok, p, count_inc, s):
     mu = optax.tree.update_moment(mean, s.mu, cfg.b1, 1)
     nu = optax.tree.update_moment_per_elem_norm(mean, s.nu, cfg.b2, 2)
     nu_fresh = tree_where(count_inc == cfg.freeze_step, nu, s.nu_fresh)
-    direction = add_weight_decay(
-        cfg, precondition(mu, nu, cfg.b1, cfg.b2, cfg.eps, 1, 1, bias_correction=False), p
-    )
-
-    def ratio(x, u):
-        w_norm, u_norm = _norm(x), _norm(u)
-        clipped = jnp.clip(w_norm / jnp.where(u_norm > 0, u_norm, 1), cfg.min_coeff, cfg.max_coeff)
-        return jnp.where((w_norm > 0) & (u_norm > 0), clipped, 1.0).astype(jnp.float32)
-
-    coeff = jax.tree.map(ratio, p, direction)
+    prelim = precondition(mu, nu, cfg.b1, cfg.b2, cfg.eps, 1, 1, bias_correction=False)
+    direction = add_weight_decay(cfg, prelim, p)
+    # The per-leaf scalars as (L,) vectors: a handful of ops whatever the leaf count.
+    w_norm, u_norm = _norms(p), _norms(direction)
+    ratio = jnp.clip(w_norm / jnp.where(u_norm > 0, u_norm, 1), cfg.min_coeff, cfg.max_coeff)
+    coeff = jnp.where((w_norm > 0) & (u_norm > 0), ratio, 1.0).astype(jnp.float32)
     # DeepSpeed averages only the steps whose ratio is not exactly 1 (1: a zero norm).
-    coeff_freeze = jax.tree.map(
-        lambda c, f: jnp.where(c != 1, cfg.coeff_beta * f + (1 - cfg.coeff_beta) * c, f),
-        coeff,
-        s.coeff_freeze,
-    )
+    averaged = cfg.coeff_beta * s.coeff_freeze + (1 - cfg.coeff_beta) * coeff
+    coeff_freeze = jnp.where(coeff != 1, averaged, s.coeff_freeze).astype(jnp.float32)
     new = s._replace(
         mu=mu,
         nu=nu,
@@ -398,18 +404,18 @@ def _momentum_scaling(mu, scaling_coeff, first):
     """``s_j = mean_k(r_k) / r_j``, ``r_j = ||m_j|| / sqrt(d_j)``, at the first compressed
     step (``first``); ``scaling_coeff`` after. Empty leaves do not count; a leaf with
     ``r_j = 0`` gets 1."""
-    rms = [
-        None if m.size == 0 else _norm(m) / jnp.sqrt(jnp.float32(m.size))
-        for m in jax.tree.leaves(mu)
-    ]
-    present = [r for r in rms if r is not None]
-    united = sum(present) / len(present) if present else jnp.float32(1)
-    fresh = [
-        jnp.float32(1) if r is None else jnp.where(r > 0, united / jnp.where(r > 0, r, 1), 1.0)
-        for r in rms
-    ]
-    fresh = jax.tree.unflatten(jax.tree.structure(mu), fresh)
-    return tree_where(first, fresh, scaling_coeff)
+    sizes = np.array([m.size for m in jax.tree.leaves(mu)])
+    present = sizes > 0
+    rms = _norms(mu) / jnp.sqrt(jnp.asarray(np.maximum(sizes, 1), jnp.float32))
+    united = jnp.sum(jnp.where(present, rms, 0)) / max(int(present.sum()), 1)
+    fresh = jnp.where(present & (rms > 0), united / jnp.where(rms > 0, rms, 1), 1.0)
+    return jnp.where(first, fresh, scaling_coeff).astype(jnp.float32)
+
+
+def _leafwise(vector, tree, fn):
+    """``fn(vector[j], leaf_j)`` for every leaf of ``tree`` (``vector``: ``(L,)``)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([fn(vector[j], x) for j, x in enumerate(leaves)])
 
 
 def _compressed_momentum_step(cfg: _OnebitLambConfig, g, ok, n_ok, p, s):
@@ -419,50 +425,47 @@ def _compressed_momentum_step(cfg: _OnebitLambConfig, g, ok, n_ok, p, s):
     Returns (new state but count and wire bytes, the direction ``u``, wire bytes).
     """
     scaling = _momentum_scaling(s.mu, s.scaling_coeff, s.count == cfg.freeze_step)
-    m_local = jax.tree.map(
-        lambda m, c: m * c.astype(m.dtype),
-        optax.tree.update_moment(g, s.mu, cfg.b1, 1),
+    m_local = _leafwise(
         scaling,
+        optax.tree.update_moment(g, s.mu, cfg.b1, 1),
+        lambda c, m: m * c.astype(m.dtype),
     )
     mean, residual, server, message_bytes, wire = compressed_mean(
         cfg, m_local, s.residual, s.server_residual, s.message_bytes, ok, n_ok, s.count
     )
-    mu = jax.tree.map(lambda m, c: m / c.astype(m.dtype), mean, scaling)
+    mu = _leafwise(scaling, mean, lambda c, m: m / c.astype(m.dtype))
     mu = mask_momentum(cfg, mu, s.nu)
     # The gradient that the new momentum implies, into the fresh variance.
     grad_rec = jax.tree.map(lambda m, old: (m - old * cfg.b1) / (1 - cfg.b1), mu, s.mu)
     nu_fresh = optax.tree.update_moment_per_elem_norm(grad_rec, s.nu_fresh, cfg.b2, 2)
     prelim = precondition(mu, s.nu, cfg.b1, cfg.b2, cfg.eps, 1, 1, bias_correction=False)
     direction = add_weight_decay(cfg, prelim, p)
-    decays = has_weight_decay(cfg)
 
-    def factor(v, v_fresh, u0, u, last):
+    def drift(v, v_fresh):  # max (sqrt(v) + eps) / (sqrt(v_fresh) + eps) of one leaf
         if v.size == 0:
-            f = jnp.float32(1)
-        else:
-            f = jnp.max((jnp.sqrt(v) + cfg.eps) / (jnp.sqrt(v_fresh) + cfg.eps))
-            f = f.astype(jnp.float32)
-        if decays:  # the part of the update that is the decay does not drift with v
-            u_norm = _norm(u)
-            r = jnp.where(
-                u_norm > 0, jnp.minimum(1.0, _norm(u0) / jnp.where(u_norm > 0, u_norm, 1)), 1.0
-            )
-            f = f * r + (1 - r)
-        f = jnp.clip(f, cfg.factor_min, cfg.factor_max)
-        return jnp.clip(
-            f, last * (1 - cfg.factor_threshold), last * (1 + cfg.factor_threshold)
-        ).astype(jnp.float32)
+            return jnp.float32(1)
+        return jnp.max((jnp.sqrt(v) + cfg.eps) / (jnp.sqrt(v_fresh) + cfg.eps)).astype(jnp.float32)
 
-    last_factor = jax.tree.map(factor, s.nu, nu_fresh, prelim, direction, s.last_factor)
-    lamb_coeff = jax.tree.map(jnp.multiply, s.coeff_freeze, last_factor)
+    factor = _stack(
+        [drift(v, f) for v, f in zip(jax.tree.leaves(s.nu), jax.tree.leaves(nu_fresh), strict=True)]
+    )
+    if has_weight_decay(cfg):  # the share of the update that is decay does not drift with v
+        u0_norm, u_norm = _norms(prelim), _norms(direction)
+        share = jnp.minimum(1.0, u0_norm / jnp.where(u_norm > 0, u_norm, 1))
+        share = jnp.where(u_norm > 0, share, 1.0)
+        factor = factor * share + (1 - share)
+    factor = jnp.clip(factor, cfg.factor_min, cfg.factor_max)
+    last = s.last_factor
+    factor = jnp.clip(factor, last * (1 - cfg.factor_threshold), last * (1 + cfg.factor_threshold))
+    factor = factor.astype(jnp.float32)
     new = s._replace(
         mu=mu,
         nu_fresh=nu_fresh,
         residual=residual,
         server_residual=server,
         scaling_coeff=scaling,
-        last_factor=last_factor,
-        lamb_coeff=lamb_coeff,
+        last_factor=factor,
+        lamb_coeff=(s.coeff_freeze * factor).astype(jnp.float32),
         message_bytes=message_bytes,
     )
     return new, direction, wire
