@@ -206,8 +206,8 @@ def onebit_lamb(
         bounds (4 and 0.5).
       factor_threshold: in ``[0, 1)``, the largest relative change of the
         factor from one step to the next (0.1).
-      axis_name, codec, bucket_size, exchange, min_dense_size, residual_dtype,
-        nonfinite: as in :func:`jaxcomp.onebit_adam`.
+      axis_name, codec, bucket_size, exchange, min_dense_size, residual_dtype, nonfinite:
+        as in :func:`jaxcomp.onebit_adam`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with
