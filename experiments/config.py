@@ -146,12 +146,12 @@ class TrainConfig:
         0.01, "variant": "paper"}`` for ``ldte_bs`` (the ldte_bs paper's
         Algorithm 2), ``{"levels": 16}`` or ``{"bits": 4}`` and
         ``"bucket_size"`` for ``qsgd``, ``{"rank": 4}`` for ``powersgd``,
-        ``{"freeze_step": 100}`` for ``onebit_adam`` (``var_freeze_step``
-        for ``zero_one_adam``). The experiment's defaults
+        ``{"freeze_step": 100}`` for ``onebit_adam`` and ``onebit_lamb``
+        (``var_freeze_step`` for ``zero_one_adam``). The experiment's defaults
         (:func:`resolve_config`): sparsifiers ``ratio=1e-3``,
         ``granularity="layer"``, ``reuse_period=1`` (not ``random_k``);
         ``qsgd`` ``levels=16`` unless ``levels`` or ``bits`` is given;
-        ``powersgd`` ``rank=4``; the Adams' freeze step a fifth of the run's
+        ``powersgd`` ``rank=4``; the compressed optimizers' freeze step a fifth of the run's
         steps (the 1-bit Adam paper's 15-25% warm-up). Unset keys are the
         factory's own defaults (``min_dense_size``: 0 for sparsifiers,
         10000 for ``qsgd``). PowerSGD reshapes flax kernels with

@@ -1,8 +1,8 @@
-"""What 1-bit Adam and 0/1 Adam share: their options, their two exchanges, Adam's arithmetic.
+"""What 1-bit Adam, 0/1 Adam and 1-bit LAMB share: options, two exchanges, Adam's arithmetic.
 
-Both optimizers (:mod:`jaxcomp.transforms.onebit_adam`,
-:mod:`jaxcomp.transforms.zero_one_adam`; :mod:`jaxcomp.transforms.adam`
-says why they exist) reuse jaxcomp's 1-bit codecs
+The optimizers (:mod:`jaxcomp.transforms.onebit_adam`,
+:mod:`jaxcomp.transforms.zero_one_adam`, :mod:`jaxcomp.transforms.onebit_lamb`;
+:mod:`jaxcomp.transforms.adam` says why they exist) reuse jaxcomp's 1-bit codecs
 (:func:`jaxcomp.quantization.sign_quantizer`, ``||x||_1 / d * sign(x)`` per
 bucket, by default; ``||x||_2 / sqrt(d) * sign(x)``, DeepSpeed's, with
 ``codec="sign_l2"``; or :func:`jaxcomp.quantization.onebit_quantizer`) and
@@ -29,8 +29,9 @@ offer two exchanges:
   its own chunk (``N``-independent state, ``d`` rather than ``d / N``
   floats).
 
-Layout of the code: :class:`AdamConfig` holds the options both optimizers
+Layout of the code: :class:`AdamConfig` holds the options the optimizers
 take (Adam's hyperparameters, checked by :func:`check_hyperparameters`;
+weight decay and the momentum mask, by :func:`check_decay_and_mask`;
 codec, exchange and the common options, checked by :func:`make_config`);
 each optimizer's own config adds its schedule. The exchanges are functions
 of :class:`AdamConfig`: :func:`count_ok`, :func:`dense_mean`,
