@@ -455,9 +455,13 @@ def test_leaves_split_over_an_explicit_mesh_axis_equal_unsharded():
         for _ in range(3)
     ]
     specs = {"w": P("data", None), "b": P()}
+    params = grads[0]  # weight decay and 1-bit LAMB read the (split) parameters
     for tx in (
         onebit_adam(0.1, freeze_step=1),
         zero_one_adam(0.1, var_freeze_step=1, local_step_clipper=2, local_step_scaler=1),
+        onebit_adam(0.1, freeze_step=1, weight_decay=0.1),
+        zero_one_adam(0.1, var_freeze_step=1, local_step_clipper=1, weight_decay=0.1),
+        jaxcomp.onebit_lamb(0.1, freeze_step=1, weight_decay=0.1),
     ):
         ref_state, state = tx.init(grads[0]), None
         with jax.set_mesh(mesh):
@@ -466,9 +470,9 @@ def test_leaves_split_over_an_explicit_mesh_axis_equal_unsharded():
             )
             state = jax.jit(tx.init)(put(grads[0]))
         for g in grads:  # warm-up / variance step, then 1-bit (and local) steps
-            ref_updates, ref_state = jax.jit(tx.update)(g, ref_state)
+            ref_updates, ref_state = jax.jit(tx.update)(g, ref_state, params)
             with jax.set_mesh(mesh):
-                updates, state = jax.jit(tx.update)(put(g), state)
+                updates, state = jax.jit(tx.update)(put(g), state, put(params))
             assert updates["w"].sharding.spec == P("data", None)
             assert state.residual["w"].sharding.spec == P("data", None)
             for k in g:
