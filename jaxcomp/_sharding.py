@@ -82,9 +82,9 @@ def whole_leaves(update_fn, fields=("residual", "velocity")):
     """``update_fn(updates, state, ...)`` compressing explicitly split leaves whole.
 
     Without explicitly split leaves this is ``update_fn``. Otherwise the
-    leaves, the state and the other positional arguments go in replicated, and the updates and the state's
-    per-element ``fields`` (pytrees like the updates) come back with the
-    leaves' shardings.
+    leaves, the state and the other positional arguments go in replicated,
+    and the updates and the state's per-element ``fields`` (pytrees like the
+    updates) come back with the leaves' shardings.
     """
 
     def wrapped(updates, state, *args, **kwargs):
