@@ -242,6 +242,7 @@ def test_bfloat16_parameters():
         ({"factor_threshold": 1.0}, "factor_threshold"),
         ({"exchange": "two_stage", "codec": "onebit"}, "codec"),
         ({"exp_avg_mask": {"w": np.full(3, 2.0)}}, "exp_avg_mask"),
+        ({"axis_name": ("node", "local")}, "axis_name.*two-level"),
     ],
 )
 def test_bad_arguments(kwargs, arg):

@@ -78,7 +78,7 @@ from jaxcomp.transforms.adam_base import (
     zeros_like_tree,
 )
 from jaxcomp.transforms.base import apply_nonfinite_policy
-from jaxcomp.transforms.two_level import accepts_two_level_axis
+from jaxcomp.transforms.two_level import is_two_level
 
 __all__ = ["OnebitLambState", "onebit_lamb"]
 
@@ -134,7 +134,6 @@ class _OnebitLambConfig(AdamConfig):
     factor_threshold: Any  # the largest relative change of the factor per step
 
 
-@accepts_two_level_axis()
 def onebit_lamb(
     learning_rate: float | Callable,
     b1: float = 0.9,
@@ -207,7 +206,9 @@ def onebit_lamb(
       factor_threshold: in ``[0, 1)``, the largest relative change of the
         factor from one step to the next (0.1).
       axis_name, codec, bucket_size, exchange, min_dense_size, residual_dtype, nonfinite:
-        as in :func:`jaxcomp.onebit_adam`.
+        as in :func:`jaxcomp.onebit_adam`, but ``axis_name`` is one mesh axis:
+        the two-level ``(node_axis, local_axis)`` would split the layers whose
+        trust ratios LAMB computes (a ``ValueError``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with
@@ -233,6 +234,14 @@ def onebit_lamb(
       >>> round(float(state.coeff_freeze[0]), 4), int(state.message_bytes["w"])
       (0.0791, 5)
     """
+    if is_two_level(axis_name):
+        # The two-level exchange runs the inner optimizer on each device's shard of
+        # every leaf: the trust ratios would be per shard, not per layer.
+        raise ValueError(
+            f"axis_name={axis_name!r}: the two-level exchange (node_axis, local_axis) is not "
+            "supported by onebit_lamb, whose trust ratio ||p|| / ||update|| is per whole "
+            "leaf while the two-level exchange works on shards of it; use one axis"
+        )
     hyperparameters = check_hyperparameters(learning_rate, b1, b2, eps)
     freeze_step = V.check_int("freeze_step", freeze_step, 1, 2**31 - 1)
     decay_and_mask = check_decay_and_mask(weight_decay, mask, exp_avg_mask)
