@@ -516,6 +516,7 @@ def _validate_mesh(c: TrainConfig, n: int | None) -> None:
         "merge (profiled on the flat mesh)": c.merge not in (None, "none"),
         "fit_check_epochs (reads whole residuals)": bool(c.fit_check_epochs),
         "coded_bytes_every (reads whole messages)": c.coded_bytes_every is not None,
+        "onebit_lamb (trust ratios of whole leaves)": c.compressor == "onebit_lamb",
     }
     bad = [name for name, on in others.items() if on]
     if bad:

@@ -1290,6 +1290,7 @@ def test_config_json_without_mesh_resumes_as_the_flat_mesh(tmp_path):
         ({"mesh": "3x3"}, "has 9 devices, the run 8"),
         ({"mesh": "2x4", "sampling": "feature"}, "sampling='feature'"),
         ({"mesh": "2x4", "exchange": "coded", "redundancy": 2}, "CSSGD"),
+        ({"mesh": "2x4", "compressor": "onebit_lamb"}, "onebit_lamb"),
     ],
 )
 def test_bad_two_level_mesh_is_an_invalid_config(overrides, message):
