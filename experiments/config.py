@@ -90,7 +90,7 @@ QUANTIZERS = (
 # PowerSGD: rank-r power iteration, chained before SGD like the others.
 LOW_RANK = ("powersgd",)
 # Whole optimizers with compression inside (nothing chained after them).
-COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
+COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 # Wrappers that switch an inner compressor's level (compressor_kwargs name the inner
 # factory and its levels: {"compressor": "top_k", "low": 0.99, "high": 0.1}).
 ADAPTIVE = ("accordion",)
@@ -152,12 +152,12 @@ class TrainConfig:
         0.01, "variant": "paper"}`` for ``ldte_bs`` (the ldte_bs paper's
         Algorithm 2), ``{"levels": 16}`` or ``{"bits": 4}`` and
         ``"bucket_size"`` for ``qsgd``, ``{"rank": 4}`` for ``powersgd``,
-        ``{"freeze_step": 100}`` for ``onebit_adam`` (``var_freeze_step``
-        for ``zero_one_adam``). The experiment's defaults
+        ``{"freeze_step": 100}`` for ``onebit_adam`` and ``onebit_lamb``
+        (``var_freeze_step`` for ``zero_one_adam``). The experiment's defaults
         (:func:`resolve_config`): sparsifiers ``ratio=1e-3``,
         ``granularity="layer"``, ``reuse_period=1`` (not ``random_k``);
         ``qsgd`` ``levels=16`` unless ``levels`` or ``bits`` is given;
-        ``powersgd`` ``rank=4``; the Adams' freeze step a fifth of the run's
+        ``powersgd`` ``rank=4``; the compressed optimizers' freeze step a fifth of the run's
         steps (the 1-bit Adam paper's 15-25% warm-up). Unset keys are the
         factory's own defaults (``min_dense_size``: 0 for sparsifiers,
         10000 for ``qsgd``). PowerSGD reshapes flax kernels with
@@ -532,6 +532,7 @@ def _validate_mesh(c: TrainConfig, n: int | None) -> None:
         "merge (profiled on the flat mesh)": c.merge not in (None, "none"),
         "fit_check_epochs (reads whole residuals)": bool(c.fit_check_epochs),
         "coded_bytes_every (reads whole messages)": c.coded_bytes_every is not None,
+        "onebit_lamb (trust ratios of whole leaves)": c.compressor == "onebit_lamb",
     }
     bad = [name for name, on in others.items() if on]
     if bad:
@@ -1032,7 +1033,7 @@ def _owned(c: TrainConfig, lr, on_compressor: bool, steps_per_epoch: int, groups
     if c.compressor in LOW_RANK:
         # Flax kernels are (..., fan_in, out): matrices of their last dimension.
         return dict(reshape="last", seed=c.seed)
-    if c.compressor == "onebit_adam":
+    if c.compressor in ("onebit_adam", "onebit_lamb"):
         return dict(learning_rate=lr, b1=c.momentum)
     if c.compressor == "zero_one_adam":
         return dict(learning_rate=lr, b1=c.momentum, local_step_clipper=1)

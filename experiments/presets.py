@@ -99,8 +99,8 @@ CONFORMANCE = {
     "powersgd_batched_bf16": spec("powersgd", rank=1, batched=True, pq_dtype="bfloat16"),
 }
 
-# Compressed optimizers (their update is Adam's step). Small schedules, so that a few
-# steps cross every stage (0/1 Adam: variance steps, 1-bit steps, stage 2).
+# Compressed optimizers (their update is Adam's or LAMB's step). Small schedules, so that
+# a few steps cross every stage (0/1 Adam: variance steps, 1-bit steps, stage 2).
 CONFORMANCE_OPTIMIZERS = {
     "onebit_adam": spec("onebit_adam", learning_rate=0.01, freeze_step=2),
     "onebit_adam_two_stage": spec(
@@ -120,6 +120,10 @@ CONFORMANCE_OPTIMIZERS = {
         var_update_scaler=1,
         local_step_clipper=1,
         exchange="two_stage",
+    ),
+    "onebit_lamb": spec("onebit_lamb", learning_rate=0.01, freeze_step=2, weight_decay=0.01),
+    "onebit_lamb_two_stage": spec(
+        "onebit_lamb", learning_rate=0.01, freeze_step=2, codec="sign_l2", exchange="two_stage"
     ),
 }
 

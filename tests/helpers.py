@@ -176,11 +176,15 @@ SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS and nam
 
 
 def mesh_update(tx, mesh, axis_name: str = "data"):
-    """Jitted ``tx.update`` on every device's row of stacked (grads, state): per-device outputs."""
+    """Jitted ``tx.update`` on every device's row of stacked (grads, state): per-device outputs.
 
-    def run(grads, state):
+    Called as ``(grads, state, params)`` it passes every device's row of the
+    stacked params to ``tx.update`` too.
+    """
+
+    def run(grads, state, *params):
         first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
-        upd, new = tx.update(first(grads), first(state))
+        upd, new = tx.update(first(grads), first(state), *(first(p) for p in params))
         return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
 
     spec = P(axis_name)
@@ -252,20 +256,21 @@ EXACTLY_K = ("top_k", "top_k_sort", "random_k")
 
 
 class Counted:
-    """``jax.jit`` of ``tx.update`` that counts how often it was traced."""
+    """``jax.jit`` of ``tx.update`` that counts how often it was traced (called as
+    ``(grads, state)`` or ``(grads, state, params)``)."""
 
     def __init__(self, tx):
         self.tx = tx
         self.traces = 0
 
-        def update(g, s):
+        def update(g, s, *params):
             self.traces += 1
-            return tx.update(g, s)
+            return tx.update(g, s, *params)
 
         self.fn = jax.jit(update)
 
-    def __call__(self, g, s):
-        out = self.fn(g, s)
+    def __call__(self, g, s, *params):
+        out = self.fn(g, s, *params)
         jax.block_until_ready(out)
         return out
 
@@ -341,3 +346,46 @@ def compress_on_mesh(compressor, mesh, grads, state, axis="data"):
     Returns per-device ``(updates, state)`` stacked along the leading axis.
     """
     return mesh_update(compressor, mesh, axis)(grads, state)
+
+
+# numpy references of the 1-bit codecs and exchanges (1-bit Adam, 0/1 Adam, 1-bit LAMB).
+
+
+def sign_codec(x):
+    """numpy ``||x||_1 / d * sign(x)`` (zeros sent as +), one bucket."""
+    x = np.asarray(x, np.float32)
+    scale = np.float32(np.sum(np.abs(x), dtype=np.float64) / x.size)
+    return np.where(x < 0, -scale, scale).astype(np.float32)
+
+
+def _np_scale(v, kind):
+    v = np.asarray(v, np.float64)
+    if v.size == 0:
+        return 0.0
+    return np.abs(v).sum() / v.size if kind == "l1" else np.sqrt((v * v).sum() / v.size)
+
+
+def _np_signed(v, scale):
+    return np.where(np.asarray(v) >= 0, scale, -scale)
+
+
+def np_compressed_allreduce(x, worker_err, server_err, ok, kind):
+    """DeepSpeed's compressed_allreduce in numpy, float64.
+
+    x, worker_err: (N, d); server_err: (d,), the servers' chunks concatenated;
+    ok: (N,) bool, devices that send. Chunks of ceil(d / 8N) * 8 values, server j
+    owns chunk j. Returns (result, new worker errors, new server errors).
+    """
+    n, d = x.shape
+    buf = np.where(ok[:, None], x + worker_err, 0.0)
+    sent = np.stack([_np_signed(b, _np_scale(b, kind)) for b in buf]) * ok[:, None]
+    new_worker = np.where(ok[:, None], buf - sent, worker_err)
+    avg = sent.sum(axis=0) / max(ok.sum(), 1)
+    chunk = -(-d // (8 * n)) * 8
+    out, new_server = np.zeros(d), np.zeros(d)
+    for j in range(n):
+        sl = slice(j * chunk, min(d, (j + 1) * chunk))
+        sb = avg[sl] + server_err[sl]
+        out[sl] = _np_signed(sb, _np_scale(sb, kind))
+        new_server[sl] = sb - out[sl]
+    return out, new_worker, new_server

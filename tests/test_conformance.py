@@ -1005,11 +1005,13 @@ def test_selector_errors_name_the_real_cause():
 
 
 # ---------------------------------------------------------------------------
-# Compressed optimizers (OPTIMIZERS: 1-bit Adam and 0/1 Adam, both exchanges).
-# Their update is an Adam step, so the premises differ from a compressor's:
-# nothing is lost in the *momentum* they exchange (not in the update), the
-# state counts ``count`` (not ``step``), and there is no ratio. Each check
-# below is the compressor check of the same name, restated for them.
+# Compressed optimizers (OPTIMIZERS: 1-bit Adam, 0/1 Adam and 1-bit LAMB, both
+# exchanges). Their update is an Adam (LAMB) step, so the premises differ from
+# a compressor's: nothing is lost in the *momentum* they exchange (not in the
+# update), the state counts ``count`` (not ``step``), and there is no ratio.
+# Every update gets the parameters (1-bit LAMB's trust ratio needs them; the
+# Adams' weight decay would). Each check below is the compressor check of the
+# same name, restated for them.
 # ---------------------------------------------------------------------------
 
 OPT_NAMES = list(OPTIMIZERS)
@@ -1041,10 +1043,11 @@ def _opt(name, **kw) -> Counted:
 def test_optimizer_one_compilation_dtypes_tiny_and_empty_leaves(name):
     counted = _opt(name)
     rng = np.random.default_rng(6)
-    state = counted.tx.init(_opt_tree(rng))
+    params = _opt_tree(rng)
+    state = counted.tx.init(params)
     for _ in range(8):  # across the warm-up / stage boundaries and local/sync steps
         g = _opt_tree(rng)
-        upd, state = counted(g, state)
+        upd, state = counted(g, state, params)
         for leaf, gl in g.items():
             assert upd[leaf].dtype == gl.dtype and upd[leaf].shape == gl.shape, leaf
             assert np.all(np.isfinite(np.asarray(upd[leaf], np.float32))), leaf
@@ -1059,12 +1062,13 @@ def test_optimizer_one_compilation_dtypes_tiny_and_empty_leaves(name):
 def test_optimizer_nonfinite_skip_keeps_state(name, bad):
     counted = _opt(name)
     rng = np.random.default_rng(7)
-    state = counted.tx.init(_opt_tree(rng))
+    params = _opt_tree(rng)
+    state = counted.tx.init(params)
     for _ in range(4):
-        _, state = counted(_opt_tree(rng), state)
+        _, state = counted(_opt_tree(rng), state, params)
     g = _opt_tree(rng)
     g["b16"] = g["b16"].at[3].set(bad)
-    upd, new = counted(g, state)
+    upd, new = counted(g, state, params)
     for leaf in g:
         assert not np.any(np.asarray(upd[leaf], np.float32)), leaf
         for field in ("mu", "nu", "residual"):
@@ -1073,7 +1077,7 @@ def test_optimizer_nonfinite_skip_keeps_state(name, bad):
     assert np.array_equal(np.asarray(new.server_residual), np.asarray(state.server_residual))
     assert int(new.count) == int(state.count)
     assert int(new.nonfinite_steps) == int(state.nonfinite_steps) + 1
-    upd2, new2 = counted(_opt_tree(rng), new)
+    upd2, new2 = counted(_opt_tree(rng), new, params)
     assert any(np.any(np.asarray(u, np.float32)) for u in upd2.values())
     assert int(new2.count) == int(state.count) + 1
 
@@ -1083,11 +1087,12 @@ def test_optimizer_nonfinite_zero_uses_the_finite_part(name):
     counted = _opt(name, nonfinite="zero")
     rng = np.random.default_rng(8)
     spec = {"w": ((5, 7), jnp.float32)}
-    state = counted.tx.init(_opt_tree(rng, spec))
+    params = _opt_tree(rng, spec)
+    state = counted.tx.init(params)
     for _ in range(5):
         g = _opt_tree(rng, spec)
         g["w"] = g["w"].at[1, 2].set(np.nan)
-        upd, state = counted(g, state)
+        upd, state = counted(g, state, params)
         for leaf in g:
             assert np.all(np.isfinite(np.asarray(upd[leaf], np.float32))), leaf
             for field in (state.mu, state.residual):
@@ -1105,12 +1110,13 @@ def test_optimizer_apply_if_finite_and_state_readable_inside_chain(name):
     f = jax.jit(tx.update)
     rng = np.random.default_rng(10)
     spec = {"w": ((20,), jnp.float32)}
-    state = tx.init(_opt_tree(rng, spec))
+    params = _opt_tree(rng, spec)
+    state = tx.init(params)
     for _ in range(3):
-        _, state = f(_opt_tree(rng, spec), state)
+        _, state = f(_opt_tree(rng, spec), state, params)
     g = _opt_tree(rng, spec)
     g["w"] = g["w"].at[0].set(np.nan)
-    upd, state2 = f(g, state)
+    upd, state2 = f(g, state, params)
     assert int(optax.tree.get(state2, "notfinite_count")) == 1
     assert not np.any(np.asarray(upd["w"]))
     assert int(optax.tree.get(state2, "count")) == 3
@@ -1158,15 +1164,18 @@ def test_optimizer_shard_map_exchange_loses_nothing(name):
     b1 = 0.9
     spec = {"w": ((6, 7), jnp.float32), "v": ((40,), jnp.float32)}
     rng = np.random.default_rng(11)
-    one = tx.init(_opt_tree(rng, spec))
+    params = _opt_tree(rng, spec)
+    one = tx.init(params)
     put = lambda t: jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), sh), t)  # noqa: E731
-    state = put(jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), one))
+    stack = lambda t: jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), t)  # noqa: E731
+    state = put(stack(one))
+    params = put(stack(params))
     update = mesh_update(tx, mesh)
     onebit_steps = 0
     for _ in range(3):  # onebit_adam: warm, warm, 1-bit; zero_one_adam: var, var, 1-bit
         g = {k: rng.normal(size=(n, *s)).astype(np.float32) for k, (s, _) in spec.items()}
         old = jax.tree.map(np.asarray, state)
-        upd, state = update(put(g), state)
+        upd, state = update(put(g), state, params)
         new = jax.tree.map(np.asarray, state)
         upd = jax.tree.map(np.asarray, upd)
         for leaf in spec:
@@ -1185,6 +1194,11 @@ def test_optimizer_shard_map_exchange_loses_nothing(name):
             if name.startswith("onebit_adam"):  # the local momentum is exchanged
                 x = b1 * old.mu[leaf].astype(np.float64) + (1 - b1) * x
                 mean = new.mu[leaf][0].astype(np.float64)
+            elif name.startswith("onebit_lamb"):  # the local momentum, scaled per leaf
+                # One coefficient per leaf, in leaf order (v, w).
+                scale = new.scaling_coeff[0][sorted(spec).index(leaf)].astype(np.float64)
+                x = scale * (b1 * old.mu[leaf].astype(np.float64) + (1 - b1) * x)
+                mean = scale * new.mu[leaf][0].astype(np.float64)
             else:  # stage 1 of 0/1 Adam: the gradient is exchanged, m = b1 m + (1 - b1) mean
                 mean = (new.mu[leaf][0] - b1 * old.mu[leaf][0]) / (1 - b1)
             before.append((x + old.residual[leaf]).mean(0).reshape(-1))
@@ -1203,10 +1217,11 @@ def test_x64_optimizers_keep_float64(name):
         spec = {"v": ((40, 3), np.float64), "s": ((), np.float64)}
         rng = np.random.default_rng(12)
         counted = Counted(OPTIMIZERS[name]())  # not memoized: the x64 trace
-        state = counted.tx.init(_opt_tree(rng, spec))
+        params = _opt_tree(rng, spec)
+        state = counted.tx.init(params)
         for _ in range(6):
             g = _opt_tree(rng, spec)
-            upd, state = counted(g, state)
+            upd, state = counted(g, state, params)
             assert upd["v"].dtype == np.float64 and np.all(np.isfinite(np.asarray(upd["v"])))
             assert state.mu["v"].dtype == np.float64 and state.residual["v"].dtype == np.float64
             if state.server_residual is not None:  # None with exchange="allgather"
@@ -1250,7 +1265,10 @@ def test_state_round_trips_through_orbax(name, tmp_path):
 
     tx = _ckpt_tx(name)
     params = {k: jnp.zeros(s, d) for k, (s, d) in _CKPT_PARAMS.items()}
+    # The optimizers get the parameters (1-bit LAMB needs them), the compressors not.
     update = jax.jit(tx.update)
+    if name in OPTIMIZERS:
+        update = jax.jit(lambda g, s: tx.update(g, s, params))
     grads = _ckpt_grads(4)
     state = tx.init(params)
     for g in grads[:2]:
@@ -1270,10 +1288,11 @@ def test_state_round_trips_through_orbax(name, tmp_path):
         _assert_same_bits(restored, state, "states")
 
 
-@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
 def test_adam_state_round_trips_through_elastic(name, tmp_path):
     """elastic.save / elastic.restore on the same device count: 1-bit and 0/1 Adam's
-    default (single-stage) states come back bit for bit and train on identically."""
+    and 1-bit LAMB's default (single-stage) states come back bit for bit and train on
+    identically."""
     from jaxcomp import distributed as dist  # noqa: PLC0415
     from jaxcomp import elastic  # noqa: PLC0415
 

@@ -4,8 +4,10 @@ from jaxcomp.quantization import Quantizer
 from jaxcomp.transforms.accordion import AccordionState, accordion
 from jaxcomp.transforms.adam import (
     OnebitAdamState,
+    OnebitLambState,
     ZeroOneAdamState,
     onebit_adam,
+    onebit_lamb,
     zero_one_adam,
 )
 from jaxcomp.transforms.powersgd import PowerSGDState, powersgd
@@ -47,6 +49,7 @@ __all__ = [
     "DeferredSparsifyState",
     "MomentumQuantizeState",
     "OnebitAdamState",
+    "OnebitLambState",
     "PowerSGDState",
     "QuantizeState",
     "Quantizer",
@@ -64,6 +67,7 @@ __all__ = [
     "natural_compression",
     "onebit",
     "onebit_adam",
+    "onebit_lamb",
     "powersgd",
     "qsgd",
     "qsvrg",
