@@ -119,9 +119,13 @@ CONFIGS = {
     # DGC's Nesterov correction and GRACE's residual scaling: their products are
     # rounded before the adds, so the backward pass's fusions give the same bits.
     "top_k_nesterov_scaled": lambda: jaxcomp.top_k(
-        ratio=0.1, axis_name="data", momentum=0.9, nesterov=True, residual_scale=0.9,
+        ratio=0.1,
+        axis_name="data",
+        momentum=0.9,
+        nesterov=True,
+        residual_scale=0.9,
         gradient_scale=1.1,
-    ),  # fmt: skip
+    ),
 }
 
 
