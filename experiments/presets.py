@@ -72,6 +72,8 @@ CONFORMANCE = {
     # Memory-less top-k (GRACE's TopKCompressor with NoneMemory): the residual stays
     # zero, what is not sent is dropped.
     "top_k_no_ef": spec("top_k", error_feedback=False),
+    # GRACE's ResidualMemory(beta, gamma): sent + new residual == beta e + gamma g.
+    "top_k_residual_scaled": spec("top_k", residual_scale=0.75, gradient_scale=1.25),
     # Quantizers: min_dense_size 0 unless the caller sets it, so that small leaves
     # are quantized.
     "qsgd": spec("qsgd", levels=7, bucket_size=64, min_dense_size=0),

@@ -156,6 +156,9 @@ NO_ERROR_FEEDBACK = (
 RANDOMIZED = ("qsgd", "qsgd_ef", "terngrad", "terngrad_clip_ef", "natural", "natural_dithering_ef")
 # Quantizers whose exchange is a majority vote, not a mean (exchange="majority").
 MAJORITY = ("signum",)
+# GRACE's residual scaling: name -> (residual_scale, gradient_scale); "nothing lost"
+# reads sent + new residual == residual_scale * old + gradient_scale * g.
+RESIDUAL_SCALING = {"top_k_residual_scaled": (0.75, 1.25)}
 # Low-rank compressors: name -> (rank, batched, bytes per P/Q value).
 LOW_RANK = {
     "powersgd": (1, False, 4),

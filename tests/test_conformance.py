@@ -24,6 +24,7 @@ from helpers import (
     OPTIMIZERS,
     QUANTIZERS,
     RANDOMIZED,
+    RESIDUAL_SCALING,
     SPARSIFIERS,
     Counted,
     bits,
@@ -69,8 +70,21 @@ def _res(state, like):
     return res
 
 
+def _compensated(name, old, inc):
+    """The accumulator a step compresses: ``old + inc``, or with GRACE's residual
+    scaling (:data:`RESIDUAL_SCALING`) ``beta old + gamma inc``, each product
+    rounded (in ``old``'s dtype)."""
+    old = np.asarray(old)
+    inc = np.asarray(inc).astype(old.dtype)
+    if name not in RESIDUAL_SCALING:
+        return old + inc
+    beta, gamma = (np.asarray(x, old.dtype) for x in RESIDUAL_SCALING[name])
+    return beta * old + gamma * inc
+
+
 def _check_lost_nothing(g, old_res, upd, new_res, rdtype=np.float32, name=None):
-    """``sent + new_res == old_res + g`` bit for bit (sparsifiers).
+    """``sent + new_res == old_res + g`` bit for bit (sparsifiers); with GRACE's
+    residual scaling (:data:`RESIDUAL_SCALING`) ``== beta old_res + gamma g``.
 
     Quantizers (``name`` given): without error feedback the residual stays 0;
     with it, ``new_res`` is the correctly rounded ``acc - sent``, bit for bit,
@@ -79,7 +93,7 @@ def _check_lost_nothing(g, old_res, upd, new_res, rdtype=np.float32, name=None):
     """
     for leaf in g:
         sent = f32(upd[leaf]).astype(rdtype)
-        acc = np.asarray(old_res[leaf]) + f32(g[leaf]).astype(rdtype)
+        acc = _compensated(name, np.asarray(old_res[leaf]), f32(g[leaf]).astype(rdtype))
         res = np.asarray(new_res[leaf])
         if name in NO_ERROR_FEEDBACK:
             assert not np.any(res) and not np.any(np.asarray(old_res[leaf])), leaf
@@ -274,14 +288,15 @@ def test_momentum_correction_lost_nothing(name, masking):
                 continue
             if not masking:
                 # The library's own velocity satisfies the invariant exactly ...
-                assert np.array_equal(lhs, res_old + v), leaf
+                assert np.array_equal(lhs, _compensated(name, res_old, v)), leaf
             else:
                 assert not np.any(v[sent != 0]), leaf  # masked where sent
                 kept = v[sent == 0]
                 assert np.all((kept == u_two[sent == 0]) | (kept == u_fma[sent == 0])), leaf
             # ... and equals the float32 momentum update m*u + g.
-            ok = (lhs == res_old + u_two) | (lhs == res_old + u_fma)
-            assert np.all(ok), (leaf, np.max(np.abs(lhs - (res_old + u_two))))
+            two, fma = (_compensated(name, res_old, u) for u in (u_two, u_fma))
+            ok = (lhs == two) | (lhs == fma)
+            assert np.all(ok), (leaf, np.max(np.abs(lhs - two)))
         state = new
 
 
@@ -459,7 +474,7 @@ def test_overflowing_accumulator_sends_inf_and_keeps_the_rest(name):
     state = cx.tx.init(g)
     state = state._replace(residual={"w": jnp.zeros(1000).at[big].set(g["w"][big])})
     with np.errstate(over="ignore"):
-        acc = np.asarray(state.residual["w"]) + np.asarray(g["w"])
+        acc = _compensated(name, state.residual["w"], g["w"])
     assert np.sum(np.isinf(acc)) == 40
     upd, new = cx(g, state)
     u, r = np.asarray(upd["w"]), np.asarray(new.residual["w"])
@@ -629,7 +644,7 @@ def test_reuse_period_lost_nothing_and_single_compilation(name):
                 t = np.float32(before["threshold"][leaf])
                 assert np.float32(stats["threshold"][leaf]) == t, (step, leaf)
                 assert int(stats["search_iterations"][leaf]) == 0
-                acc = np.asarray(state.residual[leaf]) + f32(gl)
+                acc = _compensated(name, state.residual[leaf], f32(gl))
                 np.testing.assert_array_equal(
                     np.flatnonzero(f32(upd[leaf])), expected_sent(acc, t, cap), err_msg=leaf
                 )
@@ -859,7 +874,7 @@ def test_liveness_every_step_sends_at_least_k(name):
             old = np.asarray(state.residual["w"])
             upd, state = cx({"w": jnp.asarray(g)}, state)
             sent, res = np.asarray(upd["w"]), np.asarray(state.residual["w"])
-            acc = old + g
+            acc = _compensated(name, old, g)
             if name in NO_ERROR_FEEDBACK:  # memory-less: what is not sent is dropped
                 assert not np.any(res) and not np.any(old), (kind, step)
                 res = np.where(sent != 0, 0, acc)
@@ -955,7 +970,7 @@ def test_x64_every_compressor_nothing_lost(name, dtype):
                 res_old = np.asarray(state.residual[leaf])
                 res = np.asarray(new.residual[leaf])
                 assert res.dtype == dt, leaf  # residual_dtype=None: float32 or wider
-                acc = res_old + np.asarray(gl)
+                acc = _compensated(name, res_old, gl)
                 sent = np.asarray(upd[leaf])
                 if name not in SPARSIFIERS:  # the correctly rounded acc - sent
                     assert np.array_equal(res, acc - sent), leaf
@@ -1380,6 +1395,9 @@ def test_two_level_shapes_and_lost_nothing(name):
 
             lhs = local * placed(new_res) + n_dev * f32(u[0]).astype(np.float64)
             rhs = local * placed(old_res) + f32(gl).astype(np.float64).sum(axis=0)
+            if name in RESIDUAL_SCALING:  # beta (sum of residuals) + gamma (sum of g)
+                beta, gamma = RESIDUAL_SCALING[name]
+                rhs = local * beta * placed(old_res) + gamma * f32(gl).astype(np.float64).sum(0)
             tol = (2e-6 if gl.dtype == jnp.float32 else 2e-2) * n_dev * max(1, np.abs(rhs).max())
             assert np.max(np.abs(lhs - rhs)) <= tol, (leaf, np.max(np.abs(lhs - rhs)))
         state = jax.device_put(new, sharding)

@@ -7,6 +7,7 @@ dimensions is viewed as an ``n x m`` matrix (``reshape="first"``: the hook's
 rank ``r = min(n, m, rank)``:
 
     M      = e + g                      # error feedback (M = g without)
+           = rs e + gs g                # GRACE's residual_scale=rs, gradient_scale=gs
     Q      = orth(Q_prev)               # warm start; the first step: random normal
     P      = orth(sum over devices of M Q)           # all-reduce 1: n x r
     Q      = (sum over devices of M^T P) / N         # all-reduce 2: m x r
@@ -147,10 +148,13 @@ from jaxcomp import _validation as V
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
 from jaxcomp.transforms.base import (
+    ResidualScaling,
     apply_nonfinite_policy,
     check_common_options,
+    check_residual_scaling,
     indices_by_dtype,
     resolve_residual_dtype,
+    scaled_accumulation,
 )
 from jaxcomp.transforms.two_level import accepts_two_level_axis
 
@@ -516,6 +520,8 @@ def powersgd(
     min_compression_rate: float | None = None,
     min_dense_size: int | None = None,
     error_feedback: bool = True,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     warm_start: bool = True,
     orthogonalization_epsilon: float | None = None,
     reshape: str = "first",
@@ -556,6 +562,11 @@ def powersgd(
       error_feedback: keep ``e = M - S`` per device and add it to the next
         gradient (the paper's and the hook's default). ``False``: no residual
         is allocated (``state.residual`` is None).
+      residual_scale: GRACE's ``ResidualMemory`` ``beta`` in [0, 1] (may be
+        traced): ``M = residual_scale * e + gradient_scale * g``, ``e_new = M -
+        S``; a skipped (non-finite) step keeps ``e``. None: 1. Needs
+        ``error_feedback=True``.
+      gradient_scale: GRACE's ``gamma`` > 0 (may be traced). None: 1.
       warm_start: reuse the last step's ``Q`` (orthogonalized) instead of a
         fresh random draw every step; keeps ``Q`` in ``state.q``.
       orthogonalization_epsilon: added to each column norm in
@@ -640,6 +651,8 @@ def powersgd(
         min_compression_rate=min_compression_rate,
         min_dense_size=min_dense_size,
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         warm_start=warm_start,
         orthogonalization_epsilon=orthogonalization_epsilon,
         reshape=reshape,
@@ -670,6 +683,7 @@ class _Config:
     start_iter: int  # 0: no vanilla steps (and no lax.cond around the collectives)
     min_compression_rate: float
     error_feedback: bool
+    scaling: ResidualScaling  # GRACE's residual_scale, gradient_scale
     warm_start: bool
     orthogonalization_epsilon: Any  # float, or a traced value (an injected hyperparameter)
     reshape: str
@@ -691,6 +705,8 @@ def _make_config(
     min_compression_rate,
     min_dense_size,
     error_feedback,
+    residual_scale,
+    gradient_scale,
     warm_start,
     orthogonalization_epsilon,
     reshape,
@@ -709,6 +725,7 @@ def _make_config(
         "min_compression_rate", 2.0 if min_compression_rate is None else min_compression_rate, 0.0
     )
     error_feedback = V.check_bool("error_feedback", error_feedback)
+    scaling = check_residual_scaling(residual_scale, gradient_scale, error_feedback=error_feedback)
     warm_start = V.check_bool("warm_start", warm_start)
     if orthogonalization_epsilon is None:
         orthogonalization_epsilon = 0.0
@@ -739,6 +756,7 @@ def _make_config(
         start_iter=start_iter,
         min_compression_rate=min_compression_rate,
         error_feedback=error_feedback,
+        scaling=scaling,
         warm_start=warm_start,
         orthogonalization_epsilon=orthogonalization_epsilon,
         reshape=reshape,
@@ -926,8 +944,9 @@ def _step_inputs(cfg: _Config, grads, state, sends) -> _StepInputs:
         for g, r in zip(g_leaves, r_leaves, strict=True)
     ]
     plans, groups = _layout(cfg, g_leaves, cdts)
+    # A skipped step's residual is kept by _new_state (where sends), scaled or not.
     accs = [
-        g.astype(c) if r is None else r + g.astype(c)
+        g.astype(c) if r is None else scaled_accumulation(cfg.scaling, r, g)
         for g, r, c in zip(g_leaves, r_leaves, cdts, strict=True)
     ]
     return _StepInputs(treedef, g_leaves, r_leaves, q_leaves, plans, groups, accs, sends)

@@ -4,9 +4,10 @@ Each factory takes ``ratio`` as its first argument, its selector's options, and
 the common options of :func:`jaxcomp.sparsify` as keywords (listed explicitly,
 so ``optax.inject_hyperparams`` can bind them): ``axis_name``,
 ``min_dense_size``, ``residual_dtype``, ``capacity_factor``, ``momentum``,
-``momentum_masking``, ``warmup_ratios``, ``steps_per_epoch``,
-``granularity``, ``groups``, ``reuse_period``, ``nonfinite``, ``exchange``,
-``error_feedback``, ``low_pass``, ``defer_residual``, ``seed``.
+``momentum_masking``, ``nesterov``, ``clip_norm``, ``warmup_ratios``,
+``steps_per_epoch``, ``granularity``, ``groups``, ``reuse_period``,
+``nonfinite``, ``exchange``, ``error_feedback``, ``low_pass``,
+``residual_scale``, ``gradient_scale``, ``defer_residual``, ``seed``.
 
 ``reuse_period=s`` is DLGS's threshold reuse (the selector runs every ``s``
 steps, the stored threshold is applied in between) and ``groups=`` DLGS's
@@ -14,7 +15,8 @@ layer merging (groups of leaves compressed and exchanged as one buffer); see
 :func:`jaxcomp.sparsify`. ``random_k`` has no threshold to reuse.
 
 With ``optax.inject_hyperparams`` the traceable hyperparameters (``momentum``,
-``low_pass``, ``threshold``, ``delta``, ``decay``, ``seed``) live in the optimizer state and
+``clip_norm``, ``low_pass``, ``residual_scale``, ``gradient_scale``,
+``threshold``, ``delta``, ``decay``, ``seed``) live in the optimizer state and
 can change between steps without recompiling; options that fix shapes, sizes
 or iteration caps default to ``None`` (their documented value) and, when given,
 must be named in ``static_args`` (``ratio`` always):
@@ -95,6 +97,8 @@ def top_k(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -104,6 +108,8 @@ def top_k(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
@@ -148,6 +154,8 @@ def ldte_bs(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -157,6 +165,8 @@ def ldte_bs(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
@@ -262,6 +272,8 @@ def binary_search(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -271,6 +283,8 @@ def binary_search(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
@@ -322,6 +336,8 @@ def dgc(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -331,6 +347,8 @@ def dgc(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
@@ -402,6 +420,8 @@ def trimmed_top_k(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -411,6 +431,8 @@ def trimmed_top_k(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
@@ -447,6 +469,8 @@ def gaussian_k(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -456,6 +480,8 @@ def gaussian_k(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
@@ -489,6 +515,8 @@ def random_k(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -498,6 +526,8 @@ def random_k(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
@@ -535,6 +565,8 @@ def threshold(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -544,6 +576,8 @@ def threshold(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
