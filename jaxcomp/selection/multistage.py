@@ -177,10 +177,11 @@ def _tail(dist: str, mean, var, log_ratio):
     return jnp.where(small, -scale * log_ratio, -scale * jnp.expm1(safe * log_ratio) / safe)
 
 
-def _masked_row_stats(a, valid, shift):
-    """Per row: count, sum and sum of squares of ``a - shift`` over ``a > shift``
-    (valid elements), and the smallest such ``a`` (inf if none). One pass."""
-    above = valid & (a > shift)
+def _masked_row_stats(a, shift):
+    """Per row: count, sum and sum of squares of ``a - shift`` over ``a > shift``,
+    and the smallest such ``a`` (inf if none). One pass; the padding's zeros
+    never pass (``shift >= 0``)."""
+    above = a > shift
     y = jnp.where(above, a - shift, 0.0)
     return (
         jnp.sum(above, axis=1, dtype=jnp.int32),
@@ -245,13 +246,13 @@ def sidco_segmented(
     log_first = np.float32(math.log(first_ratio))
 
     a = abs32(x)
-    valid = layout.valid()
     per_row = layout.per_row
     n = jnp.asarray(np.maximum(sizes, 1).astype(np.float32))
 
     # Stage 1's fit of all magnitudes (zeros included, as the reference), and
-    # max|x| for the liveness cap, in one pass.
-    av = jnp.where(valid, a, 0.0)
+    # max|x| for the liveness cap, in one pass. The padding's zeros add nothing
+    # to these sums (only the gamma fit's logs mask them out).
+    av = a
     s1 = layout.segment_sum(jnp.sum(av, axis=1))
     s2 = layout.segment_sum(jnp.sum(av * av, axis=1))
     amax = jnp.maximum(layout.segment_max(jnp.max(av, axis=1)), 0.0)
@@ -261,7 +262,7 @@ def sidco_segmented(
     if dist == "gamma":
         norm = jnp.sqrt(s2)
         eps = per_row(norm * _GAMMA_EPS)[:, None]
-        logs = jnp.where(valid, jnp.log(a + eps), 0.0)
+        logs = jnp.where(layout.valid(), jnp.log(a + eps), 0.0)
         mean_log = layout.segment_sum(jnp.sum(logs, axis=1)) / n
         s = jnp.log(mean) - mean_log
         s = jnp.where(s > 0, s, jnp.nan)  # s <= 0: constant data, no gamma fit
@@ -296,7 +297,7 @@ def sidco_segmented(
         def body(c):
             j, t, going = c
             go = running(c)
-            cnt, sy, syy, lo = _masked_row_stats(a, valid, per_row(t)[:, None])
+            cnt, sy, syy, lo = _masked_row_stats(abs32(x), per_row(t)[:, None])
             cnt = layout.segment_sum(cnt).astype(jnp.float32)
             sy, syy = layout.segment_sum(sy), layout.segment_sum(syy)
             a_min = -layout.segment_max(-lo)
