@@ -103,6 +103,7 @@ ESTIMATED = (
     "dgc",
     "trimmed_top_k",
     "gaussian_k",
+    "sidco",
     "qsgd",
     "qsgd_ef",
     "terngrad",

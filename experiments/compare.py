@@ -93,6 +93,12 @@ PAPER_TABLE2 = {
     "ldte_bs": {"compressor": "ldte_bs"},
     # Algorithm 2 of the ldte_bs paper exactly (jaxcomp.ldte_bs(variant="paper")).
     "ldte_bs_paper": {"compressor": "ldte_bs", "compressor_kwargs": {"variant": "paper"}},
+    # SIDCo (Abdelmoniem et al., MLSys 2021), each fit, stages adapted: an estimated
+    # threshold without a search, against LDTE-BS's estimate corrected on counts.
+    **{
+        f"sidco_{dist}": {"compressor": "sidco", "compressor_kwargs": {"dist": dist}}
+        for dist in ("exponential", "gamma", "gpareto")
+    },
 }
 
 

@@ -74,6 +74,7 @@ SPARSIFIERS = (
     "trimmed_top_k",
     "binary_search",
     "gaussian_k",
+    "sidco",
     "random_k",
 )
 QUANTIZERS = (

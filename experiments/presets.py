@@ -67,6 +67,8 @@ CONFORMANCE = {
     "dgc": spec("dgc"),
     "trimmed_top_k": spec("trimmed_top_k"),
     "gaussian_k": spec("gaussian_k"),
+    # SIDCo with a gamma first stage and generalized Pareto stages after (the most code).
+    "sidco": spec("sidco", dist="gamma"),
     "random_k": spec("random_k"),
     "threshold": spec("threshold", threshold=FIXED_THRESHOLD),
     # Memory-less top-k (GRACE's TopKCompressor with NoneMemory): the residual stays

@@ -254,6 +254,9 @@ def majority_vote(per_device: np.ndarray) -> np.ndarray:
 
 # Selectors that guarantee at least k sent (when k nonzero, tie-free values exist).
 AT_LEAST_K = ("top_k", "top_k_sort", "ldte_bs", "binary_search", "random_k")
+# Threshold estimates that may send fewer or more than k (capped by the capacity), with
+# at least one element whenever one is nonzero.
+ESTIMATED_COUNT = ("sidco",)
 # Selectors that send exactly k on tie-free data.
 EXACTLY_K = ("top_k", "top_k_sort", "random_k")
 

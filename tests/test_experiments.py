@@ -17,18 +17,25 @@ from experiments import bench_selection, demo
 
 def test_bench_selection_writes_json_and_png(tmp_path):
     rows = bench_selection.run(
-        [10, 12], ["laplace"], repeats=5, out_dir=str(tmp_path), methods=["ldte_bs", "gaussian_k"]
+        [10, 12],
+        ["laplace"],
+        repeats=5,
+        out_dir=str(tmp_path),
+        methods=["ldte_bs", "gaussian_k", "sidco_gpareto"],
     )
     data = json.loads((tmp_path / "bench_selection.json").read_text())
     assert (tmp_path / "bench_selection.png").stat().st_size > 0
     assert len(data["results"]) == len(rows) == 2
     for row in data["results"]:
-        assert set(row["methods"]) == {"top_k", "ldte_bs", "gaussian_k"}
+        assert set(row["methods"]) == {"top_k", "ldte_bs", "gaussian_k", "sidco_gpareto"}
         k = row["k"]
         assert k == max(1, math.ceil(1e-3 * row["n"]))
         methods = row["methods"]
         assert methods["top_k"]["count"] == k  # no ties in continuous data
         assert k <= methods["ldte_bs"]["count"] <= math.floor(1.5 * k)
+        # SIDCo's count is an estimate: the count of its own threshold, at least one.
+        sid = methods["sidco_gpareto"]
+        assert sid["count"] >= 1 and sid["count_over_k"] == sid["count"] / k
         # Ratios are computed from the medians in the same row.
         m = methods["ldte_bs"]
         np.testing.assert_allclose(

@@ -40,6 +40,7 @@ import jax
 import optax
 
 from jaxcomp import _validation as V
+from jaxcomp.selection.multistage import check_sidco_options
 from jaxcomp.selection.selectors import DEFAULT_MOMENT_SAMPLE, check_dgc_options, trim_rounds
 from jaxcomp.transforms.sparsify import sparsify
 
@@ -50,6 +51,7 @@ __all__ = [
     "gaussian_k",
     "ldte_bs",
     "random_k",
+    "sidco",
     "threshold",
     "top_k",
     "trimmed_top_k",
@@ -504,6 +506,77 @@ def gaussian_k(
     corrections = V.check_int("corrections", 3 if corrections is None else corrections, 0)
     common = _common_options(locals())
     return sparsify("gaussian_k", ratio, selector_options=dict(corrections=corrections), **common)
+
+
+def sidco(
+    ratio: float,
+    *,
+    dist: str = "exponential",
+    stages: int | str | None = None,
+    first_ratio: float | None = None,
+    tolerance: float | None = None,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    error_feedback: bool = True,
+    low_pass: _Float | None = None,
+    defer_residual: bool = False,
+    seed: int | jax.Array = 0,
+) -> _Tx:
+    """SIDCo (Abdelmoniem et al., MLSys 2021): a multi-stage statistical threshold.
+
+    Fits an exponential, gamma or generalized Pareto distribution to the
+    residual's magnitudes and reads the threshold off its tail; with several
+    stages each stage refits the exceedances of the previous threshold (peaks
+    over threshold), the stage densities multiplying to ``ratio``. No sort,
+    no search: a pass per stage and one count
+    (:mod:`jaxcomp.selection.multistage` has the fits). The count is an
+    estimate, above or below ``k``; at most ``capacity_factor * k`` are sent
+    (the largest), the rest stays in the residual.
+
+    Args:
+      ratio: target density in (0, 1].
+      dist: ``"exponential"`` (default), ``"gamma"`` (the paper's gamma first
+        stage, generalized Pareto after) or ``"gpareto"``.
+      stages: an int in ``[1, 16]`` (capped per leaf at ``ceil(log2(1 /
+        ratio))``) or ``"adaptive"`` (None: adaptive): the reference's rule,
+        one stage fewer when the achieved density is above ``1 + tolerance``
+        times the target, one more below ``1 - tolerance``, applied inside
+        the step per leaf (no state across steps).
+      first_ratio: the first stage's density, in (0, 1) (None: 0.25, the
+        reference's).
+      tolerance: the adaptive rule's band, in (0, 1) (None: 0.2).
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxcomp
+      >>> tx = jaxcomp.sidco(0.01, dist="exponential", stages=1)
+      >>> g = {"w": jax.random.laplace(jax.random.key(0), (10_000,))}
+      >>> u, state = jax.jit(tx.update)(g, tx.init(g))
+      >>> sent = int(jaxcomp.statistics(state)["sent_count"]["w"])
+      >>> 80 <= sent <= 120  # |g| is exponential: one stage hits k = 100 closely
+      True
+    """
+    dist, stages, first_ratio, tolerance = check_sidco_options(
+        dist,
+        "adaptive" if stages is None else stages,
+        0.25 if first_ratio is None else first_ratio,
+        0.2 if tolerance is None else tolerance,
+    )
+    common = _common_options(locals())
+    options = dict(dist=dist, stages=stages, first_ratio=first_ratio, tolerance=tolerance)
+    return sparsify("sidco", ratio, selector_options=options, **common)
 
 
 def random_k(

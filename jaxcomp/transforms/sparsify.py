@@ -42,7 +42,7 @@ and :func:`_update_entry` (which dispatches to :func:`_update`) over it. A
 step resolves the leaves into groups (:func:`_layout`), each flattened into
 one buffer (:func:`_flatten_group`).
 With a selector that has a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
-``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``,
+``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``sidco``, ``threshold``,
 ``random_k``: selected, cut and masked on its own draws instead of ``|R|``)
 and one device or a packed exchange, the groups of a bucket (one residual
 and wire dtype) are packed as segments of one buffer (:func:`_pack`) and
@@ -1158,7 +1158,7 @@ def _packed_selector(cfg: _Config):
     together in one packed buffer, else None (each group alone).
 
     Today: a selector with a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
-    ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``,
+    ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``sidco``, ``threshold``,
     ``random_k``), one device or one of the exchanges of
     :data:`_PACKED_EXCHANGES` and :data:`_LEADER_EXCHANGES` (all but
     ``scatter``).
