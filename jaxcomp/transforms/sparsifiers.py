@@ -521,6 +521,8 @@ def sidco(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -530,6 +532,8 @@ def sidco(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
