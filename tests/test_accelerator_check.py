@@ -21,15 +21,20 @@ from experiments import bench_model, bench_selection, presets
 from jaxcomp.selection import selectors
 
 
-@pytest.fixture(scope="module")
-def record(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accel")
-    ac.main(["accelerator_check", "--small", f"--out={out}"])
-    with open(out / "accelerator_check.json") as f:
-        return out, json.load(f)  # strict JSON: no NaN
+def test_small_run(tmp_path):
+    """One --small run, every part checked (a module fixture shared by several tests ran the
+    check once per xdist worker that got one of them: CPU 53 -> 28 s with -n 2)."""
+    ac.main(["accelerator_check", "--small", f"--out={tmp_path}"])
+    with open(tmp_path / "accelerator_check.json") as f:
+        record = tmp_path, json.load(f)  # strict JSON: no NaN
+    _check_every_part_is_present_with_its_budget_and_plot(record)
+    _check_conformance_rows_pass_single_and_sharded(record)
+    _check_selection_counts_match_the_data(record)
+    _check_model_rows_against_plain_sgd(record)
+    _check_training_and_overlap(record)
 
 
-def test_every_part_is_present_with_its_budget_and_plot(record):
+def _check_every_part_is_present_with_its_budget_and_plot(record):
     out, rec = record
     assert list(rec["parts"]) == list(ac.PARTS)
     for part, r in rec["parts"].items():
@@ -43,7 +48,7 @@ def test_every_part_is_present_with_its_budget_and_plot(record):
     assert meta["small"] and "memory" in meta
 
 
-def test_conformance_rows_pass_single_and_sharded(record):
+def _check_conformance_rows_pass_single_and_sharded(record):
     r = record[1]["parts"]["conformance"]
     names = {row["name"] for row in r["rows"]}
     assert names == set(ac.SMALL_CONFORMANCE) - set(r["skipped"])
@@ -57,7 +62,7 @@ def test_conformance_rows_pass_single_and_sharded(record):
     assert by[("onebit_adam", "single")]["nothing_lost"] is None
 
 
-def test_selection_counts_match_the_data(record):
+def _check_selection_counts_match_the_data(record):
     r = record[1]["parts"]["selection"]
     assert [row["log2_n"] for row in r["rows"]] == list(ac.SMALL["selection_log2"])
     for row in r["rows"]:
@@ -71,7 +76,7 @@ def test_selection_counts_match_the_data(record):
         assert row["methods"]["top_k"]["count"] == k  # continuous data: no ties
 
 
-def test_model_rows_against_plain_sgd(record):
+def _check_model_rows_against_plain_sgd(record):
     r = record[1]["parts"]["model"]
     rows = {row["compressor"]: row for row in r["rows"]}
     assert set(rows) == set(ac.MODEL_COMPRESSORS)
@@ -81,7 +86,7 @@ def test_model_rows_against_plain_sgd(record):
     assert rows["sgd"]["step_vs_sgd"] == 1.0
 
 
-def test_training_and_overlap(record):
+def _check_training_and_overlap(record):
     parts = record[1]["parts"]
     rows = parts["training"]["rows"]
     assert [(row["run"], row["compressor"]) for row in rows] == [

@@ -1,5 +1,6 @@
 """Tests of the experiment runner: training per compressor family, data, resume, flags."""
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -284,16 +285,35 @@ def test_invalid_config_fails_before_training(tmp_path, overrides, message):
     assert not workdir.exists()  # no config.json, nothing a rerun would trust
 
 
-def test_main_rejects_bad_flags_before_training(tmp_path):
+def test_main_rejects_bad_flags_before_training(tmp_path, capsys):
+    # From the command line: absl's app.run rejects a bad flag value, cli.fail a bad
+    # setting, each without a traceback (one process each: a process imports JAX in ~1 s).
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     for args, message in [
         (["--compressor=foo"], "compressor"),
+        (["--compressor=qsgd", "--compressor_kwargs={bad json"], "compressor_kwargs"),
+        (["--batch_size=60", "--num_devices=8"], "divisible"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.main", f"--workdir={tmp_path}", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode != 0
+        assert message in proc.stderr + proc.stdout
+        assert "Traceback" not in proc.stderr
+    # The rest through main() in this process: cli.fail is the same one line on stderr and
+    # exit status 2 from Python, and main fails before any JAX work (no backend, no compile).
+    from experiments import main  # noqa: PLC0415
+
+    for args, message in [
         (["--compressor=qsgd", "--levels=0"], "levels"),
         (["--compressor=qsgd", "--ratio=0.01"], "unexpected keyword argument 'ratio'"),
         (["--compressor=qsgd", "--compressor_kwargs=levels=4,nope=1"], "argument 'nope'"),
-        (["--compressor=qsgd", "--compressor_kwargs={bad json"], "compressor_kwargs"),
         (["--compressor=qsgd", "--levels=4", "--compressor_kwargs=levels=8"], "differ"),
-        (["--batch_size=60", "--num_devices=8"], "divisible"),
         # Recursive doubling: refused with the config (it used to die at the first step,
         # after config.json, metrics.jsonl and checkpoints/ were written).
         (
@@ -307,18 +327,30 @@ def test_main_rejects_bad_flags_before_training(tmp_path):
         (["--compressor=qsgd", "--levels=3000000000"], "levels must be an integer"),
         (["--batch_size=100000"], "exceeds the 1438 training examples"),  # digits
     ]:
-        proc = subprocess.run(
-            [sys.executable, "-m", "experiments.main", f"--workdir={tmp_path}", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-            check=False,
-        )
-        assert proc.returncode != 0
-        assert message in proc.stderr + proc.stdout
-        assert "Traceback" not in proc.stderr
+        with _logging_levels_kept(), pytest.raises(SystemExit) as exit_:
+            main.main(["main", f"--workdir={tmp_path}", *args])
+        out, err = capsys.readouterr()
+        assert exit_.value.code == 2, (args, err)
+        assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert out == ""
     assert os.listdir(tmp_path) == []  # not even config.json
+
+
+@contextlib.contextmanager
+def _logging_levels_kept():
+    """main() sets absl's verbosity and the jax/orbax/absl loggers' levels: restored after."""
+    import logging  # noqa: PLC0415
+
+    from absl import logging as absl_logging  # noqa: PLC0415
+
+    verbosity = absl_logging.get_verbosity()
+    levels = {n: logging.getLogger(n).level for n in ("jax", "orbax", "absl")}
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(verbosity)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def test_every_config_field_has_a_flag():
