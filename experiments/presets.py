@@ -72,6 +72,11 @@ CONFORMANCE = {
     # Memory-less top-k (GRACE's TopKCompressor with NoneMemory): the residual stays
     # zero, what is not sent is dropped.
     "top_k_no_ef": spec("top_k", error_feedback=False),
+    # Message formats (DGC's fp16_values / int32_indices; GRACE's RandomKCompressor):
+    # float16 values for float32 leaves and uint16 indices for leaves of < 2^16
+    # elements; random_k drawing the same coordinates on every device, values only.
+    "top_k_fp16_values": spec("top_k", value_dtype="float16", index_dtype="uint16"),
+    "random_k_shared": spec("random_k", shared_indices=True),
     # Quantizers: min_dense_size 0 unless the caller sets it, so that small leaves
     # are quantized.
     "qsgd": spec("qsgd", levels=7, bucket_size=64, min_dense_size=0),

@@ -60,7 +60,8 @@ _Tx = optax.GradientTransformationExtraArgs
 COMMON_KEYWORDS = tuple(
     name
     for name, p in inspect.signature(sparsify).parameters.items()
-    if p.kind is p.KEYWORD_ONLY and name != "selector_options"
+    # shared_indices is random_k's own (it needs random draws).
+    if p.kind is p.KEYWORD_ONLY and name not in ("selector_options", "shared_indices")
 )
 _Float = float | jax.Array
 
@@ -105,6 +106,8 @@ def top_k(
     error_feedback: bool = True,
     low_pass: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Exact top-k sparsification with error feedback (residual gradient compression).
@@ -158,6 +161,8 @@ def ldte_bs(
     error_feedback: bool = True,
     low_pass: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """LDTE-BS: Laplacian threshold estimate with a binary-search correction.
@@ -272,6 +277,8 @@ def binary_search(
     error_feedback: bool = True,
     low_pass: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """RedSync's binary search on the threshold, without a distribution estimate.
@@ -332,6 +339,8 @@ def dgc(
     error_feedback: bool = True,
     low_pass: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """DGC's sampled hierarchical top-k selection (add ``momentum=0.9`` for DGC's recipe).
@@ -412,6 +421,8 @@ def trimmed_top_k(
     error_feedback: bool = True,
     low_pass: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """RedSync's trimmed top-k: ``mean + r (max - mean)`` prefilter, then exact top-k.
@@ -457,6 +468,8 @@ def gaussian_k(
     error_feedback: bool = True,
     low_pass: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Gaussian-k (Shi et al.): Gaussian-fit threshold with up to 3 corrections.
@@ -499,6 +512,9 @@ def random_k(
     error_feedback: bool = True,
     low_pass: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
+    shared_indices: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """k coordinates uniformly at random each step (unscaled, with error feedback).
@@ -506,8 +522,16 @@ def random_k(
     The PRNG stream comes from ``seed`` (folded with the step, the leaf and,
     under ``axis_name``, the device index), so runs are deterministic.
 
+    With ``shared_indices=True`` every device draws the same coordinates
+    (the stream is not folded with the device index: GRACE's
+    ``RandomKCompressor`` with a common seed) and the exchange all-reduces
+    their ``k`` values alone, no indices: half the bytes of float32 pairs or
+    fewer. The update is the mean over devices at those coordinates.
+
     Args:
       ratio: density in (0, 1].
+      shared_indices: the same draws on every device, values-only messages
+        (``exchange`` ``"auto"``, ``"allgather"`` or ``"dense"``). Default False.
       **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
         and ``seed`` traceable; the others static, None = default).
 
@@ -522,7 +546,7 @@ def random_k(
       True
     """
     common = _common_options(locals())
-    return sparsify("random_k", ratio, **common)
+    return sparsify("random_k", ratio, shared_indices=shared_indices, **common)
 
 
 def threshold(
@@ -545,6 +569,8 @@ def threshold(
     error_feedback: bool = True,
     low_pass: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Fixed threshold ("fixed-v"): send ``|R| > threshold``.
