@@ -24,6 +24,15 @@ the residual dtype, where ``S`` is the update as returned (cast back from the
 gradient dtype, so even the rounding of a bf16 message stays in the residual);
 static shapes and one compilation for all steps, warm-up and reuse included.
 
+Message formats (docs/compressors.md, "Message formats"): with
+``value_dtype`` (float16 / bfloat16) ``S`` is sent as ``w(S)``, its values
+rounded (float16: saturated at 65504) to the wire dtype, and
+``e_new = R - w(S)`` keeps the rounding, so ``w(S) + e_new == R`` still
+holds bit for bit; ``index_dtype="uint16"`` sends each index as a 16-bit
+offset into its group (packed segment) when that has fewer than ``2^16``
+elements; ``random_k``'s ``shared_indices`` draws ``S``'s coordinates alike
+on every device, so only the values travel: ``update = mean_d R_d[S]``.
+
 Layout of the code: :func:`sparsify` validates its arguments into a frozen
 :class:`_Config`; ``init`` and ``update`` call the module-level :func:`_init`
 and :func:`_update_entry` (which dispatches to :func:`_update`) over it. A
@@ -624,7 +633,7 @@ def sparsify(
         whose gradient dtype is wider; a 16-bit leaf is sent as it is. The
         rounding, and float16's saturation at 65504, stay in the residual
         (nothing lost). The all-gather adds the gathered values in the
-        gradient dtype; a dense all-reduce adds in the 16-bit dtype (what it
+        residual dtype; a dense all-reduce adds in the 16-bit dtype (what it
         moves). ``"allgather"``, ``"dense"``, ``"auto"`` or one device.
         None (default): the gradient dtype.
       index_dtype: ``"uint16"``: 16-bit indices for every group (packed
@@ -1927,11 +1936,15 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> GroupO
     # gets its share saturated at its largest finite value, not inf.
     updates = [_to_wire(u, g.dtype) for u, g in zip(wide, gs, strict=True)]
     residuals = split(o.residual)
+
+    def exact(uw, u):  # the cast to the leaf dtype widens (a 16-bit value_dtype): nothing to keep
+        return jnp.promote_types(uw.dtype, u.dtype) == u.dtype
+
     if cfg.axis_name is None:
         # Casting a leaf's share of the message to its own dtype rounds it
         # (or saturates it): keep that in the residual too (exact, as for one leaf).
         residuals = [
-            r if u.dtype == uw.dtype else r + (uw.astype(rdt) - u.astype(rdt))
+            r if exact(uw, u) else r + (uw.astype(rdt) - u.astype(rdt))
             for r, uw, u in zip(residuals, wide, updates, strict=True)
         ]
     else:
@@ -1939,7 +1952,7 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> GroupO
         # device: each keeps it, so the residuals together keep N times what
         # the update could not hold (the rounding to the leaf dtype is not kept).
         residuals = [
-            r if u.dtype == uw.dtype else r + _saturated_excess(uw, u.dtype).astype(rdt)
+            r if exact(uw, u) else r + _saturated_excess(uw, u.dtype).astype(rdt)
             for r, uw, u in zip(residuals, wide, updates, strict=True)
         ]
     if _low_pass_on(cfg):
