@@ -54,6 +54,7 @@ PUBLIC_MODULES = (
     "jaxcomp.transforms.two_level",
     "jaxcomp.selection",
     "jaxcomp.selection.ldte",
+    "jaxcomp.selection.multistage",
     "jaxcomp.quantization",
     "jaxcomp.comm",
     "jaxcomp.coding",

@@ -103,6 +103,7 @@ ESTIMATED = (
     "dgc",
     "trimmed_top_k",
     "gaussian_k",
+    "sidco",
     "qsgd",
     "qsgd_ef",
     "terngrad",
@@ -218,7 +219,8 @@ def _compare(name: str, got: dict, want: dict) -> dict:
 
 
 def _nothing_lost(name: str, g: dict, upd: dict, state) -> bool | None:
-    """``sent + residual == g`` on the first step (None: no residual, or an optimizer)."""
+    """``sent + residual == g`` on the first step (``gradient_scale * g`` with GRACE's
+    residual scaling; None: no residual, or an optimizer)."""
     if name in presets.CONFORMANCE_OPTIMIZERS:
         return None
     if presets.CONFORMANCE[name]["kwargs"].get("error_feedback") is False:
@@ -227,12 +229,14 @@ def _nothing_lost(name: str, g: dict, upd: dict, state) -> bool | None:
     if res is None:
         return None
     res = _host(res)
+    # GRACE's residual scaling: the first step compresses gradient_scale * g.
+    gamma = np.float32(presets.CONFORMANCE[name]["kwargs"].get("gradient_scale", 1.0))
     ok = True
     for leaf in g:
-        sent, r = upd[leaf], res[leaf]
-        gap = np.abs((sent.astype(np.float64) + r) - g[leaf])
-        ulp = np.spacing(np.abs(g[leaf] - sent)).astype(np.float64)  # a quantizer's one rounding
-        ok &= bool(np.all(gap <= ulp + np.spacing(np.abs(g[leaf]))))
+        sent, r, x = upd[leaf], res[leaf], gamma * np.asarray(g[leaf], np.float32)
+        gap = np.abs((sent.astype(np.float64) + r) - x)
+        ulp = np.spacing(np.abs(x - sent)).astype(np.float64)  # a quantizer's one rounding
+        ok &= bool(np.all(gap <= ulp + np.spacing(np.abs(x))))
     return ok
 
 

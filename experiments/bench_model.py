@@ -160,6 +160,10 @@ COMPRESSORS = {
     "qsgd": spec("qsgd", bits=4, bucket_size=512),
     # reshape="last": Flax kernels (kh, kw, in, out) as (kh kw in, out) matrices.
     "powersgd": spec("powersgd", rank=4, reshape="last"),
+    # PyTorch's batched_powerSGD_hook: each dtype's leaves as one square matrix.
+    "powersgd_batched": spec("powersgd", rank=4, batched=True),
+    # The per-leaf one with 16-bit P and Q all-reduces (half the bytes).
+    "powersgd_bf16": spec("powersgd", rank=4, reshape="last", pq_dtype="bfloat16"),
     "ldte_bs_global": spec("ldte_bs", ratio=RATIO, granularity="global"),
     # The accumulator plus the last message's mask instead of a written-out residual.
     "ldte_bs_defer": spec("ldte_bs", ratio=RATIO, defer_residual=True),
@@ -177,7 +181,7 @@ ONE_DEVICE = ("ldte_bs_defer", "top_k_defer")
 # Compressors that differ from another only in their exchange: skipped on one device.
 SEVERAL_DEVICES = ("top_k_gtopk", "top_k_oktopk", "top_k_sparcml", "top_k_scalecom")
 # Compressors whose flat leaf is a matrix (FLAT_COLUMNS columns), not a vector.
-MATRIX_LEAF = ("powersgd",)
+MATRIX_LEAF = ("powersgd", "powersgd_bf16")
 LAYOUTS = ("tree", "flat")
 MODEL_TREES = ("resnet20", "vgg16", "resnet50", "densenet121")
 # A tiny tree for --small (a conv kernel, a dense kernel and a bias; 21,056 elements: the

@@ -12,6 +12,11 @@ and std 5e-3 as in the paper, a 90% N(0, 1e-4) + 10% Laplace mixture, and
   as in a training loop;
 - ``floor``: one memory pass, ``jnp.sum(jnp.abs(x))``, in the same run.
 
+SIDCo (``sidco_<dist>``: exponential, gamma, generalized Pareto, stages
+adapted) runs next to LDTE-BS (``ldte_bs`` and ``ldte_bs_paper``): its
+``count_over_k`` is an estimate's, not a window's; one line per size
+compares both.
+
 Beside exact ``lax.top_k`` it runs ``chunked_top_k``, the fairest top-k
 baseline for GPU users and an approximate one: on a GPU, ``lax.top_k`` at a
 gradient-sized ``k`` is a full sort (XLA uses its fast kernels only for
@@ -113,7 +118,13 @@ SELECTORS = {
     "trimmed_top_k": selectors.trimmed_top_k,
     "gaussian_k": selectors.gaussian_k,
     "random_k": lambda x, k: selectors.random_k(x, k, key=jax.random.key(0)),
+    # SIDCo (Abdelmoniem et al., MLSys 2021), each fit, stages adapted (jaxcomp.sidco's default).
+    "sidco_exponential": lambda x, k: selectors.sidco(x, k, dist="exponential"),
+    "sidco_gamma": lambda x, k: selectors.sidco(x, k, dist="gamma"),
+    "sidco_gpareto": lambda x, k: selectors.sidco(x, k, dist="gpareto"),
 }
+# The rows printed against ldte_bs (both variants) at every size.
+VERSUS_LDTE = ("ldte_bs_paper", "sidco_exponential", "sidco_gamma", "sidco_gpareto")
 # A full sort costs seconds above 2^20 on XLA:CPU (10 s at 2^24): skipped there.
 SORT_MAX_LOG2 = 20
 
@@ -230,6 +241,17 @@ def run(sizes_log2, kinds, repeats, out_dir, methods=None):
             if "ldte_bs" not in row["methods"]:
                 continue
             ld = row["methods"]["ldte_bs"]
+            for name in VERSUS_LDTE:
+                if name in row["methods"]:
+                    m = row["methods"][name]
+                    print(
+                        f"{kind:8s} 2^{lg:<2d} {name:17s} {m['threshold_ms']:7.2f} ms"
+                        f" ({m['threshold_floors']:5.1f} floors, "
+                        f"{ld['threshold_ms'] / m['threshold_ms']:5.2f}x ldte_bs), count"
+                        f" {m['count_over_k']:.2f}k (ldte_bs {ld['count_over_k']:.2f}k) / step"
+                        f" {m['step_ms']:7.2f} ms ({ld['step_ms'] / m['step_ms']:5.2f}x ldte_bs)",
+                        flush=True,
+                    )
             print(
                 f"{kind:8s} 2^{lg:<2d} floor {floor:7.3f} ms | top_k {base['threshold_ms']:8.2f}"
                 f" / step {base['step_ms']:8.2f} ms | ldte_bs {ld['threshold_ms']:7.2f}"
@@ -269,7 +291,7 @@ def plot(results, path):
                 pts = [
                     (r["n"] * 4, r["methods"][name][metric]) for r in rows if name in r["methods"]
                 ]
-                style = "-o" if name.startswith("ldte") else "--."
+                style = "-o" if name.startswith(("ldte", "sidco")) else "--."
                 ax.loglog(*zip(*pts, strict=True), style, label=name, ms=4)
             ax.loglog(
                 [r["n"] * 4 for r in rows], [r["floor_ms"] for r in rows], "k:", label="floor"

@@ -20,6 +20,11 @@ the accuracy effect of applying a global top-k of the sum instead of the union.
 compression, Signum, bf16 cast, PowerSGD, 1-bit and 0/1 Adam) beside dense,
 LDTE-BS and QSGD 4-bit.
 
+``--table=accordion`` trains Accordion (``jaxcomp.accordion``: per layer, the
+low compression level in critical regimes, else the high one, decided once
+per epoch) over top-k (ratios 0.99 / 0.1) and PowerSGD (ranks 4 / 1) beside
+each fixed level and dense: bytes and accuracy.
+
 ``--table=dlgs`` runs the DLGS paper's comparison instead: dense, global
 top-k, layer-wise top-k (LAGS), layer-wise with threshold reuse, and DLGS
 (reuse plus the optimal merge plan of this model's layers), in the paper's
@@ -62,6 +67,7 @@ from absl import flags
 from experiments import cli, jsonio
 
 __all__ = [
+    "ACCORDION_TABLE",
     "DLGS_REUSE_PERIOD",
     "DLGS_TABLE",
     "EXCHANGE_TABLE",
@@ -87,6 +93,12 @@ PAPER_TABLE2 = {
     "ldte_bs": {"compressor": "ldte_bs"},
     # Algorithm 2 of the ldte_bs paper exactly (jaxcomp.ldte_bs(variant="paper")).
     "ldte_bs_paper": {"compressor": "ldte_bs", "compressor_kwargs": {"variant": "paper"}},
+    # SIDCo (Abdelmoniem et al., MLSys 2021), each fit, stages adapted: an estimated
+    # threshold without a search, against LDTE-BS's estimate corrected on counts.
+    **{
+        f"sidco_{dist}": {"compressor": "sidco", "compressor_kwargs": {"dist": dist}}
+        for dist in ("exponential", "gamma", "gpareto")
+    },
 }
 
 
@@ -142,6 +154,24 @@ PEERS_TABLE = {
     "onebit_adam": {"compressor": "onebit_adam", "lr": 1e-3},
     "zero_one_adam": {"compressor": "zero_one_adam", "lr": 1e-3},
 }
+# Accordion (Agarwal et al., MLSys 2021) against its two fixed levels, for top-k
+# (the paper's ratios 0.99 and 0.1) and PowerSGD (ranks 4 and 1); it decides once
+# per epoch (compressor_kwargs "interval", default steps_per_epoch).
+ACCORDION_TABLE = {
+    "dense": {"compressor": "dense"},
+    "top_k_0.99": {"compressor": "top_k", "compressor_kwargs": {"ratio": 0.99}},
+    "top_k_0.1": {"compressor": "top_k", "compressor_kwargs": {"ratio": 0.1}},
+    "accordion_top_k": {
+        "compressor": "accordion",
+        "compressor_kwargs": {"compressor": "top_k", "low": 0.99, "high": 0.1},
+    },
+    "powersgd_r4": {"compressor": "powersgd", "compressor_kwargs": {"rank": 4}},
+    "powersgd_r1": {"compressor": "powersgd", "compressor_kwargs": {"rank": 1}},
+    "accordion_powersgd": {
+        "compressor": "accordion",
+        "compressor_kwargs": {"compressor": "powersgd", "low": 4, "high": 1},
+    },
+}
 # The ldte_bs paper's setting: density 0.1%, DGC warm-up, momentum correction.
 _LDTE_SETTING = dict(
     compressor_kwargs={"ratio": 1e-3},
@@ -165,6 +195,18 @@ TABLES = {
     "peers": (
         PEERS_TABLE,
         _LDTE_SETTING,
+    ),
+    # Accordion: no warm-up and no momentum correction (SGD momentum after the
+    # compressor, the same for every row), so that the rows differ only in the level.
+    "accordion": (
+        ACCORDION_TABLE,
+        dict(
+            compressor_kwargs={},
+            warmup_epochs=0,
+            momentum_correction=False,
+            schedule="cosine",
+            epochs=30,
+        ),
     ),
     "dlgs": (
         DLGS_TABLE,

@@ -34,6 +34,7 @@ from jaxcomp import sampling as sampling_lib
 from jaxcomp.comm.quantized import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
 
 __all__ = [
+    "ADAPTIVE",
     "AXIS",
     "CODED_EXCHANGES",
     "CODED_FIELDS",
@@ -73,6 +74,7 @@ SPARSIFIERS = (
     "trimmed_top_k",
     "binary_search",
     "gaussian_k",
+    "sidco",
     "random_k",
 )
 QUANTIZERS = (
@@ -89,8 +91,13 @@ QUANTIZERS = (
 # PowerSGD: rank-r power iteration, chained before SGD like the others.
 LOW_RANK = ("powersgd",)
 # Whole optimizers with compression inside (nothing chained after them).
-COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam")
-COMPRESSORS = ("dense", *SPARSIFIERS, *QUANTIZERS, *LOW_RANK, *COMPRESSED_OPTIMIZERS)
+COMPRESSED_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
+# Wrappers that switch an inner compressor's level (compressor_kwargs name the inner
+# factory and its levels: {"compressor": "top_k", "low": 0.99, "high": 0.1}).
+ADAPTIVE = ("accordion",)
+COMPRESSORS = (
+    "dense", *SPARSIFIERS, *QUANTIZERS, *LOW_RANK, *COMPRESSED_OPTIMIZERS, *ADAPTIVE,
+)  # fmt: skip
 SCHEDULES = ("constant", "cosine", "step")
 NORMS = models.NORMS
 MERGES = ("none", "greedy", "optimal")
@@ -146,12 +153,12 @@ class TrainConfig:
         0.01, "variant": "paper"}`` for ``ldte_bs`` (the ldte_bs paper's
         Algorithm 2), ``{"levels": 16}`` or ``{"bits": 4}`` and
         ``"bucket_size"`` for ``qsgd``, ``{"rank": 4}`` for ``powersgd``,
-        ``{"freeze_step": 100}`` for ``onebit_adam`` (``var_freeze_step``
-        for ``zero_one_adam``). The experiment's defaults
+        ``{"freeze_step": 100}`` for ``onebit_adam`` and ``onebit_lamb``
+        (``var_freeze_step`` for ``zero_one_adam``). The experiment's defaults
         (:func:`resolve_config`): sparsifiers ``ratio=1e-3``,
         ``granularity="layer"``, ``reuse_period=1`` (not ``random_k``);
         ``qsgd`` ``levels=16`` unless ``levels`` or ``bits`` is given;
-        ``powersgd`` ``rank=4``; the Adams' freeze step a fifth of the run's
+        ``powersgd`` ``rank=4``; the compressed optimizers' freeze step a fifth of the run's
         steps (the 1-bit Adam paper's 15-25% warm-up). Unset keys are the
         factory's own defaults (``min_dense_size``: 0 for sparsifiers,
         10000 for ``qsgd``). PowerSGD reshapes flax kernels with
@@ -346,6 +353,8 @@ def _kind(compressor: str) -> str:
         return "the low-rank compressor"
     if compressor in COMPRESSED_OPTIMIZERS:
         return "the compressed optimizer"
+    if compressor in ADAPTIVE:
+        return "the adaptive wrapper"
     return "the baseline"
 
 
@@ -380,7 +389,8 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     ``compressor_kwargs``: sparsifiers ``ratio=1e-3``, ``granularity="layer"``
     and (but ``random_k``, which has no threshold to reuse) ``reuse_period=1``;
     ``qsgd`` ``levels=16`` when neither ``levels`` nor ``bits`` is given;
-    ``powersgd`` ``rank=4``; other keys as given (unset: the factory's
+    ``powersgd`` ``rank=4``; ``accordion`` ``compressor="top_k"``, ``low=0.99``,
+    ``high=0.1`` (over top-k); other keys as given (unset: the factory's
     default). Sparsifiers ``momentum_correction=True`` and ``merge="none"``
     unless set, the others ``momentum_correction=False`` (dense: either value
     is the same run). ``exchange="default"`` becomes None (the same run);
@@ -420,6 +430,13 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
         kw["levels"] = 16
     if c.compressor in LOW_RANK:
         kw.setdefault("rank", 4)
+    if c.compressor == "accordion":
+        # The paper's top-k levels (Agarwal et al., 2021): ratio 0.99 in critical
+        # regimes, 0.1 otherwise.
+        kw.setdefault("compressor", "top_k")
+        if kw["compressor"] == "top_k":
+            kw.setdefault("low", 0.99)
+            kw.setdefault("high", 0.1)
     return c
 
 
@@ -516,6 +533,7 @@ def _validate_mesh(c: TrainConfig, n: int | None) -> None:
         "merge (profiled on the flat mesh)": c.merge not in (None, "none"),
         "fit_check_epochs (reads whole residuals)": bool(c.fit_check_epochs),
         "coded_bytes_every (reads whole messages)": c.coded_bytes_every is not None,
+        "onebit_lamb (trust ratios of whole leaves)": c.compressor == "onebit_lamb",
     }
     bad = [name for name, on in others.items() if on]
     if bad:
@@ -955,6 +973,9 @@ def _build_optimizer(config: TrainConfig, steps_per_epoch: int, total_steps: int
     if c.compressor in COMPRESSED_OPTIMIZERS:
         # Unset: a fifth of the run's steps (the 1-bit Adam paper's 15-25% warm-up).
         kwargs.setdefault(kwarg_name(c.compressor, "freeze_step"), max(1, total_steps // 5))
+    if c.compressor == "accordion":
+        # Unset: Accordion decides once per epoch (the paper's interval).
+        kwargs.setdefault("interval", steps_per_epoch)
     preset = {
         "compressor": "dense_exchange" if c.compressor == "dense" else c.compressor,
         "kwargs": kwargs,
@@ -1013,8 +1034,12 @@ def _owned(c: TrainConfig, lr, on_compressor: bool, steps_per_epoch: int, groups
     if c.compressor in LOW_RANK:
         # Flax kernels are (..., fan_in, out): matrices of their last dimension.
         return dict(reshape="last", seed=c.seed)
-    if c.compressor == "onebit_adam":
+    if c.compressor in ("onebit_adam", "onebit_lamb"):
         return dict(learning_rate=lr, b1=c.momentum)
     if c.compressor == "zero_one_adam":
         return dict(learning_rate=lr, b1=c.momentum, local_step_clipper=1)
+    if c.compressor == "accordion":
+        inner = c.compressor_kwargs.get("compressor")
+        layout = {"reshape": "last"} if inner in LOW_RANK else {}
+        return dict(seed=c.seed, **layout, **exchange)
     return exchange

@@ -67,6 +67,8 @@ CONFORMANCE = {
     "dgc": spec("dgc"),
     "trimmed_top_k": spec("trimmed_top_k"),
     "gaussian_k": spec("gaussian_k"),
+    # SIDCo with a gamma first stage and generalized Pareto stages after (the most code).
+    "sidco": spec("sidco", dist="gamma"),
     "random_k": spec("random_k"),
     "threshold": spec("threshold", threshold=FIXED_THRESHOLD),
     # Memory-less top-k (GRACE's TopKCompressor with NoneMemory): the residual stays
@@ -77,6 +79,8 @@ CONFORMANCE = {
     # elements; random_k drawing the same coordinates on every device, values only.
     "top_k_fp16_values": spec("top_k", value_dtype="float16", index_dtype="uint16"),
     "random_k_shared": spec("random_k", shared_indices=True),
+    # GRACE's ResidualMemory(beta, gamma): sent + new residual == beta e + gamma g.
+    "top_k_residual_scaled": spec("top_k", residual_scale=0.75, gradient_scale=1.25),
     # Quantizers: min_dense_size 0 unless the caller sets it, so that small leaves
     # are quantized.
     "qsgd": spec("qsgd", levels=7, bucket_size=64, min_dense_size=0),
@@ -97,10 +101,15 @@ CONFORMANCE = {
     # Low rank, rank 1: (n + m) * 1 * 2 < n m for the suites' matrices; 0-D and 1-D
     # leaves go dense.
     "powersgd": spec("powersgd", rank=1),
+    # The hook's batched variant: every leaf of one dtype in one square matrix.
+    "powersgd_batched": spec("powersgd", rank=1, batched=True),
+    # 16-bit P and Q all-reduces (fp16_compress_wrapper / bf16_compress_wrapper).
+    "powersgd_fp16": spec("powersgd", rank=1, pq_dtype="float16"),
+    "powersgd_batched_bf16": spec("powersgd", rank=1, batched=True, pq_dtype="bfloat16"),
 }
 
-# Compressed optimizers (their update is Adam's step). Small schedules, so that a few
-# steps cross every stage (0/1 Adam: variance steps, 1-bit steps, stage 2).
+# Compressed optimizers (their update is Adam's or LAMB's step). Small schedules, so that
+# a few steps cross every stage (0/1 Adam: variance steps, 1-bit steps, stage 2).
 CONFORMANCE_OPTIMIZERS = {
     "onebit_adam": spec("onebit_adam", learning_rate=0.01, freeze_step=2),
     "onebit_adam_two_stage": spec(
@@ -120,6 +129,10 @@ CONFORMANCE_OPTIMIZERS = {
         var_update_scaler=1,
         local_step_clipper=1,
         exchange="two_stage",
+    ),
+    "onebit_lamb": spec("onebit_lamb", learning_rate=0.01, freeze_step=2, weight_decay=0.01),
+    "onebit_lamb_two_stage": spec(
+        "onebit_lamb", learning_rate=0.01, freeze_step=2, codec="sign_l2", exchange="two_stage"
     ),
 }
 

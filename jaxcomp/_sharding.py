@@ -82,17 +82,22 @@ def whole_leaves(update_fn, fields=("residual", "velocity")):
     """``update_fn(updates, state, ...)`` compressing explicitly split leaves whole.
 
     Without explicitly split leaves this is ``update_fn``. Otherwise the
-    leaves and the state go in replicated, and the updates and the state's
-    per-element ``fields`` (pytrees like the updates) come back with the
-    leaves' shardings.
+    leaves, the state and the other positional arguments go in replicated,
+    and the updates and the state's per-element ``fields`` (pytrees like the
+    updates) come back with the leaves' shardings.
     """
 
     def wrapped(updates, state, *args, **kwargs):
         specs = explicit_specs(updates)
         if specs is None:
             return update_fn(updates, state, *args, **kwargs)
+        # The other positional arguments (the parameters, for weight decay and
+        # LAMB's trust ratio) go in replicated too: they meet the whole leaves.
         new_updates, new_state = update_fn(
-            replicate_explicit(updates), replicate_explicit(state), *args, **kwargs
+            replicate_explicit(updates),
+            replicate_explicit(state),
+            *(replicate_explicit(a) for a in args),
+            **kwargs,
         )
         per_element = {
             f: reshard_like(getattr(new_state, f), specs)

@@ -128,7 +128,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import _validation as V
 from jaxcomp import aggregation, cssgd, distributed
-from jaxcomp.transforms.adam import OnebitAdamState, ZeroOneAdamState
+from jaxcomp.transforms.adam import OnebitAdamState, OnebitLambState, ZeroOneAdamState
 from jaxcomp.transforms.powersgd import PowerSGDState
 from jaxcomp.transforms.quantize import MomentumQuantizeState, QuantizeState
 from jaxcomp.transforms.sparsify import DeferredSparsifyState, SparsifyState
@@ -218,6 +218,23 @@ FIELD_RULES: Mapping[type, Mapping[str, str]] = types.MappingProxyType(
                 "residual": "fold",
                 # Two-stage server chunks move with the device count: not resized.
                 "server_residual": "empty",
+                "message_bytes": "copy",
+                "wire_bytes": "copy",
+                "nonfinite_steps": "sum",
+            }
+        ),
+        OnebitLambState: types.MappingProxyType(
+            {
+                "count": "replicated",
+                "mu": "replicated",
+                "nu": "replicated",
+                "nu_fresh": "replicated",  # from the averaged momentum
+                "residual": "fold",
+                "server_residual": "empty",
+                "scaling_coeff": "replicated",
+                "coeff_freeze": "replicated",
+                "last_factor": "replicated",
+                "lamb_coeff": "replicated",
                 "message_bytes": "copy",
                 "wire_bytes": "copy",
                 "nonfinite_steps": "sum",

@@ -156,8 +156,16 @@ NO_ERROR_FEEDBACK = (
 RANDOMIZED = ("qsgd", "qsgd_ef", "terngrad", "terngrad_clip_ef", "natural", "natural_dithering_ef")
 # Quantizers whose exchange is a majority vote, not a mean (exchange="majority").
 MAJORITY = ("signum",)
-# Low-rank compressors: name -> rank.
-LOW_RANK = {"powersgd": 1}
+# GRACE's residual scaling: name -> (residual_scale, gradient_scale); "nothing lost"
+# reads sent + new residual == residual_scale * old + gradient_scale * g.
+RESIDUAL_SCALING = {"top_k_residual_scaled": (0.75, 1.25)}
+# Low-rank compressors: name -> (rank, batched, bytes per P/Q value).
+LOW_RANK = {
+    "powersgd": (1, False, 4),
+    "powersgd_batched": (1, True, 4),
+    "powersgd_fp16": (1, False, 2),
+    "powersgd_batched_bf16": (1, True, 2),
+}
 
 # Compressed *optimizers*: the update is Adam's step, not a compressed gradient, so
 # "nothing lost" holds for the momentum they exchange (test_conformance's optimizer
@@ -171,28 +179,57 @@ SPARSIFIERS = tuple(name for name in FACTORIES if name not in QUANTIZERS and nam
 
 
 def mesh_update(tx, mesh, axis_name: str = "data"):
-    """Jitted ``tx.update`` on every device's row of stacked (grads, state): per-device outputs."""
+    """Jitted ``tx.update`` on every device's row of stacked (grads, state): per-device outputs.
 
-    def run(grads, state):
+    Called as ``(grads, state, params)`` it passes every device's row of the
+    stacked params to ``tx.update`` too.
+    """
+
+    def run(grads, state, *params):
         first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
-        upd, new = tx.update(first(grads), first(state))
+        upd, new = tx.update(first(grads), first(state), *(first(p) for p in params))
         return jax.tree.map(lambda a: jnp.asarray(a)[None], (upd, new))
 
     spec = P(axis_name)
     return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
-def low_rank_bytes(name: str, shape, itemsize: int, min_dense: int = 0) -> int:
-    """Independent message size of low-rank compressor ``name``: the hook's rule
-    (``view(shape[0], -1)``, compressed iff ``(n + m) r * 2 < n m``), ``P`` and ``Q`` in
-    float32; the dense leaf otherwise."""
-    size = math.prod(shape)
-    if len(shape) >= 2 and size > max(min_dense, 0):
-        n, m = shape[0], size // shape[0]
-        r = min(n, m, LOW_RANK[name])
-        if (n + m) * r * 2 < n * m:
-            return (n + m) * r * 4
-    return size * itemsize
+def low_rank_bytes(name: str, tree, min_dense: int = 0):
+    """Independent message sizes per leaf (a pytree of ints like ``tree``, whose leaves
+    have ``shape`` and ``dtype``) of low-rank compressor ``name``.
+
+    Per leaf, the hook's rule: ``view(shape[0], -1)``, compressed iff ``(n + m) r * 2 <
+    n m``, ``P`` and ``Q`` of the given width; the dense leaf otherwise. Batched (the
+    hook's ``batched_powerSGD_hook``): the leaves of one dtype with more than
+    ``min_dense`` elements form a bucket, a ``s x s`` matrix with ``s = ceil(sqrt(total))``,
+    compressed iff ``2 s r * 2 < s^2``; its ``2 s r`` values are counted at its first leaf.
+    """
+    rank, batched, item = LOW_RANK[name]
+    leaves, treedef = jax.tree.flatten(tree)
+    sizes = [math.prod(x.shape) for x in leaves]
+    out = [size * np.dtype(x.dtype).itemsize for x, size in zip(leaves, sizes, strict=True)]
+    if batched:
+        buckets: dict = {}
+        for i, (x, size) in enumerate(zip(leaves, sizes, strict=True)):
+            if size > max(min_dense, 0):
+                buckets.setdefault(np.dtype(x.dtype), []).append(i)
+        for idx in buckets.values():
+            total = sum(sizes[i] for i in idx)
+            s = math.ceil(math.sqrt(total))
+            while s * s < total:  # float sqrt rounding
+                s += 1
+            r = min(s, rank)
+            if 2 * s * r * 2 < s * s:
+                for i in idx:
+                    out[i] = 2 * s * r * item if i == idx[0] else 0
+        return treedef.unflatten(out)
+    for i, (x, size) in enumerate(zip(leaves, sizes, strict=True)):
+        if len(x.shape) >= 2 and size > max(min_dense, 0):
+            n, m = x.shape[0], size // x.shape[0]
+            r = min(n, m, rank)
+            if (n + m) * r * 2 < n * m:
+                out[i] = (n + m) * r * item
+    return treedef.unflatten(out)
 
 
 def quantized_bytes(name: str, n: int) -> int:
@@ -220,6 +257,9 @@ AT_LEAST_K = (
     "top_k", "top_k_sort", "ldte_bs", "binary_search", "random_k", "random_k_shared",
     "top_k_fp16_values",
 )  # fmt: skip
+# Threshold estimates that may send fewer or more than k (capped by the capacity), with
+# at least one element whenever one is nonzero.
+ESTIMATED_COUNT = ("sidco",)
 # Selectors that send exactly k on tie-free data.
 EXACTLY_K = ("top_k", "top_k_sort", "random_k", "random_k_shared", "top_k_fp16_values")
 # Index-based random selection: exactly k draws (zeros included), no threshold.
@@ -250,20 +290,21 @@ def pair_bytes(name: str, n: int, dtype) -> int:
 
 
 class Counted:
-    """``jax.jit`` of ``tx.update`` that counts how often it was traced."""
+    """``jax.jit`` of ``tx.update`` that counts how often it was traced (called as
+    ``(grads, state)`` or ``(grads, state, params)``)."""
 
     def __init__(self, tx):
         self.tx = tx
         self.traces = 0
 
-        def update(g, s):
+        def update(g, s, *params):
             self.traces += 1
-            return tx.update(g, s)
+            return tx.update(g, s, *params)
 
         self.fn = jax.jit(update)
 
-    def __call__(self, g, s):
-        out = self.fn(g, s)
+    def __call__(self, g, s, *params):
+        out = self.fn(g, s, *params)
         jax.block_until_ready(out)
         return out
 
@@ -339,3 +380,46 @@ def compress_on_mesh(compressor, mesh, grads, state, axis="data"):
     Returns per-device ``(updates, state)`` stacked along the leading axis.
     """
     return mesh_update(compressor, mesh, axis)(grads, state)
+
+
+# numpy references of the 1-bit codecs and exchanges (1-bit Adam, 0/1 Adam, 1-bit LAMB).
+
+
+def sign_codec(x):
+    """numpy ``||x||_1 / d * sign(x)`` (zeros sent as +), one bucket."""
+    x = np.asarray(x, np.float32)
+    scale = np.float32(np.sum(np.abs(x), dtype=np.float64) / x.size)
+    return np.where(x < 0, -scale, scale).astype(np.float32)
+
+
+def _np_scale(v, kind):
+    v = np.asarray(v, np.float64)
+    if v.size == 0:
+        return 0.0
+    return np.abs(v).sum() / v.size if kind == "l1" else np.sqrt((v * v).sum() / v.size)
+
+
+def _np_signed(v, scale):
+    return np.where(np.asarray(v) >= 0, scale, -scale)
+
+
+def np_compressed_allreduce(x, worker_err, server_err, ok, kind):
+    """DeepSpeed's compressed_allreduce in numpy, float64.
+
+    x, worker_err: (N, d); server_err: (d,), the servers' chunks concatenated;
+    ok: (N,) bool, devices that send. Chunks of ceil(d / 8N) * 8 values, server j
+    owns chunk j. Returns (result, new worker errors, new server errors).
+    """
+    n, d = x.shape
+    buf = np.where(ok[:, None], x + worker_err, 0.0)
+    sent = np.stack([_np_signed(b, _np_scale(b, kind)) for b in buf]) * ok[:, None]
+    new_worker = np.where(ok[:, None], buf - sent, worker_err)
+    avg = sent.sum(axis=0) / max(ok.sum(), 1)
+    chunk = -(-d // (8 * n)) * 8
+    out, new_server = np.zeros(d), np.zeros(d)
+    for j in range(n):
+        sl = slice(j * chunk, min(d, (j + 1) * chunk))
+        sb = avg[sl] + server_err[sl]
+        out[sl] = _np_signed(sb, _np_scale(sb, kind))
+        new_server[sl] = sb - out[sl]
+    return out, new_worker, new_server

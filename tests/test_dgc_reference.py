@@ -442,3 +442,269 @@ def test_rounds_several_per_pass_and_the_refine_equal_the_1d_selector(rule, deca
             assert int(sel.iterations[s]) == int(one.iterations)
             seen.add(int(one.iterations))
     assert max(seen) > 2 * sg._ROUNDS  # several passes of rounds ran
+
+
+# ---------------------------------------------------------------------------
+# DGC's memory: Nesterov momentum correction and local gradient clipping.
+# ---------------------------------------------------------------------------
+#
+# A numpy port of ``DGCSGDMemory`` (synxlin/deep-gradient-compression,
+# ``dgc/memory.py``): ``compensate`` (clip, then the momentum correction) and
+# ``update`` (factor masking of the sent coordinates), in float32 like the
+# reference's tensors. The clipping is the reference's ``clip_grad_norm_``
+# (``dgc/clip_grad.py``: ``coef = max_norm / (norm + 1e-6)``, applied if below 1)
+# with the paper's choices (Lin et al. 2018, section 3.3 and appendix D): the
+# norm of this worker's whole gradient, and ``max_norm = c / sqrt(N)``.
+# The selection is exact top-k (the memory does not depend on the selector).
+
+MEMORY_SHAPES = {"v": (300,), "w": (40, 25)}
+
+
+class DGCMemoryPort:
+    def __init__(self, momentum, nesterov, clip=None, n_workers=1, masking=True):
+        self.m, self.nesterov, self.masking = np.float32(momentum), nesterov, masking
+        self.clip = None if clip is None else clip / math.sqrt(n_workers)
+        self.mmt = {k: np.zeros(s, np.float32) for k, s in MEMORY_SHAPES.items()}
+        self.vec = {k: np.zeros(s, np.float32) for k, s in MEMORY_SHAPES.items()}
+
+    def clip_coef(self, grads):
+        if self.clip is None:
+            return None
+        norm = np.float32(np.sqrt(sum(np.sum(np.float64(g) ** 2) for g in grads.values())))
+        coef = np.float32(self.clip) / (norm + np.float32(1e-6))
+        return coef if coef < 1 else None
+
+    def compensate(self, grads):
+        coef = self.clip_coef(grads)
+        out = {}
+        for name, g in grads.items():
+            g = np.asarray(g, np.float32)
+            if coef is not None:
+                g = g * coef  # grad.mul_(clip_coef)
+            mmt, vec = self.mmt[name], self.vec[name]
+            if self.nesterov:
+                mmt = (mmt + g) * self.m  # mmt.add_(grad).mul_(momentum)
+                vec = (vec + mmt) + g  # vec.add_(mmt).add_(grad)
+            else:
+                mmt = mmt * self.m + g  # mmt.mul_(momentum).add_(grad)
+                vec = vec + mmt  # vec.add_(mmt)
+            self.mmt[name], self.vec[name] = mmt, vec
+            out[name] = vec
+        return out
+
+    def update(self, name, indices, wire=np.float32):
+        """Masks the sent coordinates; returns the message (values in ``wire``)."""
+        vec = self.vec[name].reshape(-1).copy()
+        sent = np.zeros_like(vec)
+        sent[indices] = vec[indices].astype(wire).astype(np.float32)
+        # index_fill_(0, indices, 0); a narrower wire keeps its rounding (nothing lost).
+        vec[indices] = vec[indices] - sent[indices]
+        self.vec[name] = vec.reshape(self.vec[name].shape)
+        if self.masking:
+            mmt = self.mmt[name].reshape(-1).copy()
+            mmt[indices] = 0
+            self.mmt[name] = mmt.reshape(self.mmt[name].shape)
+        return sent.reshape(self.vec[name].shape)
+
+    def step(self, grads, ratio, wire=np.float32):
+        vecs = self.compensate(grads)
+        msgs = {}
+        for name, vec in vecs.items():
+            flat = np.abs(vec.reshape(-1))
+            k = max(1, math.ceil(round(ratio * flat.size, 9)))
+            msgs[name] = self.update(name, np.argsort(-flat, kind="stable")[:k], wire)
+        return msgs
+
+
+def _memory_grads(rng, step, lead=(), dtype=np.float32):
+    # Every third step ten times larger: clipping on some steps and not on others.
+    scale = 10.0 if step % 3 == 2 else 1.0
+    return {
+        k: (scale * rng.laplace(size=(*lead, *s))).astype(np.float32).astype(dtype)
+        for k, s in MEMORY_SHAPES.items()
+    }
+
+
+def _assert_close_or_equal(got, want, exact, err_msg="", atol=1e-6):
+    if exact:
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=err_msg)
+    else:
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=atol, err_msg=err_msg)
+
+
+@pytest.mark.parametrize(
+    "nesterov, clip, masking",
+    [(True, None, True), (True, None, False), (True, 80.0, True), (False, 80.0, True)],
+)
+def test_memory_matches_dgc_sgd_memory(nesterov, clip, masking):
+    """Several steps of ``top_k`` with DGC's options against the port: velocity
+    (``momentums``), residual (``velocities``) and message; bit for bit without
+    clipping, to float32 rounding with it (the norm's summation order)."""
+    ratio = 0.05
+    tx = jaxcomp.top_k(
+        ratio, momentum=0.9, nesterov=nesterov, momentum_masking=masking, clip_norm=clip
+    )
+    port = DGCMemoryPort(0.9, nesterov, clip, masking=masking)
+    rng = np.random.default_rng(7)
+    state = tx.init({k: jnp.zeros(s) for k, s in MEMORY_SHAPES.items()})
+    step = jax.jit(tx.update)
+    clipped = 0
+    for i in range(6):
+        g = _memory_grads(rng, i)
+        clipped += port.clip_coef(g) is not None
+        want = port.step(g, ratio)
+        u, state = step({k: jnp.asarray(v) for k, v in g.items()}, state)
+        for name in MEMORY_SHAPES:
+            exact = clip is None
+            _assert_close_or_equal(u[name], want[name], exact, f"{name} step {i}")
+            _assert_close_or_equal(state.velocity[name], port.mmt[name], exact, name)
+            _assert_close_or_equal(state.residual[name], port.vec[name], exact, name)
+            sent = np.flatnonzero(np.asarray(u[name]))
+            np.testing.assert_array_equal(sent, np.flatnonzero(want[name]))
+    assert clip is None or 0 < clipped < 6  # clipping both on and off
+
+
+def test_clipping_uses_the_device_count_on_a_mesh():
+    """shard_map on 8 devices: each device clips its own gradient at ``c / sqrt(8)``
+    and keeps its own DGC memory; the update is the mean of the messages."""
+    from helpers import mesh_update  # noqa: PLC0415
+    from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    n_dev, ratio, clip = 8, 0.05, 230.0
+    mesh = Mesh(np.array(jax.devices()[:n_dev]), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    tx = jaxcomp.top_k(
+        ratio, axis_name="data", exchange="allgather", momentum=0.9, nesterov=True,
+        clip_norm=clip,
+    )  # fmt: skip
+    ports = [DGCMemoryPort(0.9, True, clip, n_workers=n_dev) for _ in range(n_dev)]
+    zeros = {k: jnp.zeros(s) for k, s in MEMORY_SHAPES.items()}
+    state = jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * n_dev), tx.init(zeros)), sharding)
+    step = mesh_update(tx, mesh)
+    rng = np.random.default_rng(8)
+    clipped = 0
+    for i in range(3):
+        g = _memory_grads(rng, i, (n_dev,))
+        per_dev = [{k: v[d] for k, v in g.items()} for d in range(n_dev)]
+        clipped += sum(p.clip_coef(x) is not None for p, x in zip(ports, per_dev, strict=True))
+        msgs = [p.step(x, ratio) for p, x in zip(ports, per_dev, strict=True)]
+        u, state = step(jax.device_put(g, sharding), state)
+        u, res, vel = jax.device_get((u, state.residual, state.velocity))
+        for name in MEMORY_SHAPES:
+            mean = np.mean([m[name] for m in msgs], axis=0, dtype=np.float64)
+            for d in range(n_dev):
+                np.testing.assert_allclose(u[name][d], mean, rtol=1e-5, atol=1e-6)
+                _assert_close_or_equal(res[name][d], ports[d].vec[name], False, name)
+                _assert_close_or_equal(vel[name][d], ports[d].mmt[name], False, name)
+    assert 0 < clipped < 3 * n_dev
+
+
+def test_bfloat16_gradients_keep_the_message_rounding():
+    """bf16 gradients: the memory in float32, the message in bf16, its rounding
+    kept in the residual (the port with a bf16 wire)."""
+    ratio, clip = 0.05, 80.0
+    tx = jaxcomp.top_k(ratio, momentum=0.9, nesterov=True, clip_norm=clip)
+    port = DGCMemoryPort(0.9, True, clip)
+    rng = np.random.default_rng(9)
+    state = tx.init({k: jnp.zeros(s, jnp.bfloat16) for k, s in MEMORY_SHAPES.items()})
+    step = jax.jit(tx.update)
+    for i in range(4):
+        g = _memory_grads(rng, i, dtype=jnp.bfloat16)
+        want = port.step({k: v.astype(np.float32) for k, v in g.items()}, ratio, jnp.bfloat16)
+        u, state = step({k: jnp.asarray(v) for k, v in g.items()}, state)
+        for name in MEMORY_SHAPES:
+            assert u[name].dtype == jnp.bfloat16 and state.residual[name].dtype == jnp.float32
+            _assert_close_or_equal(u[name].astype(jnp.float32), want[name], False, name)
+            # The residual's small values are acc - bf16(acc): a few float32 ulps of
+            # the accumulator (|acc| ~ 10) through the clipping factor's rounding.
+            _assert_close_or_equal(state.residual[name], port.vec[name], False, name, 2e-5)
+            _assert_close_or_equal(state.velocity[name], port.mmt[name], False, name)
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "zero"])
+def test_nan_gradients_stay_out_of_the_memory(nonfinite):
+    """Clipping, Nesterov and residual scaling: a NaN never reaches the norm, the
+    residual or the velocity; a skipped step leaves both as they were (no decay)."""
+    tx = jaxcomp.top_k(
+        0.05, momentum=0.9, nesterov=True, clip_norm=80.0, residual_scale=0.5,
+        nonfinite=nonfinite,
+    )  # fmt: skip
+    rng = np.random.default_rng(10)
+    state = tx.init({k: jnp.zeros(s) for k, s in MEMORY_SHAPES.items()})
+    step = jax.jit(tx.update)
+    u, state = step(_memory_grads(rng, 0), state)
+    bad = _memory_grads(rng, 1)
+    bad["w"][3, 4] = np.nan
+    u, new = step(bad, state)
+    for tree in (u, new.residual, new.velocity):
+        assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(tree))
+    assert int(new.nonfinite_steps) == 1
+    if nonfinite == "skip":
+        for a, b in zip(jax.tree.leaves((state.residual, state.velocity)),
+                        jax.tree.leaves((new.residual, new.velocity)), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(u))
+
+
+def test_injected_clip_norm_and_scales_match_static_values_without_retracing():
+    import optax  # noqa: PLC0415
+
+    g = {k: jnp.asarray(v) for k, v in _memory_grads(np.random.default_rng(11), 2).items()}
+    kw = dict(momentum=0.9, clip_norm=200.0, residual_scale=0.75, gradient_scale=1.25)
+    injected = optax.inject_hyperparams(jaxcomp.top_k, static_args=("ratio", "nesterov"))(
+        ratio=0.05, nesterov=True, **kw
+    )
+    traces = []
+
+    def update(g, state):
+        traces.append(1)
+        return injected.update(g, state)
+
+    step = jax.jit(update)
+
+    def run_static(**over):
+        tx = jaxcomp.top_k(0.05, nesterov=True, **{**kw, **over})
+        s = tx.init(g)
+        outs = []
+        for _ in range(2):
+            u, s = tx.update(g, s)
+            outs.append((u, s.residual, s.velocity))
+        return outs
+
+    state = injected.init(g)
+    for i, want in enumerate(run_static()):
+        u, state = step(g, state)
+        got = (u, state.inner_state.residual, state.inner_state.velocity)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(i))
+    state.hyperparams["clip_norm"] = jnp.float32(20.0)
+    u, _ = step(g, state)
+    assert len(traces) == 1
+    tx = jaxcomp.top_k(0.05, nesterov=True, **{**kw, "clip_norm": 20.0})
+    s0 = tx.init(g)
+    s0 = s0._replace(residual=state.inner_state.residual, velocity=state.inner_state.velocity)
+    s0 = s0._replace(step=state.inner_state.step)
+    want, _ = tx.update(g, s0)
+    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(nesterov=True), "nesterov.*momentum"),
+        (dict(momentum=0.0, nesterov=True), "nesterov.*momentum"),
+        (dict(momentum=0.9, nesterov=1), "nesterov"),
+        (dict(clip_norm=0.0), "clip_norm"),
+        (dict(clip_norm=-1.0), "clip_norm"),
+        (dict(clip_norm=float("nan")), "clip_norm"),
+        (dict(clip_norm="1"), "clip_norm"),
+    ],
+)
+def test_bad_dgc_memory_arguments_name_them(kwargs, match):
+    for factory in (jaxcomp.top_k, jaxcomp.dgc):
+        with pytest.raises(ValueError, match=match):
+            factory(0.05, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        jaxcomp.sparsify("top_k", 0.05, **kwargs)

@@ -17,18 +17,25 @@ from experiments import bench_selection, demo
 
 def test_bench_selection_writes_json_and_png(tmp_path):
     rows = bench_selection.run(
-        [10, 12], ["laplace"], repeats=5, out_dir=str(tmp_path), methods=["ldte_bs", "gaussian_k"]
+        [10, 12],
+        ["laplace"],
+        repeats=5,
+        out_dir=str(tmp_path),
+        methods=["ldte_bs", "gaussian_k", "sidco_gpareto"],
     )
     data = json.loads((tmp_path / "bench_selection.json").read_text())
     assert (tmp_path / "bench_selection.png").stat().st_size > 0
     assert len(data["results"]) == len(rows) == 2
     for row in data["results"]:
-        assert set(row["methods"]) == {"top_k", "ldte_bs", "gaussian_k"}
+        assert set(row["methods"]) == {"top_k", "ldte_bs", "gaussian_k", "sidco_gpareto"}
         k = row["k"]
         assert k == max(1, math.ceil(1e-3 * row["n"]))
         methods = row["methods"]
         assert methods["top_k"]["count"] == k  # no ties in continuous data
         assert k <= methods["ldte_bs"]["count"] <= math.floor(1.5 * k)
+        # SIDCo's count is an estimate: the count of its own threshold, at least one.
+        sid = methods["sidco_gpareto"]
+        assert sid["count"] >= 1 and sid["count_over_k"] == sid["count"] / k
         # Ratios are computed from the medians in the same row.
         m = methods["ldte_bs"]
         np.testing.assert_allclose(
@@ -132,6 +139,32 @@ def test_compare_rows_are_valid_configs():
     assert compare.for_compressor(base, rows["qsgd"]).compressor_kwargs == {"bucket_size": 512}
     paper = compare.for_compressor(base, rows["ldte_bs_paper"]).compressor_kwargs
     assert paper == {"ratio": 1e-3, "variant": "paper"}
+
+
+def test_compare_accordion_rows_are_valid_configs():
+    # compare --table=accordion: every row validates in the table's setting, and the
+    # Accordion rows switch between exactly the levels of the fixed rows beside them.
+    from experiments import compare, train  # noqa: PLC0415
+
+    rows, setting = compare.TABLES["accordion"]
+    base = train.TrainConfig(**setting)
+    configs = {n: compare.for_compressor(base, o) for n, o in rows.items()}
+    for config in configs.values():
+        train.validate_config(config)
+        assert not config.momentum_correction and config.warmup_epochs == 0
+    kw = {n: c.compressor_kwargs for n, c in configs.items()}
+    assert (kw["accordion_top_k"]["low"], kw["accordion_top_k"]["high"]) == (
+        kw["top_k_0.99"]["ratio"],
+        kw["top_k_0.1"]["ratio"],
+    )
+    assert (kw["accordion_powersgd"]["low"], kw["accordion_powersgd"]["high"]) == (
+        kw["powersgd_r4"]["rank"],
+        kw["powersgd_r1"]["rank"],
+    )
+    swapped = {"compressor": "top_k", "low": 0.1, "high": 0.99}
+    bad = compare.for_compressor(base, {"compressor": "accordion", "compressor_kwargs": swapped})
+    with pytest.raises(train.ConfigError, match="accordion.*high"):
+        train.validate_config(bad)
 
 
 def test_dlgs_table_rows_are_the_papers_methods():

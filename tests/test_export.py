@@ -185,10 +185,13 @@ def mesh_1d():
     return jax.make_mesh((N_DEV,), ("data",))
 
 
-def _update_export(tx, mesh, platform="cuda"):
-    def step(g, s):
+def _update_export(tx, mesh, platform="cuda", with_params=False):
+    """``tx.update`` per device, exported; ``with_params``: it also gets the parameters
+    (the compressed optimizers: 1-bit LAMB's trust ratio needs them)."""
+
+    def step(g, s, *params):
         first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
-        u, s = tx.update(first(g), first(s))
+        u, s = tx.update(first(g), first(s), *(first(p) for p in params))
         return jax.tree.map(lambda a: a[None], (u, s))
 
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
@@ -199,6 +202,8 @@ def _update_export(tx, mesh, platform="cuda"):
     grads = {k: jax.ShapeDtypeStruct(shape, dt) for k, (shape, dt) in TREE.items()}
     # The conformance suite's state: tx.init's, stacked along a leading device axis.
     args = (per_device(grads), per_device(jax.eval_shape(tx.init, grads)))
+    if with_params:
+        args = (*args, per_device(grads))
     return export.export(f, platforms=(platform,))(*args), args
 
 
@@ -206,7 +211,8 @@ def _update_export(tx, mesh, platform="cuda"):
 @pytest.mark.parametrize("name", list(ALL))
 def test_compressor_update_exports_for_cuda(name, platform, mesh_1d):
     tx = ALL[name](axis_name="data", min_dense_size=MIN_DENSE)
-    exp, args = _update_export(tx, mesh_1d, platform)
+    optimizer = name in getattr(helpers, "OPTIMIZERS", _OPTIMIZERS)
+    exp, args = _update_export(tx, mesh_1d, platform, with_params=optimizer)
     _check_cuda(exp, args, platform)
     # The updates come first, one per gradient leaf, shaped like it on every device.
     updates = exp.out_avals[: len(TREE)]

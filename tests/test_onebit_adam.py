@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_update
+from helpers import mesh_update, np_compressed_allreduce, sign_codec
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,13 +38,6 @@ def _stacked(tree, mesh):
 
 def _stack_init(tx, params, mesh):
     return _stacked(jax.tree.map(lambda x: np.stack([np.asarray(x)] * N), tx.init(params)), mesh)
-
-
-def sign_codec(x):
-    """numpy ``||x||_1 / d * sign(x)`` (zeros sent as +), one bucket."""
-    x = np.asarray(x, np.float32)
-    scale = np.float32(np.sum(np.abs(x), dtype=np.float64) / x.size)
-    return np.where(x < 0, -scale, scale).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -462,9 +455,13 @@ def test_leaves_split_over_an_explicit_mesh_axis_equal_unsharded():
         for _ in range(3)
     ]
     specs = {"w": P("data", None), "b": P()}
+    params = grads[0]  # weight decay and 1-bit LAMB read the (split) parameters
     for tx in (
         onebit_adam(0.1, freeze_step=1),
         zero_one_adam(0.1, var_freeze_step=1, local_step_clipper=2, local_step_scaler=1),
+        onebit_adam(0.1, freeze_step=1, weight_decay=0.1),
+        zero_one_adam(0.1, var_freeze_step=1, local_step_clipper=1, weight_decay=0.1),
+        jaxcomp.onebit_lamb(0.1, freeze_step=1, weight_decay=0.1),
     ):
         ref_state, state = tx.init(grads[0]), None
         with jax.set_mesh(mesh):
@@ -473,9 +470,9 @@ def test_leaves_split_over_an_explicit_mesh_axis_equal_unsharded():
             )
             state = jax.jit(tx.init)(put(grads[0]))
         for g in grads:  # warm-up / variance step, then 1-bit (and local) steps
-            ref_updates, ref_state = jax.jit(tx.update)(g, ref_state)
+            ref_updates, ref_state = jax.jit(tx.update)(g, ref_state, params)
             with jax.set_mesh(mesh):
-                updates, state = jax.jit(tx.update)(put(g), state)
+                updates, state = jax.jit(tx.update)(put(g), state, put(params))
             assert updates["w"].sharding.spec == P("data", None)
             assert state.residual["w"].sharding.spec == P("data", None)
             for k in g:
@@ -515,39 +512,6 @@ def test_schedule_learning_rate_and_tree_mismatch():
 # ---------------------------------------------------------------------------
 # The two-stage exchange (DeepSpeed's compressed_allreduce).
 # ---------------------------------------------------------------------------
-
-
-def _np_scale(v, kind):
-    v = np.asarray(v, np.float64)
-    if v.size == 0:
-        return 0.0
-    return np.abs(v).sum() / v.size if kind == "l1" else np.sqrt((v * v).sum() / v.size)
-
-
-def _np_signed(v, scale):
-    return np.where(np.asarray(v) >= 0, scale, -scale)
-
-
-def np_compressed_allreduce(x, worker_err, server_err, ok, kind):
-    """DeepSpeed's compressed_allreduce in numpy, float64.
-
-    x, worker_err: (N, d); server_err: (d,), the servers' chunks concatenated;
-    ok: (N,) bool, devices that send. Chunks of ceil(d / 8N) * 8 values, server j
-    owns chunk j. Returns (result, new worker errors, new server errors).
-    """
-    n, d = x.shape
-    buf = np.where(ok[:, None], x + worker_err, 0.0)
-    sent = np.stack([_np_signed(b, _np_scale(b, kind)) for b in buf]) * ok[:, None]
-    new_worker = np.where(ok[:, None], buf - sent, worker_err)
-    avg = sent.sum(axis=0) / max(ok.sum(), 1)
-    chunk = -(-d // (8 * n)) * 8
-    out, new_server = np.zeros(d), np.zeros(d)
-    for j in range(n):
-        sl = slice(j * chunk, min(d, (j + 1) * chunk))
-        sb = avg[sl] + server_err[sl]
-        out[sl] = _np_signed(sb, _np_scale(sb, kind))
-        new_server[sl] = sb - out[sl]
-    return out, new_worker, new_server
 
 
 TWO_STAGE_TREE = {"w": (12,), "m": (5, 7), "b": ()}  # d = 47 compressed, "b" dense
@@ -809,3 +773,270 @@ def test_inject_hyperparams_learning_rate(exchange):
     )
     with pytest.raises(ValueError, match="freeze_step.*static_args"):
         jax.jit(loose.update)(g, loose.init(g))
+
+
+# ---------------------------------------------------------------------------
+# Weight decay and exp_avg_mask: numpy ports of DeepSpeed's OnebitAdam and ZeroOneAdam.
+# ---------------------------------------------------------------------------
+
+# One leaf of 128 = N * lcm(N, 8) * 2 values: DeepSpeed compresses it with no padding,
+# and two_stage flattens the one leaf as DeepSpeed's per-tensor compressed_allreduce.
+WD_SHAPE = (8, 16)
+# DeepSpeed's exp_avg_mask: rows 5 and 6 (e.g. padded embedding rows) are zeroed.
+WD_MASK = np.ones(WD_SHAPE, np.float32)
+WD_MASK[5:7] = 0
+
+
+def np_onebit_adam(params, grads, lr, wd, freeze, mask):
+    """DeepSpeed's OnebitAdam.step (without its dropped initialisation step), numpy float64.
+
+    params: (d,) replicated; grads: list of (N, d) per step. Returns the parameters
+    after every step.
+    """
+    p = np.asarray(params, np.float64).copy()
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    werr, serr = np.zeros((N, p.size)), np.zeros(p.size)
+    out = []
+    for step, g in enumerate(grads, start=1):
+        g = np.asarray(g, np.float64)
+        if step <= freeze:  # warm-up: the engine all-reduces the gradient
+            gm = g.mean(0)
+            m = B1 * m + (1 - B1) * gm
+            v = B2 * v + (1 - B2) * gm * gm
+        else:
+            m_i = B1 * m + (1 - B1) * g
+            m, werr, serr = np_compressed_allreduce(m_i, werr, serr, np.ones(N, bool), "l2")
+            if mask is not None:
+                m = m * mask  # exp_avg.mul_(exp_avg_mask)
+        update = m / (np.sqrt(v) + EPS)
+        if wd > 0:
+            update = update + wd * p
+        p = p - lr * update
+        out.append(p.copy())
+    return out
+
+
+@pytest.mark.parametrize("wd,masked", [(0.1, False), (0.0, True), (0.05, True)])
+def test_onebit_adam_weight_decay_and_exp_avg_mask_match_deepspeed(mesh, wd, masked):
+    """Several steps over the freeze, 8 devices, DeepSpeed's settings: parameters
+    (identical on every device) == numpy OnebitAdam with weight_decay / exp_avg_mask."""
+    lr, freeze, steps = 0.01, 2, 5
+    rng = np.random.default_rng(11)
+    p0 = rng.normal(size=WD_SHAPE).astype(np.float32)
+    grads = [rng.normal(size=(N, *WD_SHAPE)).astype(np.float32) for _ in range(steps)]
+    mask = WD_MASK if masked else None
+    tx = onebit_adam(
+        lr,
+        freeze_step=freeze,
+        weight_decay=wd,
+        exp_avg_mask=None if mask is None else {"w": mask},
+        axis_name="data",
+        codec="sign_l2",
+        exchange="two_stage",
+        bias_correction=False,
+    )
+    ref = np_onebit_adam(
+        p0.reshape(-1),
+        [g.reshape(N, -1) for g in grads],
+        lr,
+        wd,
+        freeze,
+        None if mask is None else mask.reshape(-1),
+    )
+    update = mesh_update(tx, mesh)
+    params = {"w": np.stack([p0] * N)}
+    state = _stack_init(tx, {"w": jnp.asarray(p0)}, mesh)
+    for step in range(steps):
+        upd, state = update(_stacked({"w": grads[step]}, mesh), state, _stacked(params, mesh))
+        params = {"w": params["w"] + np.asarray(upd["w"])}
+        assert all(np.array_equal(params["w"][i], params["w"][0]) for i in range(N))
+        np.testing.assert_allclose(
+            params["w"][0].reshape(-1), ref[step], rtol=1e-5, atol=2e-6, err_msg=f"step {step}"
+        )
+    if masked:  # the masked rows moved by the decay alone after the freeze
+        assert not np.any(np.asarray(state.mu["w"])[:, 5:7])
+
+
+def np_zero_one_adam(params, grads, lr, wd, var_freeze, var_scaler, local_scaler, clipper, mask):
+    """DeepSpeed's ZeroOneAdam.step in numpy float64, per device (stage 2 from
+    t = var_freeze + 1, jaxcomp's documented timing). params: (d,); grads: list of
+    (N, d). Returns each step's (N, d) parameters."""
+    p = np.stack([np.asarray(params, np.float64)] * N)
+    d = p.shape[1]
+    m, v = np.zeros((N, d)), np.zeros(d)
+    werr, serr, acc = np.zeros((N, d)), np.zeros(d), np.zeros((N, d))
+    ok = np.ones(N, bool)
+    lrs, var_interval, var_counter, local_interval, local_counter = 0.0, 1, 0, 1, 0
+    mask = np.ones(d) if mask is None else mask
+    out = []
+    for t, g in enumerate(grads, start=1):
+        g = np.asarray(g, np.float64)
+        if t <= var_freeze:
+            if t % var_interval == 0:
+                gm = g.mean(0)
+                v = B2 * v + (1 - B2) * gm * gm
+                m = B1 * m + (1 - B1) * gm
+            else:
+                g1, werr, serr = np_compressed_allreduce(g, werr, serr, ok, "l2")
+                m = B1 * m + (1 - B1) * g1 * mask
+            update = m / (np.sqrt(v) + EPS) + wd * p
+            p = p - lr * update
+            if t % var_interval == 0:
+                var_counter += 1
+                if var_counter == var_scaler:
+                    var_counter, var_interval = 0, var_interval * 2
+        else:
+            if t == var_freeze + 1:  # the error buffers are reset once
+                werr, serr = np.zeros((N, d)), np.zeros(d)
+            m = B1 * m + (1 - B1) * g
+            lrs += lr
+            update = m / (np.sqrt(v) + EPS) + wd * p
+            p = p - lr * update
+            acc = acc - lr * update
+            if t % local_interval == 0:
+                p = p - acc
+                acc = acc * (np.sqrt(v) + EPS)
+                c, werr, serr = np_compressed_allreduce(acc, werr, serr, ok, "l2")
+                c = c * mask
+                m = np.stack([-c / lrs] * N)
+                p = p + c / (np.sqrt(v) + EPS)
+                acc, lrs = np.zeros((N, d)), 0.0
+            local_counter += 1
+            if local_counter == local_scaler:
+                local_counter, local_interval = 0, min(clipper, local_interval * 2)
+        out.append(p.copy())
+    return out
+
+
+@pytest.mark.parametrize("wd,masked", [(0.1, False), (0.05, True)])
+def test_zero_one_adam_weight_decay_and_exp_avg_mask_match_deepspeed(mesh, wd, masked):
+    """Both stages (variance and 1-bit gradient steps, local steps and syncs), 8 devices
+    with one parameter replica each: == numpy ZeroOneAdam with weight_decay / exp_avg_mask."""
+    lr, steps = 0.01, 9
+    schedule = {"var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 2,
+                "local_step_clipper": 4}  # fmt: skip
+    rng = np.random.default_rng(12)
+    p0 = rng.normal(size=WD_SHAPE).astype(np.float32)
+    grads = [rng.normal(size=(N, *WD_SHAPE)).astype(np.float32) for _ in range(steps)]
+    mask = WD_MASK if masked else None
+    tx = zero_one_adam(
+        lr,
+        **schedule,
+        weight_decay=wd,
+        exp_avg_mask=None if mask is None else {"w": mask},
+        axis_name="data",
+        codec="sign_l2",
+        exchange="two_stage",
+        bias_correction=False,
+    )
+    ref = np_zero_one_adam(
+        p0.reshape(-1),
+        [g.reshape(N, -1) for g in grads],
+        lr,
+        wd,
+        4,
+        1,
+        2,
+        4,
+        None if mask is None else mask.reshape(-1),
+    )
+    update = mesh_update(tx, mesh)
+    params = {"w": np.stack([p0] * N)}
+    state = _stack_init(tx, {"w": jnp.asarray(p0)}, mesh)
+    for step in range(steps):
+        upd, state = update(_stacked({"w": grads[step]}, mesh), state, _stacked(params, mesh))
+        params = {"w": params["w"] + np.asarray(upd["w"])}
+        np.testing.assert_allclose(
+            params["w"].reshape(N, -1), ref[step], rtol=1e-5, atol=5e-6, err_msg=f"step {step}"
+        )
+
+
+def test_weight_decay_mask_single_device_is_optax_adamw():
+    """Warm-up on one device with weight_decay and optax.adamw's mask == optax.adamw;
+    bfloat16 parameters decay in float32 (the moments' dtype)."""
+    lr, wd = 0.1, 0.2
+    mask = {"a": True, "s": False}
+    rng = np.random.default_rng(13)
+    params = {"a": jnp.asarray(rng.normal(size=7), jnp.float32), "s": jnp.float32(1.5)}
+    for make in (
+        lambda: onebit_adam(lr, freeze_step=10, weight_decay=wd, mask=mask),
+        lambda: zero_one_adam(lr, var_freeze_step=10, weight_decay=wd, mask=lambda p: mask),
+    ):
+        tx, ref = make(), optax.adamw(lr, weight_decay=wd, mask=mask)
+        p, pr = params, params
+        s, r = tx.init(p), ref.init(pr)
+        for _ in range(3):
+            g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), p)
+            u, s = jax.jit(tx.update)(g, s, p)
+            ur, r = jax.jit(ref.update)(g, r, pr)
+            p, pr = optax.apply_updates(p, u), optax.apply_updates(pr, ur)
+        for k in params:
+            np.testing.assert_allclose(np.asarray(p[k]), np.asarray(pr[k]), rtol=1e-6)
+    # bfloat16 parameters: updates in bfloat16, the decay term computed in float32.
+    pb = {"a": params["a"].astype(jnp.bfloat16)}
+    tx = onebit_adam(lr, freeze_step=1, weight_decay=wd, bias_correction=False)
+    s = tx.init(pb)
+    g = {"a": jnp.ones(7, jnp.bfloat16)}
+    for _ in range(2):  # warm-up, then a compressed step
+        u, s = jax.jit(tx.update)(g, s, pb)
+        assert u["a"].dtype == jnp.bfloat16
+    m = np.asarray(s.mu["a"])
+    ref = -lr * (m / (np.sqrt(np.asarray(s.nu["a"])) + EPS) + wd * np.asarray(pb["a"], np.float32))
+    np.testing.assert_allclose(np.asarray(u["a"], np.float32), ref, rtol=8e-3)
+
+
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"weight_decay": float("nan")}, "weight_decay"),
+        ({"weight_decay": 0.1, "mask": {"w": 1.0}}, "mask"),
+        ({"exp_avg_mask": {"w": np.full(4, 0.5)}}, "exp_avg_mask"),
+    ],
+)
+def test_weight_decay_and_mask_bad_arguments(kwargs, arg):
+    for make in (
+        lambda **kw: onebit_adam(0.1, freeze_step=1, **kw),
+        lambda **kw: zero_one_adam(0.1, var_freeze_step=1, **kw),
+    ):
+        with pytest.raises(ValueError, match=arg):
+            make(**kwargs)
+
+
+def test_weight_decay_needs_params_and_mask_must_fit():
+    g = {"w": jnp.ones(4)}
+    for make in (
+        lambda **kw: onebit_adam(0.1, freeze_step=1, **kw),
+        lambda **kw: zero_one_adam(0.1, var_freeze_step=1, **kw),
+    ):
+        tx = make(weight_decay=0.1)
+        with pytest.raises(ValueError, match="weight_decay.*params"):
+            tx.update(g, tx.init(g))
+        with pytest.raises(ValueError, match="exp_avg_mask"):
+            make(exp_avg_mask={"w": np.ones(3)}).init(g)
+        with pytest.raises(ValueError, match="exp_avg_mask"):
+            make(exp_avg_mask={"v": np.ones(4)}).init(g)
+        # Without weight decay the parameters stay optional.
+        tx = make(exp_avg_mask={"w": np.array([1, 1, 0, 1])})
+        tx.update(g, tx.init(g))
+
+
+def test_inject_hyperparams_weight_decay():
+    """An injected (traced) weight_decay: the plain run's updates, the parameters required."""
+    params = {"w": jnp.linspace(-1.0, 2.0, 16)}
+    g = {"w": jnp.cos(params["w"])}
+    for make, schedule in (
+        (onebit_adam, {"freeze_step": 1}),
+        (zero_one_adam, {"var_freeze_step": 1}),
+    ):
+        ref = make(0.01, weight_decay=0.1, **schedule)
+        tx = optax.inject_hyperparams(make, static_args=(*schedule, "bias_correction"))(
+            learning_rate=0.01, weight_decay=0.1, **schedule
+        )
+        s, r = tx.init(params), ref.init(params)
+        for _ in range(3):
+            u, s = jax.jit(tx.update)(g, s, params)
+            ur, r = jax.jit(ref.update)(g, r, params)
+            np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(ur["w"]), rtol=1e-4)
+        with pytest.raises(ValueError, match="weight_decay.*params"):
+            tx.update(g, s)

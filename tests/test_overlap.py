@@ -116,6 +116,16 @@ CONFIGS = {
     "random_k_zero_policy": lambda: jaxcomp.random_k(
         ratio=0.1, axis_name="data", nonfinite="zero", seed=3
     ),
+    # DGC's Nesterov correction and GRACE's residual scaling: their products are
+    # rounded before the adds, so the backward pass's fusions give the same bits.
+    "top_k_nesterov_scaled": lambda: jaxcomp.top_k(
+        ratio=0.1,
+        axis_name="data",
+        momentum=0.9,
+        nesterov=True,
+        residual_scale=0.9,
+        gradient_scale=1.1,
+    ),
 }
 
 
@@ -234,6 +244,12 @@ def test_overlap_accepts_either_spelling_of_the_axis(mesh, comp_axis, step_axis)
         out[overlap] = jax.tree.map(np.asarray, step(params, state, batch)[:2])
     assert_trees_equal(out[True], out[False])
     assert np.count_nonzero(out[True][0]) > 0
+
+
+def test_overlap_rejects_dgc_clipping(mesh):
+    # The norm of the whole gradient does not exist while the backward pass runs.
+    tx = optax.chain(jaxcomp.top_k(ratio=0.1, axis_name="data", clip_norm=1.0), optax.sgd(0.1))
+    _expect_error(mesh, tx, "clip_norm")
 
 
 def test_overlap_rejects_injected_hyperparameters(mesh):

@@ -931,3 +931,46 @@ def test_start_iter_exchanges_compressed_leaves_dense_only_in_vanilla_steps():
     assert sum(unconditional) <= biases, found
     conditional = [n for comp, n in found if comp in branches]
     assert max(conditional) >= 3 * smallest, found  # the vanilla branch: the kernels whole
+
+
+def _psums(jaxpr) -> list:
+    """``[(dtype, size)]`` of every psum operand in a jaxpr, sub-jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("psum"):
+            found += [(str(v.aval.dtype), v.aval.size) for v in eqn.invars]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _psums(inner)
+    return found
+
+
+def test_batched_all_reduces_one_p_and_one_q_per_bucket():
+    """``batched=True`` over 10 layers (20 float32 leaves, one bucket): the compiled step
+    all-reduces ``s r`` values of ``P`` (plus the count) and ``s r`` of ``Q``, nothing
+    else; with ``pq_dtype=bfloat16`` the program's ``P`` and ``Q`` all-reduces are
+    bfloat16 and the count travels alone. (XLA:CPU then promotes a bfloat16 all-reduce
+    to float32 and rounds the sum once; NCCL sums in bfloat16.)"""
+    mesh = jax.make_mesh((N_DEV,), ("data",))
+    tree = _layers(10)
+    size = sum(x.size for x in tree.values())
+    sr = (math.isqrt(size - 1) + 1) * RANK
+    for pq in (None, jnp.bfloat16):
+        tx = powersgd(RANK, axis_name="data", batched=True, pq_dtype=pq)
+        found, _ = _hlo_all_reduces(_compiled_step(tx, tree, mesh))
+        assert sorted(n for _, n in found) in ([sr, sr + 1], [1, sr, sr]), found
+        state = tx.init(tree)
+
+        def step(g, s, tx=tx):
+            g, s = jax.tree.map(lambda x: x[0], (g, s))
+            return tx.update(g, s)[0]
+
+        f = jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P())
+        args = jax.device_put((_stack(tree), _stack(state)), NamedSharding(mesh, P("data")))
+        psums = _psums(jax.make_jaxpr(f)(*args).jaxpr)
+        if pq is None:
+            assert sorted(psums) == [("float32", sr), ("float32", sr + 1)], psums  # + count
+        else:
+            assert sorted(psums) == [("bfloat16", sr), ("bfloat16", sr), ("float32", 1)], psums

@@ -255,6 +255,9 @@ FIT_SELECTORS = [
     (sg.gaussian_k, S1.gaussian_k, {}),
     (sg.gaussian_k, S1.gaussian_k, {"refine": False}),
     (sg.gaussian_k, S1.gaussian_k, {"corrections": 0, "lower": 0.9, "upper": 1.1}),
+    (sg.sidco_segmented, S1.sidco, {}),
+    (sg.sidco_segmented, S1.sidco, {"dist": "gamma", "stages": 3}),
+    (sg.sidco_segmented, S1.sidco, {"dist": "gpareto", "stages": 2}),
 ]
 
 

@@ -121,11 +121,11 @@ def test_resume_gives_identical_parameters(tmp_path):
         train.train_and_evaluate(dataclasses.replace(config, epochs=3), str(tmp_path / "b"))
 
 
-@pytest.mark.parametrize("compressor", ["onebit_adam", "zero_one_adam"])
+@pytest.mark.parametrize("compressor", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
 def test_compressed_adam_checkpoints_and_resumes(tmp_path, compressor):
     # Their state holds a zero-size leaf (the server error of the all-gather
     # exchange), which orbax refuses to save: the first checkpoint crashed.
-    freeze = {"onebit_adam": "freeze_step", "zero_one_adam": "var_freeze_step"}[compressor]
+    freeze = "var_freeze_step" if compressor == "zero_one_adam" else "freeze_step"
     config = dataclasses.replace(
         TINY,
         compressor=compressor,
@@ -754,6 +754,8 @@ def _unused_cases():
     unused["powersgd"] = {**sparse_only, **qsgd_only, **freeze_only}
     for n in train.COMPRESSED_OPTIMIZERS:
         unused[n] = {**sparse_only, **qsgd_only, **rank_only}
+    # Accordion passes its other arguments to its inner compressor (top_k by default).
+    unused["accordion"] = {**qsgd_only, **rank_only, **freeze_only}
     return [(n, k, v) for n in train.COMPRESSORS for k, v in unused[n].items()]
 
 
@@ -1290,6 +1292,7 @@ def test_config_json_without_mesh_resumes_as_the_flat_mesh(tmp_path):
         ({"mesh": "3x3"}, "has 9 devices, the run 8"),
         ({"mesh": "2x4", "sampling": "feature"}, "sampling='feature'"),
         ({"mesh": "2x4", "exchange": "coded", "redundancy": 2}, "CSSGD"),
+        ({"mesh": "2x4", "compressor": "onebit_lamb"}, "onebit_lamb"),
     ],
 )
 def test_bad_two_level_mesh_is_an_invalid_config(overrides, message):

@@ -32,7 +32,7 @@ selector they stand for): ``exact_top_k`` (the same threshold and count bit
 for bit: the k-th largest magnitude found by a search on float32 bit
 patterns instead of ``lax.top_k``), ``fixed_threshold`` (bit for bit),
 ``binary_search`` (bit for bit from zero), ``ldte_bs``, ``dgc_sample``,
-``trimmed_top_k`` and ``gaussian_k`` (the same algorithm per segment; see
+``trimmed_top_k``, ``gaussian_k`` and ``sidco`` (the same algorithm per segment; see
 each for what differs from the 1-D form) and ``random_k`` (the same draws: a
 per-row stream of each segment's key, selected by exact top-k on the scores,
 with the capacity cut at ``k`` the same coordinates). A form in :data:`SCORES`
@@ -62,6 +62,7 @@ from jaxcomp import _validation as V
 from jaxcomp._vma import varying_like
 from jaxcomp.selection import selectors as S1
 from jaxcomp.selection.ldte import bracket_step, falsi_fraction
+from jaxcomp.selection.multistage import sidco_segmented
 
 # What moved to packed stays importable from here (sparsify and users read it as
 # segmented.<name>): hence the noqa on names only re-exported.
@@ -104,6 +105,7 @@ __all__ = [
     "ldte_bs",
     "random_k",
     "random_scores",
+    "sidco_segmented",
     "trimmed_top_k",
 ]
 
@@ -851,6 +853,7 @@ SEGMENTED: dict[Callable, Callable] = {
     S1.trimmed_top_k: trimmed_top_k,
     S1.gaussian_k: gaussian_k,
     S1.random_k: random_k,
+    S1.sidco: sidco_segmented,
 }
 
 # The segmented forms that select on a score buffer of their own instead of

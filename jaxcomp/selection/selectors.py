@@ -18,8 +18,9 @@ paper, RedSync, DGC and Gaussian-k).
 Layout of the code: this module holds the baselines (sort, fixed threshold,
 DGC's sampling, trimmed top-k, Gaussian-k, random-k) and :data:`SELECTORS`,
 and re-exports the rest, which lives by job: :mod:`jaxcomp.selection.base`
-(:class:`Selection`, counting, exact order statistics, the capacity cut) and
-:mod:`jaxcomp.selection.ldte` (LDTE-BS and the binary search).
+(:class:`Selection`, counting, exact order statistics, the capacity cut),
+:mod:`jaxcomp.selection.ldte` (LDTE-BS and the binary search) and
+:mod:`jaxcomp.selection.multistage` (SIDCo).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from jaxcomp.selection.ldte import (  # noqa: F401 (re-exported)
     ldte_bs,
     threshold_search,
 )
+from jaxcomp.selection.multistage import sidco
 
 __all__ = [
     "MEDIAN_SAMPLE",
@@ -86,6 +88,7 @@ __all__ = [
     "ldte_bs",
     "random_k",
     "random_scores",
+    "sidco",
     "sort_top_k",
     "target_count",
     "trimmed_top_k",
@@ -639,6 +642,7 @@ SELECTORS = {
     "dgc": dgc_sample,
     "trimmed_top_k": trimmed_top_k,
     "gaussian_k": gaussian_k,
+    "sidco": sidco,
     "random_k": random_k,
     "threshold": fixed_threshold,
 }

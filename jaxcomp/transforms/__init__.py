@@ -1,10 +1,13 @@
 """Optax gradient transformations: the compressors users call."""
 
 from jaxcomp.quantization import Quantizer
+from jaxcomp.transforms.accordion import AccordionState, accordion
 from jaxcomp.transforms.adam import (
     OnebitAdamState,
+    OnebitLambState,
     ZeroOneAdamState,
     onebit_adam,
+    onebit_lamb,
     zero_one_adam,
 )
 from jaxcomp.transforms.powersgd import PowerSGDState, powersgd
@@ -28,6 +31,7 @@ from jaxcomp.transforms.sparsifiers import (
     gaussian_k,
     ldte_bs,
     random_k,
+    sidco,
     threshold,
     top_k,
     trimmed_top_k,
@@ -41,16 +45,19 @@ from jaxcomp.transforms.sparsify import (
 from jaxcomp.transforms.two_level import TwoLevelState
 
 __all__ = [
+    "AccordionState",
     "DGC_WARMUP",
     "DeferredSparsifyState",
     "MomentumQuantizeState",
     "OnebitAdamState",
+    "OnebitLambState",
     "PowerSGDState",
     "QuantizeState",
     "Quantizer",
     "SparsifyState",
     "TwoLevelState",
     "ZeroOneAdamState",
+    "accordion",
     "binary_search",
     "bounded_sign",
     "cast",
@@ -61,11 +68,13 @@ __all__ = [
     "natural_compression",
     "onebit",
     "onebit_adam",
+    "onebit_lamb",
     "powersgd",
     "qsgd",
     "qsvrg",
     "quantize",
     "random_k",
+    "sidco",
     "residuals",
     "statistics",
     "sign_sgd",

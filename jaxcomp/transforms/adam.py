@@ -15,22 +15,30 @@ that is compressed with error feedback. 0/1 Adam (Lu et al., 2022) updates
 ``v`` on an exponentially sparser schedule instead of a fixed warm-up, and
 adds local steps that skip the synchronisation.
 
-The code is in three modules, re-exported here:
+1-bit LAMB (Li et al., 2021) applies the same idea to LAMB: it freezes the
+per-layer trust ratios with ``v`` and corrects them by a bounded factor
+(:mod:`jaxcomp.transforms.onebit_lamb`, :func:`onebit_lamb`).
+
+The code is in four modules, re-exported here:
 :mod:`jaxcomp.transforms.adam_base` (the codecs, the two exchanges,
 ``"allgather"`` and DeepSpeed's ``"two_stage"``, and Adam's arithmetic, which
-both share), :mod:`jaxcomp.transforms.onebit_adam` (:func:`onebit_adam`) and
-:mod:`jaxcomp.transforms.zero_one_adam` (:func:`zero_one_adam`).
+all share), :mod:`jaxcomp.transforms.onebit_adam` (:func:`onebit_adam`),
+:mod:`jaxcomp.transforms.zero_one_adam` (:func:`zero_one_adam`) and
+:mod:`jaxcomp.transforms.onebit_lamb` (:func:`onebit_lamb`).
 """
 
 from jaxcomp.transforms.adam_base import ADAM_CODECS, ADAM_EXCHANGES
 from jaxcomp.transforms.onebit_adam import OnebitAdamState, onebit_adam
+from jaxcomp.transforms.onebit_lamb import OnebitLambState, onebit_lamb
 from jaxcomp.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __all__ = [
     "ADAM_CODECS",
     "ADAM_EXCHANGES",
     "OnebitAdamState",
+    "OnebitLambState",
     "ZeroOneAdamState",
     "onebit_adam",
+    "onebit_lamb",
     "zero_one_adam",
 ]

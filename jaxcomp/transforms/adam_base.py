@@ -1,8 +1,8 @@
-"""What 1-bit Adam and 0/1 Adam share: their options, their two exchanges, Adam's arithmetic.
+"""What 1-bit Adam, 0/1 Adam and 1-bit LAMB share: options, two exchanges, Adam's arithmetic.
 
-Both optimizers (:mod:`jaxcomp.transforms.onebit_adam`,
-:mod:`jaxcomp.transforms.zero_one_adam`; :mod:`jaxcomp.transforms.adam`
-says why they exist) reuse jaxcomp's 1-bit codecs
+The optimizers (:mod:`jaxcomp.transforms.onebit_adam`,
+:mod:`jaxcomp.transforms.zero_one_adam`, :mod:`jaxcomp.transforms.onebit_lamb`;
+:mod:`jaxcomp.transforms.adam` says why they exist) reuse jaxcomp's 1-bit codecs
 (:func:`jaxcomp.quantization.sign_quantizer`, ``||x||_1 / d * sign(x)`` per
 bucket, by default; ``||x||_2 / sqrt(d) * sign(x)``, DeepSpeed's, with
 ``codec="sign_l2"``; or :func:`jaxcomp.quantization.onebit_quantizer`) and
@@ -29,15 +29,17 @@ offer two exchanges:
   its own chunk (``N``-independent state, ``d`` rather than ``d / N``
   floats).
 
-Layout of the code: :class:`AdamConfig` holds the options both optimizers
+Layout of the code: :class:`AdamConfig` holds the options the optimizers
 take (Adam's hyperparameters, checked by :func:`check_hyperparameters`;
+weight decay and the momentum mask, by :func:`check_decay_and_mask`;
 codec, exchange and the common options, checked by :func:`make_config`);
 each optimizer's own config adds its schedule. The exchanges are functions
 of :class:`AdamConfig`: :func:`count_ok`, :func:`dense_mean`,
 :func:`server_init` and :func:`compressed_mean` (single-stage through
 :func:`jaxcomp.transforms.quantize.quantize`, or :func:`_two_stage_mean`
 around :func:`_compressed_allreduce`). Adam's arithmetic
-(:func:`precondition`, :func:`denominator`, :func:`mask_dead`, ...) and the
+(:func:`precondition`, :func:`denominator`, :func:`mask_momentum`,
+:func:`add_weight_decay`, ...) and the
 checks both optimizers make (:func:`reject_include`, :func:`check_inputs`)
 follow. The names here are public so that the two optimizers' modules can
 import them; none is in ``__all__`` but the two option tuples.
@@ -50,6 +52,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -91,6 +94,13 @@ class AdamConfig:
     two_stage: bool  # exchange="two_stage" (module docstring); else "allgather"
     sign_scale: str  # "l1", or "l2" with codec="sign_l2": the two-stage exchange's scales
     single_stage: optax.GradientTransformationExtraArgs  # exchange="allgather": quantize(codec)
+    # Decoupled weight decay (optax.adamw's, DeepSpeed's weight_decay): a float >= 0 or
+    # a traced (injected) value; decay_mask is optax.adamw's mask (None: every leaf).
+    weight_decay: Any
+    decay_mask: Any
+    # DeepSpeed's exp_avg_mask: None, or numpy bool arrays like the parameters
+    # (broadcastable to each leaf), False where the momentum is zeroed.
+    exp_avg_mask: Any
 
 
 def check_hyperparameters(learning_rate, b1, b2, eps):
@@ -108,11 +118,49 @@ def check_hyperparameters(learning_rate, b1, b2, eps):
     return learning_rate, b1, b2, eps
 
 
+def check_decay_and_mask(weight_decay, mask, exp_avg_mask):
+    """``(weight_decay, mask, exp_avg_mask)``, checked (see :func:`add_weight_decay`
+    and :func:`mask_momentum`); ``exp_avg_mask``'s leaves become numpy bool arrays."""
+    # None (0, the default): optax.inject_hyperparams leaves it alone, so an injected
+    # run does not ask for the parameters it would need for a traced rate.
+    weight_decay = V.check_real(
+        "weight_decay", 0.0 if weight_decay is None else weight_decay, 0.0, allow_traced=True
+    )
+    if mask is not None and not callable(mask):
+        bad = [m for m in jax.tree.leaves(mask) if not isinstance(m, bool | np.bool_)]
+        if bad:
+            raise ValueError(
+                f"mask must be None, a pytree of booleans like the parameters (or a prefix "
+                f"of it) or a callable returning one (optax.adamw's mask), got leaf {bad[0]!r}"
+            )
+    if exp_avg_mask is not None:
+
+        def one(m):
+            if V.is_traced(m):
+                raise ValueError(
+                    "exp_avg_mask must be concrete (numpy or jax arrays of 0/1), not traced"
+                )
+            a = np.asarray(m)
+            if not (
+                a.dtype == bool
+                or (np.issubdtype(a.dtype, np.number) and np.all((a == 0) | (a == 1)))
+            ):
+                raise ValueError(
+                    "exp_avg_mask must hold only 0/1 (or booleans): 0 where the momentum "
+                    f"is zeroed after each exchange, got values {np.unique(a)[:5]!r}"
+                )
+            return a.astype(bool)
+
+        exp_avg_mask = jax.tree.map(one, exp_avg_mask)
+    return weight_decay, mask, exp_avg_mask
+
+
 def make_config(
     cls,
     hyperparameters,
     schedule: dict,
     *,
+    decay_and_mask,
     codec,
     bucket_size,
     exchange,
@@ -123,8 +171,9 @@ def make_config(
     nonfinite,
 ):
     """The config ``cls`` of one optimizer, from the checked ``hyperparameters``
-    (:func:`check_hyperparameters`) and ``schedule`` (its own options, checked
-    by its factory) and the other options both optimizers take, checked here.
+    (:func:`check_hyperparameters`), ``schedule`` (its own options, checked
+    by its factory) and ``decay_and_mask`` (:func:`check_decay_and_mask`)
+    and the other options both optimizers take, checked here.
 
     The factory checks in the order of its signature (hyperparameters, its
     schedule, then these), so a call with several bad arguments reports the
@@ -152,7 +201,11 @@ def make_config(
         nonfinite=nonfinite,
     )
     learning_rate, b1, b2, eps = hyperparameters
+    weight_decay, decay_mask, exp_avg_mask = decay_and_mask
     return cls(
+        weight_decay=weight_decay,
+        decay_mask=decay_mask,
+        exp_avg_mask=exp_avg_mask,
         learning_rate=learning_rate,
         b1=b1,
         b2=b2,
@@ -450,14 +503,75 @@ def denominator(nu, b2, eps, nu_count, bias_correction):
     return jax.tree.map(lambda v: jnp.sqrt(v) + eps, nu)
 
 
-def mask_dead(tree, nu):
-    """Zeroes coordinates whose variance is exactly 0 (never had a nonzero gradient).
+def mask_momentum(cfg: AdamConfig, tree, nu):
+    """Zeroes, in a decoded 1-bit mean, the coordinates that must not move.
 
-    A 1-bit code cannot send 0, so such a coordinate would receive
-    ``+-scale`` and step by ``scale / eps``; DeepSpeed asks users for an
-    ``exp_avg_mask`` for this, here it is derived from the variance.
+    Two masks, both applied where DeepSpeed multiplies by its
+    ``exp_avg_mask`` (right after each compressed exchange, before the
+    result enters the momentum):
+
+    - derived, always: coordinates whose variance is exactly 0 (never had a
+      nonzero gradient). A 1-bit code cannot send 0, so such a coordinate
+      would receive ``+-scale`` and step by ``scale / eps``.
+    - ``cfg.exp_avg_mask``, the user's (DeepSpeed's ``exp_avg_mask``): 0
+      where the momentum is zeroed, e.g. embedding rows a shorter sequence
+      never reaches, whose variance is not 0 after an earlier phase.
     """
-    return jax.tree.map(lambda x, v: jnp.where(v > 0, x, jnp.zeros_like(x)), tree, nu)
+    if cfg.exp_avg_mask is None:
+        return jax.tree.map(lambda x, v: jnp.where(v > 0, x, jnp.zeros_like(x)), tree, nu)
+    return jax.tree.map(
+        lambda x, v, m: jnp.where((v > 0) & m, x, jnp.zeros_like(x)), tree, nu, cfg.exp_avg_mask
+    )
+
+
+def check_exp_avg_mask(cfg: AdamConfig, tree, who):
+    """``cfg.exp_avg_mask`` fits ``tree`` (parameters or gradients), else a ValueError."""
+    if cfg.exp_avg_mask is None:
+        return
+    t_paths, t_def = jax.tree_util.tree_flatten_with_path(tree)
+    m_leaves, m_def = jax.tree.flatten(cfg.exp_avg_mask)
+    if m_def != t_def:
+        raise ValueError(
+            f"{who}: exp_avg_mask must have the parameters' tree structure, got {m_def} "
+            f"for parameters {t_def}"
+        )
+    for (path, x), m in zip(t_paths, m_leaves, strict=True):
+        try:
+            fits = np.broadcast_shapes(m.shape, jnp.shape(x)) == jnp.shape(x)
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"{who}: exp_avg_mask leaf {jax.tree_util.keystr(path)} has shape {m.shape}, "
+                f"not broadcastable to the parameter's shape {tuple(jnp.shape(x))}"
+            )
+
+
+def has_weight_decay(cfg: AdamConfig) -> bool:
+    """Whether the step adds a decay term (a traced rate may be nonzero)."""
+    return V.is_traced(cfg.weight_decay) or float(cfg.weight_decay) > 0
+
+
+def add_weight_decay(cfg: AdamConfig, direction, params):
+    """``direction + weight_decay * params`` where ``cfg.decay_mask`` allows
+    (``optax.add_decayed_weights``, as ``optax.adamw`` chains it before the
+    learning rate: decoupled weight decay, scaled by ``lr`` like DeepSpeed's).
+
+    The parameters are cast to the direction's (moments') dtype first, so a
+    bfloat16 parameter's decay term is not rounded to bfloat16.
+    """
+    if not has_weight_decay(cfg):
+        return direction
+    if params is None:
+        raise ValueError(
+            f"{cfg.who}: weight_decay={cfg.weight_decay!r} needs the parameters: call "
+            "update(grads, state, params)"
+        )
+    V.check_tree_like(params, direction, cfg.who)
+    params = jax.tree.map(lambda p, d: jnp.asarray(p).astype(d.dtype), params, direction)
+    decay = optax.add_decayed_weights(cfg.weight_decay, cfg.decay_mask)
+    out, _ = decay.update(direction, decay.init(params), params)
+    return out
 
 
 def reject_include(who, include):

@@ -20,6 +20,19 @@ them the same way; this module is their one definition:
 
 A factory validates them once with :func:`check_common_options` (each error
 names its argument) and keeps the returned :class:`CommonOptions`.
+
+The error-feedback compressors (sparsifiers, quantizers, PowerSGD) also share
+GRACE's residual scaling (``ResidualMemory(beta, gamma)`` of sands-lab/grace),
+validated by :func:`check_residual_scaling` and applied by
+:func:`scaled_accumulation`:
+
+    R      = residual_scale * e + gradient_scale * g      # compensate
+    e_new  = R - S                                        # S: what was sent
+
+Both default to 1 (plain error feedback, bit for bit: no multiply is
+emitted). GRACE skips the scaling on a tensor's very first step (its memory
+starts empty, not at zeros); here the memory starts at zeros, so the first
+step sends ``gradient_scale * g``.
 """
 
 from __future__ import annotations
@@ -35,11 +48,14 @@ from jaxcomp import _validation as V
 __all__ = [
     "NONFINITE_POLICIES",
     "CommonOptions",
+    "ResidualScaling",
     "all_finite",
     "apply_nonfinite_policy",
     "check_common_options",
+    "check_residual_scaling",
     "indices_by_dtype",
     "resolve_residual_dtype",
+    "scaled_accumulation",
     "tree_all_finite",
 ]
 
@@ -110,6 +126,92 @@ def check_common_options(
     nonfinite = V.check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     seed = V.check_int("seed", seed, -(2**31), 2**31 - 1, allow_traced=True)
     return CommonOptions(axis_name, min_dense_size, residual_dtype, nonfinite, seed)
+
+
+class ResidualScaling(NamedTuple):
+    """GRACE's residual scaling, validated (see :func:`check_residual_scaling`).
+
+    Attributes:
+      residual_scale: ``beta`` of ``R = beta e + gamma g``: a float in [0, 1],
+        or a JAX array (an injected hyperparameter).
+      gradient_scale: ``gamma``: a float > 0, or a JAX array.
+    """
+
+    residual_scale: Any = 1.0
+    gradient_scale: Any = 1.0
+
+    @property
+    def on(self) -> bool:
+        """Whether a step multiplies at all (a traced scale always does)."""
+        return any(V.is_dynamic(s) or s != 1.0 for s in self)
+
+
+def check_residual_scaling(
+    residual_scale: Any = None, gradient_scale: Any = None, *, error_feedback: bool = True
+) -> ResidualScaling:
+    """Validates GRACE's residual scaling of an error-feedback memory, once per factory.
+
+    Args:
+      residual_scale: ``beta`` in [0, 1] (GRACE's ``ResidualMemory`` beta): how
+        much of the residual is carried into the next step; below 1 the memory
+        forgets (deliberately lossy). None: 1. May be traced.
+      gradient_scale: ``gamma`` > 0 (GRACE's gamma): the gradient's weight in
+        the accumulation. None: 1. May be traced.
+      error_feedback: whether the compressor keeps a residual at all; without
+        one a scale given is refused (nothing to scale).
+
+    Returns:
+      A :class:`ResidualScaling`.
+
+    Raises:
+      ValueError: naming the argument and its range.
+
+    Example:
+      >>> from jaxcomp.transforms.base import check_residual_scaling
+      >>> check_residual_scaling(0.9, None)
+      ResidualScaling(residual_scale=0.9, gradient_scale=1.0)
+      >>> check_residual_scaling(1.5)
+      Traceback (most recent call last):
+        ...
+      ValueError: residual_scale must be a finite real number in [0, 1], got 1.5
+    """
+    if not error_feedback and (residual_scale is not None or gradient_scale is not None):
+        raise ValueError(
+            "error_feedback=False keeps no residual, so residual_scale and gradient_scale "
+            f"have nothing to act on: leave them unset, got residual_scale={residual_scale!r}, "
+            f"gradient_scale={gradient_scale!r}"
+        )
+    beta = V.check_real(
+        "residual_scale", 1.0 if residual_scale is None else residual_scale, 0.0, 1.0,
+        allow_traced=True,
+    )  # fmt: skip
+    gamma = V.check_real(
+        "gradient_scale", 1.0 if gradient_scale is None else gradient_scale, 0.0,
+        low_open=True, allow_traced=True,
+    )  # fmt: skip
+    return ResidualScaling(beta, gamma)
+
+
+def scaled_accumulation(scaling: ResidualScaling, residual, increment, rounded=None):
+    """``residual_scale * residual + gradient_scale * increment`` in ``residual``'s dtype.
+
+    A static scale of 1 emits no multiply, so the default is plain
+    ``residual + increment`` bit for bit. ``rounded`` (optional) is applied to
+    each product before the add (the sparsifiers pass theirs, which keeps
+    LLVM from contracting the expression into a fused multiply-add: the
+    result is then the two-rounding one a numpy reference computes).
+    """
+    dtype = residual.dtype
+
+    def scaled(x, s):
+        if not V.is_dynamic(s) and s == 1.0:
+            return x
+        y = jnp.asarray(s).astype(dtype) * x
+        return y if rounded is None else rounded(y)
+
+    return scaled(residual, scaling.residual_scale) + scaled(
+        increment.astype(dtype), scaling.gradient_scale
+    )
 
 
 def indices_by_dtype(leaves: Sequence[Any]) -> dict:

@@ -36,6 +36,9 @@ from jaxcomp import _validation as V
 from jaxcomp import _vma as vma
 from jaxcomp.transforms.adam_base import (
     AdamConfig,
+    add_weight_decay,
+    check_decay_and_mask,
+    check_exp_avg_mask,
     check_hyperparameters,
     check_inputs,
     compressed_mean,
@@ -43,7 +46,7 @@ from jaxcomp.transforms.adam_base import (
     dense_mean,
     leaf_bytes,
     make_config,
-    mask_dead,
+    mask_momentum,
     moment_dtypes,
     precondition,
     reject_include,
@@ -112,6 +115,9 @@ def onebit_adam(
     eps: float = 1e-8,
     *,
     freeze_step: int,
+    weight_decay: Any = None,
+    mask: Any = None,
+    exp_avg_mask: Any = None,
     axis_name: Any = None,
     codec: str = "sign",
     bucket_size: int | None = None,
@@ -137,10 +143,13 @@ def onebit_adam(
       ``e_i = m_i + e_i - C[m_i + e_i]`` (error feedback, per device); every
       device sets ``m = mean_i C[m_i + e_i]`` (single-stage exchange, see
       the module docstring).
-    - both stages: ``update = -lr * m_hat / (sqrt(v_hat) + eps)``, with
-      ``m_hat = m / (1 - b1^(t+1))`` and ``v_hat = v / (1 - b2^min(t+1,
+    - both stages: ``update = -lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``,
+      with ``m_hat = m / (1 - b1^(t+1))`` and ``v_hat = v / (1 - b2^min(t+1,
       freeze_step))`` when ``bias_correction`` (the bias correction of ``v``
-      is frozen with ``v``), else ``m`` and ``v`` themselves.
+      is frozen with ``v``), else ``m`` and ``v`` themselves; ``wd`` is
+      ``weight_decay`` (0 where ``mask`` is False) and ``p`` the parameters
+      before the step: decoupled weight decay, ``optax.adamw``'s and
+      DeepSpeed's (both scale it by ``lr`` and apply it in both stages).
 
     The warm-up is ``optax.adam`` on the mean gradient, bit for bit (with
     ``bias_correction=True``; float32 parameters). The paper and DeepSpeed's
@@ -151,8 +160,14 @@ def onebit_adam(
     defaults are the squared-error-optimal scale ``||x||_1 / d`` per leaf and
     the single-stage exchange (module docstring).
     Coordinates whose frozen ``v`` is exactly 0 get no momentum after the
-    freeze (what DeepSpeed's ``exp_avg_mask`` is for; a 1-bit code cannot
-    send 0). The paper recommends a warm-up of 15-25% of training.
+    freeze (a 1-bit code cannot send 0; this mask is derived from ``v``).
+    ``exp_avg_mask`` adds DeepSpeed's explicit mask: after each compressed
+    exchange the decoded momentum is multiplied by it (``m = mask * mean_i
+    C[m_i + e_i]``, the stored ``m`` included, as DeepSpeed's
+    ``exp_avg.mul_(exp_avg_mask)``); the coordinates it zeroes are still
+    sent (their error feedback runs on) but never move the parameters
+    through the momentum. It does not act in the warm-up, as in DeepSpeed.
+    The paper recommends a warm-up of 15-25% of training.
 
     Two more differences from DeepSpeed's ``OnebitAdam``, which the settings
     above do not remove:
@@ -206,7 +221,9 @@ def onebit_adam(
 
     Raises:
       ValueError: for a bad argument; the message names it. From ``update``
-        for ``include=`` (backup workers are not supported).
+        for ``include=`` (backup workers are not supported), without
+        ``params`` when ``weight_decay`` is nonzero, and for an
+        ``exp_avg_mask`` unlike the gradients.
 
     Example:
       >>> import jax.numpy as jnp
@@ -228,6 +245,7 @@ def onebit_adam(
         _OnebitAdamConfig,
         hyperparameters,
         {"freeze_step": freeze_step},
+        decay_and_mask=check_decay_and_mask(weight_decay, mask, exp_avg_mask),
         codec=codec,
         bucket_size=bucket_size,
         exchange=exchange,
@@ -244,6 +262,7 @@ def onebit_adam(
 
 def _onebit_init(cfg: _OnebitAdamConfig, params) -> OnebitAdamState:
     V.check_gradient_leaves(params, f"{cfg.who}.init", "parameter")
+    check_exp_avg_mask(cfg, params, f"{cfg.who}.init")
     zeros = moment_dtypes(params, cfg.common.residual_dtype)
     return OnebitAdamState(
         count=jnp.zeros([], jnp.int32),
@@ -260,19 +279,20 @@ def _onebit_init(cfg: _OnebitAdamConfig, params) -> OnebitAdamState:
 def _onebit_update(
     cfg: _OnebitAdamConfig, updates, state, params=None, *, include=None, **extra_args
 ):
-    del params, extra_args
+    del extra_args
     reject_include(cfg.who, include)
     # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
     # handled whole, as on one device (see jaxcomp._sharding).
     return _sharding.whole_leaves(
         functools.partial(_onebit_step, cfg), fields=("mu", "nu", "residual")
-    )(updates, state)
+    )(updates, state, params)
 
 
-def _onebit_step(cfg: _OnebitAdamConfig, updates, state):
+def _onebit_step(cfg: _OnebitAdamConfig, updates, state, params):
     """One step of :func:`onebit_adam` on whole leaves: the warm-up or the compressed stage."""
     V.check_state_type(state, OnebitAdamState, cfg.who)
     check_inputs(cfg.who, updates, state.mu, cfg.common.axis_name)
+    check_exp_avg_mask(cfg, updates, cfg.who)
     grads, finite, ok = apply_nonfinite_policy(updates, cfg.common.nonfinite)
     g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
     n_ok, ok_wire = count_ok(cfg, ok)
@@ -288,6 +308,7 @@ def _onebit_step(cfg: _OnebitAdamConfig, updates, state):
     direction = precondition(
         mu, nu, cfg.b1, cfg.b2, cfg.eps, count_inc, nu_count, cfg.bias_correction
     )
+    direction = add_weight_decay(cfg, direction, params)
     new_updates = scale_updates(step_size_at(cfg.learning_rate, state.count), direction, updates)
 
     live = n_ok > 0  # some device contributed: else the step is dropped everywhere
@@ -321,4 +342,4 @@ def _compressed_momentum_step(cfg: _OnebitAdamConfig, g, ok, n_ok, count, operan
     mean, residual, server, message_bytes, wire = compressed_mean(
         cfg, m_local, residual, server, message_bytes, ok, n_ok, count
     )
-    return mask_dead(mean, nu), nu, residual, server, message_bytes, wire
+    return mask_momentum(cfg, mean, nu), nu, residual, server, message_bytes, wire

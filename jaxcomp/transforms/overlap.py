@@ -141,9 +141,17 @@ def _check_overlap_config(cfg, axis_name) -> None:
             f"overlap=True needs the sparsifier's axis_name to be the step's axis "
             f"{axis_name!r} (it exchanges inside the backward pass), got {cfg.axis_name!r}"
         )
+    if cfg.clip_norm is not None:
+        raise ValueError(
+            "overlap=True compresses each group of leaves in the backward pass as soon as its "
+            "gradient is ready, so DGC's clipping by the norm of the whole gradient "
+            f"(clip_norm={cfg.clip_norm!r}) cannot run there: leave clip_norm unset, or use "
+            "overlap=False"
+        )
     dynamic = [k for k, v in cfg.options.items() if V.is_dynamic(v)]
     if V.is_dynamic(cfg.momentum):
         dynamic.append("momentum")
+    dynamic += [k for k, v in cfg.scaling._asdict().items() if V.is_dynamic(v)]
     if dynamic:
         raise ValueError(
             "overlap=True does not support injected (traced) hyperparameters yet "

@@ -7,6 +7,7 @@ dimensions is viewed as an ``n x m`` matrix (``reshape="first"``: the hook's
 rank ``r = min(n, m, rank)``:
 
     M      = e + g                      # error feedback (M = g without)
+           = rs e + gs g                # GRACE's residual_scale=rs, gradient_scale=gs
     Q      = orth(Q_prev)               # warm start; the first step: random normal
     P      = orth(sum over devices of M Q)           # all-reduce 1: n x r
     Q      = (sum over devices of M^T P) / N         # all-reduce 2: m x r
@@ -35,6 +36,43 @@ buffers; one buffer per dtype): the all-reduces per step do not grow with the
 number of leaves. A leaf gets the update it gets alone, up to float32 rounding
 (XLA picks other kernels for a batch).
 
+Batched (``batched=True``, PyTorch's ``batched_powerSGD_hook``): a bucket is
+every leaf of one gradient dtype with more than ``min_dense_size`` elements,
+in ``jax.tree.flatten`` order (the hook's bucket is DDP's, of one dtype; the
+per-dtype buffers above are the same grouping). The bucket's accumulators are
+flattened, concatenated and zero-padded to ``s * s`` with ``s =
+ceil(sqrt(size))``, and that one ``s x s`` matrix is compressed as above at
+``r = min(s, rank)``: one ``P`` and one ``Q`` per bucket, ``2 s r`` values on the
+wire whatever the number of leaves (scalars and biases included), the
+warm-started ``Q`` stored at the bucket's first leaf. Error feedback is per
+element, so it is the hook's on the flattened bucket, with one difference:
+the hook also keeps the error of the padding (``-S`` there) and adds it back
+next step; here the padding is zero every step (it is no gradient). The
+bucket is compressed when ``2 s r * min_compression_rate < s^2`` (the hook
+always compresses). Batching leaves without aligning their rows destroys
+their low-rank structure: the hook's documentation recommends it at rank 1,
+where it is cheapest, and warns that accuracy usually drops.
+
+16-bit ``P`` and ``Q`` (``pq_dtype``): PyTorch gets them by wrapping the hook
+in ``fp16_compress_wrapper``/``bf16_compress_wrapper``, which casts the whole
+bucket to 16 bits, runs the hook there (``M``, the residual, the products,
+Gram-Schmidt and ``S`` all in 16 bits) and casts ``S`` back. Here only what
+travels is 16-bit: each device's ``M Q`` and ``P^T M``, divided by the device
+count ``N``, are rounded to ``pq_dtype`` and all-reduced in it (their sums
+rounded as the collective adds; XLA:CPU promotes a 16-bit all-reduce to
+float32 and rounds the sum once), then used in the compute dtype: ``P =
+orth(sum)``, ``Q = sum * N / K``. ``M``, the residual, the
+orthogonalisation and ``S`` stay in the compute dtype, so the rounding of
+``P`` and ``Q`` lands in ``S`` and the residual ``M - S`` keeps it (nothing is
+lost; a 16-bit residual, the wrapper's, would lose the small errors that error
+feedback exists to keep). The division by ``N`` (exact for a power of two;
+the hook's ``fp16_compress_hook`` divides before its all-reduce too) and a
+saturating cast below ``max / N`` keep a float16 sum of ``N`` messages finite:
+with gradients beyond float16's range the messages saturate (``P``'s scale
+does not matter, it is orthogonalised; a saturated ``Q`` gives an ``S`` that
+is no projection), the update stays finite and the residual keeps the rest.
+Bytes: 2 per value in ``message_bytes`` and ``wire_bytes``.
+
 Contracts (tested): the update is identical on every device (typed
 device-invariant under ``shard_map``'s ``check_vma``, like the other jaxcomp
 exchanges); its rank per leaf is at most ``r``; it is ``P P^T M`` (summed
@@ -50,7 +88,7 @@ Layout of the code: :func:`powersgd` validates its arguments into a frozen
 :class:`_Config`; ``init`` and ``update`` are the module-level :func:`_init`
 and :func:`_update` over it. A step (:func:`_update_leaves`) reads the leaves
 and the state into :class:`_StepInputs` (accumulators ``M``, plans, the
-:class:`_Group` batches), averages the dense leaves
+:class:`_Group` batches or buckets, from :func:`_layout`), averages the dense leaves
 (:func:`_exchange_dense_leaves`), then runs the power iteration over the
 groups (:func:`_power_step`: ``M Q`` per group in :func:`_local_p`, the two
 all-reduces :func:`_exchange_p` and :func:`_exchange_q`, ``S = P Q^T`` and
@@ -110,16 +148,21 @@ from jaxcomp import _validation as V
 from jaxcomp._vma import check_per_device
 from jaxcomp.comm import collectives
 from jaxcomp.transforms.base import (
+    ResidualScaling,
     apply_nonfinite_policy,
     check_common_options,
+    check_residual_scaling,
     indices_by_dtype,
     resolve_residual_dtype,
+    scaled_accumulation,
 )
 from jaxcomp.transforms.two_level import accepts_two_level_axis
 
 __all__ = [
     "POWERSGD_RESHAPES",
+    "PQ_DTYPES",
     "PowerSGDState",
+    "bucket_plan",
     "matrix_plan",
     "orthogonalize",
     "powersgd",
@@ -128,11 +171,17 @@ __all__ = [
 # Values of the ``reshape`` argument: which axes of a >2-D leaf become the rows.
 POWERSGD_RESHAPES = ("first", "last")
 
+# Values of the ``pq_dtype`` argument besides None: the 16-bit P and Q all-reduces.
+PQ_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
 _WHO = "jaxcomp.powersgd"
 
 
 def _matrix_rows(arguments: dict):
-    """Two-level shards keep whole rows of the matrix view (``reshape``)."""
+    """Two-level shards keep whole rows of the matrix view (``reshape``); a bucket
+    (``batched=True``) is flattened anyway, so its shards are element-wise."""
+    if arguments.get("batched", False):
+        return None
     if arguments.get("reshape", "first") == "last":
         return lambda shape: shape[-1] if len(shape) >= 2 else 1
     return lambda shape: math.prod(shape[1:]) if len(shape) >= 2 else 1
@@ -356,17 +405,20 @@ class PowerSGDState(NamedTuple):
       q: the warm-started ``Q`` per leaf, an ``[m, r]`` array in the residual
         dtype for compressed leaves and ``None`` for dense ones (the mean
         ``Q`` of the last PowerSGD step, identical on every device; before
-        the first one, the initial random draw). ``None`` with
-        ``warm_start=False``.
+        the first one, the initial random draw). ``batched=True``: the
+        bucket's ``[s, r]`` at its first leaf, ``None`` at its others.
+        ``None`` with ``warm_start=False``.
       key: raw uint32 PRNG key data. Leaf ``i`` (in ``jax.tree.flatten``
         order) draws ``Q`` at step ``t`` from ``jax.random.normal(fold_in(
         fold_in(key, t), i), (m, r))``: once, at ``t = start_iter``, with a
         warm start, every step without. No device index is folded in, so
         every device draws the same ``Q``.
       message_bytes: int32 per leaf, bytes this device contributed in the last
-        step: ``(n + m) r`` values of ``P`` and ``Q`` in the residual dtype,
-        or the dense leaf in the gradient dtype (dense leaves; every leaf
-        before ``start_iter``); 0 on a step that sent nothing.
+        step: ``(n + m) r`` values of ``P`` and ``Q`` in the residual dtype
+        (``pq_dtype``: 2 bytes each; ``batched=True``: a bucket's ``2 s r``
+        counted at its first leaf, 0 at the others), or the dense leaf in the
+        gradient dtype (dense leaves; every leaf before ``start_iter``); 0 on a
+        step that sent nothing.
       wire_bytes: float32, bytes this device put on the wire in the last step:
         a ring all-reduce's ``2 (N - 1) / N`` times each message, plus one
         float32 count with ``nonfinite="skip"`` (0 with ``axis_name=None``).
@@ -384,13 +436,16 @@ class PowerSGDState(NamedTuple):
 
 class _Group(NamedTuple):
     """Compressed leaves whose matrices share ``(n, m, r)`` and the compute dtype: one
-    batch (the hook's ``batch_tensors_with_same_shape``)."""
+    batch (the hook's ``batch_tensors_with_same_shape``); or, with ``flat``, one
+    bucket (``batched=True``): the leaves flattened, concatenated and zero-padded into
+    one ``n x n`` matrix."""
 
     n: int
     m: int
     r: int
     cdt: Any
     leaves: tuple
+    flat: bool = False
 
 
 def _groups(plans: list, cdts: list) -> list:
@@ -402,6 +457,60 @@ def _groups(plans: list, cdts: list) -> list:
     return [_Group(*key, tuple(idx)) for key, idx in groups.items()]
 
 
+def bucket_plan(
+    size: int, rank: int, *, min_compression_rate: float = 2.0
+) -> tuple[int, int, int] | None:
+    """``(s, s, r)`` if a bucket of ``size`` elements is compressed (``batched=True``), else
+    ``None`` (sent dense).
+
+    The hook's ``batched_powerSGD_hook`` views the flattened bucket, zero-padded, as an
+    ``s x s`` matrix with ``s = ceil(sqrt(size))``; ``r = min(s, rank)``. Compressed when
+    ``2 s r * min_compression_rate < s^2`` (the per-leaf test of :func:`matrix_plan`;
+    the hook compresses every bucket).
+
+    Example:
+      >>> bucket_plan(1000, 4), bucket_plan(10, 4), bucket_plan(0, 1)
+      ((32, 32, 4), None, None)
+    """
+    if size <= 0:
+        return None
+    s = math.isqrt(size - 1) + 1  # ceil(sqrt(size)), exact for any int
+    r = min(s, rank)
+    if not 2 * s * r * min_compression_rate < s * s:
+        return None
+    return s, s, r
+
+
+def _layout(cfg: _Config, leaves: list, cdts: list) -> tuple[list, list]:
+    """``(plans, groups)``: per leaf its matrix plan (``None``: sent dense), and the
+    :class:`_Group` batches of the compressed leaves.
+
+    ``batched=True``: a bucket is every leaf of one gradient dtype (hence one compute
+    dtype) with more than ``min_dense_size`` elements (and at least one), in
+    ``jax.tree.flatten`` order; each member's plan is its bucket's ``(s, s, r)``.
+    """
+    if not cfg.batched:
+        plans = [_plan(cfg, jnp.shape(x)) for x in leaves]
+        return plans, _groups(plans, cdts)
+    plans: list = [None] * len(leaves)
+    groups = []
+    members: dict = {}
+    for i, x in enumerate(leaves):
+        size = math.prod(jnp.shape(x))
+        if size > 0 and size > cfg.min_dense_size:
+            dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+            members.setdefault((jnp.dtype(dtype), jnp.dtype(cdts[i])), []).append(i)
+    for (_, cdt), idx in members.items():
+        size = sum(math.prod(jnp.shape(leaves[i])) for i in idx)
+        pl = bucket_plan(size, cfg.rank, min_compression_rate=cfg.min_compression_rate)
+        if pl is None:
+            continue
+        for i in idx:
+            plans[i] = pl
+        groups.append(_Group(*pl, cdt, tuple(idx), flat=True))
+    return plans, groups
+
+
 @accepts_two_level_axis(row_length=_matrix_rows)
 def powersgd(
     rank: int,
@@ -411,9 +520,13 @@ def powersgd(
     min_compression_rate: float | None = None,
     min_dense_size: int | None = None,
     error_feedback: bool = True,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     warm_start: bool = True,
     orthogonalization_epsilon: float | None = None,
     reshape: str = "first",
+    batched: bool = False,
+    pq_dtype: Any = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
     seed: int | jax.Array = 0,
@@ -449,6 +562,11 @@ def powersgd(
       error_feedback: keep ``e = M - S`` per device and add it to the next
         gradient (the paper's and the hook's default). ``False``: no residual
         is allocated (``state.residual`` is None).
+      residual_scale: GRACE's ``ResidualMemory`` ``beta`` in [0, 1] (may be
+        traced): ``M = residual_scale * e + gradient_scale * g``, ``e_new = M -
+        S``; a skipped (non-finite) step keeps ``e``. None: 1. Needs
+        ``error_feedback=True``.
+      gradient_scale: GRACE's ``gamma`` > 0 (may be traced). None: 1.
       warm_start: reuse the last step's ``Q`` (orthogonalized) instead of a
         fresh random draw every step; keeps ``Q`` in ``state.q``.
       orthogonalization_epsilon: added to each column norm in
@@ -462,7 +580,22 @@ def powersgd(
         ``static_args`` when you give them to ``inject_hyperparams``.
       reshape: ``"first"`` (the hook's ``(shape[0], -1)``) or ``"last"``
         (``(-1, shape[-1])``, for Flax's ``(kh, kw, in, out)`` kernels), see
-        :func:`matrix_plan`. 2-D leaves are the same either way.
+        :func:`matrix_plan`. 2-D leaves are the same either way. Unused with
+        ``batched=True``.
+      batched: PyTorch's ``batched_powerSGD_hook``: all leaves of one dtype
+        (more than ``min_dense_size`` elements each) flattened into one
+        zero-padded square matrix of side ``ceil(sqrt(size))`` with one ``P``
+        and one ``Q`` (see the module docstring and :func:`bucket_plan`). Far
+        fewer bytes and a smaller program than per-leaf PowerSGD at the same
+        rank, usually at a worse approximation (the hook recommends rank 1).
+      pq_dtype: ``None`` (default: ``P`` and ``Q`` travel in the compute dtype)
+        or ``jnp.float16``/``jnp.bfloat16``: the two all-reduces in 16 bits
+        (PyTorch's ``fp16_compress_wrapper``/``bf16_compress_wrapper`` around
+        the hook, applied to the messages only; the rounding stays in the
+        residual; float16 saturates instead of overflowing, and its messages
+        below ``6e-8`` round to zero, kept in the residual; see the module
+        docstring). With ``nonfinite="skip"`` the count then travels in an
+        all-reduce of its own.
       residual_dtype: float dtype of the residual, of ``P``, ``Q`` and of the
         computation. ``None`` (default): float32, or the leaf's dtype where
         wider (float64 under ``jax_enable_x64``), as in :func:`jaxcomp.sparsify`.
@@ -502,6 +635,14 @@ def powersgd(
       (True, [1.0, 1.0, 1.0, 1.0, 1.0])
       >>> jax.tree.map(int, optax.tree.get(state, "message_bytes"))  # (6 + 5) * 4
       {'b': 20, 'w': 44}
+
+      The batched variant with 16-bit ``P`` and ``Q``: ``b`` and ``w`` (35 values)
+      as one ``6 x 6`` matrix, ``2 * 6`` bfloat16 values counted at ``b``:
+
+      >>> tx = powersgd(rank=1, batched=True, pq_dtype=jnp.bfloat16)
+      >>> u, state = tx.update(g, tx.init(g))
+      >>> jax.tree.map(int, optax.tree.get(state, "message_bytes"))
+      {'b': 24, 'w': 0}
     """
     cfg = _make_config(
         rank,
@@ -510,9 +651,13 @@ def powersgd(
         min_compression_rate=min_compression_rate,
         min_dense_size=min_dense_size,
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         warm_start=warm_start,
         orthogonalization_epsilon=orthogonalization_epsilon,
         reshape=reshape,
+        batched=batched,
+        pq_dtype=pq_dtype,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
         seed=seed,
@@ -538,9 +683,12 @@ class _Config:
     start_iter: int  # 0: no vanilla steps (and no lax.cond around the collectives)
     min_compression_rate: float
     error_feedback: bool
+    scaling: ResidualScaling  # GRACE's residual_scale, gradient_scale
     warm_start: bool
     orthogonalization_epsilon: Any  # float, or a traced value (an injected hyperparameter)
     reshape: str
+    batched: bool  # one flattened square matrix per bucket (batched_powerSGD_hook)
+    pq_dtype: Any  # None: P and Q travel in the compute dtype; else float16/bfloat16
     # The common options (jaxcomp.transforms.base.CommonOptions).
     axis_name: Any
     min_dense_size: int
@@ -557,9 +705,13 @@ def _make_config(
     min_compression_rate,
     min_dense_size,
     error_feedback,
+    residual_scale,
+    gradient_scale,
     warm_start,
     orthogonalization_epsilon,
     reshape,
+    batched,
+    pq_dtype,
     residual_dtype,
     nonfinite,
     seed,
@@ -573,6 +725,7 @@ def _make_config(
         "min_compression_rate", 2.0 if min_compression_rate is None else min_compression_rate, 0.0
     )
     error_feedback = V.check_bool("error_feedback", error_feedback)
+    scaling = check_residual_scaling(residual_scale, gradient_scale, error_feedback=error_feedback)
     warm_start = V.check_bool("warm_start", warm_start)
     if orthogonalization_epsilon is None:
         orthogonalization_epsilon = 0.0
@@ -583,6 +736,14 @@ def _make_config(
         allow_traced=isinstance(orthogonalization_epsilon, jax.core.Tracer),
     )
     reshape = V.check_choice("reshape", reshape, POWERSGD_RESHAPES)
+    batched = V.check_bool("batched", batched)
+    if pq_dtype is not None:
+        pq_dtype = V.check_float_dtype("pq_dtype", pq_dtype)
+        if pq_dtype not in PQ_DTYPES:
+            raise ValueError(
+                f"pq_dtype must be None, float16 or bfloat16 (the 16-bit all-reduces), "
+                f"got {pq_dtype}"
+            )
     common = check_common_options(
         axis_name=axis_name,
         min_dense_size=min_dense_size,
@@ -595,9 +756,12 @@ def _make_config(
         start_iter=start_iter,
         min_compression_rate=min_compression_rate,
         error_feedback=error_feedback,
+        scaling=scaling,
         warm_start=warm_start,
         orthogonalization_epsilon=orthogonalization_epsilon,
         reshape=reshape,
+        batched=batched,
+        pq_dtype=pq_dtype,
         axis_name=common.axis_name,
         min_dense_size=common.min_dense_size,
         residual_dtype=common.residual_dtype,
@@ -687,10 +851,11 @@ def _init(cfg: _Config, params) -> PowerSGDState:
     leaves, treedef = jax.tree.flatten(params)
     cdts = [resolve_residual_dtype(cfg.residual_dtype, [p]) for p in leaves]
     key = jax.random.key(cfg.seed)
-    qs = []
-    for i, (p, cdt) in enumerate(zip(leaves, cdts, strict=True)):
-        pl = _plan(cfg, jnp.shape(p))
-        qs.append(None if pl is None else _draw_q(key, cfg.start_iter, i, pl[1], pl[2], cdt))
+    qs: list = [None] * len(leaves)
+    for grp in _layout(cfg, leaves, cdts)[1]:
+        # One Q per leaf, or per bucket (batched=True: stored at its first leaf).
+        for i in grp.leaves[:1] if grp.flat else grp.leaves:
+            qs[i] = _draw_q(key, cfg.start_iter, i, grp.m, grp.r, grp.cdt)
     return PowerSGDState(
         step=jnp.zeros([], jnp.int32),
         residual=treedef.unflatten(
@@ -778,14 +943,13 @@ def _step_inputs(cfg: _Config, grads, state, sends) -> _StepInputs:
         r.dtype if r is not None else resolve_residual_dtype(cfg.residual_dtype, [g])
         for g, r in zip(g_leaves, r_leaves, strict=True)
     ]
-    plans = [_plan(cfg, g.shape) for g in g_leaves]
+    plans, groups = _layout(cfg, g_leaves, cdts)
+    # A skipped step's residual is kept by _new_state (where sends), scaled or not.
     accs = [
-        g.astype(c) if r is None else r + g.astype(c)
+        g.astype(c) if r is None else scaled_accumulation(cfg.scaling, r, g)
         for g, r, c in zip(g_leaves, r_leaves, cdts, strict=True)
     ]
-    return _StepInputs(
-        treedef, g_leaves, r_leaves, q_leaves, plans, _groups(plans, cdts), accs, sends
-    )
+    return _StepInputs(treedef, g_leaves, r_leaves, q_leaves, plans, groups, accs, sends)
 
 
 def _exchange_dense_leaves(cfg: _Config, inputs: _StepInputs, out: _LeafResults) -> None:
@@ -825,12 +989,13 @@ def _power_step(cfg: _Config, inputs: _StepInputs, state, out: _LeafResults) -> 
     means, p_sums, count, flag = _exchange_p(cfg, vanilla, msgs, p_locs, count)
     if cfg.nonfinite != "skip":
         count = jnp.float32(_n_devices(cfg))
-    ps = [_orth(p, eps) for p in p_sums]
+    ps = [_orth(p.astype(grp.cdt), eps) for p, grp in zip(p_sums, inputs.groups, strict=True)]
     # Q^T = P^T M, [B, r, m], kept in that layout until it is stored: XLA folds a
     # transpose into the dot, and M^T P with M's rows contracted ran ~7x slower
     # on XLA:CPU for r >= 2 (a strided walk over the big matrix).
     qt_locs = [
-        jnp.where(sends, _bmm(p, mat, ((1,), (1,))), 0) for p, mat in zip(ps, mats, strict=True)
+        _to_message(cfg, jnp.where(sends, _bmm(p, mat, ((1,), (1,))), 0))
+        for p, mat in zip(ps, mats, strict=True)
     ]
     qt_sums = _exchange_q(cfg, flag, qt_locs)
     for grp, p, qt_sum in zip(inputs.groups, ps, qt_sums, strict=True):
@@ -850,42 +1015,73 @@ def _local_p(cfg: _Config, inputs: _StepInputs, state) -> tuple[list, list]:
     mats, p_locs = [], []
     for grp in inputs.groups:
         n, m, r, cdt = grp.n, grp.m, grp.r, grp.cdt
-        mat = jnp.stack([inputs.accs[i].reshape(n, m) for i in grp.leaves])  # [B, n, m]
-        if cfg.warm_start:
-            q0 = jnp.stack([inputs.qs[i] for i in grp.leaves])
+        if grp.flat:  # the bucket: its leaves flattened, zero-padded to n * m, [1, n, m]
+            flat = jnp.concatenate([inputs.accs[i].reshape(-1) for i in grp.leaves])
+            mat = jnp.pad(flat, (0, n * m - flat.size)).reshape(1, n, m)
         else:
-            q0 = jnp.stack([_draw_q(key, state.step, i, m, r, cdt) for i in grp.leaves])
+            mat = jnp.stack([inputs.accs[i].reshape(n, m) for i in grp.leaves])  # [B, n, m]
+        owners = grp.leaves[:1] if grp.flat else grp.leaves  # who holds each Q
+        if cfg.warm_start:
+            q0 = jnp.stack([inputs.qs[i] for i in owners])
+        else:
+            q0 = jnp.stack([_draw_q(key, state.step, i, m, r, cdt) for i in owners])
         q0 = _orth(q0, cfg.orthogonalization_epsilon)
         mats.append(mat)
         # A device that sends nothing contributes zeros: its M never reaches the sums.
-        p_locs.append(jnp.where(inputs.sends, _bmm(mat, q0, ((2,), (1,))), 0))
+        p_locs.append(_to_message(cfg, jnp.where(inputs.sends, _bmm(mat, q0, ((2,), (1,))), 0)))
     return mats, p_locs
+
+
+def _to_message(cfg: _Config, x: jax.Array) -> jax.Array:
+    """A local ``P`` or ``Q^T`` as it is all-reduced: unchanged, or (``pq_dtype``) divided
+    by the device count ``N`` and rounded to the 16-bit dtype, saturating below
+    ``max / N`` so that the 16-bit sum of ``N`` messages stays finite (float16)."""
+    if cfg.pq_dtype is None:
+        return x
+    n_dev = _n_devices(cfg)
+    # The margin covers the rounding up of a value near max / N (half an ulp, 2^-11).
+    big = float(jnp.finfo(cfg.pq_dtype).max) / n_dev / (1 + 2.0**-9)
+    x = x / jnp.asarray(n_dev, x.dtype) if n_dev > 1 else x
+    return jnp.clip(x, -big, big).astype(cfg.pq_dtype)
 
 
 def _finish_group(cfg: _Config, inputs: _StepInputs, grp: _Group, p, qt_sum, count, out) -> None:
     """One group's ``S = P Q^T``, its leaves' updates, messages and new ``Q``."""
     n, m, r, cdt = grp.n, grp.m, grp.r, grp.cdt
     sends = inputs.sends
-    qt = qt_sum / jnp.maximum(count, 1).astype(cdt)
+    if cfg.pq_dtype is None:
+        qt = qt_sum / jnp.maximum(count, 1).astype(cdt)
+    else:  # the messages were divided by N (_to_message): the sum is the mean times K / N
+        qt = qt_sum.astype(cdt) * (_n_devices(cfg) / jnp.maximum(count, 1)).astype(cdt)
     # Overflow in M Q or P^T M (values near the dtype's range): that leaf sends
     # nothing anywhere.
     ok = (_finite(p) & _finite(qt))[:, None, None]
     p, qt = jnp.where(ok, p, 0), jnp.where(ok, qt, 0)
     approx = _bmm(p, qt, ((2,), (1,)))  # P Q^T, identical on every device
-    nbytes = (n + m) * r * jnp.dtype(cdt).itemsize
+    nbytes = (n + m) * r * jnp.dtype(cfg.pq_dtype or cdt).itemsize
+    if grp.flat:  # the bucket's leaves: consecutive slices of the flattened matrix
+        flat, start, parts = approx[0].reshape(-1), 0, []
+        for i in grp.leaves:
+            size = inputs.grads[i].size
+            parts.append(flat[start : start + size])
+            start += size
+    else:
+        parts = list(approx)
     for b, i in enumerate(grp.leaves):
         g = inputs.grads[i]
-        out.sent[i] = _to_dtype(approx[b], g.dtype).reshape(g.shape)
+        out.sent[i] = _to_dtype(parts[b], g.dtype).reshape(g.shape)
         if cfg.nonfinite == "skip":
             # The mean of what the devices sent: K copies of S and N - K zeros.
             # K == N gives a factor of exactly 1.0, hence the bits of `sent`.
             frac = count.astype(cdt) / jnp.asarray(_n_devices(cfg), cdt)
-            out.updates[i] = _to_dtype(approx[b] * frac, g.dtype).reshape(g.shape)
+            out.updates[i] = _to_dtype(parts[b] * frac, g.dtype).reshape(g.shape)
         else:
             out.updates[i] = out.sent[i]
-        out.message_bytes[i] = jnp.where(sends, nbytes, 0).astype(jnp.int32)
-        out.wire_bytes[i] = _wire(cfg, nbytes)
-        if cfg.warm_start:
+        # A bucket's P and Q are counted at its first leaf (0 at the others).
+        leaf_bytes = nbytes if not grp.flat or b == 0 else 0
+        out.message_bytes[i] = jnp.where(sends, leaf_bytes, 0).astype(jnp.int32)
+        out.wire_bytes[i] = _wire(cfg, leaf_bytes)
+        if cfg.warm_start and (not grp.flat or b == 0):
             # A zero column (zero gradient, nobody sent) would stay zero forever.
             live = jnp.any(qt[b] != 0, axis=1)
             out.q[i] = jnp.where(live, qt[b].T, inputs.qs[i])
@@ -903,7 +1099,7 @@ def _vanilla_override(cfg: _Config, inputs, low, vanilla, flag, means, msgs, out
             vanilla, jnp.where(inputs.sends, nbytes, 0), out.message_bytes[i]
         ).astype(jnp.int32)
         out.wire_bytes[i] = jnp.where(vanilla, _wire(cfg, nbytes), out.wire_bytes[i])
-        if cfg.warm_start:
+        if cfg.warm_start and out.q[i] is not None:  # (a bucket's other leaves hold none)
             out.q[i] = jnp.where(vanilla, inputs.qs[i], out.q[i])
 
 

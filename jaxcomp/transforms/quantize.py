@@ -8,6 +8,7 @@ of :func:`jaxcomp.sparsify`. Per step and per leaf:
 
     v      = b v + (1 - b) g           # only with beta=b (Signum's moving average)
     R      = e + v  (error feedback)  or  R = v  (without); v = g without beta
+           = rs e + gs v               # with GRACE's residual_scale=rs, gradient_scale=gs
     msg    = encode(R)                 # packed codes + float32 scales
     S      = decode(msg)               # what every receiver reconstructs
     e_new  = R - S                     # with error feedback; else no e is kept
@@ -87,9 +88,12 @@ from jaxcomp.quantization.codecs import (
 from jaxcomp.quantization.packing import pack_codes, unpack_codes
 from jaxcomp.transforms.base import (
     CommonOptions,
+    ResidualScaling,
     apply_nonfinite_policy,
     check_common_options,
+    check_residual_scaling,
     resolve_residual_dtype,
+    scaled_accumulation,
 )
 from jaxcomp.transforms.two_level import accepts_two_level_axis
 
@@ -197,6 +201,8 @@ def quantize(
     axis_name: Any = None,
     exchange: str = "allgather",
     error_feedback: bool = True,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -236,6 +242,11 @@ def quantize(
         gradient (1-bit SGD, EF-signSGD). ``False``: send the quantized
         gradient itself (unbiased QSGD, signSGD); no residual is allocated
         (``state.residual`` is None).
+      residual_scale: GRACE's ``ResidualMemory`` ``beta`` in [0, 1] (may be
+        traced): with error feedback ``R = residual_scale * e +
+        gradient_scale * v``, ``e_new = R - decoded``; a skipped (non-finite)
+        step keeps ``e``. None: 1. Needs ``error_feedback=True``.
+      gradient_scale: GRACE's ``gamma`` > 0 (may be traced). None: 1.
       min_dense_size: leaves with at most this many elements are sent dense
         (QSGD: 10K; None: 0); their residual keeps only the rounding to the gradient
         dtype (zero for float32).
@@ -307,6 +318,11 @@ def quantize(
         ),
         exchange=exchange,
         error_feedback=error_feedback,
+        scaling=check_residual_scaling(
+            residual_scale,
+            gradient_scale,
+            error_feedback=V.check_bool("error_feedback", error_feedback),
+        ),
         keep_message=keep_message,
         beta=resolve_beta(beta, momentum, "quantize"),
         accumulation_dtype=accumulation_dtype,
@@ -328,6 +344,7 @@ class _Config:
 
     exchange: QuantizedExchange  # codec, axis, exchange, accumulation dtype, error feedback
     common: CommonOptions
+    scaling: ResidualScaling  # GRACE's residual_scale, gradient_scale (error feedback)
     keep_message: bool
     beta: Any  # None (no velocity field), a float, or a JAX array (injected)
     use_velocity: bool
@@ -370,6 +387,7 @@ def _make_config(
     *,
     exchange,
     error_feedback,
+    scaling,
     keep_message,
     beta,
     accumulation_dtype,
@@ -405,6 +423,7 @@ def _make_config(
             quantizer, common.axis_name, exchange, acc_dtype, error_feedback
         ),
         common=common,
+        scaling=scaling,
         keep_message=keep_message,
         beta=beta,
         # A JAX-array beta (injected hyperparameter) keeps a velocity even when 0.
@@ -549,7 +568,14 @@ def _encode_leaf(cfg: _Config, g, residual, velocity, key, sends, send_ok) -> En
         v = jnp.where(send_ok, b * v + (1 - b) * x, v)
         x = jnp.where(send_ok, v, 0)
         new_vel = v.reshape(shape)
-    acc = residual.reshape(-1) + x if cfg.error_feedback else x
+    if not cfg.error_feedback:
+        acc = x
+    elif cfg.scaling.on:
+        # GRACE's beta * e + gamma * v; a skipped step keeps e (no decay).
+        e = residual.reshape(-1)
+        acc = jnp.where(send_ok, scaled_accumulation(cfg.scaling, e, x), e)
+    else:
+        acc = residual.reshape(-1) + x
 
     if n == 0 or n <= cfg.common.min_dense_size:
         sent = jnp.where(sends, acc, 0).astype(out_dtype)

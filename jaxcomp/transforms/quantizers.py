@@ -2,8 +2,9 @@
 
 Each factory picks a codec from ``quantize.py`` and passes the common options
 of :func:`jaxcomp.transforms.quantize.quantize` (``axis_name``,
-``error_feedback``, ``min_dense_size``, ``residual_dtype``, ``nonfinite``,
-``seed``) through as keywords.
+``error_feedback``, ``residual_scale``, ``gradient_scale``,
+``min_dense_size``, ``residual_dtype``, ``nonfinite``, ``seed``) through as
+keywords.
 
 ===========================  ============================================  ========  ===============
 factory                      message per bucket of ``d`` values            feedback  wire bits/coord
@@ -68,6 +69,8 @@ def qsgd(
     norm: str = "l2",
     min_dense_size: int | None = None,
     error_feedback: bool = False,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
     residual_dtype: Any = None,
@@ -124,6 +127,8 @@ def qsgd(
         axis_name=axis_name,
         exchange=exchange,
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         min_dense_size=10_000 if min_dense_size is None else min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -136,6 +141,8 @@ def onebit(
     *,
     bucket_size: int | None = None,
     error_feedback: bool = True,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
     min_dense_size: int | None = None,
@@ -162,6 +169,8 @@ def onebit(
     return quantize(
         onebit_quantizer(bucket_size),
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
         min_dense_size=min_dense_size,
@@ -175,6 +184,8 @@ def sign_sgd(
     *,
     bucket_size: int | None = None,
     error_feedback: bool = False,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
     min_dense_size: int | None = None,
@@ -198,6 +209,8 @@ def sign_sgd(
     return quantize(
         sign_quantizer(bucket_size),
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
         min_dense_size=min_dense_size,
@@ -211,6 +224,8 @@ def ef_sign_sgd(
     *,
     bucket_size: int | None = None,
     error_feedback: bool = True,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
     min_dense_size: int | None = None,
@@ -234,6 +249,8 @@ def ef_sign_sgd(
     return quantize(
         sign_quantizer(bucket_size),
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
         min_dense_size=min_dense_size,
@@ -249,6 +266,8 @@ def bounded_sign(
     error_bound: float | jax.Array = 1.0,
     bucket_size: int | None = None,
     error_feedback: bool = True,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
     min_dense_size: int | None = None,
@@ -283,6 +302,8 @@ def bounded_sign(
     return quantize(
         quantizer,
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
         min_dense_size=min_dense_size,
@@ -297,6 +318,8 @@ def terngrad(
     clip: float | None = None,
     bucket_size: int | None = None,
     error_feedback: bool = False,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
     min_dense_size: int | None = None,
@@ -332,6 +355,8 @@ def terngrad(
     return quantize(
         terngrad_quantizer(bucket_size, clip),
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
         min_dense_size=min_dense_size,
@@ -348,6 +373,8 @@ def natural_compression(
     bucket_size: int | None = None,
     norm: str = "l2",
     error_feedback: bool = False,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
     min_dense_size: int | None = None,
@@ -399,6 +426,8 @@ def natural_compression(
     return quantize(
         quantizer,
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
         min_dense_size=min_dense_size,
@@ -417,6 +446,8 @@ def signum(
     axis_name: Any = None,
     exchange: str = "majority",
     error_feedback: bool = False,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -476,6 +507,8 @@ def signum(
         sign_quantizer(bucket_size, scale="unit"),
         beta=0.9 if beta is None else beta,
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
         min_dense_size=min_dense_size,
@@ -489,6 +522,8 @@ def cast(
     dtype: Any = jnp.bfloat16,
     *,
     error_feedback: bool = False,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     accumulation_dtype: Any = jnp.float32,
     axis_name: Any = None,
     exchange: str = "allgather",
@@ -544,6 +579,8 @@ def cast(
     return quantize(
         cast_quantizer(dtype),
         error_feedback=error_feedback,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         accumulation_dtype=accumulation_dtype,
         axis_name=axis_name,
         exchange=exchange,

@@ -4,9 +4,10 @@ Each factory takes ``ratio`` as its first argument, its selector's options, and
 the common options of :func:`jaxcomp.sparsify` as keywords (listed explicitly,
 so ``optax.inject_hyperparams`` can bind them): ``axis_name``,
 ``min_dense_size``, ``residual_dtype``, ``capacity_factor``, ``momentum``,
-``momentum_masking``, ``warmup_ratios``, ``steps_per_epoch``,
-``granularity``, ``groups``, ``reuse_period``, ``nonfinite``, ``exchange``,
-``error_feedback``, ``low_pass``, ``defer_residual``, ``seed``.
+``momentum_masking``, ``nesterov``, ``clip_norm``, ``warmup_ratios``,
+``steps_per_epoch``, ``granularity``, ``groups``, ``reuse_period``,
+``nonfinite``, ``exchange``, ``error_feedback``, ``low_pass``,
+``residual_scale``, ``gradient_scale``, ``defer_residual``, ``seed``.
 
 ``reuse_period=s`` is DLGS's threshold reuse (the selector runs every ``s``
 steps, the stored threshold is applied in between) and ``groups=`` DLGS's
@@ -14,7 +15,8 @@ layer merging (groups of leaves compressed and exchanged as one buffer); see
 :func:`jaxcomp.sparsify`. ``random_k`` has no threshold to reuse.
 
 With ``optax.inject_hyperparams`` the traceable hyperparameters (``momentum``,
-``low_pass``, ``threshold``, ``delta``, ``decay``, ``seed``) live in the optimizer state and
+``clip_norm``, ``low_pass``, ``residual_scale``, ``gradient_scale``,
+``threshold``, ``delta``, ``decay``, ``seed``) live in the optimizer state and
 can change between steps without recompiling; options that fix shapes, sizes
 or iteration caps default to ``None`` (their documented value) and, when given,
 must be named in ``static_args`` (``ratio`` always):
@@ -38,6 +40,7 @@ import jax
 import optax
 
 from jaxcomp import _validation as V
+from jaxcomp.selection.multistage import check_sidco_options
 from jaxcomp.selection.selectors import DEFAULT_MOMENT_SAMPLE, check_dgc_options, trim_rounds
 from jaxcomp.transforms.sparsify import sparsify
 
@@ -48,6 +51,7 @@ __all__ = [
     "gaussian_k",
     "ldte_bs",
     "random_k",
+    "sidco",
     "threshold",
     "top_k",
     "trimmed_top_k",
@@ -96,6 +100,8 @@ def top_k(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -105,6 +111,8 @@ def top_k(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     value_dtype: Any = None,
     index_dtype: Any = None,
@@ -151,6 +159,8 @@ def ldte_bs(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -160,6 +170,8 @@ def ldte_bs(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     value_dtype: Any = None,
     index_dtype: Any = None,
@@ -267,6 +279,8 @@ def binary_search(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -276,6 +290,8 @@ def binary_search(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     value_dtype: Any = None,
     index_dtype: Any = None,
@@ -329,6 +345,8 @@ def dgc(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -338,6 +356,8 @@ def dgc(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     value_dtype: Any = None,
     index_dtype: Any = None,
@@ -411,6 +431,8 @@ def trimmed_top_k(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -420,6 +442,8 @@ def trimmed_top_k(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     value_dtype: Any = None,
     index_dtype: Any = None,
@@ -458,6 +482,8 @@ def gaussian_k(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -467,6 +493,8 @@ def gaussian_k(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     value_dtype: Any = None,
     index_dtype: Any = None,
@@ -493,15 +521,21 @@ def gaussian_k(
     return sparsify("gaussian_k", ratio, selector_options=dict(corrections=corrections), **common)
 
 
-def random_k(
+def sidco(
     ratio: float,
     *,
+    dist: str = "exponential",
+    stages: int | str | None = None,
+    first_ratio: float | None = None,
+    tolerance: float | None = None,
     axis_name: Any = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -511,6 +545,81 @@ def random_k(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
+    defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
+    seed: int | jax.Array = 0,
+) -> _Tx:
+    """SIDCo (Abdelmoniem et al., MLSys 2021): a multi-stage statistical threshold.
+
+    Fits an exponential, gamma or generalized Pareto distribution to the
+    residual's magnitudes and reads the threshold off its tail; with several
+    stages each stage refits the exceedances of the previous threshold (peaks
+    over threshold), the stage densities multiplying to ``ratio``. No sort,
+    no search: a pass per stage and one count
+    (:mod:`jaxcomp.selection.multistage` has the fits). The count is an
+    estimate, above or below ``k``; at most ``capacity_factor * k`` are sent
+    (the largest), the rest stays in the residual.
+
+    Args:
+      ratio: target density in (0, 1].
+      dist: ``"exponential"`` (default), ``"gamma"`` (the paper's gamma first
+        stage, generalized Pareto after) or ``"gpareto"``.
+      stages: an int in ``[1, 16]`` (capped per leaf at ``ceil(log2(1 /
+        ratio))``) or ``"adaptive"`` (None: adaptive): the reference's rule,
+        one stage fewer when the achieved density is above ``1 + tolerance``
+        times the target, one more below ``1 - tolerance``, applied inside
+        the step per leaf (no state across steps).
+      first_ratio: the first stage's density, in (0, 1) (None: 0.25, the
+        reference's).
+      tolerance: the adaptive rule's band, in (0, 1) (None: 0.2).
+      **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
+        and ``seed`` traceable; the others static, None = default).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxcomp
+      >>> tx = jaxcomp.sidco(0.01, dist="exponential", stages=1)
+      >>> g = {"w": jax.random.laplace(jax.random.key(0), (10_000,))}
+      >>> u, state = jax.jit(tx.update)(g, tx.init(g))
+      >>> sent = int(jaxcomp.statistics(state)["sent_count"]["w"])
+      >>> 80 <= sent <= 120  # |g| is exponential: one stage hits k = 100 closely
+      True
+    """
+    dist, stages, first_ratio, tolerance = check_sidco_options(
+        dist,
+        "adaptive" if stages is None else stages,
+        0.25 if first_ratio is None else first_ratio,
+        0.2 if tolerance is None else tolerance,
+    )
+    common = _common_options(locals())
+    options = dict(dist=dist, stages=stages, first_ratio=first_ratio, tolerance=tolerance)
+    return sparsify("sidco", ratio, selector_options=options, **common)
+
+
+def random_k(
+    ratio: float,
+    *,
+    axis_name: Any = None,
+    min_dense_size: int | None = None,
+    residual_dtype: Any = None,
+    capacity_factor: float | None = None,
+    momentum: _Float | None = None,
+    momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
+    warmup_ratios: Sequence[float] | None = None,
+    steps_per_epoch: int | None = None,
+    granularity: str = "layer",
+    groups: Any = None,
+    reuse_period: int | None = None,
+    nonfinite: str = "skip",
+    exchange: str = "auto",
+    error_feedback: bool = True,
+    low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     value_dtype: Any = None,
     index_dtype: Any = None,
@@ -559,6 +668,8 @@ def threshold(
     capacity_factor: float | None = None,
     momentum: _Float | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: _Float | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -568,6 +679,8 @@ def threshold(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: _Float | None = None,
+    residual_scale: _Float | None = None,
+    gradient_scale: _Float | None = None,
     defer_residual: bool = False,
     value_dtype: Any = None,
     index_dtype: Any = None,

@@ -15,6 +15,18 @@ and with DGC momentum correction (``momentum > 0``):
 
     u = m u + g;  R = e + u;  S = select(R);  e_new = R - S;  u[S] = 0 (masking)
 
+and with ``nesterov=True`` (DGC's ``DGCSGDMemory(nesterov=True)``):
+
+    u = m (u + g);  R = (e + u) + g;  then as above
+
+DGC's local gradient clipping (``clip_norm=c``, Lin et al. 2018, section 3.3
+and appendix D) first scales this device's gradients, all leaves together, by
+``min(1, c N^-1/2 / (||g||_2 + 1e-6))`` (``N`` devices on ``axis_name``: each
+device's share of a global threshold ``c``). GRACE's residual scaling
+(``residual_scale=beta``, ``gradient_scale=gamma``) replaces the
+accumulation by ``R = beta e + gamma u`` (``u``: ``g``, the velocity, or
+``u + g`` with ``nesterov``), so ``S + e_new == beta e + gamma u``.
+
 With DLGS threshold reuse (``reuse_period = s > 1``, docs/algorithms.md section 4)
 the selector runs every ``s`` steps only; in between ``S = {|R| > H}`` with the
 stored threshold ``H`` of the group.
@@ -39,7 +51,7 @@ and :func:`_update_entry` (which dispatches to :func:`_update`) over it. A
 step resolves the leaves into groups (:func:`_layout`), each flattened into
 one buffer (:func:`_flatten_group`).
 With a selector that has a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
-``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``,
+``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``sidco``, ``threshold``,
 ``random_k``: selected, cut and masked on its own draws instead of ``|R|``)
 and one device or a packed exchange, the groups of a bucket (one residual
 and wire dtype) are packed as segments of one buffer (:func:`_pack`) and
@@ -77,9 +89,12 @@ from jaxcomp.selection import _kernels as kernels
 from jaxcomp.selection import segmented, selectors
 from jaxcomp.transforms.base import (
     CommonOptions,
+    ResidualScaling,
     apply_nonfinite_policy,
     check_common_options,
+    check_residual_scaling,
     resolve_residual_dtype,
+    scaled_accumulation,
 )
 from jaxcomp.transforms.two_level import accepts_two_level_axis
 
@@ -294,6 +309,9 @@ class _Config:
     momentum: Any  # float, or a JAX array (an injected hyperparameter)
     use_velocity: bool
     momentum_masking: bool
+    nesterov: bool  # DGC's Nesterov momentum correction (needs a velocity)
+    clip_norm: Any  # None, or DGC's global-norm clipping threshold c (float or JAX array)
+    scaling: ResidualScaling  # GRACE's residual_scale, gradient_scale
     residual_dtype: Any  # None: per group, see resolve_residual_dtype
     axis_name: Any
     exchange: str
@@ -313,6 +331,9 @@ class StepContext(NamedTuple):
     step: jax.Array  # int32, drives the warm-up phase and the reuse period
     send_ok: jax.Array  # bool, False on a skipped (non-finite) step
     include: jax.Array | None  # bool, False for a left-out backup worker; None: all in
+    # The residual-dtype-independent factor of DGC's local clipping (float32
+    # scalar), or None without clip_norm.
+    clip: jax.Array | None = None
 
     @property
     def sends(self) -> jax.Array:
@@ -541,6 +562,8 @@ def sparsify(
     capacity_factor: float | None = None,
     momentum: float | jax.Array | None = None,
     momentum_masking: bool = True,
+    nesterov: bool = False,
+    clip_norm: float | jax.Array | None = None,
     warmup_ratios: Sequence[float] | None = None,
     steps_per_epoch: int | None = None,
     granularity: str = "layer",
@@ -550,6 +573,8 @@ def sparsify(
     exchange: str = "auto",
     error_feedback: bool = True,
     low_pass: float | jax.Array | None = None,
+    residual_scale: float | jax.Array | None = None,
+    gradient_scale: float | jax.Array | None = None,
     defer_residual: bool = False,
     value_dtype: Any = None,
     index_dtype: Any = None,
@@ -582,6 +607,17 @@ def sparsify(
       momentum: DGC momentum correction factor ``m`` in [0, 1) (then use
         plain SGD after the compressor); may be traced. None: no velocity.
       momentum_masking: DGC momentum factor masking (zero ``u`` where sent).
+      nesterov: DGC's Nesterov momentum correction (``DGCSGDMemory(nesterov=True)``):
+        ``u = m (u + g)``, ``R = (e + u) + g``; then use plain SGD after the
+        compressor. Needs ``momentum > 0`` (or an injected momentum).
+        Default False.
+      clip_norm: DGC's local gradient clipping before the accumulation, a
+        threshold ``c > 0`` (may be traced): this device's gradients, all
+        leaves together, are scaled by ``min(1, c / sqrt(N) / (||g||_2 +
+        1e-6))``, ``N`` the devices on ``axis_name`` (1 without). After the
+        non-finite policy (a NaN never reaches the norm). Not with
+        ``make_train_step(overlap=True)`` (which compresses leaf by leaf in
+        the backward pass: no norm of the whole gradient). None: off.
       warmup_ratios: ratios for the first epochs, one per epoch (DGC's:
         :data:`DGC_WARMUP`), then ``ratio``; all compiled once (``lax.switch``).
       steps_per_epoch: steps per warm-up phase.
@@ -623,6 +659,12 @@ def sparsify(
       low_pass: ScaleCom's low-pass filter on the residual, ``beta`` in
         (0, 1]: ``r <- r + beta * (r + g - sent - r)``, deliberately lossy
         below 1. May be traced. None: 1, plain error feedback.
+      residual_scale: GRACE's ``ResidualMemory`` ``beta`` in [0, 1] (may be
+        traced): the accumulator is ``R = residual_scale * e +
+        gradient_scale * u`` (``u``: the gradient, or the DGC velocity), and
+        ``e_new = R - S`` as always. None: 1. Not with ``low_pass`` (one
+        filter on the residual at a time) nor ``error_feedback=False``.
+      gradient_scale: GRACE's ``gamma`` > 0 (may be traced). None: 1.
       defer_residual: one device only (``axis_name=None``): keep the
         accumulator and the message's mask in the state and clear the sent
         elements at the next step (the same updates and residuals, fewer
@@ -689,6 +731,8 @@ def sparsify(
         capacity_factor=capacity_factor,
         momentum=momentum,
         momentum_masking=momentum_masking,
+        nesterov=nesterov,
+        clip_norm=clip_norm,
         warmup_ratios=warmup_ratios,
         steps_per_epoch=steps_per_epoch,
         granularity=granularity,
@@ -697,6 +741,8 @@ def sparsify(
         exchange=exchange,
         error_feedback=error_feedback,
         low_pass=low_pass,
+        residual_scale=residual_scale,
+        gradient_scale=gradient_scale,
         defer_residual=defer_residual,
         value_dtype=value_dtype,
         index_dtype=index_dtype,
@@ -758,6 +804,8 @@ def _make_config(
     capacity_factor,
     momentum,
     momentum_masking,
+    nesterov,
+    clip_norm,
     warmup_ratios,
     steps_per_epoch,
     granularity,
@@ -766,6 +814,8 @@ def _make_config(
     exchange,
     error_feedback,
     low_pass,
+    residual_scale,
+    gradient_scale,
     defer_residual,
     value_dtype=None,
     index_dtype=None,
@@ -801,6 +851,16 @@ def _make_config(
         allow_traced=True,
     )
     momentum_masking = V.check_bool("momentum_masking", momentum_masking)
+    nesterov = V.check_bool("nesterov", nesterov)
+    use_velocity = V.is_dynamic(momentum) or momentum > 0
+    if nesterov and not use_velocity:
+        raise ValueError(
+            "nesterov=True is DGC's Nesterov momentum correction: it needs momentum in (0, 1) "
+            f"(or an injected momentum), got momentum={momentum!r}"
+        )
+    clip_norm = V.check_real(
+        "clip_norm", clip_norm, 0.0, low_open=True, allow_none=True, allow_traced=True
+    )
     defer_residual = V.check_bool("defer_residual", defer_residual)
     if defer_residual and common.axis_name is not None:
         raise ValueError(
@@ -820,6 +880,15 @@ def _make_config(
         "low_pass", 1.0 if low_pass is None else low_pass, 0.0, 1.0, low_open=True,
         allow_traced=True,
     )  # fmt: skip
+    scaling = check_residual_scaling(residual_scale, gradient_scale, error_feedback=error_feedback)
+    if scaling.on and (V.is_dynamic(low_pass) or low_pass != 1.0):
+        # Two filters on the residual: which applies first is not either peer's rule.
+        raise ValueError(
+            "low_pass (ScaleCom's filter) and residual_scale/gradient_scale (GRACE's "
+            "ResidualMemory) both rescale the residual: use one, got "
+            f"low_pass={low_pass!r}, residual_scale={residual_scale!r}, "
+            f"gradient_scale={gradient_scale!r}"
+        )
     granularity = V.check_choice("granularity", granularity, _GRANULARITY)
     groups = V.check_groups("groups", groups)
     if groups is not None and granularity == "global":
@@ -901,8 +970,11 @@ def _make_config(
         momentum=momentum,
         # A JAX-array momentum (injected hyperparameter) keeps a velocity even
         # at 0, so init and update agree on the state's structure.
-        use_velocity=V.is_dynamic(momentum) or momentum > 0,
+        use_velocity=use_velocity,
         momentum_masking=momentum_masking,
+        nesterov=nesterov,
+        clip_norm=clip_norm,
+        scaling=scaling,
         residual_dtype=common.residual_dtype,
         axis_name=common.axis_name,
         exchange=exchange,
@@ -1160,7 +1232,8 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
     g_leaves = list(g_leaves)
     for i, g in zip(alone_leaves, arrays[len(packs) :], strict=True):
         g_leaves[i] = g
-    ctx = StepContext(state.step, send_ok, include)
+    clip = None if cfg.clip_norm is None else clip_factor(cfg, arrays)
+    ctx = StepContext(state.step, send_ok, include, clip)
     outs: list[Any] = [None] * len(inputs.groups)
     for j in alone:
         gi = inputs.groups[j]
@@ -1207,7 +1280,7 @@ def _packed_selector(cfg: _Config):
     together in one packed buffer, else None (each group alone).
 
     Today: a selector with a segmented form (``top_k``, ``ldte_bs``, ``dgc``,
-    ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``threshold``,
+    ``gaussian_k``, ``trimmed_top_k``, ``binary_search``, ``sidco``, ``threshold``,
     ``random_k``), one device or one of the exchanges of
     :data:`_PACKED_EXCHANGES` and :data:`_LEADER_EXCHANGES` (all but
     ``scatter``).
@@ -2057,13 +2130,11 @@ def _residual_from_accumulator(cfg: _Config, g, residual, velocity, ctx: StepCon
     this way 1-3.5 ms.
     ``_accumulate`` here is the step's own (XLA merges the two). It is the
     old residual to a rounding of ``acc``, and exactly it on a skipped step
-    (a zero increment).
+    (a zero increment). (``low_pass`` excludes residual scaling: no scales here.)
     """
     acc, u = _accumulate(cfg, g, residual, velocity, ctx)
-    increment = (
-        _rounded(g.astype(acc.dtype), ctx.step) if u is None else jnp.where(ctx.send_ok, u, 0)
-    )
-    return acc - increment
+    parts, _ = _increments(cfg, g.astype(acc.dtype), velocity, ctx)
+    return acc - functools.reduce(jnp.add, parts)
 
 
 def _low_pass(cfg: _Config, residual, new_residual):
@@ -2111,20 +2182,73 @@ def _rounded(g, step):
     return lax.bitcast_convert_type(lax.bitcast_convert_type(g, bits) ^ zero.astype(bits), g.dtype)
 
 
+def _increments(cfg: _Config, g, velocity, ctx: StepContext):
+    """``(parts, u)``: what this step adds to the residual, in order, and the new velocity.
+
+    ``parts`` is ``(g,)`` without momentum, ``(u,)`` with DGC's momentum
+    correction and ``(u, g)`` with its Nesterov form (added in that order, as
+    ``vec.add_(mmt).add_(grad)`` in DGC's ``DGCSGDMemory.compensate``); zeros
+    on a skipped step. ``g`` is in the residual dtype; DGC's local clipping
+    (``ctx.clip``) scales it first.
+    """
+    rdt = g.dtype
+    send_ok = ctx.send_ok
+    g = _rounded(g, ctx.step)
+    if ctx.clip is not None:
+        # DGC's grad.mul_(clip_coef), rounded before any add (no FMA).
+        g = _rounded(g * ctx.clip.astype(rdt), ctx.step)
+    if velocity is None:
+        return (g,), None
+    # An injected (array) momentum rounds like a Python float would.
+    m = cfg.momentum.astype(rdt) if V.is_dynamic(cfg.momentum) else cfg.momentum
+    # m * (...) rounded before the add too: XLA fuses this add into other
+    # kernels in the two overlap paths, and LLVM may form an FMA in one only.
+    if cfg.nesterov:
+        # mmt.add_(grad).mul_(momentum)
+        u = jnp.where(send_ok, _rounded(m * (velocity + g), ctx.step), velocity)
+        # A skipped step's g is zero already (the non-finite policy), or NaN-free.
+        return (jnp.where(send_ok, u, 0), jnp.where(send_ok, g, 0)), u
+    u = jnp.where(send_ok, _rounded(m * velocity, ctx.step) + g, velocity)
+    # A skipped step leaves both the velocity and the residual as they were.
+    return (jnp.where(send_ok, u, 0),), u
+
+
 def _accumulate(cfg: _Config, g, residual, velocity, ctx: StepContext):
     """``(R, u)``: the accumulator in the residual dtype and the new velocity (or None)."""
     rdt = residual.dtype  # fixed per group by init (resolve_residual_dtype)
-    send_ok = ctx.send_ok
-    g = _rounded(g.astype(rdt), ctx.step)
-    if velocity is None:
-        return residual + g, None
-    # An injected (array) momentum rounds like a Python float would.
-    m = cfg.momentum.astype(rdt) if V.is_dynamic(cfg.momentum) else cfg.momentum
-    # m * velocity rounded before the add too: XLA fuses this add into other
-    # kernels in the two overlap paths, and LLVM may form an FMA in one only.
-    u = jnp.where(send_ok, _rounded(m * velocity, ctx.step) + g, velocity)
-    # A skipped step leaves both the velocity and the residual as they were.
-    return residual + jnp.where(send_ok, u, 0), u
+    parts, u = _increments(cfg, g.astype(rdt), velocity, ctx)
+    if not cfg.scaling.on:
+        return functools.reduce(jnp.add, parts, residual), u
+    # GRACE's residual_scale * e + gradient_scale * increment; a skipped step
+    # keeps the residual as it was (no decay).
+    acc = scaled_accumulation(
+        cfg.scaling,
+        residual,
+        functools.reduce(jnp.add, parts),
+        rounded=functools.partial(_rounded, step=ctx.step),
+    )
+    return jnp.where(ctx.send_ok, acc, residual), u
+
+
+def clip_factor(cfg: _Config, arrays) -> jax.Array:
+    """DGC's local clipping factor of this device's gradients (float32 scalar).
+
+    ``min(1, c / sqrt(N) / (||g|| + 1e-6))`` with ``||g||`` the L2 norm of all
+    ``arrays`` together (the packed buffers and the other leaves, after the
+    non-finite policy): one sum of squares per array and one scalar
+    reduction behind an ``optimization_barrier`` (as
+    :func:`jaxcomp.transforms.base.tree_all_finite`), not a per-leaf chain.
+    The ``1e-6`` and the form ``g * (c / (norm + 1e-6))`` where that is below 1
+    are ``clip_grad_norm_`` of DGC's ``dgc/clip_grad.py``.
+    """
+    sums = [jnp.sum(jnp.square(a.astype(jnp.float32))) for a in arrays if a.size]
+    if not sums:
+        return jnp.float32(1)
+    total = jnp.sum(lax.optimization_barrier(jnp.stack(sums)))
+    n_dev = 1 if cfg.axis_name is None else collectives.axis_size(cfg.axis_name)
+    threshold = jnp.asarray(cfg.clip_norm, jnp.float32) / jnp.float32(math.sqrt(n_dev))
+    coef = threshold / (jnp.sqrt(total) + jnp.float32(1e-6))
+    return jnp.where(coef < 1, coef, jnp.float32(1))
 
 
 def _refresh_due(cfg: _Config, step, stored):

@@ -44,6 +44,9 @@ from jaxcomp import _validation as V
 from jaxcomp import _vma as vma
 from jaxcomp.transforms.adam_base import (
     AdamConfig,
+    add_weight_decay,
+    check_decay_and_mask,
+    check_exp_avg_mask,
     check_hyperparameters,
     check_inputs,
     compressed_mean,
@@ -52,7 +55,7 @@ from jaxcomp.transforms.adam_base import (
     dense_mean,
     leaf_bytes,
     make_config,
-    mask_dead,
+    mask_momentum,
     moment_dtypes,
     precondition,
     reject_include,
@@ -143,6 +146,9 @@ def zero_one_adam(
     var_update_scaler: int | None = None,
     local_step_scaler: int | None = None,
     local_step_clipper: int | None = None,
+    weight_decay: Any = None,
+    mask: Any = None,
+    exp_avg_mask: Any = None,
     axis_name: Any = None,
     codec: str = "sign",
     bucket_size: int | None = None,
@@ -197,10 +203,19 @@ def zero_one_adam(
     - ``bias_correction=True`` (default) divides ``m`` by ``1 - b1^t`` and
       ``v`` by ``1 - b2^k`` (``k`` variance updates so far); DeepSpeed takes
       the flag but applies none (``bias_correction=False`` matches it).
-    - Weight decay is not built in (chain ``optax.add_decayed_weights``
-      before, as an L2 term in the gradient).
     - Coordinates whose ``v`` is exactly 0 receive no decoded 1-bit value
-      (DeepSpeed's ``exp_avg_mask``, derived here).
+      (derived from ``v``; a 1-bit code cannot send 0), besides those that
+      ``exp_avg_mask`` zeroes.
+
+    Weight decay (``weight_decay``, DeepSpeed's and ``optax.adamw``'s,
+    decoupled): every step's Adam direction becomes
+    ``m_hat / d + wd * p`` (``p`` the parameters before the step, ``wd`` 0
+    where ``mask`` is False), in both stages: in stage 2 the local step
+    ``-lr * (m_hat / d + wd * p)`` is what ``accumulator`` sums, so the decay
+    travels in the synchronised ``c`` and enters ``m = -c / lr_sum``, as in
+    DeepSpeed. ``exp_avg_mask`` (DeepSpeed's) multiplies each decoded 1-bit
+    mean where DeepSpeed does: the gradient mean before it enters ``m`` in
+    stage 1, the synchronised ``c`` in stage 2.
 
     Local steps make the parameters differ between devices until the next
     sync, so with ``local_step_clipper > 1`` the updates are per device: train
@@ -222,6 +237,7 @@ def zero_one_adam(
       local_step_scaler: ``>= 1``, stage-2 steps per local-interval doubling
         (None: DeepSpeed's default 32678).
       local_step_clipper: ``>= 1``, the largest local interval (None: 16).
+      weight_decay, mask, exp_avg_mask: as in :func:`onebit_adam` (above).
       axis_name, codec, bucket_size, exchange, bias_correction, min_dense_size, residual_dtype:
         as in :func:`onebit_adam`.
       nonfinite: as in :func:`onebit_adam`, for the steps that communicate; on
@@ -257,6 +273,7 @@ def zero_one_adam(
         _ZeroOneAdamConfig,
         hyperparameters,
         schedule,
+        decay_and_mask=check_decay_and_mask(weight_decay, mask, exp_avg_mask),
         codec=codec,
         bucket_size=bucket_size,
         exchange=exchange,
@@ -298,6 +315,7 @@ def _check_zero_one_schedule(
 
 def _zero_one_init(cfg: _ZeroOneAdamConfig, params) -> ZeroOneAdamState:
     V.check_gradient_leaves(params, f"{cfg.who}.init", "parameter")
+    check_exp_avg_mask(cfg, params, f"{cfg.who}.init")
     zeros = moment_dtypes(params, cfg.common.residual_dtype)
     i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
     return ZeroOneAdamState(
@@ -322,13 +340,13 @@ def _zero_one_init(cfg: _ZeroOneAdamConfig, params) -> ZeroOneAdamState:
 def _zero_one_update(
     cfg: _ZeroOneAdamConfig, updates, state, params=None, *, include=None, **extra_args
 ):
-    del params, extra_args
+    del extra_args
     reject_include(cfg.who, include)
     # Leaves split over explicit mesh axes (jit outside shard_map): each leaf
     # handled whole, as on one device (see jaxcomp._sharding).
     return _sharding.whole_leaves(
         functools.partial(_zero_one_step, cfg), fields=("mu", "nu", "residual", "accumulator")
-    )(updates, state)
+    )(updates, state, params)
 
 
 class _StepInputs(NamedTuple):
@@ -342,9 +360,10 @@ class _StepInputs(NamedTuple):
     lr: Any  # the learning rate at count (float32 from a schedule)
     lr32: jax.Array  # lr as float32, summed into lr_sum
     no_message: Any  # int32 0 per leaf: message_bytes of a local step
+    params: Any  # the parameters before the step (None without weight decay)
 
 
-def _zero_one_step(cfg: _ZeroOneAdamConfig, updates, state):
+def _zero_one_step(cfg: _ZeroOneAdamConfig, updates, state, params):
     """One step of :func:`zero_one_adam` on whole leaves: stage 1 or stage 2."""
     V.check_state_type(state, ZeroOneAdamState, cfg.who)
     check_inputs(cfg.who, updates, state.mu, cfg.common.axis_name)
@@ -356,6 +375,9 @@ def _zero_one_step(cfg: _ZeroOneAdamConfig, updates, state):
             "hold. Train with jaxcomp.aggregation.make_gossip_train_step(..., "
             "mix_params=False) (one replica per device), or set local_step_clipper=1."
         )
+    check_exp_avg_mask(cfg, updates, cfg.who)
+    if params is None:
+        add_weight_decay(cfg, updates, None)  # raises if weight decay needs the parameters
     grads, finite, ok = apply_nonfinite_policy(updates, cfg.common.nonfinite)
     g = jax.tree.map(lambda x, m: x.astype(m.dtype), grads, state.mu)
     t = optax.safe_increment(state.count)
@@ -369,6 +391,7 @@ def _zero_one_step(cfg: _ZeroOneAdamConfig, updates, state):
         lr=lr,
         lr32=jnp.asarray(lr, jnp.float32),
         no_message=jax.tree.map(lambda _: jnp.zeros([], jnp.int32), state.message_bytes),
+        params=params,
     )
     upd, new, live = vma.cond(
         t <= cfg.var_freeze_step,
@@ -413,6 +436,7 @@ def _variance_stage(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, s):
     direction = precondition(
         mu, nu, cfg.b1, cfg.b2, cfg.eps, inputs.t, nu_count, cfg.bias_correction
     )
+    direction = add_weight_decay(cfg, direction, inputs.params)
     upd = jax.tree.map(lambda x: -inputs.lr * x, direction)
     counter = s.var_counter + is_var.astype(jnp.int32)
     wrap = counter == cfg.var_update_scaler
@@ -444,7 +468,7 @@ def _onebit_gradient_step(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, n_ok, s)
     mean, residual, server, message_bytes, wire = compressed_mean(
         cfg, inputs.g, s.residual, s.server_residual, s.message_bytes, inputs.ok, n_ok, inputs.count
     )
-    mu = optax.tree.update_moment(mask_dead(mean, s.nu), s.mu, cfg.b1, 1)
+    mu = optax.tree.update_moment(mask_momentum(cfg, mean, s.nu), s.mu, cfg.b1, 1)
     return mu, s.nu, s.nu_count, residual, server, message_bytes, wire
 
 
@@ -466,8 +490,9 @@ def _frozen_variance_stage(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, s):
     m_hat = (
         optax.tree.bias_correction(m_local, cfg.b1, inputs.t) if cfg.bias_correction else m_local
     )
-    # lr * m_hat / d: this device's own Adam step (0 with non-finite gradients).
-    adam_step = jax.tree.map(lambda m, dd: jnp.where(inputs.ok, inputs.lr * m / dd, 0), m_hat, d)
+    # lr * (m_hat / d + wd * p): this device's own Adam step (0 with non-finite gradients).
+    direction = add_weight_decay(cfg, jax.tree.map(jnp.divide, m_hat, d), inputs.params)
+    adam_step = jax.tree.map(lambda x: jnp.where(inputs.ok, inputs.lr * x, 0), direction)
     lr_sum = s.lr_sum + inputs.lr32
     sync = functools.partial(_sync_step, cfg, inputs, d, m_local, adam_step, lr_sum)
     if cfg.local_steps:
@@ -508,7 +533,7 @@ def _sync_step(cfg: _ZeroOneAdamConfig, inputs: _StepInputs, d, m_local, adam_st
     c, residual, server, message_bytes, wire = compressed_mean(
         cfg, c_local, s.residual, s.server_residual, s.message_bytes, inputs.ok, n_ok, inputs.count
     )
-    c = mask_dead(c, s.nu)
+    c = mask_momentum(cfg, c, s.nu)
     # Parameters stand at (last sync + accumulator): move them to
     # last sync + c / d, the same point on every device.
     upd = jax.tree.map(lambda cc, dd, a: cc / dd - a, c, d, s.accumulator)
