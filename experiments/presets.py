@@ -74,6 +74,11 @@ CONFORMANCE = {
     # Memory-less top-k (GRACE's TopKCompressor with NoneMemory): the residual stays
     # zero, what is not sent is dropped.
     "top_k_no_ef": spec("top_k", error_feedback=False),
+    # Message formats (DGC's fp16_values / int32_indices; GRACE's RandomKCompressor):
+    # float16 values for float32 leaves and uint16 indices for leaves of < 2^16
+    # elements; random_k drawing the same coordinates on every device, values only.
+    "top_k_fp16_values": spec("top_k", value_dtype="float16", index_dtype="uint16"),
+    "random_k_shared": spec("random_k", shared_indices=True),
     # GRACE's ResidualMemory(beta, gamma): sent + new residual == beta e + gamma g.
     "top_k_residual_scaled": spec("top_k", residual_scale=0.75, gradient_scale=1.25),
     # Quantizers: min_dense_size 0 unless the caller sets it, so that small leaves

@@ -253,12 +253,40 @@ def majority_vote(per_device: np.ndarray) -> np.ndarray:
 
 
 # Selectors that guarantee at least k sent (when k nonzero, tie-free values exist).
-AT_LEAST_K = ("top_k", "top_k_sort", "ldte_bs", "binary_search", "random_k")
+AT_LEAST_K = (
+    "top_k", "top_k_sort", "ldte_bs", "binary_search", "random_k", "random_k_shared",
+    "top_k_fp16_values",
+)  # fmt: skip
 # Threshold estimates that may send fewer or more than k (capped by the capacity), with
 # at least one element whenever one is nonzero.
 ESTIMATED_COUNT = ("sidco",)
 # Selectors that send exactly k on tie-free data.
-EXACTLY_K = ("top_k", "top_k_sort", "random_k")
+EXACTLY_K = ("top_k", "top_k_sort", "random_k", "random_k_shared", "top_k_fp16_values")
+# Index-based random selection: exactly k draws (zeros included), no threshold.
+RANDOM_K = ("random_k", "random_k_shared")
+
+# Message formats (issue 38): name -> (values' dtype for wider leaves, 16-bit
+# indices for index spaces < 2^16, indices shared by every device: values only).
+MESSAGE_FORMATS = {
+    "top_k_fp16_values": ("float16", True, False),
+    "random_k_shared": (None, False, True),
+}
+
+
+def value_itemsize(name: str, dtype) -> int:
+    """Bytes per value of sparsifier ``name``'s message for a leaf (group) of ``dtype``."""
+    item = np.dtype(dtype).itemsize
+    value = MESSAGE_FORMATS.get(name, (None, False, False))[0]
+    return min(item, np.dtype(value).itemsize) if value is not None else item
+
+
+def pair_bytes(name: str, n: int, dtype) -> int:
+    """Bytes per sent element of sparsifier ``name``'s sparse message for an
+    ``n``-element leaf (group) of ``dtype``: index (int32; uint16 for ``n <
+    2^16`` with 16-bit indices; none when shared) plus value."""
+    _, small, shared = MESSAGE_FORMATS.get(name, (None, False, False))
+    index = 0 if shared else (2 if small and n < 2**16 else 4)
+    return index + value_itemsize(name, dtype)
 
 
 class Counted:

@@ -28,6 +28,7 @@ plus one scalar all-reduce for the count.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -319,6 +320,8 @@ def sparse_mean(
     axis_name,
     *,
     include: jax.Array | None = None,
+    sum_dtype: Any = None,
+    regions: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mean over devices of sparse messages, as a dense 1-D array of ``size``.
 
@@ -350,10 +353,26 @@ def sparse_mean(
       axis_name: mesh axis to average over.
       include: optional boolean scalar, this device's backup-worker flag; the
         result is then the mean over the included devices' messages only.
+      sum_dtype: optional float dtype wider than ``values``' (float16 or
+        bfloat16 values): the values travel in their own dtype and are cast
+        to ``sum_dtype`` after the all-gather, then divided and added there
+        (DGC's ``fp16_values``: decompressed to float32 before the sum). The
+        mean is then in ``sum_dtype``. None: in ``values.dtype``.
+      regions: optional static ``(offsets, spans)``, int arrays
+        ``[capacity]``: slot ``j``'s index is relative to the region
+        ``[offsets[j], offsets[j] + spans[j])`` of the result (an index
+        ``>= spans[j]`` is padding), so that ``indices`` fit in a 16-bit
+        dtype when every region is smaller than ``2^16``. None: indices
+        address the result itself.
+
+    ``indices`` may be any integer dtype holding ``size`` (``uint16`` for a
+    result, or regions, of fewer than ``2^16`` elements): they travel in it
+    and the bytes count its itemsize.
 
     Returns:
-      ``(mean, bytes_sent)``: the dense mean (``values.dtype``) and the bytes
-      this device sends, ``(N - 1) * (capacity * (4 + itemsize))``.
+      ``(mean, bytes_sent)``: the dense mean (``values.dtype``, or
+      ``sum_dtype``) and the bytes this device sends, ``(N - 1) * (capacity *
+      (index_itemsize + itemsize))``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -368,19 +387,42 @@ def sparse_mean(
     """
     n_dev = axis_size(axis_name)
     extra = 0
+    wide = None if sum_dtype is None or jnp.dtype(sum_dtype) == values.dtype else sum_dtype
+    sent = allgather_bytes(array_nbytes(indices) + array_nbytes(values), n_dev)
+    scale = None
     if include is None:
-        values = values / jnp.asarray(n_dev, values.dtype) if n_dev > 1 else values
+        if wide is not None:
+            scale = 1 / jnp.asarray(n_dev, wide)
+        elif n_dev > 1:
+            values = values / jnp.asarray(n_dev, values.dtype)
     else:
         include, count = _include_count(include, axis_name)
         # Excluded messages travel (static shapes) but carry nothing.
-        indices = jnp.where(include, indices, size)
-        values = jnp.where(include, _over_count(values, count), 0)
+        indices = jnp.where(include, indices, jnp.asarray(size if regions is None else
+                                                          np.iinfo(indices.dtype).max,
+                                                          indices.dtype))  # fmt: skip
+        if wide is not None:
+            values = jnp.where(include, values, 0)
+            scale = 1 / jnp.maximum(count, 1).astype(wide)
+        else:
+            values = jnp.where(include, _over_count(values, count), 0)
         extra = allreduce_bytes(4, n_dev)
-    all_idx = all_gather_invariant(indices, axis_name).reshape(-1)  # [N * capacity]
+    all_idx = all_gather_invariant(indices, axis_name)  # [N, capacity]
     all_val = all_gather_invariant(values, axis_name).reshape(-1)
-    out = jnp.zeros((size,), values.dtype).at[all_idx].add(all_val, mode="drop")
-    sent = allgather_bytes(array_nbytes(indices) + array_nbytes(values), n_dev) + extra
-    return out, jnp.float32(sent)
+    if regions is None:
+        all_idx = all_idx.reshape(-1).astype(jnp.int32)
+    else:
+        # Region-relative (16-bit) indices back to positions in the result.
+        offsets, spans = (np.asarray(a, np.int32) for a in regions)
+        local = all_idx.astype(jnp.int32)
+        all_idx = jnp.where(local < spans, local + offsets, size).reshape(-1)
+    if wide is not None:
+        # Divided in the wide dtype, as the narrow values / N would round.
+        all_val = all_val.astype(wide) / jnp.asarray(n_dev, wide) if include is None else (
+            all_val.astype(wide) * scale
+        )  # fmt: skip
+    out = jnp.zeros((size,), all_val.dtype).at[all_idx].add(all_val, mode="drop")
+    return out, jnp.float32(sent + extra)
 
 
 def exchange_mean(
@@ -392,6 +434,7 @@ def exchange_mean(
     exchange: str = "auto",
     dense: jax.Array | None = None,
     include: jax.Array | None = None,
+    sum_dtype: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mean of sparse messages, sent sparse or dense (chosen statically).
 
@@ -409,6 +452,9 @@ def exchange_mean(
       dense: optional, the message already scattered into a dense ``[size]``
         tensor of ``values.dtype`` (saves the local scatter on the dense path).
       include: optional backup-worker flag, see :func:`sparse_mean`.
+      sum_dtype: see :func:`sparse_mean` (the all-gather's sum; a dense
+        all-reduce adds in ``values.dtype``, what it moves). The mean is
+        returned in ``sum_dtype`` either way.
 
     Returns:
       ``(mean, bytes_sent)`` of the chosen collective.
@@ -429,14 +475,18 @@ def exchange_mean(
     )
     if exchange == "auto":
         itemsize = jnp.dtype(values.dtype).itemsize
-        use_sparse = prefer_sparse(indices.shape[0], size, itemsize, axis_size(axis_name))
+        use_sparse = prefer_sparse(
+            indices.shape[0], size, itemsize, axis_size(axis_name),
+            index_itemsize=jnp.dtype(indices.dtype).itemsize,
+        )  # fmt: skip
     else:
         use_sparse = exchange == "allgather"
     if use_sparse:
-        return sparse_mean(indices, values, size, axis_name, include=include)
+        return sparse_mean(indices, values, size, axis_name, include=include, sum_dtype=sum_dtype)
     if dense is None:
         dense = jnp.zeros((size,), values.dtype).at[indices].add(values, mode="drop")
-    return dense_mean(dense, axis_name, include=include)
+    mean, sent = dense_mean(dense, axis_name, include=include)
+    return (mean if sum_dtype is None else mean.astype(sum_dtype)), sent
 
 
 def weighted_mean(x: jax.Array, weight: jax.Array, axis_name) -> tuple[jax.Array, jax.Array]:

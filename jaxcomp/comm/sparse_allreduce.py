@@ -184,7 +184,9 @@ def check_include(name: str) -> None:
         )
 
 
-def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: int) -> str:
+def choose_exchange(
+    name: str, capacity: int, size: int, itemsize: int, n_dev: int, *, index_itemsize: int = 4
+) -> str:
     """The exchange ``"auto"`` / ``"auto_topk"`` stand for (static, from sizes and ``N``).
 
     ``"auto"`` keeps the exact mean: the all-gather of the pairs
@@ -212,9 +214,9 @@ def choose_exchange(name: str, capacity: int, size: int, itemsize: int, n_dev: i
         return name
     if n_dev <= 1:
         return "dense"
-    pair = 4 + itemsize
+    pair = index_itemsize + itemsize
     costs = {"dense": allreduce_bytes(size * itemsize, n_dev)}
-    if prefer_sparse(capacity, size, itemsize, n_dev):
+    if prefer_sparse(capacity, size, itemsize, n_dev, index_itemsize=index_itemsize):
         costs["allgather"] = allgather_bytes(capacity * pair, n_dev)
     if name == "auto_topk":
         if is_power_of_two(n_dev):
@@ -244,6 +246,7 @@ def exchange(
     *,
     dense=None,
     include=None,
+    sum_dtype=None,
 ) -> Exchanged:
     """Runs the named exchange (not ``"scalecom"``, which needs the accumulator).
 
@@ -261,6 +264,10 @@ def exchange(
       indices, values, size, axis_name: the message (see the module docstring).
       dense: optional, this device's message scattered into ``[size]``.
       include: backup-worker flag (only :data:`INCLUDE_EXCHANGES` take it).
+      sum_dtype: ``"allgather"``, ``"dense"`` and ``"auto"`` only: the dtype
+        the mean is returned in, the all-gather's sum computed in it (see
+        :func:`jaxcomp.comm.sparse_mean`). ``indices`` may be 16-bit
+        (``uint16``) for those three when ``size < 2^16``.
 
     Returns:
       :class:`Exchanged`.
@@ -282,12 +289,21 @@ def exchange(
     # exchange at some sizes and not at others.
     if include is not None:
         check_include(name)
-    name = choose_exchange(name, indices.shape[0], size, jnp.dtype(values.dtype).itemsize, n_dev)
+    name = choose_exchange(
+        name, indices.shape[0], size, jnp.dtype(values.dtype).itemsize, n_dev,
+        index_itemsize=jnp.dtype(indices.dtype).itemsize,
+    )  # fmt: skip
     if name in ("allgather", "dense"):
         return Exchanged(
             *collectives.exchange_mean(
-                indices, values, size, axis_name, exchange=name, dense=dense, include=include
+                indices, values, size, axis_name, exchange=name, dense=dense, include=include,
+                sum_dtype=sum_dtype,
             )
+        )  # fmt: skip
+    if sum_dtype is not None or jnp.dtype(indices.dtype) != jnp.int32:
+        raise ValueError(
+            f"exchange {name!r} sends int32 indices and adds in the values' dtype: "
+            "sum_dtype and 16-bit indices need 'allgather', 'dense' or 'auto'"
         )
     if name == "server":
         return Exchanged(*collectives.server_sparse_mean(indices, values, size, axis_name))

@@ -64,7 +64,8 @@ _Tx = optax.GradientTransformationExtraArgs
 COMMON_KEYWORDS = tuple(
     name
     for name, p in inspect.signature(sparsify).parameters.items()
-    if p.kind is p.KEYWORD_ONLY and name != "selector_options"
+    # shared_indices is random_k's own (it needs random draws).
+    if p.kind is p.KEYWORD_ONLY and name not in ("selector_options", "shared_indices")
 )
 _Float = float | jax.Array
 
@@ -113,6 +114,8 @@ def top_k(
     residual_scale: _Float | None = None,
     gradient_scale: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Exact top-k sparsification with error feedback (residual gradient compression).
@@ -170,6 +173,8 @@ def ldte_bs(
     residual_scale: _Float | None = None,
     gradient_scale: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """LDTE-BS: Laplacian threshold estimate with a binary-search correction.
@@ -288,6 +293,8 @@ def binary_search(
     residual_scale: _Float | None = None,
     gradient_scale: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """RedSync's binary search on the threshold, without a distribution estimate.
@@ -352,6 +359,8 @@ def dgc(
     residual_scale: _Float | None = None,
     gradient_scale: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """DGC's sampled hierarchical top-k selection (add ``momentum=0.9`` for DGC's recipe).
@@ -436,6 +445,8 @@ def trimmed_top_k(
     residual_scale: _Float | None = None,
     gradient_scale: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """RedSync's trimmed top-k: ``mean + r (max - mean)`` prefilter, then exact top-k.
@@ -485,6 +496,8 @@ def gaussian_k(
     residual_scale: _Float | None = None,
     gradient_scale: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Gaussian-k (Shi et al.): Gaussian-fit threshold with up to 3 corrections.
@@ -535,6 +548,8 @@ def sidco(
     residual_scale: _Float | None = None,
     gradient_scale: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """SIDCo (Abdelmoniem et al., MLSys 2021): a multi-stage statistical threshold.
@@ -606,6 +621,9 @@ def random_k(
     residual_scale: _Float | None = None,
     gradient_scale: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
+    shared_indices: bool = False,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """k coordinates uniformly at random each step (unscaled, with error feedback).
@@ -613,8 +631,16 @@ def random_k(
     The PRNG stream comes from ``seed`` (folded with the step, the leaf and,
     under ``axis_name``, the device index), so runs are deterministic.
 
+    With ``shared_indices=True`` every device draws the same coordinates
+    (the stream is not folded with the device index: GRACE's
+    ``RandomKCompressor`` with a common seed) and the exchange all-reduces
+    their ``k`` values alone, no indices: half the bytes of float32 pairs or
+    fewer. The update is the mean over devices at those coordinates.
+
     Args:
       ratio: density in (0, 1].
+      shared_indices: the same draws on every device, values-only messages
+        (``exchange`` ``"auto"``, ``"allgather"`` or ``"dense"``). Default False.
       **common options: keywords of :func:`jaxcomp.sparsify` (``momentum``
         and ``seed`` traceable; the others static, None = default).
 
@@ -629,7 +655,7 @@ def random_k(
       True
     """
     common = _common_options(locals())
-    return sparsify("random_k", ratio, **common)
+    return sparsify("random_k", ratio, shared_indices=shared_indices, **common)
 
 
 def threshold(
@@ -656,6 +682,8 @@ def threshold(
     residual_scale: _Float | None = None,
     gradient_scale: _Float | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
     seed: int | jax.Array = 0,
 ) -> _Tx:
     """Fixed threshold ("fixed-v"): send ``|R| > threshold``.

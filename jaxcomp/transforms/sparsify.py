@@ -36,6 +36,15 @@ the residual dtype, where ``S`` is the update as returned (cast back from the
 gradient dtype, so even the rounding of a bf16 message stays in the residual);
 static shapes and one compilation for all steps, warm-up and reuse included.
 
+Message formats (docs/compressors.md, "Message formats"): with
+``value_dtype`` (float16 / bfloat16) ``S`` is sent as ``w(S)``, its values
+rounded (float16: saturated at 65504) to the wire dtype, and
+``e_new = R - w(S)`` keeps the rounding, so ``w(S) + e_new == R`` still
+holds bit for bit; ``index_dtype="uint16"`` sends each index as a 16-bit
+offset into its group (packed segment) when that has fewer than ``2^16``
+elements; ``random_k``'s ``shared_indices`` draws ``S``'s coordinates alike
+on every device, so only the values travel: ``update = mean_d R_d[S]``.
+
 Layout of the code: :func:`sparsify` validates its arguments into a frozen
 :class:`_Config`; ``init`` and ``update`` call the module-level :func:`_init`
 and :func:`_update_entry` (which dispatches to :func:`_update`) over it. A
@@ -313,6 +322,9 @@ class _Config:
     reuse_period: int
     low_pass: Any  # float in (0, 1], or a JAX array (an injected hyperparameter)
     defer_residual: bool  # one device: the next step clears the message (DeferredSparsifyState)
+    value_dtype: Any  # None, or float16 / bfloat16: the message's values (see _message_dtype)
+    small_indices: bool  # uint16 indices where the index space is < 2^16 (see _index_itemsize)
+    shared_indices: bool  # random_k: every device the same draws, values-only messages
 
 
 class StepContext(NamedTuple):
@@ -564,6 +576,9 @@ def sparsify(
     residual_scale: float | jax.Array | None = None,
     gradient_scale: float | jax.Array | None = None,
     defer_residual: bool = False,
+    value_dtype: Any = None,
+    index_dtype: Any = None,
+    shared_indices: bool = False,
     seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """A sparsifying compressor with error feedback around any selector.
@@ -655,6 +670,26 @@ def sparsify(
         elements at the next step (the same updates and residuals, fewer
         dense passes). The state is then a :class:`DeferredSparsifyState`:
         read the residual with :func:`jaxcomp.residuals`. Default False.
+      value_dtype: ``"float16"`` or ``"bfloat16"``: the message's values
+        travel in that dtype (DGC's ``fp16_values``), for leaves (groups)
+        whose gradient dtype is wider; a 16-bit leaf is sent as it is. The
+        rounding, and float16's saturation at 65504, stay in the residual
+        (nothing lost). The all-gather adds the gathered values in the
+        residual dtype; a dense all-reduce adds in the 16-bit dtype (what it
+        moves). ``"allgather"``, ``"dense"``, ``"auto"`` or one device.
+        None (default): the gradient dtype.
+      index_dtype: ``"uint16"``: 16-bit indices for every group (packed
+        segment) of fewer than ``2^16`` elements (the space its indices
+        address), int32 for larger ones; counted in ``message_bytes`` and
+        ``wire_bytes`` and moved as ``uint16`` by the all-gather (DGC's
+        ``int32_indices`` one step further). ``"allgather"``, ``"dense"``,
+        ``"auto"`` or one device. None or ``"int32"`` (default): int32.
+      shared_indices: ``random_k`` only: every device draws the same
+        coordinates (the seed's stream, not folded with the device index;
+        GRACE's ``RandomKCompressor``) and sends only their values: the
+        exchange all-reduces the ``k`` values (``"allgather"``, ``"auto"``;
+        ``"dense"`` all-reduces the dense message). The update is the mean
+        over devices at the shared coordinates. Default False.
       seed: seed of the PRNG stream of random selectors (``random_k``, its
         own per device; the sample start of ``dgc``, the same on every device
         as in DGC's reference code), an int32; only ``init`` reads it, so it
@@ -709,6 +744,9 @@ def sparsify(
         residual_scale=residual_scale,
         gradient_scale=gradient_scale,
         defer_residual=defer_residual,
+        value_dtype=value_dtype,
+        index_dtype=index_dtype,
+        shared_indices=shared_indices,
     )
 
     def init(params):
@@ -779,6 +817,9 @@ def _make_config(
     residual_scale,
     gradient_scale,
     defer_residual,
+    value_dtype=None,
+    index_dtype=None,
+    shared_indices=False,
 ) -> _Config:
     """Validates :func:`sparsify`'s arguments (each error names its argument)."""
     # Static options default to None (the documented value) so that
@@ -874,6 +915,9 @@ def _make_config(
             f"it needs per-leaf buffers (groups=None, granularity='layer'), got groups={groups!r}, "
             f"granularity={granularity!r}"
         )
+    value_dtype, small_indices, shared_indices = _check_message_format(
+        select_fn, common.axis_name, exchange, value_dtype, index_dtype, shared_indices
+    )
     phase_ratios = (ratio,)
     warmup_ratios = () if warmup_ratios is None else V.check_ratios("warmup_ratios", warmup_ratios)
     steps_per_epoch = V.check_int("steps_per_epoch", steps_per_epoch, 1, 2**31 - 1, allow_none=True)
@@ -941,7 +985,77 @@ def _make_config(
         reuse_period=reuse_period,
         low_pass=low_pass,
         defer_residual=defer_residual,
+        value_dtype=value_dtype,
+        small_indices=small_indices,
+        shared_indices=shared_indices,
     )
+
+
+# The exchanges the message-format options (value_dtype, index_dtype,
+# shared_indices) work with; the others refuse them (see _check_message_format).
+_FORMAT_EXCHANGES = ("allgather", "dense", "auto")
+# A 16-bit index addresses a space of fewer than 2^16 elements (its padding
+# sentinel, the space's size, must fit too).
+_SMALL_INDEX_SPACE = 2**16
+
+
+def _check_message_format(select_fn, axis_name, exchange, value_dtype, index_dtype, shared):
+    """Validates the message-format options: ``(value dtype or None, small_indices, shared)``."""
+    if value_dtype is not None:
+        try:
+            dt = jnp.dtype(value_dtype)
+        except TypeError:
+            dt = None
+        if dt not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(
+                f"value_dtype must be None, 'float16' or 'bfloat16', got {value_dtype!r}"
+            )
+        value_dtype = dt
+    if index_dtype is None:
+        small = False
+    else:
+        try:
+            it = jnp.dtype(index_dtype)
+        except TypeError:
+            it = None
+        if it not in (jnp.dtype(jnp.int32), jnp.dtype(jnp.uint16)):
+            raise ValueError(
+                f"index_dtype must be None, 'int32' or 'uint16' (16-bit indices where the "
+                f"index space has fewer than 2^16 elements), got {index_dtype!r}"
+            )
+        small = it == jnp.dtype(jnp.uint16)
+    shared = V.check_bool("shared_indices", shared)
+    if shared and select_fn is not selectors.random_k:
+        raise ValueError(
+            "shared_indices=True needs the random_k selector (every device draws the same "
+            f"coordinates from a common key), got selector {select_fn!r}"
+        )
+    if axis_name is not None and exchange not in _FORMAT_EXCHANGES:
+        for name, on, value in (
+            ("value_dtype", value_dtype is not None, value_dtype),
+            ("index_dtype", small, index_dtype),
+            ("shared_indices", shared, shared),
+        ):
+            if on:
+                raise ValueError(
+                    f"{name}={value!r} works with exchange 'allgather', 'dense' or 'auto' "
+                    f"(or one device), not with exchange={exchange!r}"
+                )
+    return value_dtype, small, shared
+
+
+def _message_dtype(cfg: _Config, dtype):
+    """The dtype a group of gradient dtype ``dtype`` sends its values in."""
+    dtype = jnp.dtype(dtype)
+    v = cfg.value_dtype
+    return v if v is not None and dtype.itemsize > v.itemsize else dtype
+
+
+def _index_itemsize(cfg: _Config, n: int) -> int:
+    """Bytes per index of a message addressing ``n`` elements (a group, a packed segment)."""
+    if cfg.shared_indices:
+        return 0  # values only: the indices are drawn alike on every device
+    return 2 if cfg.small_indices and n < _SMALL_INDEX_SPACE else 4
 
 
 # ---------------------------------------------------------------------------
@@ -1032,7 +1146,13 @@ def step_inputs(cfg: _Config, tree, state) -> _StepInputs:
     # Per device (random_k: each device its own coordinates), except dgc's sample
     # start: DGC's reference seeds every worker's Python random alike, so all
     # draw the same start.
-    if cfg.axis_name is not None and cfg.needs_key and cfg.select_fn is not selectors.dgc_sample:
+    # shared_indices: random_k's draws alike on every device too (GRACE).
+    if (
+        cfg.axis_name is not None
+        and cfg.needs_key
+        and cfg.select_fn is not selectors.dgc_sample
+        and not cfg.shared_indices
+    ):
         key = jax.random.fold_in(key, lax.axis_index(cfg.axis_name))
     layout = _layout(cfg, tree)
     treedef = jax.tree.structure(tree)
@@ -1093,7 +1213,9 @@ def _update(cfg: _Config, updates, state, include, scatter=None):
         if packed is not None and 0 < n and n > cfg.min_dense_size:
             # Selected together with the bucket's other groups (one buffer).
             flat = _flatten_group(cfg, gs, gi.residuals, gi.velocities)
-            bucket = (jnp.dtype(flat.r.dtype), jnp.dtype(flat.wire), flat.defer)
+            bucket = (
+                jnp.dtype(flat.r.dtype), jnp.dtype(flat.g.dtype), jnp.dtype(flat.wire), flat.defer
+            )  # fmt: skip
             buckets.setdefault(bucket, []).append((j, gi, gs, flat))
         else:
             alone.append(j)
@@ -1223,7 +1345,7 @@ def _pack(items, scatter=None) -> _Pack:
     return _Pack(
         items=items,
         layout=layout,
-        g=layout.pack([f.g for f in flats], flats[0].wire),
+        g=layout.pack([f.g for f in flats], flats[0].g.dtype),
         r=layout.pack([f.r for f in flats], rdt),
         v=None if flats[0].v is None else layout.pack([f.v for f in flats], rdt),
         # scatter needs per-leaf groups (checked by the factory).
@@ -1301,6 +1423,13 @@ def _compress_packed(
     )
     cap = targets.pick(caps.astype(np.int32))
     n_seg = jnp.asarray(np.asarray(sizes, np.int32))
+    shared = None
+    if cfg.shared_indices and cfg.axis_name is not None:
+        # Every device's coordinates, sent or not: the same draws everywhere,
+        # so the values-only exchange reads its positions from them (a device
+        # skipping the step sends zeros there and keeps its residual).
+        shared_cut, shared_limit = segmented.capacity_cut(layout, x, sel.threshold, sel.count, cap)
+        shared = segmented.sent_mask(layout, x, shared_cut, shared_limit)
     cut, limit = lax.cond(
         jnp.any(count > cap),
         lambda: segmented.capacity_cut(layout, x, t, count, cap),
@@ -1322,7 +1451,7 @@ def _compress_packed(
         )
     else:
         update, wires, residual, *shards = _exchange_packed(
-            cfg, layout, mask, sent_out, residual, caps, phase, ctx.include, pack.split
+            cfg, layout, mask, sent_out, residual, caps, phase, ctx.include, pack.split, shared
         )
     # Sliced at rows read at run time: the leaves of one shape share their
     # kernels (see SegmentLayout.runtime_rows).
@@ -1337,8 +1466,9 @@ def _compress_packed(
             updates[j] = shards[0][ends[j] - sizes[j] // n_dev : ends[j]]
     velocities = [None] * len(items) if new_u is None else layout.unpack(new_u, rows)
     stats, shares = _packed_leaf_stats(
-        items, layout.unpack(mask, rows), sent, shown, sel.iterations, (cut, limit), wire, per_leaf
-    )
+        cfg, items, layout.unpack(mask, rows), sent, shown, sel.iterations, (cut, limit), wire,
+        per_leaf,
+    )  # fmt: skip
     if _low_pass_on(cfg):
         # The filter reads each group's gradients after the non-finite policy
         # (pack.g), as a group compressed alone does.
@@ -1363,7 +1493,7 @@ def _compress_packed(
     return outs, stats
 
 
-def _packed_leaf_stats(items, masks, sent, shown, iterations, pending, wire, per_leaf):
+def _packed_leaf_stats(cfg, items, masks, sent, shown, iterations, pending, wire, per_leaf):
     """A pack's per-leaf statistics as whole arrays (pack order: group by group).
 
     Returns the :class:`_LeafStats` and, per merged group (index in the
@@ -1388,13 +1518,18 @@ def _packed_leaf_stats(items, masks, sent, shown, iterations, pending, wire, per
         pos = np.concatenate([np.flatnonzero(seg == j) for j in shares])
         leaf_counts = leaf_counts.at[pos].set(jnp.concatenate(list(shares.values())))
     offsets = np.concatenate([[0, *itertools.accumulate(z)][:-1] for z in leaf_sizes])
+    item = jnp.dtype(wire).itemsize
+    pair_bytes = np.asarray(
+        [_index_itemsize(cfg, f.g.shape[0]) + item for *_, f in items], np.int32
+    )
     stats = _LeafStats(
         members=tuple(i for _, gi, _, _ in items for i in gi.members),
         count=leaf_counts,
         threshold=take(shown),
         iterations=take(iterations),
-        # Every packed group is sent as (int32 index, value) pairs.
-        message_bytes=leaf_counts * (4 + jnp.dtype(wire).itemsize),
+        # Every packed group is sent as (index, value) pairs (values only
+        # with shared indices), its indices sized to the group's index space.
+        message_bytes=leaf_counts * take(jnp.asarray(pair_bytes)),
         sent_threshold=take(cut) if defer else None,
         sent_limit=take(limit) - offsets.astype(np.int32) if defer else None,
     )
@@ -1503,17 +1638,19 @@ def compress_group(cfg: _Config, gs, rs, vs, stored, key, ctx, *, per_leaf) -> G
         (out,), _ = _compress_packed(cfg, packed, _pack([(0, gi, gs, flat)]), ctx, per_leaf)
         return out
     segments = tuple(g.size for g in gs) if per_leaf and len(gs) > 1 else None
-    o = _compress_flat(cfg, flat.g, flat.r, flat.v, stored, key, ctx, segments, defer=flat.defer)
+    o = _compress_flat(
+        cfg, flat.g, flat.r, flat.v, stored, key, ctx, segments, defer=flat.defer, wire=flat.wire
+    )
     return _split_group(cfg, gs, flat, o, ctx)
 
 
 class _FlatGroup(NamedTuple):
     """A group's leaves flattened into one buffer each (see :func:`_flatten_group`)."""
 
-    g: jax.Array  # the gradients, in the wire dtype
+    g: jax.Array  # the gradients, in the group's gradient dtype
     r: jax.Array  # the residuals, in the residual dtype
     v: jax.Array | None  # the velocities
-    wire: Any  # the message's dtype
+    wire: Any  # the message's dtype (the gradient dtype, or value_dtype where narrower)
     defer: bool  # one device may leave the message in the accumulator
 
 
@@ -1522,8 +1659,9 @@ def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
     rdt = rs[0].dtype if rs else resolve_residual_dtype(cfg.residual_dtype, [])
     dtypes = {jnp.dtype(g.dtype) for g in gs}
     # Mixed gradient dtypes travel in the residual dtype, one message.
-    wire = dtypes.pop() if len(dtypes) == 1 else rdt
-    flat_g = _concat([g.reshape(-1).astype(wire) for g in gs], wire)
+    gdt = dtypes.pop() if len(dtypes) == 1 else rdt
+    flat_g = _concat([g.reshape(-1).astype(gdt) for g in gs], gdt)
+    wire = _message_dtype(cfg, gdt)
     flat_r = _concat([r.reshape(-1) for r in rs], rdt)
     flat_v = None if vs is None else _concat([v.reshape(-1) for v in vs], rdt)
     # One device defers clearing the message from the accumulator (see
@@ -1535,6 +1673,7 @@ def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
         and cfg.axis_name is None
         and not _low_pass_on(cfg)
         and all(jnp.dtype(g.dtype) == rdt for g in gs)
+        and wire == rdt
         # A residual narrower than float32: XLA:CPU compares the fused sum
         # unrounded, so the next step's mask, on the stored (rounded) value,
         # could disagree with this step's.
@@ -1547,8 +1686,9 @@ def _flatten_group(cfg: _Config, gs, rs, vs) -> _FlatGroup:
 
 
 def _exchange_packed(
-    cfg: _Config, layout, mask, sent_out, residual, caps, phase, include=None, split=None
-):
+    cfg: _Config, layout, mask, sent_out, residual, caps, phase, include=None, split=None,
+    shared=None,
+):  # fmt: skip
     """The packed messages' mean over ``cfg.axis_name``, one collective (or
     one fixed set) per kind of exchange for all segments: one all-gather of
     the (index, value) pairs of every sparse-sent segment, one all-reduce of
@@ -1568,16 +1708,31 @@ def _exchange_packed(
     capacity of their total size), as SparCML decides for one fused buffer,
     not per group. Its result is the exact mean either way; only the order of
     the additions, and the bytes, can differ from the per-group choice.
+
+    Message formats: with ``value_dtype`` the update comes back in the
+    residual's dtype (the all-gather adds the 16-bit values there, a dense
+    all-reduce in 16 bits); with ``index_dtype="uint16"`` the segments of
+    fewer than ``2^16`` elements all-gather ``uint16`` offsets into their
+    own segment (kind ``"allgather16"``); with ``shared_indices`` (``shared``:
+    the mask every device draws alike) the segments all-reduce their values
+    only (kind ``"shared"``).
     """
     if include is not None:
         sparse_allreduce.check_include(cfg.exchange)
+        if cfg.shared_indices:
+            raise ValueError(
+                "shared_indices=True all-reduces the values of every device: include= (backup "
+                "workers) is not supported with it"
+            )
     n_dev = collectives.axis_size(cfg.axis_name)
     item = jnp.dtype(sent_out.dtype).itemsize
     sizes = layout.sizes
     size = layout.num_rows * layout.row
+    wide = residual.dtype if sent_out.dtype != residual.dtype and cfg.value_dtype else None
+    index_bytes = [_index_itemsize(cfg, n) for n in sizes]
 
     def branch(p):
-        kinds = _packed_kinds(cfg.exchange, caps[p], sizes, item, n_dev, split)
+        kinds = _packed_kinds(cfg.exchange, caps[p], sizes, item, n_dev, split, index_bytes)
         of_kind = {k: [s for s, kind in enumerate(kinds) if kind == k] for k in set(kinds)}
 
         def slots(kind):
@@ -1586,7 +1741,7 @@ def _exchange_packed(
         def rows(kind):
             return jnp.asarray(np.isin(layout.row_segment, of_kind[kind])[:, None])
 
-        update = jnp.zeros(sent_out.shape, sent_out.dtype)
+        update = jnp.zeros(sent_out.shape, sent_out.dtype if wide is None else wide)
         flat_res = residual.reshape(-1)
         extra_wire = jnp.float32(0)
         shards = None
@@ -1623,7 +1778,7 @@ def _exchange_packed(
             segs = of_kind["dense"]
             flat = segmented.compact(layout, sent_out, segs)
             mean, _ = collectives.dense_mean(flat, cfg.axis_name, include=include)
-            update = segmented.expand(layout, mean, segs, update)
+            update = segmented.expand(layout, mean.astype(update.dtype), segs, update)
         if "scatter" in of_kind:
             segs = of_kind["scatter"]
             idx, vals = segmented.extract(layout, sent_out, mask, slots("scatter"))
@@ -1637,12 +1792,34 @@ def _exchange_packed(
             if ex.returned_indices is not None:  # the overflow (none on one device)
                 back_idx, back = _returned_pairs(cfg, ex, residual.dtype)
                 flat_res = flat_res.at[back_idx].add(back, mode="drop")
-        for kind in ("allgather", "gtopk", "oktopk"):
+        for kind in ("allgather", "allgather16", "shared", "gtopk", "oktopk"):
             if kind not in of_kind:
                 continue
-            idx, vals = segmented.extract(layout, sent_out, mask, slots(kind))
+            idx, vals = segmented.extract(
+                layout, sent_out, mask if kind != "shared" else shared, slots(kind)
+            )
             if kind == "allgather":
-                mean, _ = collectives.sparse_mean(idx, vals, size, cfg.axis_name, include=include)
+                mean, _ = collectives.sparse_mean(
+                    idx, vals, size, cfg.axis_name, include=include, sum_dtype=wide
+                )
+            elif kind == "allgather16":
+                # Each slot's index as an offset into its own segment: 16 bits.
+                seg = np.repeat(np.arange(len(sizes)), slots(kind))
+                offsets = (layout.starts * layout.row)[seg].astype(np.int32)
+                spans = np.asarray(sizes, np.int32)[seg]
+                local = jnp.where(idx < size, idx - offsets, spans).astype(jnp.uint16)
+                mean, _ = collectives.sparse_mean(
+                    local, vals, size, cfg.axis_name, include=include, sum_dtype=wide,
+                    regions=(offsets, spans),
+                )  # fmt: skip
+            elif kind == "shared":
+                # The same positions on every device: the mean of the values alone.
+                vals_mean, _ = collectives.dense_mean(vals, cfg.axis_name)
+                mean = (
+                    jnp.zeros((size,), update.dtype)
+                    .at[idx]
+                    .set(vals_mean.astype(update.dtype), mode="drop")
+                )
             else:
                 if kind == "gtopk":
                     ex = sparse_allreduce.gtopk_mean_segments(
@@ -1669,11 +1846,25 @@ def _exchange_packed(
     return lax.switch(phase, [functools.partial(branch, p) for p in range(caps.shape[0])])
 
 
-def _packed_kinds(exchange: str, caps, sizes, item: int, n_dev: int, split) -> list:
-    """The exchange each segment of a pack runs, as its group alone would pick it."""
+def _packed_kinds(
+    exchange: str, caps, sizes, item: int, n_dev: int, split, index_bytes=None
+) -> list:
+    """The exchange each segment of a pack runs, as its group alone would pick it.
+
+    ``index_bytes``: per segment, bytes per index of its message (None: 4);
+    2 makes its all-gather ``"allgather16"``, 0 (shared indices) its sparse
+    exchange ``"shared"``, the values alone all-reduced.
+    """
+    index_bytes = [4] * len(sizes) if index_bytes is None else index_bytes
     kinds = [
-        sparse_allreduce.choose_exchange(exchange, int(c), n, item, n_dev)
-        for c, n in zip(caps, sizes, strict=True)
+        sparse_allreduce.choose_exchange(exchange, int(c), n, item, n_dev, index_itemsize=b)
+        if b
+        else ("dense" if exchange == "dense" else "shared")
+        for c, n, b in zip(caps, sizes, index_bytes, strict=True)
+    ]
+    kinds = [
+        "allgather16" if kind == "allgather" and b == 2 else kind
+        for kind, b in zip(kinds, index_bytes, strict=True)
     ]
     if exchange == "scatter":
         # split: reduce-scattered; the others "auto" (a one-group pack: split).
@@ -1708,6 +1899,11 @@ def _packed_wire_bytes(kinds, caps, sizes, item: int, n_dev: int, flagged: bool)
             collectives.allgather_bytes(c * (4 + item), n_dev)
             + (collectives.allreduce_bytes(flags, n_dev) if flags else 0)
         ),
+        "allgather16": lambda c, n: (
+            collectives.allgather_bytes(c * (2 + item), n_dev)
+            + (collectives.allreduce_bytes(flags, n_dev) if flags else 0)
+        ),
+        "shared": lambda c, n: collectives.allreduce_bytes(c * item, n_dev),
         "dense": lambda c, n: collectives.allreduce_bytes(n * item + flags, n_dev),
         "server": lambda c, n: collectives.server_link_bytes(c * (4 + item), n * item, n_dev)[
             "worker"
@@ -1813,11 +2009,15 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> GroupO
     # gets its share saturated at its largest finite value, not inf.
     updates = [_to_wire(u, g.dtype) for u, g in zip(wide, gs, strict=True)]
     residuals = split(o.residual)
+
+    def exact(uw, u):  # the cast to the leaf dtype widens (a 16-bit value_dtype): nothing to keep
+        return jnp.promote_types(uw.dtype, u.dtype) == u.dtype
+
     if cfg.axis_name is None:
         # Casting a leaf's share of the message to its own dtype rounds it
         # (or saturates it): keep that in the residual too (exact, as for one leaf).
         residuals = [
-            r if u.dtype == uw.dtype else r + (uw.astype(rdt) - u.astype(rdt))
+            r if exact(uw, u) else r + (uw.astype(rdt) - u.astype(rdt))
             for r, uw, u in zip(residuals, wide, updates, strict=True)
         ]
     else:
@@ -1825,7 +2025,7 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> GroupO
         # device: each keeps it, so the residuals together keep N times what
         # the update could not hold (the rounding to the leaf dtype is not kept).
         residuals = [
-            r if u.dtype == uw.dtype else r + _saturated_excess(uw, u.dtype).astype(rdt)
+            r if exact(uw, u) else r + _saturated_excess(uw, u.dtype).astype(rdt)
             for r, uw, u in zip(residuals, wide, updates, strict=True)
         ]
     if _low_pass_on(cfg):
@@ -1842,7 +2042,7 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> GroupO
 
     n = flat_g.shape[0]
     item = jnp.dtype(wire).itemsize
-    per_element = item if (n == 0 or n <= cfg.min_dense_size) else 4 + item
+    per_element = item if (n == 0 or n <= cfg.min_dense_size) else _index_itemsize(cfg, n) + item
     # Per-leaf shares of a merged group's message; a one-leaf group's (and the
     # global layout's, which keeps only the group's totals) is the count.
     if o.segment_counts is None:
@@ -1866,17 +2066,19 @@ def _split_group(cfg: _Config, gs, flat: _FlatGroup, o: _FlatOut, ctx) -> GroupO
 
 
 def _compress_flat(
-    cfg: _Config, g, residual, velocity, stored, key, ctx, segments, *, defer=False
+    cfg: _Config, g, residual, velocity, stored, key, ctx, segments, *, defer=False, wire=None
 ) -> _FlatOut:
     """One 1-D buffer: accumulate, select (or reuse) per warm-up phase, send.
 
     ``defer``: a masked send may leave the message in the accumulator (see
     DeferredSparsifyState); the output's ``sent_limit`` then says it did.
+    ``wire``: the message's dtype (None: ``g``'s).
     """
     n = g.shape[0]
+    wire = g.dtype if wire is None else wire
     acc, u = _accumulate(cfg, g, residual, velocity, ctx)
     if n == 0 or n <= cfg.min_dense_size:
-        return _send_dense(cfg, acc, u, g.dtype, ctx, segments)
+        return _send_dense(cfg, acc, u, wire, ctx, segments)
     refresh = _refresh_due(cfg, ctx.step, stored)
 
     def phase(ratio):
@@ -1889,7 +2091,7 @@ def _compress_flat(
             u,
             k,
             cap,
-            g.dtype,
+            wire,
             key,
             ctx,
             stored,
@@ -2317,6 +2519,8 @@ def _send_extracted(cfg: _Config, acc, u, sel, cap, out_dtype, ctx, segments) ->
         update, wire = ex.update, ex.wire_bytes
     else:
         vals_out = _to_wire(vals, out_dtype)
+        if _index_itemsize(cfg, n) == 2:  # padding (n) fits too
+            idx = idx.astype(jnp.uint16)
         update, wire, back = _exchange_pairs(cfg, idx, vals_out, n, sent_out, ctx.include, new_res)
         if back is not None:
             new_res = new_res.at[back[0]].add(back[1], mode="drop")
@@ -2336,8 +2540,10 @@ def _exchange_pairs(cfg: _Config, idx, vals, n, dense, include, residual):
     Ok-Topk's dropped pairs), in ``residual``'s dtype, for the caller to add
     to this device's residual.
     """
+    # value_dtype: the mean in the residual's dtype, the all-gather adding there.
+    wide = residual.dtype if cfg.value_dtype is not None else None
     ex = sparse_allreduce.exchange(
-        cfg.exchange, idx, vals, n, cfg.axis_name, dense=dense, include=include
+        cfg.exchange, idx, vals, n, cfg.axis_name, dense=dense, include=include, sum_dtype=wide
     )
     if ex.returned_indices is None:
         return ex.update, ex.wire_bytes, None
