@@ -158,11 +158,15 @@ def _dev(j, local, l):  # noqa: E741
     return j * local + l
 
 
-def check_invariant(g, old_res, upd, new_res, nodes, local, row_length=None, what="", wire16=False):
+def check_invariant(
+    g, old_res, upd, new_res, nodes, local, row_length=None, what="", wire16=False, scaling=(1, 1)
+):
     """``L sum_d e_new + N u == L sum_d e_old + sum_d g`` on every leaf (float64, rounding).
 
     ``old_res``/``new_res``: residual trees stacked per device (None: zero). ``wire16``:
-    16-bit message values (``value_dtype``), whose sums are rounded to 16 bits."""
+    16-bit message values (``value_dtype``), whose sums are rounded to 16 bits.
+    ``scaling``: GRACE's residual scaling ``(beta, gamma)``, each node's shard compressing
+    ``beta e + gamma m`` of its node mean ``m``: ``L beta sum_d e_old + gamma sum_d g``."""
     old_res, new_res = (None if x is None else by_path(x) for x in (old_res, new_res))
     upd = by_path(upd)
     for path, gl in by_path(g).items():
@@ -176,7 +180,8 @@ def check_invariant(g, old_res, upd, new_res, nodes, local, row_length=None, wha
             return sum(unblock(e[j], shape, r) for j in range(nodes))
 
         lhs = local * placed(new_res) + N * f32(upd[path][0]).astype(np.float64)
-        rhs = local * placed(old_res) + f32(gl).astype(np.float64).sum(axis=0)
+        beta, gamma = scaling
+        rhs = local * beta * placed(old_res) + gamma * f32(gl).astype(np.float64).sum(axis=0)
         scale = max(1.0, float(np.max(np.abs(rhs), initial=0.0)))
         wide = gl.dtype == np.float32 and not wire16
         tol = 2e-6 * N * scale if wide else 2e-2 * N * scale
@@ -488,9 +493,11 @@ def test_nothing_lost_every_error_feedback_compressor(name):
         upd, new = run(g, state)
         _same_on_every_device(upd)
         wire16 = helpers.value_itemsize(name, np.float32) < 4
+        scaling = helpers.RESIDUAL_SCALING.get(name, (1, 1))
         check_invariant(
-            g, state.inner.residual, upd, new.inner.residual, nodes, local, rows, t, wire16
-        )
+            g, state.inner.residual, upd, new.inner.residual, nodes, local, rows, t, wire16,
+            scaling,
+        )  # fmt: skip
         for p, u in g.items():
             assert upd[p].dtype == u.dtype and upd[p].shape == u.shape, p
         state = new

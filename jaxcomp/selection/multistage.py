@@ -108,6 +108,8 @@ __all__ = [
     "sidco_stages",
 ]
 
+# The values of ``dist``: the distribution fitted to the magnitudes (gamma: its first
+# stage only; generalized Pareto after, as in the paper).
 SIDCO_DISTRIBUTIONS = ("exponential", "gamma", "gpareto")
 
 # The largest fixed stage count accepted (a stage is a pass over the tensor);

@@ -135,6 +135,11 @@ class ResidualScaling(NamedTuple):
       residual_scale: ``beta`` of ``R = beta e + gamma g``: a float in [0, 1],
         or a JAX array (an injected hyperparameter).
       gradient_scale: ``gamma``: a float > 0, or a JAX array.
+
+    Example:
+      >>> from jaxcomp.transforms.base import ResidualScaling
+      >>> ResidualScaling().on, ResidualScaling(0.5, 1.0).on
+      (False, True)
     """
 
     residual_scale: Any = 1.0
@@ -200,6 +205,22 @@ def scaled_accumulation(scaling: ResidualScaling, residual, increment, rounded=N
     each product before the add (the sparsifiers pass theirs, which keeps
     LLVM from contracting the expression into a fused multiply-add: the
     result is then the two-rounding one a numpy reference computes).
+
+    Args:
+      scaling: the validated scales (:func:`check_residual_scaling`).
+      residual: the error-feedback memory ``e``; its dtype is the result's.
+      increment: the gradient (or DGC's velocity term), cast to that dtype.
+      rounded: optional function applied to each product before the add.
+
+    Returns:
+      ``beta * residual + gamma * increment``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.transforms.base import ResidualScaling, scaled_accumulation
+      >>> e, g = jnp.array([1.0, 2.0]), jnp.array([4.0, 4.0])
+      >>> scaled_accumulation(ResidualScaling(0.5, 0.25), e, g).tolist()
+      [1.5, 2.0]
     """
     dtype = residual.dtype
 
