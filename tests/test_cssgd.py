@@ -87,6 +87,39 @@ def test_quantize_matches_numpy_and_counts_clipping(bits):
     assert np.asarray(cssgd.quantize(jnp.asarray(x), 10.0, bits)[0]).dtype == np.dtype(f"int{bits}")
 
 
+def test_int32_end_points_are_the_float32_representable_ones():
+    # The paper maps [-10, 10] onto 0x80000001..0x7FFFFFFF. The quantizer
+    # scales, rounds and clips in float32 before the cast to int32, and
+    # float32 holds 24 significant bits: between 2^30 and 2^31 its integers
+    # are 128 apart. The paper's end points do not survive the float32 round
+    # trip: +0x7FFFFFFF becomes 2^31 (outside int32; the cast then depends on
+    # the backend: XLA saturates, C and numpy leave it undefined) and
+    # -0x7FFFFFFF becomes -2^31 = 0x80000000 (one level past the positive end:
+    # an asymmetric range). The symmetric end points that survive it are
+    # +-(2^31 - 128), the largest float32 below 2^31: 0x7FFFFF80 / 0x80000080.
+    for paper_end in (0x7FFFFFFF, -0x7FFFFFFF):
+        assert int(np.float32(paper_end)) != paper_end
+        assert abs(int(np.float32(paper_end))) == 2**31
+    top = int(np.nextafter(np.float32(2**31), np.float32(0)))
+    assert top == 0x7FFFFF80 and int(np.float32(top)) == top
+    assert int(np.float32(top + 63)) == top and int(np.float32(top + 64)) == 2**31
+    assert np.array(-top, np.int32).view(np.uint32) == 0x80000080
+    # quantize's ends are exactly these, for the range's ends and beyond (clipped).
+    x = jnp.array([10.0, -10.0, 12.0, -1e30, np.nextafter(np.float32(10), np.float32(0))])
+    q, clipped, _ = cssgd.quantize(x, 10.0, 32)
+    words = np.asarray(q).view(np.uint32)
+    np.testing.assert_array_equal(words[:4], [0x7FFFFF80, 0x80000080, 0x7FFFFF80, 0x80000080])
+    assert int(clipped) == 2
+    # The largest float32 below 10 is still on the top level: what the ends
+    # give up, value_range * 127 / (2^31 - 1) ~ 6e-7, is below float32's
+    # own spacing at 10 (9.5e-7).
+    assert words[4] == 0x7FFFFF80
+    assert 10.0 * 127 / (2**31 - 1) < float(np.spacing(np.float32(10)))
+    # And they invert: dequantize gives back +-value_range to float32 rounding.
+    back = np.asarray(cssgd.dequantize(q[:2], 10.0, 32))
+    np.testing.assert_allclose(back, [10.0, -10.0], rtol=float(np.finfo(np.float32).eps))
+
+
 def test_stochastic_rounding_is_unbiased():
     x = jnp.full((200_000,), 0.3, jnp.float32)
     q, _, _ = cssgd.quantize(x, 1.0, 8, key=jax.random.key(0))
