@@ -49,12 +49,20 @@ import dataclasses
 import math
 import os
 import statistics
+import time
 
 from absl import flags
 
 from experiments import cli, jsonio
 
-__all__ = ["DEFAULT_MODELS", "DEFAULT_REDUNDANCIES", "format_table", "main", "run", "write_plot"]
+__all__ = [
+    "DEFAULT_MODELS",
+    "DEFAULT_REDUNDANCIES",
+    "format_table",
+    "main",
+    "run",
+    "write_plot",
+]
 
 DEFAULT_MODELS = ("mlp", "cnn")
 DEFAULT_REDUNDANCIES = (1, 2, 3, 4)
@@ -80,7 +88,8 @@ def _summary(result: dict, dense: dict | None) -> dict:
     sent = final["bytes_per_step_per_device"]
     row = {
         "step_ms": 1e3 * statistics.median(r["step_time"] for r in records),
-        **{f"{p}_ms": 1e3 * _median_part(records, p) for p in _PARTS},
+        # -1 where never measured (the asynchronous run has no time split).
+        **{f"{p}_ms": max(1e3 * _median_part(records, p), -1.0) for p in _PARTS},
         "sent_bytes": sent,
         # A ring all-reduce receives what it sends; CSSGD counts each packet per receiver.
         "received_bytes": final.get("received_bytes_per_step_per_device", sent),
@@ -142,6 +151,101 @@ def _fit(rows: dict, redundancies, n: int, num_params: int) -> dict:
     return out
 
 
+def _asgd_result(config, num_devices: int) -> dict:
+    """The asynchronous SGD baseline of ``config``: :mod:`jaxcomp.staleness`'s parameter server.
+
+    One round per global batch: each of the ``num_devices`` workers computes
+    its gradient on its ``batch_size / num_devices`` examples at the
+    parameters it last pulled, runs its own SGD with momentum, and pushes; the
+    server applies the pushes one by one in a random arrival order, each
+    scaled by ``1 / N`` (:func:`jaxcomp.staleness.make_async_train_step`).
+    Same model, initialisation, data order, learning rate and epochs as the
+    synchronous runs. Step times exclude compilation (one warm-up round,
+    discarded), as ``experiments.train`` does. Returns a result shaped like
+    ``train.train_and_evaluate``'s (``records``, ``final``, ``num_params``).
+    """
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+    from jax.sharding import Mesh  # noqa: PLC0415
+
+    from experiments import data as data_lib  # noqa: PLC0415
+    from experiments import models  # noqa: PLC0415
+    from experiments.steps import classifier_loss  # noqa: PLC0415
+    from jaxcomp import staleness  # noqa: PLC0415
+    from jaxcomp.distributed import shard_batch  # noqa: PLC0415
+
+    c = config
+    dataset = data_lib.load_dataset(c.dataset)
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
+    model = models.make_model(c.model, dataset.num_classes)
+    params = model.init(jax.random.key(c.seed), dataset.train_x[:1])["params"]
+    num_params = int(sum(p.size for p in jax.tree.leaves(params)))
+    tx = optax.sgd(c.lr, momentum=c.momentum or None)  # local: each worker's own momentum
+    step = staleness.make_async_train_step(classifier_loss(model), tx, mesh, donate=False)
+    state = staleness.init_async_state(tx, params, mesh, seed=c.seed)
+    first = (dataset.train_x[: c.batch_size], dataset.train_y[: c.batch_size])
+    jax.block_until_ready(step(state, shard_batch(first, mesh)))  # compile, discarded
+    predict = jax.jit(lambda p, x: jnp.argmax(model.apply({"params": p}, x), -1))
+    steps = data_lib.steps_per_epoch(len(dataset.train_y), c.batch_size)
+    if c.max_steps_per_epoch:
+        steps = min(steps, c.max_steps_per_epoch)
+    records, train_time = [], 0.0
+    for epoch in range(c.epochs):
+        times, losses, stale, wire = [], [], [], []
+        batches = data_lib.epoch_batches(
+            dataset.train_x, dataset.train_y, c.batch_size, c.seed, epoch
+        )
+        for _, batch in zip(range(steps), batches, strict=False):
+            t0 = time.perf_counter()
+            state, m = step(state, shard_batch(batch, mesh))
+            # One round in flight: simulated devices deadlock otherwise.
+            m = jax.device_get(jax.block_until_ready(m))
+            times.append(time.perf_counter() - t0)
+            losses.append(float(m["loss"]))
+            stale.append(float(np.mean(m["staleness"])))
+            wire.append((float(m["push_bytes"]), float(m["pull_bytes"])))
+        train_time += sum(times)
+        pred = np.asarray(predict(jax.device_get(state.params), dataset.test_x))
+        records.append({
+            "epoch": epoch + 1,
+            "train_loss": statistics.mean(losses),
+            "test_accuracy": float(np.mean(pred == dataset.test_y)),
+            "train_time": train_time,
+            "step_time": statistics.median(times),
+            "mean_staleness_pushes": statistics.mean(stale),
+        })  # fmt: skip
+    push, pull = (statistics.mean(w[i] for w in wire) for i in (0, 1))
+    final = {
+        **records[-1],
+        # A worker's link per round: its push out, the dense parameters back.
+        "bytes_per_step_per_device": push,
+        "received_bytes_per_step_per_device": pull,
+    }
+    return {"records": records, "final": final, "num_params": num_params}
+
+
+def _time_to_accuracy(runs: dict, curves: dict, target_fraction: float) -> dict:
+    """Training time (s, step times summed, compilation and evaluation excluded) to a target.
+
+    The target is ``target_fraction`` of the dense all-reduce run's final
+    test accuracy (the paper's comparison: time until each method reaches
+    the same accuracy); a run that never reaches it at an epoch's end gets
+    ``None``. Accuracy is measured at epoch ends only, so times are
+    resolved to an epoch.
+    """
+    target = target_fraction * runs["dense"]["test_accuracy"]
+    out = {"target_accuracy": target, "target_fraction": target_fraction, "runs": {}}
+    for name, curve in curves.items():
+        hit = next((p for p in curve if p["test_accuracy"] >= target), None)
+        out["runs"][name] = {
+            "seconds": None if hit is None else hit["train_time"],
+            "epochs": None if hit is None else hit["epoch"],
+        }
+    return out
+
+
 def run(
     out_dir: str,
     *,
@@ -155,6 +259,8 @@ def run(
     max_steps_per_epoch: int | None = None,
     dataset: str = "digits",
     progress: bool = False,
+    asgd: bool = True,
+    target_fraction: float = 0.95,
 ) -> dict:
     """Trains dense and CSSGD runs per model, writes ``bench_cssgd.json`` and ``.png``.
 
@@ -170,10 +276,15 @@ def run(
       max_steps_per_epoch: truncate epochs (smoke tests).
       dataset: ``digits`` or ``synthetic`` (the others need files).
       progress: progress bars.
+      asgd: also run the asynchronous SGD baseline (:func:`_asgd_result`).
+      target_fraction: the time-to-accuracy target, a fraction in (0, 1] of
+        the dense run's final test accuracy.
 
     Returns:
       The JSON record: ``{"meta", "models": {model: {"num_params", "runs":
-      {"dense" | "coded_r<r>": row}, "fit", "formula"}}}``.
+      {"dense" | "coded_r<r>" | "uncoded_r<r>" | "asgd": row}, "fit", "formula",
+      "time_to_accuracy"}}}``; each row's ``curve`` is its test accuracy and
+      training time at every epoch's end.
 
     Raises:
       ValueError: ``num_devices < 2``, no ``redundancies``, or a configuration
@@ -190,6 +301,12 @@ def run(
         raise ValueError(f"num_devices must be >= 2 (a redundancy to choose), got {num_devices}")
     if not redundancies:
         raise ValueError("redundancies must name at least one r in [1, num_devices]")
+    if not 0.0 < target_fraction <= 1.0:
+        raise ValueError(f"target_fraction must be in (0, 1], got {target_fraction!r}")
+    if asgd and batch_size % num_devices:
+        raise ValueError(
+            f"batch_size {batch_size} must be divisible by num_devices {num_devices} (asgd)"
+        )
     base = train.TrainConfig(
         compressor="dense",
         num_devices=num_devices,
@@ -212,6 +329,13 @@ def run(
             configs[model][f"coded_r{r}"] = dataclasses.replace(
                 dense, exchange="coded", redundancy=r
             )
+        # The paper's uncoded baseline: the same assignment, each missing block
+        # sent whole by one holder (at r = 1 it is the coded exchange).
+        for r in redundancies:
+            if r > 1:
+                configs[model][f"uncoded_r{r}"] = dataclasses.replace(
+                    dense, exchange="uncoded", redundancy=r
+                )
     # Every configuration checked before the first (minutes-long) run.
     for runs in configs.values():
         for config in runs.values():
@@ -228,23 +352,35 @@ def run(
             "max_steps_per_epoch": max_steps_per_epoch,
             "redundancies": list(redundancies),
             "exchange": "coded",
+            "asgd": asgd,
+            "target_fraction": target_fraction,
             **environment(),
             "note": NOTE,
         },
         "models": {},
     }
     for model, runs in configs.items():
-        rows, num_params = {}, None
+        rows, curves, num_params = {}, {}, None
+        results = {}
         for name, config in runs.items():
             workdir = os.path.join(out_dir, "bench_cssgd", model, name)
-            result = train.train_and_evaluate(config, workdir, overwrite=True)
+            results[name] = train.train_and_evaluate(config, workdir, overwrite=True)
+        if asgd:
+            results["asgd"] = _asgd_result(runs["dense"], num_devices)
+        for name, result in results.items():
             num_params = result["num_params"]
             rows[name] = _summary(result, rows.get("dense"))
+            curves[name] = [
+                {k: r[k] for k in ("epoch", "test_accuracy", "train_time")}
+                for r in result["records"]
+            ]
+            rows[name]["curve"] = curves[name]
         record["models"][model] = {
             "num_params": num_params,
             "runs": rows,
             "fit": _fit(rows, redundancies, num_devices, num_params),
             "formula": [_formula(num_devices, r, num_params) for r in redundancies],
+            "time_to_accuracy": _time_to_accuracy(rows, curves, target_fraction),
         }
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_cssgd.json"), "w") as f:
@@ -311,6 +447,19 @@ def format_table(record: dict) -> str:
             lines.append(
                 f"  the CSSGD paper found best r = {PAPER_BEST_R[model]} ({model}, 8 workers)"
             )
+        tta = m["time_to_accuracy"]
+        lines.append(
+            f"time to {100 * tta['target_accuracy']:.2f}% test accuracy "
+            f"({tta['target_fraction']:g} x the dense run's final; training steps only, "
+            "resolved to an epoch's end):"
+        )
+        for name, hit in tta["runs"].items():
+            reached = (
+                "not reached"
+                if hit["seconds"] is None
+                else f"{hit['seconds']:.2f} s (epoch {hit['epochs']})"
+            )
+            lines.append(f"  {name:<12}{reached}")
         fhead = (
             f"{'r':>3}{'coded load':>12}{'uncoded load':>14}{'coded sent B':>14}"
             f"{'coded recv B':>14}{'uncoded sent B':>16}{'all-reduce B':>14}{'coded/ar':>10}"
@@ -336,8 +485,8 @@ def write_plot(record: dict, path: str) -> None:
 
     models = list(record["models"])
     rs = record["meta"]["redundancies"]
-    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.8 * len(models)), squeeze=False)
-    for (ax_t, ax_b), model in zip(axes, models, strict=True):
+    fig, axes = plt.subplots(len(models), 3, figsize=(16, 3.8 * len(models)), squeeze=False)
+    for (ax_t, ax_b, ax_a), model in zip(axes, models, strict=True):
         m = record["models"][model]
         runs = m["runs"]
         coded = [runs[f"coded_r{r}"] for r in rs]
@@ -370,7 +519,23 @@ def write_plot(record: dict, path: str) -> None:
         )
         ax_t.set_xticks(sorted({*rs, *(int(r) for r in predicted or ())}))
         ax_b.set_xticks(rs)
-        for ax in (ax_t, ax_b):
+        tta = m["time_to_accuracy"]
+        for name, row in runs.items():
+            curve = row["curve"]
+            ax_a.plot(
+                [p["train_time"] for p in curve],
+                [100 * p["test_accuracy"] for p in curve],
+                ".-",
+                label=name,
+            )
+        ax_a.axhline(100 * tta["target_accuracy"], color="gray", ls=":", label="target")
+        ax_a.set(
+            xlabel="training time, s (steps only)",
+            ylabel="test accuracy %",
+            title=f"{model}: time to accuracy",
+            xscale="log",
+        )
+        for ax in (ax_t, ax_b, ax_a):
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="small")
     fig.tight_layout()
@@ -394,6 +559,10 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_steps_per_epoch", None, "Truncate epochs.", **fv)
     flags.DEFINE_enum("dataset", "digits", ["digits", "synthetic"], "Data set.", **fv)
     flags.DEFINE_bool("progress", False, "Show a progress bar.", **fv)
+    flags.DEFINE_bool("asgd", True, "Also run the asynchronous SGD baseline.", **fv)
+    flags.DEFINE_float(
+        "target_fraction", 0.95, "Time-to-accuracy target: this x the dense final.", **fv
+    )
 
 
 def main(argv) -> dict:
@@ -409,6 +578,8 @@ def main(argv) -> dict:
     for r in redundancies:
         if not 1 <= r <= args.num_devices:
             cli.fail(f"--redundancies must be in [1, num_devices={args.num_devices}], got {r}")
+    if not 0.0 < args.target_fraction <= 1.0:
+        cli.fail(f"--target_fraction must be in (0, 1], got {args.target_fraction}")
     bad = [r for r in redundancies if args.batch_size % math.comb(args.num_devices, r)]
     if bad:
         cli.fail(
@@ -430,6 +601,8 @@ def main(argv) -> dict:
         max_steps_per_epoch=args.max_steps_per_epoch,
         dataset=args.dataset,
         progress=args.progress,
+        asgd=args.asgd,
+        target_fraction=args.target_fraction,
     )
     print(format_table(record))
     print(f"JSON and plot: {os.path.join(args.out, 'bench_cssgd.json')}, bench_cssgd.png")

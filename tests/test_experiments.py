@@ -461,14 +461,39 @@ def test_bench_cssgd_writes_json_and_png(tmp_path):
     from jaxcomp import cssgd  # noqa: PLC0415
 
     record = bench_cssgd.run(
-        str(tmp_path), models=("mlp",), redundancies=(1, 2), epochs=1, batch_size=24,
-        num_devices=4, max_steps_per_epoch=2,
+        str(tmp_path), models=("mlp",), redundancies=(1, 2), epochs=2, batch_size=24,
+        num_devices=4, max_steps_per_epoch=2, target_fraction=0.5,
     )  # fmt: skip
     data = json.loads((tmp_path / "bench_cssgd.json").read_text())
     assert (tmp_path / "bench_cssgd.png").stat().st_size > 0
     assert data == json.loads(json.dumps(record))
     mlp = data["models"]["mlp"]
-    assert sorted(mlp["runs"]) == ["coded_r1", "coded_r2", "dense"]
+    assert sorted(mlp["runs"]) == ["asgd", "coded_r1", "coded_r2", "dense", "uncoded_r2"]
+    size = mlp["num_params"]
+    # The paper's uncoded baseline: each missing block sent whole by one holder.
+    uncoded = mlp["runs"]["uncoded_r2"]
+    assert uncoded["received_bytes"] == cssgd.bytes_per_worker(4, 2, size)["uncoded_sent"]
+    # Coding changes the bytes, not the gradient: the same quantized mean.
+    assert uncoded["test_accuracy"] == mlp["runs"]["coded_r2"]["test_accuracy"]
+    # ASGD: each worker pushes its dense float32 update and pulls the parameters.
+    asgd = mlp["runs"]["asgd"]
+    assert asgd["sent_bytes"] == asgd["received_bytes"] == 4 * size
+    assert asgd["forward_backward_ms"] == -1.0  # no time split for the asynchronous run
+    # Time to accuracy, recomputed from every run's curve: the first epoch's end
+    # at or above target_fraction x the dense run's final accuracy.
+    tta = mlp["time_to_accuracy"]
+    target = 0.5 * mlp["runs"]["dense"]["test_accuracy"]
+    np.testing.assert_allclose(tta["target_accuracy"], target)
+    assert sorted(tta["runs"]) == sorted(mlp["runs"])
+    for name, row in mlp["runs"].items():
+        curve = row["curve"]
+        assert [p["epoch"] for p in curve] == [1, 2]
+        assert curve[-1]["test_accuracy"] == row["test_accuracy"]
+        assert 0 < curve[0]["train_time"] < curve[1]["train_time"]
+        hits = [p for p in curve if p["test_accuracy"] >= target]
+        expected = hits[0]["train_time"] if hits else None
+        assert tta["runs"][name]["seconds"] == expected, name
+    assert tta["runs"]["dense"]["seconds"] is not None  # the dense run reaches its own
     for r in (1, 2):
         expected = cssgd.bytes_per_worker(4, r, mlp["num_params"])
         row = mlp["runs"][f"coded_r{r}"]
@@ -489,7 +514,10 @@ def test_bench_cssgd_writes_json_and_png(tmp_path):
     assert fit["predicted_best_r"] == cssgd.best_redundancy(fit["t_calc_ms"], fit["t_comm_ms"], 4)
     assert fit["measured_best_r"] in (1, 2)
     table = bench_cssgd.format_table(record)
-    assert "coded_r2" in table and "memory copy" in table
+    assert "coded_r2" in table and "memory copy" in table and "time to" in table
+    assert "asgd" in table and "uncoded_r2" in table
+    with pytest.raises(ValueError, match="target_fraction"):
+        bench_cssgd.run(str(tmp_path), models=("mlp",), target_fraction=0.0)
 
 
 def _run_program(module, *args):
