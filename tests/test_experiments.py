@@ -494,6 +494,14 @@ def test_bench_cssgd_writes_json_and_png(tmp_path):
         expected = hits[0]["train_time"] if hits else None
         assert tta["runs"][name]["seconds"] == expected, name
     assert tta["runs"]["dense"]["seconds"] is not None  # the dense run reaches its own
+    secs = {k: v["seconds"] for k, v in tta["runs"].items()}
+    reached = {k: t for k, t in secs.items() if k.startswith("coded") and t is not None}
+    if reached:
+        best = min(reached, key=reached.get)
+        assert tta["best_coded"] == best
+        for base in ("dense", "asgd"):
+            expected = None if secs[base] is None else 100 * (1 - reached[best] / secs[base])
+            assert tta["time_saved_percent"][base] == pytest.approx(expected)
     for r in (1, 2):
         expected = cssgd.bytes_per_worker(4, r, mlp["num_params"])
         row = mlp["runs"][f"coded_r{r}"]
