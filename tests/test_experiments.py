@@ -491,8 +491,14 @@ def test_bench_cssgd_writes_json_and_png(tmp_path):
         assert curve[-1]["test_accuracy"] == row["test_accuracy"]
         assert 0 < curve[0]["train_time"] < curve[1]["train_time"]
         hits = [p for p in curve if p["test_accuracy"] >= target]
-        expected = hits[0]["train_time"] if hits else None
-        assert tta["runs"][name]["seconds"] == expected, name
+        got = tta["runs"][name]
+        assert got["measured_seconds"] == (hits[0]["train_time"] if hits else None), name
+        # The robust time: steps to the target (2 per epoch here) x the median step.
+        steps = 2 * hits[0]["epoch"] if hits else None
+        assert got["steps"] == steps, name
+        if hits:
+            assert got["seconds"] == pytest.approx(steps * row["train_step_ms"] / 1e3), name
+    assert mlp["runs"]["asgd"]["step_ms"] == mlp["runs"]["asgd"]["train_step_ms"] > 0
     assert tta["runs"]["dense"]["seconds"] is not None  # the dense run reaches its own
     secs = {k: v["seconds"] for k, v in tta["runs"].items()}
     reached = {k: t for k, t in secs.items() if k.startswith("coded") and t is not None}
