@@ -25,7 +25,11 @@ redundancy ``r``:
   plain synchronous SGD.
 * **Integers** so that coded sums invert exactly: values are quantized to
   ``bits``-bit integers over ``[-value_range, value_range]`` (paper: int32
-  over ``[-10, 10]``), packets are summed and decoded with wrap-around
+  over ``[-10, 10]``, end points ``0x80000001`` / ``0x7FFFFFFF``; here
+  ``0x80000080`` / ``0x7FFFFF80 = 2^31 - 128``: quantization rounds and clips
+  in float32, which holds neither of the paper's end points (they round to
+  ``-2^31`` and to ``2^31``, outside int32), and ``2^31 - 128`` is the largest
+  float32 below ``2^31``), packets are summed and decoded with wrap-around
   (modular) integer arithmetic, which inverts exactly whatever the sums.
   Values outside the range are clipped and counted (never wrapped);
   non-finite values make the whole step's gradient NaN (counted too), as
