@@ -120,6 +120,12 @@ ASSUMPTIONS = {
         "does); 'paper reading': the all-reduce formula on the compressed size"
     ),
     "speedup": "throughput over dense SGD on one GPU; claims are ratios at equal N",
+    "dense_exchange": "ring all-reduce within, then across nodes: 2 (j-1)/j g / C_nwd",
+    "paper_setting": (
+        "the reading that fits the 12 claims: dense (j-1) g / C_nwd across nodes (server "
+        "exchange), the all-reduce formula on the sparse size, V100 keeping the K40c's "
+        "compression times; batch and compression times fitted to the claims"
+    ),
 }
 
 # §4.4: LDTE-BS's speedup over (dense SGD, naive RGC, DGC) at the given node count.
