@@ -431,7 +431,7 @@ def _explanations(rows, readings) -> list[str]:
         f"{v1['model_paper_allreduce']}x. (b) The dense exchange: K40c's 16-node and V100's "
         "32-node claims together need dense SGD's inter-node time to grow with the nodes, "
         "about twice as long at 32 as at 16; a ring all-reduce's (2 (j-1)/j g / C_nwd) is "
-        f"flat in j. Any inputs with a ring miss some claim by >= "
+        f"flat in j. The best inputs found with a ring miss some claim by "
         f"{ring['max_error_fitted_inputs']:.0%}; with (j-1) g / C_nwd (a parameter server's "
         "link, or the ring formula without the 1/j chunking, up to a factor 2 the batch time "
         f"absorbs) the best fit is off by {linear['max_error_fitted_inputs']:.1%} "
