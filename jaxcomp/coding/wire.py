@@ -66,6 +66,7 @@ __all__ = [
     "qsgd_bits",
     "qsgd_bits_bound",
     "qsgd_dense_bound",
+    "qsvrg_epoch_bits_bound",
     "sparse_bits",
 ]
 
@@ -342,6 +343,24 @@ def qsgd_dense_bound(n: int) -> float:
       2832.0
     """
     return 2.8 * n + 32
+
+
+def qsvrg_epoch_bits_bound(n: int, epoch_length: int, float_bits: int = 32) -> float:
+    """QSGD Theorem 3.6: bits per device per QSVRG epoch, ``(F + 2.8 n)(T + 1) + F n``.
+
+    ``n`` parameters, ``T = epoch_length`` quantized steps at ``s = sqrt(n)``
+    (each at most ``F + 2.8 n`` bits, Elias-coded as in Theorem 3.2) and the
+    unquantized full gradient (``F n`` bits), ``F = float_bits``; the bound
+    as the theorem states it, with its ``T + 1`` messages.
+
+    Example:
+      >>> qsvrg_epoch_bits_bound(100, 10)  # (32 + 280) * 11 + 3200
+      6632.0
+    """
+    n = V.check_int("n", n, 1)
+    epoch_length = V.check_int("epoch_length", epoch_length, 1)
+    float_bits = V.check_int("float_bits", float_bits, 1)
+    return (float_bits + 2.8 * n) * (epoch_length + 1) + float(float_bits * n)
 
 
 def _sparse_inputs(indices, values, n):
