@@ -14,6 +14,17 @@ quantized SGD. Log suboptimality against epochs is a straight line for QSVRG
 
 Writes ``qsvrg.json`` (per-epoch suboptimality, the fitted rate per epoch,
 bytes per device) and ``qsvrg.png``.
+
+``--variant=paper`` runs QSVRG as section 3.3 states it: ``s = ceil(sqrt(n))``
+levels over the whole ``n``-vector (``qsvrg(..., variant="paper")``),
+single-example steps (``--batch_size`` is 1) and the mean of the epoch's
+iterates as the next snapshot; it reports, per epoch and device, Theorem
+3.6's bound ``(F + 2.8 n)(T + 1) + F n`` bits beside the bits sent: the
+full gradient (``F n``) plus ``T`` messages, packed as sent and Elias-coded
+(:func:`jaxcomp.coding.coded_message_bytes` of the epoch's last message,
+times ``T``)::
+
+    python -m experiments.qsvrg --variant=paper --out=results/qsvrg_paper
 """
 
 from __future__ import annotations
@@ -34,9 +45,10 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from experiments import cli, jsonio  # noqa: E402
+from jaxcomp import coding  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 from jaxcomp.distributed import make_qsvrg_epoch  # noqa: E402
-from jaxcomp.transforms.qsvrg import qsvrg  # noqa: E402
+from jaxcomp.transforms.qsvrg import QSVRG_VARIANTS, qsvrg, qsvrg_paper_levels  # noqa: E402
 
 __all__ = ["define_flags", "main", "ridge_problem", "run", "write"]
 
@@ -72,8 +84,21 @@ def run(
     lam=0.01,
     seed=0,
     mesh=None,
+    variant="default",
 ):
-    """Both methods; returns per-epoch suboptimality ``f(w_p) - f*`` and bytes."""
+    """Both methods; returns per-epoch suboptimality ``f(w_p) - f*`` and bytes.
+
+    ``variant="paper"``: ``s = ceil(sqrt(dim))`` (``bits`` unused), one
+    example per step (``batch_size`` must be 1), the averaged snapshot, and
+    per epoch Theorem 3.6's bits beside the measured ones (``bits_per_epoch``).
+    """
+    if variant not in QSVRG_VARIANTS:
+        raise ValueError(f"variant must be one of {QSVRG_VARIANTS}, got {variant!r}")
+    paper = variant == "paper"
+    if paper and batch_size != 1:
+        raise ValueError(
+            f"variant='paper' takes single-example steps: batch_size must be 1, got {batch_size}"
+        )
     mesh = mesh or jax.make_mesh((jax.device_count(),), ("data",))
     n_dev = mesh.shape["data"]
     data, loss_fn, f, _, f_star = ridge_problem(n_dev, examples_per_device, dim, lam, seed)
@@ -91,10 +116,14 @@ def run(
             lam=lam,
             seed=seed,
             devices=n_dev,
+            variant=variant,
+            levels=qsvrg_paper_levels(dim) if paper else 2**bits,
+            average=paper,
         ),
     }
+    codec = dict(variant="paper", keep_message=True) if paper else dict(bits=bits)
     for name, reduced in (("qsvrg", True), ("qsgd", False)):
-        tx = qsvrg(lr, bits=bits, axis_name="data", seed=seed)
+        tx = qsvrg(lr, axis_name="data", seed=seed, **codec)
         params = dist.replicate(jnp.zeros(dim, jnp.float32), mesh)
         state = dist.init_opt_state(tx, params, mesh)
         epoch = make_qsvrg_epoch(
@@ -104,13 +133,16 @@ def run(
             epoch_length=epoch_length,
             batch_size=batch_size,
             variance_reduced=reduced,
+            average=paper,
         )
-        sub, wire = [f(np.asarray(params)) - f_star], []
+        sub, wire, coded = [f(np.asarray(params)) - f_star], [], []
         for p in range(epochs):
             params, state, metrics = epoch(params, state, batch, jax.random.key(seed * 1000 + p))
             jax.block_until_ready(params)
             sub.append(f(np.asarray(params)) - f_star)
             wire.append(float(metrics["wire_bytes"]))
+            if paper:
+                coded.append(_sent_bits(state, params, dim, epoch_length, reduced))
         ratios = np.array(sub[1:]) / np.array(sub[:-1])
         out[name] = {
             "suboptimality": sub,
@@ -119,7 +151,31 @@ def run(
             "worst_ratio": float(np.max(ratios)),
             "wire_bytes_per_epoch": float(np.mean(wire)),
         }
+        if paper:
+            out[name]["bits_per_epoch"] = {
+                "theorem_3_6": coding.qsvrg_epoch_bits_bound(dim, epoch_length),
+                "packed": [c[0] for c in coded],
+                "elias": [c[1] for c in coded],
+            }
     return out
+
+
+def _sent_bits(state, params, dim, epoch_length, reduced):
+    """(packed, Elias-coded) bits device 0 sent this epoch: ``F n`` + ``T`` messages.
+
+    The packed size is the same every step (static shapes); the Elias-coded
+    one is the epoch's last message's, taken as every step's.
+    """
+    local = jax.tree.map(lambda a: np.asarray(a)[0], state)
+    full = 32 * dim if reduced else 0
+    packed = sum(int(b) for b in jax.tree.leaves(local.message_bytes))
+    elias = coding.coded_message_bytes(
+        local, np.asarray(params), s=qsvrg_paper_levels(dim), bucket_size=None
+    )
+    return (
+        float(full + 8 * epoch_length * packed),
+        float(full + 8 * epoch_length * sum(jax.tree.leaves(elias))),
+    )
 
 
 def _plot(result, path):
@@ -140,7 +196,8 @@ def _plot(result, path):
     c = result["config"]
     ax.set_xlabel(f"epoch ({c['epoch_length']} steps, {c['devices']} devices)")
     ax.set_ylabel("f(w) - f*")
-    ax.set_title(f"ridge regression, QSGD {c['bits']}-bit (s = {2 ** c['bits']})")
+    codec = f"QSGD s = {c['levels']}" + (" = ceil(sqrt n), paper mode" if c["average"] else "")
+    ax.set_title(f"ridge regression, {codec}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -160,6 +217,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_float("lam", 0.01, "Ridge regularisation (strong convexity).", **fv)
     flags.DEFINE_integer("seed", 0, "Data and sampling seed.", **fv)
     flags.DEFINE_string("out", "results/qsvrg", "Output directory.", **fv)
+    flags.DEFINE_enum(
+        "variant",
+        "default",
+        list(QSVRG_VARIANTS),
+        "paper: s = ceil(sqrt(dim)), batch 1, averaged snapshot, Theorem 3.6's bits.",
+        **fv,
+    )
     flags.DEFINE_integer(
         "num_devices",
         None,
@@ -175,11 +239,13 @@ def main(argv):
     n = available if v.num_devices is None else v.num_devices
     if not 1 <= n <= available:
         cli.fail(f"--num_devices must be in [1, {available}] (devices here), got {n}")
+    paper = v.variant == "paper"
     result = run(
         mesh=jax.make_mesh((n,), ("data",), devices=jax.devices()[:n]),
         epochs=v.epochs,
         epoch_length=v.epoch_length,
-        batch_size=v.batch_size,
+        batch_size=1 if paper else v.batch_size,
+        variant=v.variant,
         lr=v.lr,
         bits=v.bits,
         dim=v.dim,
@@ -194,6 +260,13 @@ def main(argv):
             f"{name}: final f - f* = {r['suboptimality'][-1]:.3e}, "
             f"rate per epoch {r['rate_per_epoch']:.3f}, "
             f"{r['wire_bytes_per_epoch']:.0f} bytes/device/epoch"
+        )
+    if paper:
+        b = result["qsvrg"]["bits_per_epoch"]
+        print(
+            f"qsvrg bits sent per device per epoch: Theorem 3.6 bound {b['theorem_3_6']:.0f}; "
+            f"packed {np.mean(b['packed']):.0f}, Elias-coded {np.mean(b['elias']):.0f} "
+            f"(min {np.min(b['elias']):.0f}, max {np.max(b['elias']):.0f})"
         )
 
 

@@ -30,8 +30,10 @@ which would take GPU days we do not have here):
   The ldte_bs paper's Table 2 (its §4: momentum SGD 0.9, density
   eta = 0.1%, lr 0.1, batch 128, 150 epochs, DGC warm-up in the first 5
   epochs 25%, 6.25%, 1.5625%, 0.4% then 0.1%, momentum correction and factor
-  masking; the models of kuangliu/pytorch-cifar, whose sizes are the
-  table's V column: 162.17, 47.66, 89.72, 26.54 MB). The text gives neither
+  masking; the models of kuangliu/pytorch-cifar, whose sizes with 10
+  classes are the table's V column: 162.17, 47.66, 89.72, 26.54 MB; the
+  CIFAR-100 models' 100-class heads make them 90.43 and 26.89 MB, the table
+  lists their 10-class sizes). The text gives neither
   weight decay nor schedule: these use 5e-4 (those models' usual recipe) and
   x0.1 at epochs 75 and 112 (50% and 75%). Batch 128 is taken as the global
   batch (the paper's 2 GPUs do not say whether it is per GPU). Expected

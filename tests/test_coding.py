@@ -345,6 +345,28 @@ def test_qsgd_bits_at_sqrt_n(dist):
         assert bits <= coding.qsgd_dense_bound(n)
 
 
+def test_qsgd_paper_bits_is_the_section_5_count():
+    # The paper's section 5: 2-bit with bucket 128 against 4-bit with bucket 512,
+    # "4-bit sends 77% more than 2-bit, ~8x less than 32-bit". By hand, per 1024
+    # values: 2-bit 2*1024 + 8 scales*32 = 2304; 4-bit 4*1024 + 2*32 = 4160.
+    assert coding.qsgd_paper_bits(1024, 2, 128) == 2304
+    assert coding.qsgd_paper_bits(1024, 4, 512) == 4160
+    assert 4160 / 2304 == pytest.approx(1.806, abs=1e-3)  # +81% (the paper says ~77%)
+    assert 32 * 1024 / 4160 == pytest.approx(7.877, abs=1e-3)  # ~8x
+    # A partial last bucket still sends a scale; None is one scale; empty is nothing.
+    assert coding.qsgd_paper_bits(513, 8, 512) == 8 * 513 + 2 * 32
+    assert coding.qsgd_paper_bits(1000, 3) == 3 * 1000 + 32
+    assert coding.qsgd_paper_bits(0, 4, 512) == 0
+    for bad, match in (
+        (dict(n=-1, bits=4), "n must"),
+        (dict(n=8, bits=0), "bits must"),
+        (dict(n=8, bits=2.5), "bits must"),
+        (dict(n=8, bits=4, bucket_size=0), "bucket_size must"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            coding.qsgd_paper_bits(**bad)
+
+
 # ---------------------------------------------------------------------------
 # Sparse formats.
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from helpers import compile_flags_without_devices, compress_on_mesh
@@ -139,6 +140,56 @@ def test_compare_rows_are_valid_configs():
     assert compare.for_compressor(base, rows["qsgd"]).compressor_kwargs == {"bucket_size": 512}
     paper = compare.for_compressor(base, rows["ldte_bs_paper"]).compressor_kwargs
     assert paper == {"ratio": 1e-3, "variant": "paper"}
+
+
+def test_compare_qsgd_table_reports_bits_per_value_beside_the_paper(tmp_path):
+    # compare --table=qsgd on tiny epochs: each QSGD row's bits per quantized
+    # value, packed and by the paper's count, against a count by hand of the
+    # model's leaves; the Elias-coded size lies between the scales and the packed.
+    from experiments import compare, train  # noqa: PLC0415
+
+    rows, setting = compare.TABLES["qsgd"]
+    settings = {n: (r["compressor_kwargs"]["bits"], r["compressor_kwargs"]["bucket_size"])
+                for n, r in rows.items() if n != "dense"}  # fmt: skip
+    assert settings == {
+        "qsgd_2bit_b128": (2, 128), "qsgd_2bit": (2, 512), "qsgd_4bit": (4, 512),
+        "qsgd_8bit": (8, 512),
+    }  # fmt: skip
+    base = train.TrainConfig(
+        **{**setting, "epochs": 1},
+        num_devices=2,
+        dataset="digits",
+        model="mlp",
+        batch_size=32,
+        max_steps_per_epoch=5,  # coded_bytes_every=5: one Elias measurement
+        time_split=False,
+        progress=False,
+        checkpoint=False,
+    )
+    compare.validate_runs(base, rows)  # every row; two of them train (the paper's pair)
+    pair = {n: rows[n] for n in ("qsgd_2bit_b128", "qsgd_4bit")}
+    results = compare.run_configs(base, pair, str(tmp_path))
+    table, bits = compare.format_qsgd_bits(results, pair)
+    assert sorted(bits) == sorted(pair)
+    sizes = [np.size(x) for x in jax.tree.leaves(results["qsgd_4bit"]["params"])]
+    big = np.array([n for n in sizes if n > 10_000])
+    assert big.sum() > 0.9 * sum(sizes)  # the MLP's two large weight matrices
+    paper = {}
+    for name in pair:
+        b, d = settings[name]
+        row, scales = bits[name], np.ceil(big / d).sum()
+        assert row["quantized_values"] == big.sum()
+        # Packed: 1 sign bit + ceil(log2(2^b + 1)) = b + 1 level bits, 32 per bucket.
+        np.testing.assert_allclose(row["packed"], ((b + 2) * big.sum() + 32 * scales) / big.sum())
+        paper[name] = (b * big.sum() + 32 * scales) / big.sum()
+        np.testing.assert_allclose(row["paper"], paper[name])
+        assert 32 * scales / big.sum() < row["elias"] < row["packed"]
+        assert row["accuracy"] == 100 * results[name]["final"]["test_accuracy"]
+    # 4-bit against the paper's 2-bit: by the paper's count +81% and 7.9x here too.
+    ratio = paper["qsgd_4bit"] / paper["qsgd_2bit_b128"]
+    line = next(s for s in table.splitlines() if s.startswith("qsgd_4bit"))
+    assert f"{100 * (ratio - 1):+.0f}%" in line and f"{32 / paper['qsgd_4bit']:.1f}x" in line
+    assert "+77% vs 2-bit" in line
 
 
 def test_compare_accordion_rows_are_valid_configs():

@@ -268,3 +268,206 @@ def test_example_program_writes_json_and_png(tmp_path, mesh):
     assert len(loaded["qsvrg"]["suboptimality"]) == 3
     assert loaded["qsvrg"]["suboptimality"][-1] < loaded["qsvrg"]["suboptimality"][0]
     assert png_path.stat().st_size > 0
+
+
+# --- Paper mode (variant="paper"): section 3.3 and Theorem 3.6 exactly ---------------------
+
+
+def test_paper_mode_quantizes_the_whole_vector_with_ceil_sqrt_n_levels():
+    """Every output is a level k/s of its leaf's l2 norm with s = ceil(sqrt(50)) = 8, k the floor
+    or ceiling of |v_i| s / ||v||, signs kept, and the mean over many steps is v (unbiased)."""
+    rng = np.random.default_rng(7)
+    v = {
+        "a": rng.normal(size=(5, 6)).astype(np.float32),
+        "b": rng.normal(size=20).astype(np.float32),
+    }
+    zeros = jax.tree.map(np.zeros_like, v)
+    s = 8  # n = 30 + 20 = 50 parameters, ceil(sqrt(50)) = 8
+    tx = qsvrg(1.0, variant="paper", seed=3)
+
+    def steps(state, _):
+        u, state = tx.update(v, state, snapshot_grads=zeros, full_grad=zeros)
+        return state, jax.tree.map(lambda x: -x, u)
+
+    k = 2000
+    _, q = jax.jit(lambda st: jax.lax.scan(steps, st, None, length=k))(tx.init(v))
+    for name, x in v.items():
+        x = x.astype(np.float64)
+        qk = np.asarray(q[name], np.float64)
+        norm = np.linalg.norm(x)
+        r = np.abs(x) / norm * s
+        level = np.abs(qk) * s / norm
+        np.testing.assert_allclose(level, np.round(level), atol=1e-4)
+        level = np.round(level)
+        assert np.all((level == np.floor(r)) | (level == np.ceil(r)))
+        assert np.all((level == 0) | (np.sign(qk) == np.sign(x)))
+        # Unbiased: per coordinate the rounding variance is at most (norm / s)^2 / 4.
+        np.testing.assert_array_less(np.abs(qk.mean(0) - x), 5 * norm / s / 2 / np.sqrt(k))
+
+
+def test_paper_mode_levels_and_bit_bound_by_hand():
+    from jaxcomp import coding  # noqa: PLC0415
+    from jaxcomp.transforms.qsvrg import qsvrg_paper_levels  # noqa: PLC0415
+
+    assert [qsvrg_paper_levels(n) for n in (1, 2, 4, 5, 16, 17, 32, 1024)] == [
+        1,
+        2,
+        2,
+        3,
+        4,
+        5,
+        6,
+        32,
+    ]
+    # Theorem 3.6: (F + 2.8 n)(T + 1) + F n, F = 32 bits.
+    assert coding.qsvrg_epoch_bits_bound(32, 200) == pytest.approx(121.6 * 201 + 1024)
+    assert coding.qsvrg_epoch_bits_bound(1024, 100) == pytest.approx((32 + 2867.2) * 101 + 32768)
+    assert coding.qsvrg_epoch_bits_bound(10, 1, float_bits=16) == pytest.approx(44 * 2 + 160)
+
+
+def _paper_reference(a, y, lam, w0, lr, idx, epochs):
+    """QSVRG as section 3.3 states it, in float64 (Q the identity: fine levels)."""
+    n_dev, per_device = idx.shape[1], len(a) // idx.shape[1]
+
+    def grad(w, rows):  # mean over `rows` of a_j (a_j.w - y_j) + lam w
+        return a[rows].T @ (a[rows] @ w - y[rows]) / len(rows) + lam * w
+
+    x, snapshots = w0.astype(np.float64), []
+    for p in range(epochs):
+        ysnap = x.copy()
+        full = grad(ysnap, np.arange(len(a)))
+        iterates = []
+        for t in range(idx.shape[2]):
+            iterates.append(x)  # x_t, t = 1..T (x_1 = the snapshot)
+            v = [
+                grad(x, [i * per_device + idx[p, i, t]])
+                - grad(ysnap, [i * per_device + idx[p, i, t]])
+                + full
+                for i in range(n_dev)
+            ]
+            x = x - lr * np.mean(v, axis=0)
+        x = np.mean(iterates, axis=0)  # y^(p+1) = (1/T) sum_t x_t
+        snapshots.append(x)
+    return snapshots
+
+
+def test_paper_epoch_matches_a_numpy_reference(mesh):
+    """make_qsvrg_epoch(batch_size=1, average=True): single-example steps (the driver's sampled
+    indices reproduced from the same keys) and the snapshot the mean of x_1..x_T."""
+    rng = np.random.default_rng(8)
+    per_device, dim, lam, lr, T, epochs = 6, 5, 0.05, 0.3, 7, 3
+    a = rng.normal(size=(N * per_device, dim)).astype(np.float32)
+    y = rng.normal(size=N * per_device).astype(np.float32)
+
+    def loss(w, b):
+        return 0.5 * jnp.mean((b["x"] @ w - b["y"]) ** 2) + 0.5 * lam * jnp.sum(w * w)
+
+    tx = qsvrg(lr, levels=FINE, axis_name="data")
+    params = dist.replicate(jnp.zeros(dim, jnp.float32), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    epoch = make_qsvrg_epoch(loss, tx, mesh, epoch_length=T, batch_size=1, average=True)
+    data = dist.shard_batch({"x": a, "y": y}, mesh)
+    got = []
+    for p in range(epochs):
+        params, state, _ = epoch(params, state, data, jax.random.key(p))
+        got.append(np.asarray(params))
+    # The driver's sampler: device i, step t draws from fold_in(fold_in(key, i), t).
+    idx = np.array(
+        [
+            [
+                [
+                    int(
+                        jax.random.randint(
+                            jax.random.fold_in(jax.random.fold_in(jax.random.key(p), i), t),
+                            (1,),
+                            0,
+                            per_device,
+                        )[0]
+                    )
+                    for t in range(T)
+                ]
+                for i in range(N)
+            ]
+            for p in range(epochs)
+        ]
+    )
+    want = _paper_reference(
+        a.astype(np.float64), y.astype(np.float64), lam, np.zeros(dim), lr, idx, epochs
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_paper_mode_converges_linearly_and_counts_its_bytes(mesh):
+    """variant='paper' (s = ceil(sqrt(16)) = 4), batch 1, averaged snapshots: f - f* shrinks
+    every epoch; bytes = one dense all-reduce + T packed messages from the 7 other devices."""
+    data, loss, f, f_star = _ridge()
+    batch = dist.shard_batch(data, mesh)
+    tx = qsvrg(0.1, variant="paper", axis_name="data", seed=2)
+    params = dist.replicate(jnp.zeros(16, jnp.float32), mesh)
+    state = dist.init_opt_state(tx, params, mesh)
+    epoch = make_qsvrg_epoch(loss, tx, mesh, epoch_length=150, batch_size=1, average=True)
+    sub = [f(np.zeros(16)) - f_star]
+    for p in range(5):
+        params, state, metrics = epoch(params, state, batch, jax.random.key(p))
+        sub.append(f(np.asarray(params)) - f_star)
+    sub = np.array(sub)
+    assert np.all(sub[1:] / sub[:-1] <= 0.7), sub
+    message = 16 * 4 // 8 + 4  # s = 4: 1 + ceil(log2 5) = 4 bits per value, one float32 norm
+    n_bytes = float(metrics["wire_bytes"])
+    assert n_bytes == pytest.approx(2 * (N - 1) / N * 16 * 4 + 150 * (N - 1) * message)
+
+
+@pytest.mark.parametrize(
+    "kw,arg",
+    [
+        (dict(variant="exact"), "variant"),
+        (dict(variant="paper", bits=2), "bits"),
+        (dict(variant="paper", levels=4), "levels"),
+        (dict(variant="paper", bucket_size=16), "bucket_size"),
+        (dict(variant="paper", norm="max"), "norm"),
+        (dict(variant="paper", min_dense_size=-1), "min_dense_size"),
+    ],
+)
+def test_paper_mode_bad_arguments(kw, arg):
+    with pytest.raises(ValueError, match=arg):
+        qsvrg(0.1, **kw)
+
+
+def test_paper_bound_and_levels_bad_arguments():
+    from jaxcomp import coding  # noqa: PLC0415
+    from jaxcomp.transforms.qsvrg import qsvrg_paper_levels  # noqa: PLC0415
+
+    for call, arg in (
+        (lambda: coding.qsvrg_epoch_bits_bound(0, 10), "n"),
+        (lambda: coding.qsvrg_epoch_bits_bound(8, 0), "epoch_length"),
+        (lambda: coding.qsvrg_epoch_bits_bound(8, 1, float_bits=0), "float_bits"),
+        (lambda: qsvrg_paper_levels(0), "n"),
+    ):
+        with pytest.raises(ValueError, match=arg):
+            call()
+
+
+def test_example_program_paper_mode_reports_theorem_3_6(tmp_path, mesh):
+    from experiments import qsvrg as example  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="batch_size"):
+        example.run(variant="paper", batch_size=4, mesh=mesh)
+    dim, T = 8, 20
+    result = example.run(
+        variant="paper",
+        batch_size=1,
+        epochs=2,
+        epoch_length=T,
+        dim=dim,
+        examples_per_device=16,
+        mesh=mesh,
+    )
+    json_path, _ = example.write(result, tmp_path)
+    bits = json.loads(json_path.read_text())["qsvrg"]["bits_per_epoch"]
+    assert bits["theorem_3_6"] == pytest.approx((32 + 2.8 * dim) * (T + 1) + 32 * dim)
+    # s = ceil(sqrt(8)) = 3: 3 bits per value (8 values: 3 bytes) + a float32 norm = 7 bytes.
+    assert bits["packed"] == [32 * dim + 8 * T * 7] * 2
+    # Elias-coded: T whole-byte messages, each more than its 32-bit norm.
+    for e in bits["elias"]:
+        assert e > 32 * dim + 32 * T and (e - 32 * dim) % (8 * T) == 0

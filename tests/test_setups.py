@@ -140,16 +140,35 @@ def test_weight_decay_is_added_to_the_gradient_before_the_exchange():
     np.testing.assert_allclose(updates["w"], -0.5 * (np.array(g["w"]) + 0.1 * np.array(w["w"])))
 
 
-def test_model_sizes_are_the_ldte_bs_papers_table2():
-    # Table 2's V column (MB = 2**20 bytes of float32 parameters, 10 classes).
+# The ldte_bs paper's Table 2: setup, its V column (MB = 2**20 bytes of float32
+# parameters) and the width of the model's last features (the classifier's input).
+_TABLE2_SIZES = [
+    ("ldte_bs_table2_resnet101_cifar10", 162.17, 2048),
+    ("ldte_bs_table2_densenet169_cifar10", 47.66, 1664),
+    ("ldte_bs_table2_resnet50_cifar100", 89.72, 2048),
+    ("ldte_bs_table2_densenet121_cifar100", 26.54, 1024),
+]
+
+
+@pytest.mark.parametrize(("setup", "paper_mib", "features"), _TABLE2_SIZES)
+def test_model_sizes_against_the_ldte_bs_papers_table2(setup, paper_mib, features):
+    # With a 10-class head every model is the paper's V. The paper lists that
+    # size for the CIFAR-100 models too: their 100-class heads add
+    # 90 (features + 1) parameters (ResNet-50 90.43 MiB, DenseNet-121 26.89).
+    config = setups.setup_config(setup)
+    classes = data_lib.DATASET_SPECS[config.dataset][2]
     x = np.zeros((1, 32, 32, 3), np.float32)
-    # (resnet50's 89.72 is tests/test_train.py's count; DenseNet is new here.)
-    for name, mib in [("densenet121", 26.54)]:
-        model = models.make_model(name, 10, norm="batch")
+
+    def mib(num_classes):
+        model = models.make_model(config.model, num_classes, norm="batch")
         shapes = jax.eval_shape(model.init, jax.random.key(0), x)
-        count = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes["params"]))
-        assert round(4 * count / 2**20, 2) == mib, name
         assert set(shapes) == {"params", "batch_stats"}
+        return 4 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes["params"])) / 2**20
+
+    assert round(mib(10), 2) == paper_mib
+    head = 4 * (classes - 10) * (features + 1) / 2**20
+    np.testing.assert_allclose(mib(classes), paper_mib + head, atol=0.006)
+    assert (round(mib(classes), 2) == paper_mib) == (classes == 10)
 
 
 def _write_cifar(path, n_train=16, n_test=32):

@@ -18,6 +18,8 @@ from jaxcomp.coding.wire import (
     qsgd_bits,
     qsgd_bits_bound,
     qsgd_dense_bound,
+    qsgd_paper_bits,
+    qsvrg_epoch_bits_bound,
     sparse_bits,
 )
 
@@ -38,5 +40,7 @@ __all__ = [
     "qsgd_dense_bound",
     "qsgd_message_bits",
     "qsgd_message_fields",
+    "qsgd_paper_bits",
+    "qsvrg_epoch_bits_bound",
     "sparse_bits",
 ]

@@ -58,8 +58,11 @@ def make_qsvrg_epoch(
         replacement from the device's own shard).
       axis_name: the data axis.
       average: the next snapshot is the mean of the epoch's iterates
-        (``True``, the paper's analysis; summed in float32, or the parameters'
-        dtype where wider, and cast back) or its last iterate.
+        ``x_1 .. x_T`` (``True``, QSVRG as the paper states it: ``x_1`` is the
+        snapshot, ``x_T`` the point of the last gradient; summed in float32,
+        or the parameters' dtype where wider, and cast back) or its last
+        iterate ``x_{T+1}``. The paper's mode is ``average=True,
+        batch_size=1`` with ``qsvrg(..., variant="paper")``.
       variance_reduced: ``False`` runs the baseline with the same sampling,
         codec and step: ``snapshot_grads`` and ``full_grad`` are zeros, so
         every step sends ``Q_s(g_i)`` (quantized SGD, QSGD's Algorithm 1) and
@@ -170,14 +173,13 @@ def _run_epoch(cfg: _EpochConfig, params, opt_state, data, key):
             else jax.tree.map(jnp.zeros_like, g)
         )
         extra = {"snapshot_grads": gs, "full_grad": full}
+        # The paper's y^(p+1) = (1/T) sum_{t=1..T} x_t: the T points the gradients
+        # were taken at (x_1 = the snapshot), summed before this step moves x.
+        x_sum = jax.tree.map(lambda a, xi: a + xi.astype(a.dtype), total[0], x)
         u, st, wire = compress(tx, g, st, x, extra, axis_name, "make_qsvrg_epoch")
         x = optax.apply_updates(x, u)
         wire = jnp.float32(0) if wire is None else wire
-        total = (
-            jax.tree.map(lambda a, xi: a + xi.astype(a.dtype), total[0], x),
-            total[1] + wire,
-        )
-        return (x, st, total), None
+        return (x, st, (x_sum, total[1] + wire)), None
 
     # The iterates are summed in float32 at least: a bfloat16 sum of 200 iterates
     # of 3.0 drifts to 3.56 (its spacing at 512 is 4).
