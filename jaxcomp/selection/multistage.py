@@ -97,7 +97,6 @@ from jaxcomp.selection.packed import (
     SegmentLayout,
     SegmentSelection,
     Targets,
-    _row_counts_many,
     abs32,
     count_above,
     just_below,
@@ -124,9 +123,8 @@ SIDCO_MAX_STAGES = 16
 # fit's log as in the reference (sys.float_info.epsilon).
 _GAMMA_EPS = float(np.finfo(np.float64).eps)
 
-# Added to the magnitudes that do not exceed a stage's threshold before taking the
-# minimum of the exceedances (finite, so that ``0 * _NO_MIN`` is 0 on the others).
-_NO_MIN = float(np.finfo(np.float32).max)
+# The int32 bits of float32 +inf: the minimum of no exceedances, in the bits.
+_INF_BITS = np.int32(np.float32(np.inf).view(np.int32))
 
 
 def check_sidco_options(dist, stages, first_ratio, tolerance):
@@ -187,33 +185,58 @@ def _tail(dist: str, mean, var, log_ratio):
     return jnp.where(small, -scale * log_ratio, -scale * jnp.expm1(safe * log_ratio) / safe)
 
 
+def _count_and_min(acc, val):
+    return acc[0] + val[0], jnp.minimum(acc[1], val[1])
+
+
+def _count_min_cpu(a, shift):
+    """Per row ``#{a > shift}`` and ``min{a > shift}`` (inf if none) on XLA:CPU:
+    one variadic int32 row reduce, the minimum over the float bits (for
+    ``a >= 0`` their order is the floats'), read back as a float."""
+    above = a > shift
+    # max(a, 0 * shift) is a; written so to depend on the stage, or XLA hoists
+    # the bits out of the loop into an n-sized buffer of their own.
+    bits = lax.bitcast_convert_type(jnp.maximum(a, shift * 0.0), jnp.int32)
+    count, lo = lax.reduce(
+        [above.astype(jnp.int32), jnp.where(above, bits, _INF_BITS)],
+        [jnp.int32(0), _INF_BITS],
+        _count_and_min,
+        (1,),
+    )
+    return count, lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _count_min_plain(a, shift):
+    """:func:`_count_min_cpu` on other backends: two plain reductions."""
+    above = a > shift
+    count = jnp.sum(above, axis=1, dtype=jnp.int32)
+    return count, jnp.min(jnp.where(above, a, jnp.inf), axis=1)
+
+
 def _masked_row_stats(a, shift):
     """Per row: count, sum and sum of squares of ``a - shift`` over ``a > shift``,
-    and the smallest such ``a`` (``_NO_MIN`` if none): one stage's statistics.
+    and the smallest such ``a`` (inf if none): one stage's statistics.
 
     Written for XLA:CPU (see :mod:`jaxcomp.selection._kernels`): ``compare`` and
-    ``select`` are not YNNPACK ops, so ``where(a > shift, ...)`` feeding three
-    float reductions materialised three n-sized temporaries (and an int32 one for
-    the count) per stage, ~25 ms at 2^22. Here the sums use ``max(a - shift, 0)``
-    (equal to ``a - shift`` on the exceedances and 0 elsewhere, the same floats
-    in the same order), the minimum adds ``_NO_MIN`` to every non-exceedance
-    (``min(ceil(max(a - shift, 0)), 1)`` is 1 exactly on the exceedances), and
-    each reduction gets its own copies of the scalars so that XLA does not share
-    (and materialise) one broadcast between them: three streaming YNNPACK
-    reductions and the variadic int32 count, bit-for-bit the masked statistics.
-    The padding's zeros never pass (``shift >= 0``)."""
-    s1, s2, s3, z1, z2, z3, one, big = lax.optimization_barrier(
-        (shift, shift, shift, *(jnp.float32(v) for v in (0.0, 0.0, 0.0, 1.0, _NO_MIN)))
-    )
+    ``select`` are not YNNPACK ops, so ``where(a > shift, ...)`` feeding float
+    reductions materialised an n-sized temporary per statistic (four per stage,
+    ~25 ms at 2^22). Here the sums take ``max(a - shift, 0)`` (``a - shift`` on
+    the exceedances, 0 elsewhere: the same floats in the same order), each
+    with its own copies of the scalars so that XLA does not share (and
+    materialise) one broadcast between them: two streaming YNNPACK reductions.
+    On XLA:CPU the count and the minimum are one variadic int32 row reduce
+    (:func:`_count_min_cpu`), emitted as one vectorised loop; on other
+    backends two plain reductions. Bit for bit the masked statistics; the padding's
+    zeros never pass (``shift >= 0``)."""
+    s1, s2, z1, z2 = lax.optimization_barrier((shift, shift, jnp.float32(0), jnp.float32(0)))
     y = jnp.maximum(a - s1, z1)
     y2 = jnp.maximum(a - s2, z2)
-    outside = one - jnp.minimum(jnp.ceil(jnp.maximum(a - s3, z3)), one)
-    (count,) = _row_counts_many(a, [shift])
+    count, lo = lax.platform_dependent(a, shift, cpu=_count_min_cpu, default=_count_min_plain)
     return (
         count,
         jnp.sum(y, axis=1),
         jnp.sum(y2 * y2, axis=1),
-        jnp.min(a + big * outside, axis=1),
+        lo,
     )
 
 
