@@ -37,8 +37,8 @@ The fits are closed form (``L = ln(density) < 0``):
 
 Every stage reads the tensor once per statistic of its exceedances (count,
 sum, sum of squares and minimum, shifted by the previous threshold against
-cancellation): four streaming reductions with no n-sized temporary, ~3
-count passes' time. The gamma fit adds one pass (the norm comes first), and
+cancellation): two streaming float sums and one int32 reduce for the count
+and the minimum, with no n-sized temporary. The gamma fit adds one pass (the norm comes first), and
 one pass counts the result. The threshold is an estimate: the count may be below or
 above ``k`` (the sparsifier sends at most its capacity, ``ceil(1.5 k)`` by
 default, the largest first).
