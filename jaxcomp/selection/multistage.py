@@ -35,10 +35,11 @@ The fits are closed form (``L = ln(density) < 0``):
   ``GammaGParetoCompressor``). ``eps`` is float64's machine epsilon, as in
   the reference (zeros would make ``ln`` infinite).
 
-Every stage is one pass over the tensor (masked count, sum, sum of squares
-and minimum of the exceedances, shifted by the previous threshold against
-cancellation), the gamma fit one more (the norm comes first), and one pass
-counts the result. The threshold is an estimate: the count may be below or
+Every stage reads the tensor once per statistic of its exceedances (count,
+sum, sum of squares and minimum, shifted by the previous threshold against
+cancellation): two streaming float sums and one int32 reduce for the count
+and the minimum, with no n-sized temporary. The gamma fit adds one pass (the norm comes first), and
+one pass counts the result. The threshold is an estimate: the count may be below or
 above ``k`` (the sparsifier sends at most its capacity, ``ceil(1.5 k)`` by
 default, the largest first).
 
@@ -51,8 +52,10 @@ keep. The reference applies the rule every few steps to one stage count
 shared by all layers (process-global counters); here it runs inside the step,
 per tensor, from one stage (the reference's initial count): at most
 ``M_max - 1`` moves, each recomputing the stage chain (``m`` stages: ``m``
-passes), stopping when the density is within the tolerance, at a bound, or
-when the direction would reverse, keeping the threshold whose count is
+passes; a chain of ``m + 1`` stages does not extend the chain of ``m``:
+``delta_s`` depends on ``M``, so only the first fit is shared), stopping
+when the density is within the tolerance, at a bound, or when the
+direction would reverse, keeping the threshold whose count is
 nearest ``k``. On data the first fit describes (Laplacian gradients: the
 magnitudes are exponential) one stage is within the tolerance and the
 selector makes two passes. So no memory
@@ -120,6 +123,9 @@ SIDCO_MAX_STAGES = 16
 # fit's log as in the reference (sys.float_info.epsilon).
 _GAMMA_EPS = float(np.finfo(np.float64).eps)
 
+# The int32 bits of float32 +inf: the minimum of no exceedances, in the bits.
+_INF_BITS = np.int32(np.float32(np.inf).view(np.int32))
+
 
 def check_sidco_options(dist, stages, first_ratio, tolerance):
     """SIDCo's options, checked: ``(dist, stages, first_ratio, tolerance)``.
@@ -179,17 +185,58 @@ def _tail(dist: str, mean, var, log_ratio):
     return jnp.where(small, -scale * log_ratio, -scale * jnp.expm1(safe * log_ratio) / safe)
 
 
+def _count_and_min(acc, val):
+    return acc[0] + val[0], jnp.minimum(acc[1], val[1])
+
+
+def _count_min_cpu(a, shift):
+    """Per row ``#{a > shift}`` and ``min{a > shift}`` (inf if none) on XLA:CPU:
+    one variadic int32 row reduce, the minimum over the float bits (for
+    ``a >= 0`` their order is the floats'), read back as a float."""
+    above = a > shift
+    # max(a, 0 * shift) is a; written so to depend on the stage, or XLA hoists
+    # the bits out of the loop into an n-sized buffer of their own.
+    bits = lax.bitcast_convert_type(jnp.maximum(a, shift * 0.0), jnp.int32)
+    count, lo = lax.reduce(
+        [above.astype(jnp.int32), jnp.where(above, bits, _INF_BITS)],
+        [jnp.int32(0), _INF_BITS],
+        _count_and_min,
+        (1,),
+    )
+    return count, lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _count_min_plain(a, shift):
+    """:func:`_count_min_cpu` on other backends: two plain reductions."""
+    above = a > shift
+    count = jnp.sum(above, axis=1, dtype=jnp.int32)
+    return count, jnp.min(jnp.where(above, a, jnp.inf), axis=1)
+
+
 def _masked_row_stats(a, shift):
     """Per row: count, sum and sum of squares of ``a - shift`` over ``a > shift``,
-    and the smallest such ``a`` (inf if none). One pass; the padding's zeros
-    never pass (``shift >= 0``)."""
-    above = a > shift
-    y = jnp.where(above, a - shift, 0.0)
+    and the smallest such ``a`` (inf if none): one stage's statistics.
+
+    Written for XLA:CPU (see :mod:`jaxcomp.selection._kernels`): ``compare`` and
+    ``select`` are not YNNPACK ops, so ``where(a > shift, ...)`` feeding float
+    reductions materialised an n-sized temporary per statistic (four per stage,
+    ~25 ms at 2^22). Here the sums take ``max(a - shift, 0)`` (``a - shift`` on
+    the exceedances, 0 elsewhere: the same floats in the same order), each
+    with its own copies of the scalars so that XLA does not share (and
+    materialise) one broadcast between them: two streaming YNNPACK reductions.
+    On XLA:CPU the count and the minimum are one variadic int32 row reduce
+    (:func:`_count_min_cpu`), emitted as one vectorised loop; on other
+    backends two plain reductions. Bit for bit the masked statistics; the padding's
+    zeros never pass (``shift >= 0``)."""
+    s1, s2, z1, z2 = lax.optimization_barrier((shift, shift, jnp.float32(0), jnp.float32(0)))
+    y = jnp.maximum(a - s1, z1)
+    y2 = jnp.maximum(a - s2, z2)
+    count, lo = lax.platform_dependent(a, shift, cpu=_count_min_cpu, default=_count_min_plain)
     return (
-        jnp.sum(above, axis=1, dtype=jnp.int32),
+        count,
         jnp.sum(y, axis=1),
-        jnp.sum(y * y, axis=1),
-        jnp.min(jnp.where(above, a, jnp.inf), axis=1),
+        jnp.sum(y2 * y2, axis=1),
+        lo,
     )
 
 
@@ -264,8 +311,22 @@ def sidco_segmented(
     if dist == "gamma":
         norm = jnp.sqrt(s2)
         eps = per_row(norm * _GAMMA_EPS)[:, None]
-        logs = jnp.where(layout.valid(), jnp.log(a + eps), 0.0)
-        mean_log = layout.segment_sum(jnp.sum(logs, axis=1)) / n
+        # Every row's sum of logs in one streaming pass; then the rows holding
+        # padding (at most one per segment, the last) again with the padding
+        # masked out: a mask over the whole buffer is a compare, which XLA:CPU
+        # cannot stream (it materialised the n logs, ~5 passes).
+        row_logs = jnp.sum(jnp.log(a + eps), axis=1)
+        sizes_np = np.asarray(layout.sizes, np.int64)
+        part = np.flatnonzero(sizes_np % layout.row)
+        if part.size:
+            last = (layout.starts[part] + layout.rows[part] - 1).astype(np.int32)
+            width = (sizes_np[part] % layout.row).astype(np.int32)
+            col = lax.broadcasted_iota(jnp.int32, (part.size, layout.row), 1)
+            tail = jnp.log(a[last] + eps[last])
+            row_logs = row_logs.at[last].set(
+                jnp.sum(jnp.where(col < width[:, None], tail, 0.0), axis=1)
+            )
+        mean_log = layout.segment_sum(row_logs) / n
         s = jnp.log(mean) - mean_log
         s = jnp.where(s > 0, s, jnp.nan)  # s <= 0: constant data, no gamma fit
         shape = (3.0 - s + jnp.sqrt((s - 3.0) ** 2 + 24.0 * s)) / (12.0 * s)
