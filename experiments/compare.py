@@ -218,6 +218,15 @@ _LDTE_SETTING = dict(
     schedule="cosine",
     epochs=30,
 )
+# Plain SGD with momentum after the compressor, no warm-up and no momentum
+# correction (the Accordion and QSGD tables: rows differ only in the compressor).
+_PLAIN_SGD_SETTING = dict(
+    compressor_kwargs={},
+    warmup_epochs=0,
+    momentum_correction=False,
+    schedule="cosine",
+    epochs=30,
+)
 # table -> (rows, defaults of the paper's setting for flags left unset).
 TABLES = {
     "ldte_bs": (
@@ -238,24 +247,12 @@ TABLES = {
     # compressor, the same for every row), so that the rows differ only in the level.
     "accordion": (
         ACCORDION_TABLE,
-        dict(
-            compressor_kwargs={},
-            warmup_epochs=0,
-            momentum_correction=False,
-            schedule="cosine",
-            epochs=30,
-        ),
+        _PLAIN_SGD_SETTING,
     ),
     # QSGD: plain SGD with momentum after the compressor, no warm-up.
     "qsgd": (
         QSGD_TABLE,
-        dict(
-            compressor_kwargs={},
-            warmup_epochs=0,
-            momentum_correction=False,
-            schedule="cosine",
-            epochs=30,
-        ),
+        _PLAIN_SGD_SETTING,
     ),
     "dlgs": (
         DLGS_TABLE,

@@ -999,13 +999,18 @@ _FORMAT_EXCHANGES = ("allgather", "dense", "auto")
 _SMALL_INDEX_SPACE = 2**16
 
 
+def _dtype_or_none(name):
+    """``jnp.dtype(name)``, or None where it names no dtype (the caller raises)."""
+    try:
+        return jnp.dtype(name)
+    except TypeError:
+        return None
+
+
 def _check_message_format(select_fn, axis_name, exchange, value_dtype, index_dtype, shared):
     """Validates the message-format options: ``(value dtype or None, small_indices, shared)``."""
     if value_dtype is not None:
-        try:
-            dt = jnp.dtype(value_dtype)
-        except TypeError:
-            dt = None
+        dt = _dtype_or_none(value_dtype)
         if dt not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
             raise ValueError(
                 f"value_dtype must be None, 'float16' or 'bfloat16', got {value_dtype!r}"
@@ -1014,10 +1019,7 @@ def _check_message_format(select_fn, axis_name, exchange, value_dtype, index_dty
     if index_dtype is None:
         small = False
     else:
-        try:
-            it = jnp.dtype(index_dtype)
-        except TypeError:
-            it = None
+        it = _dtype_or_none(index_dtype)
         if it not in (jnp.dtype(jnp.int32), jnp.dtype(jnp.uint16)):
             raise ValueError(
                 f"index_dtype must be None, 'int32' or 'uint16' (16-bit indices where the "
