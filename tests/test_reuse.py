@@ -25,6 +25,7 @@ from helpers import (
     check_step,
     f32,
     k_of,
+    mesh_update,
     ref_threshold,
 )
 from jax.sharding import NamedSharding
@@ -294,6 +295,114 @@ def test_reuse_period_traced_points_at_static_args():
     )
     u, _ = jax.jit(tx.update)(g, tx.init(g))
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(u["w"])), np.arange(45, 50))
+
+
+# ---------------------------------------------------------------------------
+# capacity_factor="uncapped": the DLGS paper's reuse rule, nothing above H cut.
+# ---------------------------------------------------------------------------
+
+
+class PaperReuse:
+    """numpy reference of the DLGS paper's Algorithm 1 with threshold reuse, one device.
+
+    Per leaf: ``R = e + g``; on steps ``i % s == 0`` the layer threshold ``H``
+    is recomputed by an exact top-k of ``|R|`` (the selection is ``|R| >= kth``,
+    i.e. ``|R| > H`` with ``H`` the float32 just below the k-th magnitude, the
+    library's convention for a threshold), otherwise the stored ``H`` is reused;
+    every element with ``|R| > H`` is sent, whatever their number; ``e = R - S``.
+    """
+
+    def __init__(self, shapes, ratio, period):
+        self.ratio, self.period = ratio, period
+        self.e = {leaf: np.zeros(shape, np.float32) for leaf, shape in shapes.items()}
+        self.h = {}
+
+    def step(self, i, g):
+        sent, counts = {}, {}
+        for leaf, e in self.e.items():
+            r = e + np.asarray(g[leaf], np.float32)
+            if i % self.period == 0:
+                kth = np.sort(np.abs(r).reshape(-1))[::-1][k_of(self.ratio, r.size) - 1]
+                self.h[leaf] = np.nextafter(kth, np.float32(-np.inf))
+            mask = np.abs(r) > self.h[leaf]
+            sent[leaf] = np.where(mask, r, np.float32(0))
+            self.e[leaf] = np.where(mask, np.float32(0), r)
+            counts[leaf] = int(mask.sum())
+        return sent, counts
+
+
+@pytest.mark.parametrize("selector", ["top_k", "counting"])
+def test_uncapped_reuse_matches_the_papers_rule(selector):
+    """``capacity_factor="uncapped"``: on reuse steps everything above the stored
+    threshold is sent (the packed path with "top_k", the 1-D path with a custom
+    selector), the counts and message bytes report it; the default cap would
+    have cut some of these steps."""
+    s = 3
+    fn = "top_k" if selector == "top_k" else CountingTopK()
+    cx = Counted(jaxcomp.sparsify(fn, RATIO, reuse_period=s, capacity_factor="uncapped"))
+    ref = PaperReuse(SPEC, RATIO, s)
+    rng = np.random.default_rng(5)
+    state = cx.tx.init(grads(0, rng))
+    over_default_cap = 0
+    for step in range(8):
+        g = grads(step, rng)
+        upd, state = cx(g, state)
+        want, counts = ref.step(step, g)
+        stats = jaxcomp.statistics(state)
+        for leaf, shape in SPEC.items():
+            n = int(np.prod(shape))
+            assert bits(f32(upd[leaf])) == bits(want[leaf]), (step, leaf)
+            assert bits(state.residual[leaf]) == bits(ref.e[leaf]), (step, leaf)
+            assert int(stats["sent_count"][leaf]) == counts[leaf]
+            assert int(stats["message_bytes"][leaf]) == 8 * counts[leaf]
+            assert np.float32(stats["threshold"][leaf]) == ref.h[leaf]
+            over_default_cap += counts[leaf] > cap_of(k_of(RATIO, n), n)
+    assert over_default_cap >= 3  # the default capacity would have cut these steps
+    assert cx.traces == 1
+
+
+@pytest.mark.parametrize("exchange", ["auto", "allgather"])
+def test_uncapped_reuse_on_8_devices_is_the_mean_of_the_papers_messages(exchange):
+    """Under shard_map: the update is the mean over devices of each device's
+    uncapped message (numpy reference per device), the residuals each device's.
+    A capacity of the group size makes ``"auto"`` all-reduce dense."""
+    mesh = jax.make_mesh((N_DEV,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    s = 2
+    tx = jaxcomp.top_k(
+        RATIO, axis_name="data", exchange=exchange, reuse_period=s, capacity_factor="uncapped"
+    )
+    refs = [PaperReuse(SPEC, RATIO, s) for _ in range(N_DEV)]
+    zeros = {leaf: jnp.zeros(shape, jnp.float32) for leaf, shape in SPEC.items()}
+    state = jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * N_DEV), tx.init(zeros)), sharding)
+    update = mesh_update(tx, mesh)
+    rng = np.random.default_rng(6)
+    over_default_cap = 0
+    for step in range(4):
+        per_dev = [grads(step, rng) for _ in range(N_DEV)]
+        g = {leaf: np.stack([np.asarray(p[leaf]) for p in per_dev]) for leaf in SPEC}
+        upd, state = update(jax.device_put(g, sharding), state)
+        out = [refs[d].step(step, per_dev[d]) for d in range(N_DEV)]
+        stats = jaxcomp.statistics(state)
+        for leaf, shape in SPEC.items():
+            n = int(np.prod(shape))
+            want = np.mean([o[0][leaf] for o in out], axis=0, dtype=np.float32)
+            np.testing.assert_allclose(np.asarray(upd[leaf])[0], want, rtol=1e-6, atol=1e-7)
+            counts = [o[1][leaf] for o in out]
+            np.testing.assert_array_equal(np.asarray(stats["sent_count"][leaf]), counts)
+            for d in range(N_DEV):
+                assert bits(np.asarray(state.residual[leaf])[d]) == bits(refs[d].e[leaf])
+            over_default_cap += sum(c > cap_of(k_of(RATIO, n), n) for c in counts)
+    assert over_default_cap > 0
+
+
+@pytest.mark.parametrize("value", ["paper", "Uncapped", 0.5, float("inf"), float("nan"), True])
+def test_bad_capacity_factor(value):
+    with pytest.raises(
+        ValueError,
+        match=r"capacity_factor must be a finite real number in \[1, inf\) or 'uncapped'",
+    ):
+        jaxcomp.top_k(0.1, reuse_period=2, capacity_factor=value)
 
 
 # ---------------------------------------------------------------------------

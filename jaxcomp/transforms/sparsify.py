@@ -29,7 +29,10 @@ accumulation by ``R = beta e + gamma u`` (``u``: ``g``, the velocity, or
 
 With DLGS threshold reuse (``reuse_period = s > 1``, docs/algorithms.md section 4)
 the selector runs every ``s`` steps only; in between ``S = {|R| > H}`` with the
-stored threshold ``H`` of the group.
+stored threshold ``H`` of the group, capped at the capacity like any
+selection; ``capacity_factor="uncapped"`` makes the capacity the group's size
+``n``, so that, as in the DLGS paper, everything above ``H`` is sent (no
+smaller bound holds: ``|R|`` can outgrow a stored ``H`` anywhere).
 
 Contracts (tested for every compressor): ``S + e_new == R`` bit for bit, in
 the residual dtype, where ``S`` is the update as returned (cast back from the
@@ -304,7 +307,7 @@ class _Config:
     hint_previous: bool  # selector_options hint="previous": pass the stored threshold
     phase_ratios: tuple[float, ...]  # warm-up ratios (one per epoch), then the target
     steps_per_epoch: int | None
-    capacity_factor: float
+    capacity_factor: float  # math.inf: "uncapped" (the capacity is the group size)
     min_dense_size: int
     momentum: Any  # float, or a JAX array (an injected hyperparameter)
     use_velocity: bool
@@ -415,6 +418,8 @@ def _group_stats(members, o: GroupOut) -> _LeafStats:
 
 
 def _capacity(k: int, n: int, capacity_factor: float) -> int:
+    if math.isinf(capacity_factor):  # "uncapped": the group's size, nothing is ever cut
+        return n
     return min(n, max(k, math.ceil(capacity_factor * k)))
 
 
@@ -559,7 +564,7 @@ def sparsify(
     axis_name: Any = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
-    capacity_factor: float | None = None,
+    capacity_factor: float | str | None = None,
     momentum: float | jax.Array | None = None,
     momentum_masking: bool = True,
     nesterov: bool = False,
@@ -604,6 +609,12 @@ def sparsify(
         pairs, the largest (ties to the lower index); the rest of a larger
         selection stays in the residual. None: 1.5; 1 for ``"dgc"`` with its
         default ``rule="reference"`` (DGC's reference code sends at most ``k``).
+        ``"uncapped"``: no cap, everything the threshold passes is sent (the
+        DLGS paper's reuse steps); the message buffer is then the group's
+        size ``n`` (static shapes: a reused threshold can pass any number of
+        elements), so ``exchange="auto"`` all-reduces it dense and
+        ``"allgather"`` moves ``n`` pairs per device; ``message_bytes`` and
+        ``sent_count`` still report what passed.
       momentum: DGC momentum correction factor ``m`` in [0, 1) (then use
         plain SGD after the compressor); may be traced. None: no velocity.
       momentum_masking: DGC momentum factor masking (zero ``u`` where sent).
@@ -631,7 +642,8 @@ def sparsify(
       reuse_period: DLGS threshold reuse ``s``, an int >= 1: the selector
         runs every ``s`` steps (and when a stored threshold cannot serve);
         between, the stored threshold ``state.threshold`` is applied, capped
-        at the capacity. Needs a threshold selector. None: 1.
+        at the capacity (``capacity_factor="uncapped"``: not capped, the
+        paper's rule). Needs a threshold selector. None: 1.
       nonfinite: policy for NaN/Inf gradients. ``"skip"`` (default): a
         device with a non-finite gradient sends nothing this step and keeps
         its residual and velocity; the others' messages are averaged as
@@ -841,7 +853,7 @@ def _make_config(
             options.get("rule", "reference") == "reference"
         )
         capacity_factor = 1.0 if reference_dgc else 1.5
-    capacity_factor = V.check_real("capacity_factor", capacity_factor, 1.0)
+    capacity_factor = _check_capacity_factor(capacity_factor)
     momentum = V.check_real(
         "momentum",
         0.0 if momentum is None else momentum,
@@ -989,6 +1001,29 @@ def _make_config(
         small_indices=small_indices,
         shared_indices=shared_indices,
     )
+
+
+# capacity_factor's one named value: messages as large as their group (a float
+# inf in _Config), DLGS's "everything above the threshold" on reuse steps.
+UNCAPPED = "uncapped"
+
+
+def _check_capacity_factor(value) -> float:
+    """A real >= 1, or ``"uncapped"`` (``math.inf``: the capacity is the group's size)."""
+    what = (
+        f"capacity_factor must be a finite real number in [1, inf) or {UNCAPPED!r} (no cap), "
+        f"got {value!r}"
+    )
+    if isinstance(value, str):
+        if value != UNCAPPED:
+            raise ValueError(what)
+        return math.inf
+    if V.is_traced(value):  # its own error: a static option, to name in static_args
+        return V.check_real("capacity_factor", value, 1.0)
+    try:
+        return V.check_real("capacity_factor", value, 1.0)
+    except ValueError:
+        raise ValueError(what) from None
 
 
 # The exchanges the message-format options (value_dtype, index_dtype,
