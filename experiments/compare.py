@@ -77,10 +77,12 @@ import statistics
 from absl import flags
 
 from experiments import cli, jsonio
+from experiments.setups import DLGS_PAPER_KWARGS, DLGS_REUSE_PERIOD
 
 __all__ = [
     "ACCORDION_TABLE",
-    "DLGS_REUSE_PERIOD",
+    "DLGS_EPOCHS",
+    "DLGS_PAPER_CLAIMS",
     "DLGS_TABLE",
     "EXCHANGE_TABLE",
     "PAPER_TABLE2",
@@ -90,6 +92,7 @@ __all__ = [
     "SCALECOM_LOW_PASS",
     "TABLES",
     "for_compressor",
+    "format_dlgs_paper",
     "format_qsgd_bits",
     "format_table",
     "define_flags",
@@ -117,22 +120,42 @@ PAPER_TABLE2 = {
 }
 
 
-# The DLGS paper's reuse period is not in the text we have; 5 is our choice.
-DLGS_REUSE_PERIOD = 5
 # The DLGS paper's Table 2 methods: uncompressed, global top-k, layer-wise
-# top-k (LAGS), and DLGS (layer-wise with threshold reuse and the merge plan).
+# top-k (LAGS), and DLGS (threshold reuse and the paper's greedy merge,
+# Algorithm 2); beside them threshold reuse alone, and jaxcomp's variant of
+# DLGS (the message capped at 1.5 k, the exact merge planner).
 DLGS_TABLE = {
     "dense": {"compressor": "dense"},
     "top_k": {"compressor": "top_k", "compressor_kwargs": {"granularity": "global"}},
     "lags": {"compressor": "top_k", "compressor_kwargs": {"granularity": "layer"}},
-    "dlgs_reuse": {
-        "compressor": "top_k",
-        "compressor_kwargs": {"reuse_period": DLGS_REUSE_PERIOD},
-    },
-    "dlgs": {
+    "dlgs_reuse": {"compressor": "top_k", "compressor_kwargs": DLGS_PAPER_KWARGS},
+    "dlgs": {"compressor": "top_k", "compressor_kwargs": DLGS_PAPER_KWARGS, "merge": "greedy"},
+    "dlgs_ours": {
         "compressor": "top_k",
         "compressor_kwargs": {"reuse_period": DLGS_REUSE_PERIOD},
         "merge": "optimal",
+    },
+}
+# What the DLGS paper states for each row of its Tables 1-2 (ResNet-20 and
+# VGG-16 on CIFAR-10, ResNet-50 on a 100-class ImageNet subset; 3 workers and
+# a parameter server, RTX 4090s over 2x25 Gbit/s RoCE; 140 epochs at batch 32
+# per worker). The tables' numbers themselves are not in the text we have
+# (the journal's tables are images); only its prose is: "-" marks a row the
+# text says nothing about. Table 3's alpha is the ldte_bs paper's measure
+# (exact top-k's seconds to the target accuracy over the run's); the DLGS
+# paper has no such table, its one speed-up figure is against uncompressed.
+DLGS_PAPER_CLAIMS = {
+    "dense": {"table1": "reference", "table2": "slowest (comm >> compute)", "alpha": "-"},
+    "top_k": {"table1": "-", "table2": "faster than dense", "alpha": "-"},
+    "lags": {
+        "table1": "-",
+        "table2": "more sparsify time than top_k, faster overall",
+        "alpha": "-",
+    },
+    "dlgs": {
+        "table1": "very close to dense",
+        "table2": "fastest at 0.1 and 0.01; up to 1.99x vs dense (0.01)",
+        "alpha": "-",
     },
 }
 # ScaleCom's low-pass filter beta on the residual: 0.1 is our choice (the
@@ -227,14 +250,14 @@ _PLAIN_SGD_SETTING = dict(
     schedule="cosine",
     epochs=30,
 )
+# The DLGS table's default length: a tenth of the paper's 140 epochs.
+DLGS_EPOCHS = 14
 # table -> (rows, defaults of the paper's setting for flags left unset).
 TABLES = {
     "ldte_bs": (
         PAPER_TABLE2,
         _LDTE_SETTING,
     ),
-    # DLGS: 140 epochs, lr 0.1 stepped down x0.1 at epochs 80 and 120, batch 32
-    # per node, compression ratios 0.1 and 0.01, no warm-up.
     "exchanges": (
         EXCHANGE_TABLE,
         _LDTE_SETTING,
@@ -254,6 +277,10 @@ TABLES = {
         QSGD_TABLE,
         _PLAIN_SGD_SETTING,
     ),
+    # DLGS: lr 0.1 stepped down x0.1 after 4/7 and 6/7 of the epochs (the
+    # paper's 80 and 120 of 140), compression ratio 0.1 (--ratio=0.01 its
+    # second), no warm-up. 14 epochs, not the paper's 140, so that the default
+    # run takes minutes on a CPU (--epochs=140 for the paper's length).
     "dlgs": (
         DLGS_TABLE,
         dict(
@@ -261,7 +288,7 @@ TABLES = {
             warmup_epochs=0,
             momentum_correction=True,
             schedule="step",
-            epochs=140,
+            epochs=DLGS_EPOCHS,
         ),
     ),
 }
@@ -523,6 +550,63 @@ def format_qsgd_bits(
     return "\n".join(lines), rows
 
 
+def format_dlgs_paper(results: dict, rows: dict, setting: str) -> tuple[str, dict]:
+    """The DLGS paper's Tables 1-2 and the alpha column: ours beside what the paper states.
+
+    Per run: Table 1's final test accuracy and training loss, Table 2's
+    training seconds (steps only) and their speed-up over dense, and alpha
+    (``speedup_to_target`` of :func:`format_table`); the paper's column is
+    :data:`DLGS_PAPER_CLAIMS` (its prose: the tables' numbers are not in our
+    text). ``msg B``: the device's own message per step, the last epoch's
+    mean (with ``capacity_factor="uncapped"``, what passed the thresholds).
+
+    Args:
+      results: ``{name: train_and_evaluate result}``; ``"dense"`` among them.
+      rows: ``{name: summary}`` as :func:`format_table` returns them.
+      setting: one line saying what ours ran (model, data, devices, epochs).
+
+    Returns:
+      ``(table text, {name: {"accuracy", "loss", "train_seconds",
+      "speedup_vs_dense", "alpha", "message_bytes", "paper": {...}}})``.
+    """
+    dense_time = results["dense"]["final"]["train_time"] if "dense" in results else None
+    out = {}
+    for name, result in results.items():
+        final, row = result["final"], rows[name]
+        seconds = final["train_time"]
+        out[name] = {
+            "accuracy": 100 * final["test_accuracy"],
+            "loss": final["train_loss"],
+            "train_seconds": seconds,
+            "speedup_vs_dense": dense_time / seconds if dense_time and seconds else None,
+            "alpha": row["speedup_to_target"],
+            "message_bytes": row["message_bytes"],
+            "paper": DLGS_PAPER_CLAIMS.get(name, {"table1": "-", "table2": "-", "alpha": "-"}),
+        }
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    lines = [
+        "DLGS paper vs ours. Paper: ResNet-20 / VGG-16 on CIFAR-10, ResNet-50 on an "
+        "ImageNet subset, 3 GPU workers + parameter server, 140 epochs, batch 32 per worker "
+        "(its tables' numbers are not in our text: its prose is quoted). Ours: " + setting,
+        f"{'run':<12}{'acc %':>7}{'loss':>8}  {'paper Table 1':<22}"
+        f"{'train s':>8}{'x dense':>8}{'msg B':>9}  {'paper Table 2':<54}{'alpha':>6}"
+        "  paper alpha",
+    ]
+    lines.append("-" * len(lines[-1]))
+    for name, r in out.items():
+        p = r["paper"]
+        lines.append(
+            f"{name:<12}{r['accuracy']:>7.2f}{r['loss']:>8.4f}  {p['table1']:<22}"
+            f"{r['train_seconds']:>8.1f}{num(r['speedup_vs_dense'], '.2f'):>8}"
+            f"{r['message_bytes']:>9.0f}  "
+            f"{p['table2']:<54}{num(r['alpha'], '.2f'):>6}  {p['alpha']}"
+        )
+    return "\n".join(lines), out
+
+
 def set_cpu_devices(num_devices: int) -> None:
     """Simulates ``num_devices`` CPU devices; call before JAX initialises (no-op on GPU)."""
     import jax  # noqa: PLC0415
@@ -596,6 +680,14 @@ def main(argv) -> dict:
     if args.table == "qsgd":
         bits_table, record["qsgd_bits"] = format_qsgd_bits(results, rows_spec)
         print(bits_table)
+    if args.table == "dlgs":
+        ours = (
+            f"{args.model} on {args.dataset}, {args.num_devices or 'all'} devices, "
+            f"{base.epochs} epochs, global batch {args.batch_size}, "
+            f"ratio {base.compressor_kwargs['ratio']}"
+        )
+        paper_table, record["dlgs_paper"] = format_dlgs_paper(results, rows, ours)
+        print(paper_table)
     with open(os.path.join(args.outdir, "comparison.json"), "w") as f:
         jsonio.dump(record, f, indent=2)
     print(f"plots and JSON in {args.outdir}")

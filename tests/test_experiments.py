@@ -221,10 +221,10 @@ def test_compare_accordion_rows_are_valid_configs():
 def test_dlgs_table_rows_are_the_papers_methods():
     # compare --table=dlgs: each row passes validation in the paper's setting,
     # and the rows differ exactly in what the DLGS paper compares.
-    from experiments import compare, train  # noqa: PLC0415
+    from experiments import compare, setups, train  # noqa: PLC0415
 
     rows, setting = compare.TABLES["dlgs"]
-    assert setting["epochs"] == 140 and setting["schedule"] == "step"
+    assert setting["epochs"] == compare.DLGS_EPOCHS and setting["schedule"] == "step"
     assert setting["warmup_epochs"] == 0 and setting["compressor_kwargs"] == {"ratio": 0.1}
     base = train.TrainConfig(**setting, momentum=0.9)
     configs = {n: compare.for_compressor(base, o) for n, o in rows.items()}
@@ -234,13 +234,22 @@ def test_dlgs_table_rows_are_the_papers_methods():
     kw = {n: c.compressor_kwargs for n, c in resolved.items()}
     assert kw["top_k"]["granularity"] == "global"
     assert (kw["lags"]["granularity"], kw["lags"]["reuse_period"]) == ("layer", 1)
-    assert kw["dlgs_reuse"]["reuse_period"] == compare.DLGS_REUSE_PERIOD > 1
-    assert resolved["dlgs_reuse"].merge == "none"
-    assert (resolved["dlgs"].merge, kw["dlgs"]["reuse_period"]) == (
-        "optimal",
-        compare.DLGS_REUSE_PERIOD,
-    )
+    period = setups.DLGS_REUSE_PERIOD
+    assert period > 1
+    # The paper's DLGS: reuse with nothing above the threshold cut, greedy merge
+    # (its Algorithm 2); threshold reuse alone; jaxcomp's (capped, optimal merge).
+    paper = (period, "uncapped")
+    assert (kw["dlgs_reuse"]["reuse_period"], kw["dlgs_reuse"]["capacity_factor"]) == paper
+    assert (kw["dlgs"]["reuse_period"], kw["dlgs"]["capacity_factor"]) == paper
+    assert kw["dlgs_ours"]["reuse_period"] == period
+    assert kw["dlgs_ours"].get("capacity_factor") is None  # the factory's 1.5
+    merges = {n: resolved[n].merge for n in ("dlgs_reuse", "dlgs", "dlgs_ours")}
+    assert merges == {"dlgs_reuse": "none", "dlgs": "greedy", "dlgs_ours": "optimal"}
     assert all(k["ratio"] == 0.1 for k in kw.values())
+    # The setups' DLGS is the table's paper row.
+    for name in ("dlgs_resnet20_cifar10", "dlgs_vgg16_cifar10"):
+        setup = train.resolve_config(setups.setup_config(name))
+        assert setup.merge == "greedy" and setup.compressor_kwargs == kw["dlgs"]
 
 
 def test_compare_merge_link_reaches_only_the_merging_row():
@@ -255,7 +264,7 @@ def test_compare_merge_link_reaches_only_the_merging_row():
         merging = rows[name].get("merge", "none") != "none"
         assert config.merge_alpha == (1e-3 if merging else None), name
         assert config.merge_beta is None, name
-    assert sum(c.merge_alpha is not None for c in configs.values()) == 1
+    assert sum(c.merge_alpha is not None for c in configs.values()) == 2  # dlgs, dlgs_ours
     # The planner's cost: the flag's latency, the default bandwidth.
     cost = train.merge_link_cost(train.resolve_config(configs["dlgs"]))
     unlinked = compare.for_compressor(base, rows["dlgs"])

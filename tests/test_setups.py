@@ -326,7 +326,10 @@ def test_setup_flag_applies_the_setup_and_explicit_flags_override():
     # A kwarg flag (shorthand or --compressor_kwargs) overrides the setup's key by key.
     for flag in ("--ratio=0.01", "--compressor_kwargs=ratio=0.01"):
         dlgs = parse("--setup=dlgs_vgg16_cifar10", flag)
-        assert dlgs.compressor_kwargs == {"ratio": 0.01, "granularity": "layer", "reuse_period": 5}
+        assert dlgs.compressor_kwargs == {
+            "ratio": 0.01, "granularity": "layer", "reuse_period": 5, "capacity_factor": "uncapped",
+        }  # fmt: skip
+        assert dlgs.merge == "greedy"  # the paper's Algorithm 2
     # Another schedule drops the step schedule's milestones (validation named
     # --lr_milestones, a flag never passed); given explicitly they stay, refused.
     for schedule in ("cosine", "constant"):
