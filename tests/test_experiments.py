@@ -252,6 +252,43 @@ def test_dlgs_table_rows_are_the_papers_methods():
         assert setup.merge == "greedy" and setup.compressor_kwargs == kw["dlgs"]
 
 
+def test_compare_dlgs_table_prints_the_papers_column(tmp_path):
+    # compare --table=dlgs in a tiny mode: dense and the paper's DLGS (uncapped
+    # reuse, greedy merge) train a few steps; the paper table holds our numbers
+    # from the runs and the paper's statements beside them.
+    from experiments import compare, train  # noqa: PLC0415
+
+    rows, setting = compare.TABLES["dlgs"]
+    base = train.TrainConfig(
+        **{**setting, "epochs": 1},
+        momentum=0.9,
+        num_devices=2,
+        dataset="digits",
+        model="mlp",
+        batch_size=32,
+        max_steps_per_epoch=6,
+        time_split=False,
+        progress=False,
+        checkpoint=False,
+    )
+    pair = {n: rows[n] for n in ("dense", "dlgs")}
+    results = compare.run_configs(base, pair, str(tmp_path))
+    _, summaries = compare.format_table(results, target=0.0)
+    text, out = compare.format_dlgs_paper(results, summaries, "tiny")
+    assert "Ours: tiny" in text and "paper Table 1" in text and "paper Table 2" in text
+    for name in pair:
+        line = next(s for s in text.splitlines() if s.startswith(name + " "))
+        claims = compare.DLGS_PAPER_CLAIMS[name]
+        assert claims["table1"] in line and claims["table2"] in line
+        final = results[name]["final"]
+        assert f"{100 * final['test_accuracy']:.2f}" in line
+        assert out[name]["train_seconds"] == final["train_time"]
+    assert "up to 1.99x vs dense" in text
+    assert out["dense"]["speedup_vs_dense"] == pytest.approx(1.0)
+    assert out["dlgs"]["message_bytes"] == summaries["dlgs"]["message_bytes"] > 0
+    assert results["dlgs"]["merge_plan"]["method"] == "greedy"
+
+
 def test_compare_merge_link_reaches_only_the_merging_row():
     from experiments import compare, train  # noqa: PLC0415
 
