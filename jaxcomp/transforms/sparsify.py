@@ -1005,17 +1005,17 @@ def _make_config(
 
 # capacity_factor's one named value: messages as large as their group (a float
 # inf in _Config), DLGS's "everything above the threshold" on reuse steps.
-UNCAPPED = "uncapped"
+_UNCAPPED = "uncapped"
 
 
 def _check_capacity_factor(value) -> float:
     """A real >= 1, or ``"uncapped"`` (``math.inf``: the capacity is the group's size)."""
     what = (
-        f"capacity_factor must be a finite real number in [1, inf) or {UNCAPPED!r} (no cap), "
+        f"capacity_factor must be a finite real number in [1, inf) or {_UNCAPPED!r} (no cap), "
         f"got {value!r}"
     )
     if isinstance(value, str):
-        if value != UNCAPPED:
+        if value != _UNCAPPED:
             raise ValueError(what)
         return math.inf
     if V.is_traced(value):  # its own error: a static option, to name in static_args
