@@ -140,6 +140,7 @@ from experiments.config import (
     QUANTIZERS,
     SAMPLINGS,
     SPARSIFIERS,
+    STAGE_AXIS,
     TWO_LEVEL_AXES,
     ConfigError,
     TrainConfig,
@@ -415,7 +416,11 @@ def _write_plots(run: _Run, workdir: str) -> None:
 
 
 def _mesh(c: TrainConfig, n_dev: int):
-    """The run's mesh: flat over ``AXIS``, or two-level ``(nodes, local)`` with ``mesh``."""
+    """The run's mesh: flat over ``AXIS``, two-level ``(nodes, local)`` with ``mesh``,
+    or ``(stages, replicas)`` over ``(STAGE_AXIS, AXIS)`` with ``pipeline_stages``."""
+    if c.pipeline_stages is not None:
+        shape = (c.pipeline_stages, n_dev // c.pipeline_stages)
+        return jax.make_mesh(shape, (STAGE_AXIS, AXIS), devices=jax.devices()[:n_dev])
     shape = mesh_shape(c)
     if shape is None:
         return jax.make_mesh((n_dev,), (AXIS,), devices=jax.devices()[:n_dev])
