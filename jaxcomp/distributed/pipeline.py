@@ -85,6 +85,8 @@ from jaxcomp.distributed.skeleton import (
     check_stacked_state,
     check_unexchanged,
     compress,
+    device_slice,
+    device_stack,
     jit_step,
     mean_leaves,
     shard_step,
@@ -348,8 +350,8 @@ def init_pipeline_opt_state(
     _check_mesh(mesh, stage_axis, data_axis)
 
     def init(params):
-        state = tx.init(jax.tree.map(lambda x: x[0], params))
-        return jax.tree.map(lambda x: jnp.asarray(x)[None, None], state)
+        # The stage's row of the parameters; a (data, stage) block of one row each.
+        return device_stack(device_stack(tx.init(device_slice(params))))
 
     specs = jax.tree.map(lambda _: P(stage_axis), stacked_params)
     init_fn = shard_step(init, mesh, (specs,), P(data_axis, stage_axis))
@@ -618,8 +620,9 @@ def _per_device_step(cfg: _PipelineConfig, params, opt_state, batch, dense_paths
         (_, total), _ = lax.scan(tick, start, jnp.arange(ticks))
         return total / m
 
-    local = jax.tree.map(lambda x: x[0], params)
-    state = jax.tree.map(lambda x: x[0, 0], opt_state)
+    # This stage's parameters (its row); this device's state (its (data, stage) block).
+    local = device_slice(params)
+    state = device_slice(device_slice(opt_state))
     loss, grads = jax.value_and_grad(pipeline_loss)(to_varying(local, (stage, data)))
     grads, dense_wire = mean_leaves(grads, dense_paths, data)
     updates, state, wire = compress(
@@ -635,11 +638,7 @@ def _per_device_step(cfg: _PipelineConfig, params, opt_state, batch, dense_paths
     if wire is not None or dense_paths:
         wire = dense_wire if wire is None else wire + dense_wire
         metrics["wire_bytes"] = lax.pmean(wire, (stage, data))
-    return (
-        jax.tree.map(lambda x: x[None], local),
-        jax.tree.map(lambda x: jnp.asarray(x)[None, None], state),
-        metrics,
-    )
+    return device_stack(local), device_stack(device_stack(state)), metrics
 
 
 def _pad(x, width: int, dtype):
