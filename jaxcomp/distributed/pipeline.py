@@ -203,7 +203,7 @@ def stack_stages(stage_params: Sequence, mesh: Mesh, stage_axis: str = "stage"):
       >>> mesh = jax.make_mesh((1, 1), ("stage", "data"))
       >>> stacked, stages = dist.stack_stages([{"w": jnp.ones((2, 3))}], mesh)
       >>> stacked["w"].shape, stacked["w"].sharding.spec, stages.flat
-      ((1, 2, 3), PartitionSpec('stage', None, None), False)
+      ((1, 2, 3), P('stage',), False)
     """
     stages = _stages_of(stage_params)
     _check_mesh(mesh, stage_axis, None)
