@@ -83,19 +83,37 @@ def expected_stage_bytes(n_stages, microbatches, per_replica, width, itemsize=4)
     return 2 * ticks * (n_stages - 1) * mb * width * itemsize / n_stages
 
 
-def test_dense_2x4_equals_single_device_training():
-    """2 stages x 4 replicas, 4 micro-batches each: plain SGD on the whole batch, two steps."""
-    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8)], ids=["2x4", "1x8"])
+def test_dense_equals_single_device_training(shape):
+    """S stages x N replicas, 2 micro-batches each: plain SGD on the whole batch, three steps.
+
+    With one stage the pipeline is data parallelism (nothing sent between stages).
+    """
+    n_stages, n_data = shape
+    mesh = jax.make_mesh(shape, ("stage", "data"))
     params = blocks_params(2)
-    batches = [data(1), data(2)]
+    traces = []
+
+    def counted(p, x):
+        traces.append(1)  # once per trace of the step: no retrace per step
+        return block(p, x)
+
+    fns = [counted, block] if n_stages == 2 else [lambda p, x: block(p[1], block(p[0], x))]
+    stage_params = params if n_stages == 2 else [params]
+    batches = [data(1), data(2), data(3)]
     tx = optax.chain(dist.dense_exchange("data"), optax.sgd(LR))
-    got, _, metrics = run_pipeline(tx, mesh, params, [block, block], batches, microbatches=2)
+    got, _, metrics = run_pipeline(tx, mesh, stage_params, fns, batches, microbatches=2)
+    assert len(traces) == (2 if n_stages == 2 else 0)  # the activations' shapes, the step
+    got = got if n_stages == 2 else got[0]
     ref = [{k: v.astype(np.float64) for k, v in p.items()} for p in params]
     for (x, t), m in zip(batches, metrics, strict=True):
         loss, grads = np_loss_and_grads(ref, x, t)
         np.testing.assert_allclose(m["loss"], loss, rtol=2e-6)
         ref = [{k: p[k] - LR * g[k] for k in p} for p, g in zip(ref, grads, strict=True)]
-        assert m["stage_bytes"] == expected_stage_bytes(2, 2, BATCH // 4, WIDTH)
+        assert m["stage_bytes"] == expected_stage_bytes(n_stages, 2, BATCH // n_data, WIDTH)
+        # The ring all-reduce of a stage's gradients among its replicas.
+        per_stage = 2 * (WIDTH * WIDTH + WIDTH) // n_stages
+        assert m["wire_bytes"] == 2 * (n_data - 1) / n_data * per_stage * 4
     for p, r in zip(got, ref, strict=True):
         for k in p:
             np.testing.assert_allclose(p[k], r[k], rtol=1e-5, atol=1e-6)
@@ -170,6 +188,56 @@ def test_top_k_per_stage_error_feedback_matches_numpy():
             for k in ref[s]:
                 np.testing.assert_allclose(res[k][d, s], residual[d][s][k], rtol=1e-4, atol=1e-6)
     assert all(m["wire_bytes"] > 0 for m in metrics)
+
+
+def test_masked_compressor_and_dense_mean_of_the_rest_4x2():
+    """top_k on the kernels only (optax.masked): the biases are averaged densely before tx."""
+    n_stages, n_data, ratio = 4, 2, 0.4
+    mesh = jax.make_mesh((n_stages, n_data), ("stage", "data"))
+    params = blocks_params(n_stages, seed=9)
+    batches = [data(10), data(11)]
+    mask = {"w": True, "b": False}
+    tx = optax.chain(optax.masked(jaxcomp.top_k(ratio, axis_name="data"), mask), optax.sgd(LR))
+    got, _, _ = run_pipeline(tx, mesh, params, [block] * n_stages, batches, microbatches=4)
+    ref = [{k: v.astype(np.float64) for k, v in p.items()} for p in params]
+    residual = [[np.zeros((WIDTH, WIDTH)) for _ in range(n_stages)] for _ in range(n_data)]
+    rows = BATCH // n_data
+    for x, t in batches:
+        grads = [
+            np_loss_and_grads(ref, x[d * rows : (d + 1) * rows], t[d * rows : (d + 1) * rows])[1]
+            for d in range(n_data)
+        ]
+        for s in range(n_stages):
+            sent = []
+            for d in range(n_data):
+                acc = residual[d][s] + grads[d][s]["w"]
+                keep = topk_set(acc.ravel(), k_of(ratio, acc.size)).reshape(acc.shape)
+                sent.append(np.where(keep, acc, 0.0))
+                residual[d][s] = acc - sent[-1]
+            ref[s] = {
+                "w": ref[s]["w"] - LR * sum(sent) / n_data,
+                "b": ref[s]["b"] - LR * sum(g[s]["b"] for g in grads) / n_data,
+            }
+    for p, r in zip(got, ref, strict=True):
+        for k in p:
+            np.testing.assert_allclose(p[k], r[k], rtol=1e-5, atol=1e-6)
+
+
+def test_homogeneous_stages_keep_their_matrices_for_powersgd():
+    """Stages of the same blocks are stacked leaf by leaf: PowerSGD sees each 4x4 kernel."""
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    stage_params = [[p, p] for p in blocks_params(2)]  # two blocks per stage
+    stacked, stages = dist.stack_stages(stage_params, mesh)
+    assert not stages.flat and stacked[0]["w"].shape == (2, WIDTH, WIDTH)
+    tx = jaxcomp.powersgd(rank=1, axis_name="data", min_dense_size=0, min_compression_rate=0)
+    state = dist.init_pipeline_opt_state(tx, stacked, mesh)
+    assert [q.shape for q in jax.tree.leaves(optax.tree.get(state, "q"))] == [(4, 2, WIDTH, 1)] * 2
+    # Different layers per stage: one padded flat vector each.
+    _, flat = dist.stack_stages([{"w": np.ones((2, 3))}, {"v": np.ones(4)}], mesh)
+    assert flat.flat and flat.length == 6
+    with pytest.raises(ValueError, match="opt_state .* stacked for the mesh's 4 devices"):
+        step = dist.make_pipeline_train_step([block] * 2, stages, mse, tx, mesh, 2)
+        step(stacked, jax.tree.map(lambda a: np.asarray(a)[:1], state), data())
 
 
 def test_bubble_fraction_and_stage_bytes():

@@ -46,6 +46,9 @@ activations between stages are flattened per example and zero-padded to the
 widest boundary's size, in their common dtype. Every collective (the
 ``ppermute`` between stages, the compressor's exchange over ``"data"``) is
 outside the switch's branches, so every device runs the same collectives.
+On bubble ticks a stage runs on padding (zeros, or its last micro-batch
+again) and its cotangent there is zero: the stage functions must be finite
+on such inputs; the loss is computed on real micro-batches only.
 
 **Bytes.** ``metrics["wire_bytes"]``: the gradient exchange (what ``tx``
 sent, mean over devices, as :func:`~jaxcomp.distributed.make_train_step`).
@@ -58,7 +61,7 @@ elements of ``b`` bytes. Bubble ticks send too (static shapes).
 
 Not here: the 1F1B schedule (same bubble, fewer activations kept),
 interleaved stages, tensor parallelism inside a stage, mutable model state
-(``batch_stats``).
+(``batch_stats``) or a PRNG key in the stages, several arrays between stages.
 """
 
 from __future__ import annotations
@@ -589,14 +592,17 @@ def _per_device_step(cfg: _PipelineConfig, params, opt_state, batch, dense_paths
     ticks = m + n_stages - 1
     forward_perm = [(i, i + 1) for i in range(n_stages - 1)]
 
+    def loss_of(out, y):
+        return jnp.asarray(cfg.loss_fn(out, y), jnp.float32)
+
     def branch(s):
-        def run(local, received, x, y):
+        def run(local, received, x, y, valid):
             inp = x if s == 0 else _unpad(received, boundary[s - 1])
             out = cfg.stage_fns[s](cfg.stages.stage_params(s, local), inp)
             if s == n_stages - 1:
-                return jnp.zeros((mb, width), act_dtype), jnp.asarray(
-                    cfg.loss_fn(out, y), jnp.float32
-                )
+                # Not on the bubble's padding (a loss may not be finite there, nor its gradient).
+                loss = lax.cond(valid, loss_of, lambda *_: jnp.float32(0), out, y)
+                return jnp.zeros((mb, width), act_dtype), loss
             return _pad(out, width, act_dtype), jnp.float32(0)
 
         return run
@@ -609,9 +615,9 @@ def _per_device_step(cfg: _PipelineConfig, params, opt_state, batch, dense_paths
             x = xs[jnp.clip(t, 0, m - 1)]
             last_mb = t - (n_stages - 1)
             y = ys[jnp.clip(last_mb, 0, m - 1)]
-            out, loss = lax.switch(s_index, branches, local, received, x, y)
-            valid = (last_mb >= 0) & (last_mb < m)
-            total = total + jnp.where(valid, loss, 0.0)
+            valid = (last_mb >= 0) & (last_mb < m)  # the last stage holds a micro-batch
+            out, loss = lax.switch(s_index, branches, local, received, x, y, valid)
+            total = total + loss
             if n_stages > 1:
                 out = lax.ppermute(out, stage, forward_perm)
             return (out, total), None
