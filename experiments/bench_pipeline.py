@@ -10,10 +10,11 @@ squared error, trained on 8 simulated CPU devices:
   ``depth / S`` blocks, ``N = 8 / S`` data replicas each,
   ``M`` GPipe micro-batches per replica
   (:func:`jaxcomp.distributed.make_pipeline_train_step`), the same exchanges
-  per stage over ``"data"``.
+  per stage over ``"data"``; ``..._1f1b`` the same with the 1F1B schedule.
 
 Every configuration trains on the same global batch. Times are medians of
-whole steps (blocked on) after warm-up; ``vs_dp_dense`` divides by
+whole steps (blocked on) after warm-up, the configurations timed in turns
+(one step each per round, ``repeats`` rounds); ``vs_dp_dense`` divides by
 ``dp_dense``'s median measured in the same run. Each row also records the
 GPipe bubble ``(S - 1) / (M + S - 1)``, the bytes one device sent between
 stages (``stage_bytes``: activations and cotangents) and the gradient bytes
@@ -39,6 +40,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
     ).strip()
 
+import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -50,7 +52,7 @@ from absl import flags  # noqa: E402
 
 import jaxcomp  # noqa: E402
 from experiments import cli, jsonio  # noqa: E402
-from experiments.timing import environment, median_ms_threaded  # noqa: E402
+from experiments.timing import environment  # noqa: E402
 from jaxcomp import distributed as dist  # noqa: E402
 
 __all__ = ["define_flags", "main", "run"]
@@ -85,15 +87,31 @@ def _optimizers(ratio: float) -> dict:
     }
 
 
-def _time(step, carry, batch, repeats):
+def _first_call(step, carry, batch):
+    """The step's first call (compiles) and a second (warm-up): (carry, seconds, metrics)."""
     t0 = time.perf_counter()
     out = jax.block_until_ready(step(*carry, batch))
     first = time.perf_counter() - t0
-    ms = median_ms_threaded(
-        lambda s, b: step(*s, b), out[:2], batch, next_state=lambda o: o[:2], repeats=repeats
-    )
-    metrics = jax.device_get(out[2])
-    return ms, first, metrics
+    out = jax.block_until_ready(step(*out[:2], batch))
+    return out[:2], first, jax.device_get(out[2])
+
+
+def _round_robin_ms(runners: dict, repeats: int) -> dict:
+    """Median ms per step of each ``(step, carry, batch)``, timed in turns.
+
+    One step of each configuration per round, ``repeats`` rounds: a load
+    change on the (shared) machine falls on every configuration alike, not on
+    whichever was being timed then.
+    """
+    times = {name: [] for name in runners}
+    carries = {name: carry for name, (_, carry, _) in runners.items()}
+    for _ in range(repeats):
+        for name, (step, _, batch) in runners.items():
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(step(*carries[name], batch))
+            times[name].append(time.perf_counter() - t0)
+            carries[name] = out[:2]
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
 def run(
@@ -104,24 +122,28 @@ def run(
     pipelines: list,
     repeats: int,
     out_dir: str,
+    schedules: tuple = ("gpipe",),
 ) -> dict:
-    """Times each configuration; ``pipelines``: ``(stages, microbatches)`` pairs."""
+    """Times each configuration; ``pipelines``: ``(stages, microbatches)`` pairs, each run
+    with every schedule of ``schedules``."""
     n_dev = jax.device_count()
     blocks = _blocks(width, depth)
     rng = np.random.default_rng(1)
     x = rng.normal(size=(batch, width)).astype(np.float32)
     t = rng.normal(size=(batch, width)).astype(np.float32)
-    rows = {}
+    rows, runners = {}, {}
     mesh = jax.make_mesh((n_dev,), ("data",))
     loss = lambda p, b: _mse(_apply(p, b[0]), b[1])  # noqa: E731
     for name, tx in _optimizers(ratio).items():
         step = dist.make_train_step(loss, tx, mesh)
         params = dist.replicate(blocks, mesh)
         carry = (params, dist.init_opt_state(tx, params, mesh))
-        ms, first, m = _time(step, carry, dist.shard_batch((x, t), mesh), repeats)
+        placed = dist.shard_batch((x, t), mesh)
+        carry, first, m = _first_call(step, carry, placed)
+        runners[f"dp_{name}"] = (step, carry, placed)
         rows[f"dp_{name}"] = {
-            "step_ms": ms,
             "first_call_s": first,
+            "schedule": None,
             "stages": 1,
             "replicas": n_dev,
             "microbatches": 1,
@@ -136,23 +158,29 @@ def run(
         mesh = jax.make_mesh((stages, n_dev // stages), ("stage", "data"))
         # Homogeneous stages (a list of `per` blocks each): the compressor sees the matrices.
         stage_params = [blocks[s * per : (s + 1) * per] for s in range(stages)]
-        for name, tx in _optimizers(ratio).items():
-            stacked, pstages = dist.stack_stages(stage_params, mesh)
-            carry = (stacked, dist.init_pipeline_opt_state(tx, stacked, mesh))
-            step = dist.make_pipeline_train_step(
-                [_apply] * stages, pstages, _mse, tx, mesh, microbatches
-            )
-            ms, first, m = _time(step, carry, (x, t), repeats)
-            rows[f"pp{stages}x{n_dev // stages}_m{microbatches}_{name}"] = {
-                "step_ms": ms,
-                "first_call_s": first,
-                "stages": stages,
-                "replicas": n_dev // stages,
-                "microbatches": microbatches,
-                "bubble": dist.bubble_fraction(stages, microbatches),
-                "stage_bytes": float(m["stage_bytes"]),
-                "wire_bytes": float(m["wire_bytes"]),
-            }
+        for schedule in schedules:
+            for name, tx in _optimizers(ratio).items():
+                stacked, pstages = dist.stack_stages(stage_params, mesh)
+                carry = (stacked, dist.init_pipeline_opt_state(tx, stacked, mesh))
+                step = dist.make_pipeline_train_step(
+                    [_apply] * stages, pstages, _mse, tx, mesh, microbatches, schedule=schedule
+                )
+                carry, first, m = _first_call(step, carry, (x, t))
+                suffix = "" if schedule == "gpipe" else f"_{schedule}"
+                key = f"pp{stages}x{n_dev // stages}_m{microbatches}_{name}{suffix}"
+                runners[key] = (step, carry, (x, t))
+                rows[key] = {
+                    "first_call_s": first,
+                    "schedule": schedule,
+                    "stages": stages,
+                    "replicas": n_dev // stages,
+                    "microbatches": microbatches,
+                    "bubble": dist.bubble_fraction(stages, microbatches, schedule),
+                    "stage_bytes": float(m["stage_bytes"]),
+                    "wire_bytes": float(m["wire_bytes"]),
+                }
+    for name, ms in _round_robin_ms(runners, repeats).items():
+        rows[name]["step_ms"] = ms
     base = rows["dp_dense"]["step_ms"]
     for row in rows.values():
         row["vs_dp_dense"] = row["step_ms"] / base
@@ -168,7 +196,7 @@ def run(
     }
     for name, row in rows.items():
         print(
-            f"{name:24s} {row['step_ms']:8.2f} ms {row['vs_dp_dense']:5.2f}x dp_dense  "
+            f"{name:30s} {row['step_ms']:8.2f} ms {row['vs_dp_dense']:5.2f}x dp_dense  "
             f"bubble {row['bubble']:.2f}  stage {row['stage_bytes']:10.0f} B  "
             f"grad {row['wire_bytes']:10.0f} B"
         )
@@ -212,6 +240,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_list(
         "pipelines", ["2:4", "4:4", "4:16"], "STAGES:MICROBATCHES pipeline configurations.", **fv
     )
+    flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Pipeline schedules to time.", **fv)
     flags.DEFINE_integer("repeats", 9, "Timed repeats (median; at least 5).", **fv)
     flags.DEFINE_string("out", "results", "Output directory.", **fv)
 
@@ -227,7 +256,19 @@ def main(argv):
         cli.fail(f"--pipelines must be STAGES:MICROBATCHES pairs, got {args.pipelines}")
     if any(len(p) != 2 for p in pipelines):
         cli.fail(f"--pipelines must be STAGES:MICROBATCHES pairs, got {args.pipelines}")
-    run(args.width, args.depth, args.batch, args.ratio, pipelines, args.repeats, args.out)
+    bad = set(args.schedules) - set(dist.SCHEDULES)
+    if bad:
+        cli.fail(f"--schedules must be among {dist.SCHEDULES}, got {sorted(bad)}")
+    run(
+        args.width,
+        args.depth,
+        args.batch,
+        args.ratio,
+        pipelines,
+        args.repeats,
+        args.out,
+        tuple(args.schedules),
+    )
 
 
 if __name__ == "__main__":

@@ -65,10 +65,12 @@ def np_loss_and_grads(stage_params, x, t):
     return loss, grads
 
 
-def run_pipeline(tx, mesh, stage_params, fns, batches, microbatches):
+def run_pipeline(tx, mesh, stage_params, fns, batches, microbatches, schedule="gpipe"):
     stacked, stages = dist.stack_stages(stage_params, mesh)
     state = dist.init_pipeline_opt_state(tx, stacked, mesh)
-    step = dist.make_pipeline_train_step(fns, stages, mse, tx, mesh, microbatches)
+    step = dist.make_pipeline_train_step(
+        fns, stages, mse, tx, mesh, microbatches, schedule=schedule
+    )
     metrics = []
     for batch in batches:
         stacked, state, m = step(stacked, state, batch)
@@ -76,9 +78,11 @@ def run_pipeline(tx, mesh, stage_params, fns, batches, microbatches):
     return dist.unstack_stages(stacked, stages), state, metrics
 
 
-def expected_stage_bytes(n_stages, microbatches, per_replica, width, itemsize=4):
-    # Each tick S - 1 activations forward and S - 1 cotangents backward, spread over S stages.
-    ticks = microbatches + n_stages - 1
+def expected_stage_bytes(n_stages, microbatches, per_replica, width, schedule="gpipe"):
+    # Each tick S - 1 activations forward and S - 1 cotangents backward, spread over S stages;
+    # GPipe's ticks (each way) M + S - 1, lock-step 1F1B's M + 2 S - 2 (both ways each tick).
+    ticks = microbatches + (n_stages - 1 if schedule == "gpipe" else 2 * n_stages - 2)
+    itemsize = 4
     mb = per_replica // microbatches
     return 2 * ticks * (n_stages - 1) * mb * width * itemsize / n_stages
 
@@ -119,7 +123,8 @@ def test_dense_equals_single_device_training(shape):
             np.testing.assert_allclose(p[k], r[k], rtol=1e-5, atol=1e-6)
 
 
-def test_flax_split_4x2_equals_single_device_training():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_flax_split_4x2_equals_single_device_training(schedule):
     """A Flax nn.Sequential split by layer index into 4 heterogeneous stages (ravelled form)."""
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     layers = [nn.Dense(5), nn.tanh, nn.Dense(3), nn.tanh, nn.Dense(6), nn.Dense(2)]
@@ -134,7 +139,7 @@ def test_flax_split_4x2_equals_single_device_training():
         ["layers_4", "layers_5"],
     ]
     tx = optax.chain(dist.dense_exchange("data"), optax.sgd(LR))
-    got, _, metrics = run_pipeline(tx, mesh, stage_params, fns, batches, microbatches=4)
+    got, _, metrics = run_pipeline(tx, mesh, stage_params, fns, batches, 4, schedule)
     ref = params
     for (x, t), m in zip(batches, metrics, strict=True):
         loss, grads = jax.value_and_grad(lambda p, x=x, t=t: mse(model.apply({"params": p}, x), t))(
@@ -143,21 +148,20 @@ def test_flax_split_4x2_equals_single_device_training():
         np.testing.assert_allclose(m["loss"], loss, rtol=2e-6)
         ref = jax.tree.map(lambda p, g: p - LR * g, ref, grads)
         # The widest boundary: layer 0's 5 outputs (then 3, then 3).
-        assert m["stage_bytes"] == expected_stage_bytes(4, 4, BATCH // 2, 5)
+        assert m["stage_bytes"] == expected_stage_bytes(4, 4, BATCH // 2, 5, schedule)
     merged = {k: v for p in got for k, v in p.items()}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), merged, ref)
 
 
-def test_top_k_per_stage_error_feedback_matches_numpy():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_top_k_per_stage_error_feedback_matches_numpy(schedule):
     """jaxcomp.top_k on 2 stages x 4 replicas: per-stage, per-replica top-k with residuals."""
     n_stages, n_data, ratio = 2, 4, 0.3
     mesh = jax.make_mesh((n_stages, n_data), ("stage", "data"))
     params = blocks_params(n_stages, seed=5)
     batches = [data(6), data(7), data(8)]
     tx = optax.chain(jaxcomp.top_k(ratio, axis_name="data"), optax.sgd(LR))
-    got, state, metrics = run_pipeline(
-        tx, mesh, params, [block] * n_stages, batches, microbatches=2
-    )
+    got, state, metrics = run_pipeline(tx, mesh, params, [block] * n_stages, batches, 4, schedule)
     ref = [{k: v.astype(np.float64) for k, v in p.items()} for p in params]
     residual = [[{k: np.zeros_like(v) for k, v in p.items()} for p in ref] for _ in range(n_data)]
     rows = BATCH // n_data
@@ -243,6 +247,8 @@ def test_homogeneous_stages_keep_their_matrices_for_powersgd():
 def test_bubble_fraction_and_stage_bytes():
     assert dist.bubble_fraction(1, 5) == 0.0
     assert dist.bubble_fraction(4, 4) == 3 / 7
+    assert dist.bubble_fraction(4, 4, "1f1b") == 6 / 10
+    assert dist.stage_bytes(4, 4, 2, 5, 4, "1f1b") == expected_stage_bytes(4, 4, 8, 5, "1f1b")
     assert dist.stage_bytes(4, 4, 2, 5, 4) == expected_stage_bytes(4, 4, 8, 5)
     with pytest.raises(ValueError, match="num_stages"):
         dist.bubble_fraction(0, 4)
@@ -261,6 +267,8 @@ def test_bad_arguments():
     stacked, stages = dist.stack_stages(params, mesh)
     with pytest.raises(ValueError, match="stage_fns has 3 stages"):
         dist.make_pipeline_train_step([block] * 3, stages, mse, tx, mesh, 2)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        dist.make_pipeline_train_step([block] * 2, stages, mse, tx, mesh, 2, schedule="1F1B")
     with pytest.raises(ValueError, match="num_microbatches must be an integer"):
         dist.make_pipeline_train_step([block] * 2, stages, mse, tx, mesh, 0)
     with pytest.raises(ValueError, match="2-D mesh"):

@@ -55,10 +55,12 @@ from jaxcomp.distributed.grads import (
     per_device_value_and_grad,
 )
 from jaxcomp.distributed.pipeline import (
+    SCHEDULES,
     PipelineStages,
     bubble_fraction,
     init_pipeline_opt_state,
     make_pipeline_train_step,
+    schedule_ticks,
     split_layers,
     stack_stages,
     stage_bytes,
@@ -95,6 +97,7 @@ __all__ = [
     "AccumulateState",
     "DenseExchangeState",
     "PipelineStages",
+    "SCHEDULES",
     "ShardedOptimizerState",
     "TimeSplit",
     "accumulate_then_compress",
@@ -114,6 +117,7 @@ __all__ = [
     "per_device_value_and_grad",
     "place_params",
     "replicate",
+    "schedule_ticks",
     "shard_batch",
     "sharded_optimizer",
     "skip_not_finite",

@@ -26,6 +26,20 @@ the GPipe paper's figure; more micro-batches shrink it (``M >= 4 S`` keeps
 it under 20 %). Activations of all ``M`` micro-batches are kept for the
 backward (GPipe without re-materialisation).
 
+**1F1B** (``schedule="1f1b"``; Narayanan et al., 2019, "PipeDream:
+Generalized Pipeline Parallelism for DNN Training"; the synchronous variant of
+Megatron-LM): at tick ``t`` stage ``s`` runs the forward of micro-batch
+``t - s`` and the backward of micro-batch ``t - (2 S - 2 - s)``, so each
+micro-batch's backward starts as soon as the last stage has its loss, over
+``T = M + 2 S - 2`` ticks that each carry an activation forward and a
+cotangent back. The backward is written by hand (``jax.vjp``), recomputing
+the stage's forward from its stored input: a stage keeps the inputs of at
+most ``2 (S - s) - 1`` micro-batches (a ring of ``2 S - 1``) instead of the
+residuals of all ``M``. The gradients are GPipe's (the same sums, up to
+float rounding). In these lock-step ticks its bubble is ``(2 S - 2) / (M +
+2 S - 2)`` of each slot (a stage idles in the first and last ticks in both
+directions); 1F1B's gain is the memory, and the recomputed forward is its price.
+
 **Where parameters live.** A stage's parameters live only on its row: they
 are stacked with a leading axis of ``S`` sharded over ``"stage"``
 (:func:`stack_stages`). Two forms, decided from the stages' parameters:
@@ -59,8 +73,7 @@ receiving ones a cotangent of the same size backward, so ``2 T (S - 1) m A
 b / S`` for micro-batches of ``m`` examples, activations padded to ``A``
 elements of ``b`` bytes. Bubble ticks send too (static shapes).
 
-Not here: the 1F1B schedule (same bubble, fewer activations kept),
-interleaved stages, tensor parallelism inside a stage, mutable model state
+Not here: interleaved stages, tensor parallelism inside a stage, mutable model state
 (``batch_stats``) or a PRNG key in the stages, several arrays between stages.
 """
 
@@ -70,6 +83,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -97,9 +111,11 @@ from jaxcomp.distributed.skeleton import (
 
 __all__ = [
     "PipelineStages",
+    "SCHEDULES",
     "bubble_fraction",
     "init_pipeline_opt_state",
     "make_pipeline_train_step",
+    "schedule_ticks",
     "split_layers",
     "stack_stages",
     "stage_bytes",
@@ -107,17 +123,38 @@ __all__ = [
 ]
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """The GPipe schedule's idle fraction, ``(S - 1) / (M + S - 1)``.
+# The schedules of make_pipeline_train_step.
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def schedule_ticks(schedule: str, num_stages: int, num_microbatches: int) -> int:
+    """Lock-step ticks of a schedule: ``M + S - 1`` (GPipe, each way), ``M + 2 S - 2`` (1F1B).
+
+    Example:
+      >>> from jaxcomp.distributed import schedule_ticks
+      >>> schedule_ticks("gpipe", 4, 8), schedule_ticks("1f1b", 4, 8)
+      (11, 14)
+    """
+    schedule = V.check_choice("schedule", schedule, SCHEDULES)
+    s = V.check_int("num_stages", num_stages, 1)
+    m = V.check_int("num_microbatches", num_microbatches, 1)
+    return m + s - 1 if schedule == "gpipe" else m + 2 * s - 2
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int, schedule: str = "gpipe") -> float:
+    """A stage's idle fraction of the schedule's ticks: ``(ticks - M) / ticks``.
+
+    GPipe: ``(S - 1) / (M + S - 1)``. 1F1B in lock-step ticks (each tick one
+    forward slot and one backward slot): ``(2 S - 2) / (M + 2 S - 2)``; its
+    gain is memory, not the bubble (see :mod:`jaxcomp.distributed.pipeline`).
 
     Example:
       >>> from jaxcomp.distributed import bubble_fraction
-      >>> bubble_fraction(4, 8)
-      0.2727272727272727
+      >>> bubble_fraction(4, 8), bubble_fraction(4, 8, "1f1b")
+      (0.2727272727272727, 0.42857142857142855)
     """
-    s = V.check_int("num_stages", num_stages, 1)
-    m = V.check_int("num_microbatches", num_microbatches, 1)
-    return (s - 1) / (m + s - 1)
+    ticks = schedule_ticks(schedule, num_stages, num_microbatches)
+    return (ticks - num_microbatches) / ticks
 
 
 # --- stage parameters ------------------------------------------------------------------
@@ -378,6 +415,7 @@ class _PipelineConfig:
     data_axis: str
     unexchanged: str
     communicate: bool
+    schedule: str
 
     @property
     def num_stages(self) -> int:
@@ -406,6 +444,7 @@ def make_pipeline_train_step(
     donate: bool = True,
     unexchanged: str = "mean",
     communicate: bool = True,
+    schedule: str = "gpipe",
 ) -> Callable:
     """Builds a jitted pipeline-parallel train step with compressed data parallelism.
 
@@ -439,6 +478,10 @@ def make_pipeline_train_step(
       communicate: ``False`` replaces every collective by a local stand-in
         (:func:`jaxcomp.comm.without_communication`), to time the step without
         its communication (not a training step).
+      schedule: ``"gpipe"`` (every forward, then every backward, by
+        ``jax.grad``) or ``"1f1b"`` (one forward and one backward per tick,
+        the backward recomputing the stage's forward: at most ``2 S - 1``
+        micro-batch inputs kept instead of all ``M``); the same gradients.
 
     Returns:
       ``step(params, opt_state, batch)`` returning ``(params, opt_state,
@@ -495,6 +538,7 @@ def make_pipeline_train_step(
         data_axis=data_axis,
         unexchanged=V.check_choice("unexchanged", unexchanged, UNEXCHANGED),
         communicate=V.check_bool("communicate", communicate),
+        schedule=V.check_choice("schedule", schedule, SCHEDULES),
     )
     return jit_step(
         functools.partial(_run, cfg),
@@ -542,6 +586,14 @@ def _run(cfg: _PipelineConfig, params, opt_state, batch):
         who="make_pipeline_train_step",
         init="jaxcomp.distributed.init_pipeline_opt_state(tx, params, mesh)",
     )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        if jnp.ndim(leaf) < 2 or jnp.shape(leaf)[1] != cfg.num_stages:
+            raise ValueError(
+                f"make_pipeline_train_step: opt_state leaf {jax.tree_util.keystr(path)} has "
+                f"shape {jnp.shape(leaf)}, but the state must be stacked for (replica, stage): "
+                f"({cfg.num_data}, {cfg.num_stages}, ...). Create it with "
+                "jaxcomp.distributed.init_pipeline_opt_state(tx, params, mesh)."
+            )
     local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
     paths = check_unexchanged(
         cfg.tx,
@@ -567,7 +619,7 @@ def _run(cfg: _PipelineConfig, params, opt_state, batch):
 
 
 def _activation_shapes(cfg: _PipelineConfig, inputs):
-    """Per-example shapes entering each stage (``S + 1``: the last is the model's output)."""
+    """A micro-batch's shapes entering each stage (``S + 1``: the last is the model's output)."""
     shapes = [inputs]
     x = inputs
     for s, fn in enumerate(cfg.stage_fns):
@@ -576,20 +628,39 @@ def _activation_shapes(cfg: _PipelineConfig, inputs):
     return shapes
 
 
-def _per_device_step(cfg: _PipelineConfig, params, opt_state, batch, dense_paths):
-    """One device's step inside ``shard_map``: the GPipe forward/backward, ``tx``, the update."""
-    n_stages, m = cfg.num_stages, cfg.num_microbatches
-    stage, data = cfg.stage_axis, cfg.data_axis
+@dataclasses.dataclass(frozen=True)
+class _Microbatches:
+    """One device's view of the schedule: its micro-batches and the padded activations."""
+
+    xs: Any  # (M, m, ...) inputs
+    ys: Any  # (M, m, ...) targets
+    boundary: list  # the activation stage s sends to s + 1 (per micro-batch)
+    width: int  # padded activation elements per example
+    dtype: Any  # the activations' common dtype
+
+    @property
+    def size(self) -> int:
+        return self.xs.shape[1]
+
+    def zeros(self):
+        return jnp.zeros((self.size, self.width), self.dtype)
+
+
+def _microbatches(cfg: _PipelineConfig, batch) -> _Microbatches:
+    m = cfg.num_microbatches
     inputs, targets = batch
-    mb = inputs.shape[0] // m
-    xs = inputs.reshape(m, mb, *inputs.shape[1:])
-    ys = targets.reshape(m, mb, *targets.shape[1:])
+    xs = inputs.reshape(m, inputs.shape[0] // m, *inputs.shape[1:])
+    ys = targets.reshape(m, targets.shape[0] // m, *targets.shape[1:])
     shapes = _activation_shapes(cfg, jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype))
-    boundary = shapes[1:-1]  # what stage s sends to s + 1
+    boundary = shapes[1:-1]
     width = max([math.prod(a.shape[1:]) for a in boundary] or [1])
-    act_dtype = jnp.result_type(*[a.dtype for a in boundary]) if boundary else jnp.float32
-    s_index = lax.axis_index(stage)
-    ticks = m + n_stages - 1
+    dtype = jnp.result_type(*[a.dtype for a in boundary]) if boundary else jnp.float32
+    return _Microbatches(xs, ys, boundary, width, dtype)
+
+
+def _gpipe(cfg: _PipelineConfig, mbs: _Microbatches, local):
+    """(loss, gradients) of this stage: GPipe, ``jax.grad`` of the forward scan."""
+    n_stages, m = cfg.num_stages, cfg.num_microbatches
     forward_perm = [(i, i + 1) for i in range(n_stages - 1)]
 
     def loss_of(out, y):
@@ -597,49 +668,162 @@ def _per_device_step(cfg: _PipelineConfig, params, opt_state, batch, dense_paths
 
     def branch(s):
         def run(local, received, x, y, valid):
-            inp = x if s == 0 else _unpad(received, boundary[s - 1])
+            inp = x if s == 0 else _unpad(received, mbs.boundary[s - 1])
             out = cfg.stage_fns[s](cfg.stages.stage_params(s, local), inp)
             if s == n_stages - 1:
                 # Not on the bubble's padding (a loss may not be finite there, nor its gradient).
                 loss = lax.cond(valid, loss_of, lambda *_: jnp.float32(0), out, y)
-                return jnp.zeros((mb, width), act_dtype), loss
-            return _pad(out, width, act_dtype), jnp.float32(0)
+                return mbs.zeros(), loss
+            return _pad(out, mbs.width, mbs.dtype), jnp.float32(0)
 
         return run
 
     branches = [branch(s) for s in range(n_stages)]
+    s_index = lax.axis_index(cfg.stage_axis)
 
     def pipeline_loss(local):
         def tick(carry, t):
             received, total = carry
-            x = xs[jnp.clip(t, 0, m - 1)]
+            x = mbs.xs[jnp.clip(t, 0, m - 1)]
             last_mb = t - (n_stages - 1)
-            y = ys[jnp.clip(last_mb, 0, m - 1)]
+            y = mbs.ys[jnp.clip(last_mb, 0, m - 1)]
             valid = (last_mb >= 0) & (last_mb < m)  # the last stage holds a micro-batch
             out, loss = lax.switch(s_index, branches, local, received, x, y, valid)
-            total = total + loss
             if n_stages > 1:
-                out = lax.ppermute(out, stage, forward_perm)
-            return (out, total), None
+                out = lax.ppermute(out, cfg.stage_axis, forward_perm)
+            return (out, total + loss), None
 
-        start = (jnp.zeros((mb, width), act_dtype), jnp.float32(0))
-        (_, total), _ = lax.scan(tick, start, jnp.arange(ticks))
+        start = (mbs.zeros(), jnp.float32(0))
+        (_, total), _ = lax.scan(tick, start, jnp.arange(schedule_ticks("gpipe", n_stages, m)))
         return total / m
 
+    return jax.value_and_grad(pipeline_loss)(local)
+
+
+def _one_forward_one_backward(cfg: _PipelineConfig, mbs: _Microbatches, local):
+    """(loss, gradients) of this stage: 1F1B in lock-step ticks, the backward by hand.
+
+    At tick ``t`` stage ``s`` runs the forward of micro-batch ``t - s`` and the
+    backward of micro-batch ``t - (2 S - 2 - s)`` (the last stage: the same
+    one, loss included), each when it exists; the backward recomputes the
+    stage's forward from its stored input (``jax.vjp``). A stage stores the
+    inputs of at most ``2 (S - s) - 1`` micro-batches: a ring of ``2 S - 1``.
+    """
+    n_stages, m = cfg.num_stages, cfg.num_microbatches
+    last = n_stages - 1
+    ring = 2 * n_stages - 1
+    forward_perm = [(i, i + 1) for i in range(last)]
+    backward_perm = [(i + 1, i) for i in range(last)]
+    zero_grads = jax.tree.map(jnp.zeros_like, local)
+
+    def stage_input(s, received, x):
+        return x if s == 0 else _unpad(received, mbs.boundary[s - 1])
+
+    def branch(s):
+        fn = cfg.stage_fns[s]
+
+        def apply(local, inp):
+            return fn(cfg.stages.stage_params(s, local), inp)
+
+        def forward(local, received, x):
+            return _pad(apply(local, stage_input(s, received, x)), mbs.width, mbs.dtype)
+
+        def backward(local, stored, x, y, cotangent):
+            inp = stage_input(s, stored, x)
+            if s == last:  # its forward, the loss and the backward of one micro-batch
+                loss_fn = lambda p, i: jnp.asarray(cfg.loss_fn(apply(p, i), y), jnp.float32) / m  # noqa: E731
+                if s == 0:
+                    loss, g = jax.value_and_grad(loss_fn)(local, inp)
+                    return loss, g, mbs.zeros()
+                loss, (g, g_inp) = jax.value_and_grad(loss_fn, argnums=(0, 1))(local, inp)
+                return loss, g, _pad(g_inp, mbs.width, mbs.dtype)
+            cot = _unpad(cotangent, mbs.boundary[s])
+            if s == 0:
+                _, vjp = jax.vjp(lambda p: apply(p, inp), local)
+                return jnp.float32(0), vjp(cot)[0], mbs.zeros()
+            _, vjp = jax.vjp(apply, local, inp)
+            g, g_inp = vjp(cot)
+            return jnp.float32(0), g, _pad(g_inp, mbs.width, mbs.dtype)
+
+        def run(local, received, x_f, valid_f, stored, x_b, y_b, cotangent, valid_b):
+            out = mbs.zeros()
+            if s != last:
+                out = lax.cond(valid_f, forward, lambda *_: mbs.zeros(), local, received, x_f)
+            loss, grads, back = lax.cond(
+                valid_b,
+                backward,
+                lambda *_: (jnp.float32(0), zero_grads, mbs.zeros()),
+                local,
+                stored,
+                x_b,
+                y_b,
+                cotangent,
+            )
+            return out, back, loss, grads
+
+        return run
+
+    branches = [branch(s) for s in range(n_stages)]
+    s_index = lax.axis_index(cfg.stage_axis)
+
+    def tick(carry, t):
+        received, cotangent, stash, total, acc = carry
+        j_f = t - s_index
+        j_b = t - (2 * n_stages - 2 - s_index)
+        valid_f = (j_f >= 0) & (j_f < m)
+        valid_b = (j_b >= 0) & (j_b < m)
+        stored = stash[jnp.mod(j_b, ring)]
+        out, back, loss, grads = lax.switch(
+            s_index,
+            branches,
+            local,
+            received,
+            mbs.xs[jnp.clip(j_f, 0, m - 1)],
+            valid_f,
+            # The last stage's backward is this tick's forward: its input was just received.
+            jnp.where(s_index == last, received, stored),
+            mbs.xs[jnp.clip(j_b, 0, m - 1)],
+            mbs.ys[jnp.clip(j_b, 0, m - 1)],
+            cotangent,
+            valid_b,
+        )
+        # The slot of micro-batch j_f - ring, done: free whatever j_f is.
+        stash = lax.dynamic_update_index_in_dim(stash, received, jnp.mod(j_f, ring), 0)
+        if n_stages > 1:
+            out = lax.ppermute(out, cfg.stage_axis, forward_perm)
+            back = lax.ppermute(back, cfg.stage_axis, backward_perm)
+        acc = jax.tree.map(jnp.add, acc, grads)
+        return (out, back, stash, total + loss, acc), None
+
+    stash = jnp.zeros((ring, mbs.size, mbs.width), mbs.dtype)
+    start = (mbs.zeros(), mbs.zeros(), stash, jnp.float32(0), zero_grads)
+    ticks = schedule_ticks("1f1b", n_stages, m)
+    (_, _, _, total, grads), _ = lax.scan(tick, start, jnp.arange(ticks))
+    return total, grads
+
+
+def _per_device_step(cfg: _PipelineConfig, params, opt_state, batch, dense_paths):
+    """One device's step inside ``shard_map``: the schedule's gradients, ``tx``, the update."""
+    n_stages, m = cfg.num_stages, cfg.num_microbatches
+    stage, data = cfg.stage_axis, cfg.data_axis
+    mbs = _microbatches(cfg, batch)
     # This stage's parameters (its row); this device's state (its (data, stage) block).
     local = device_slice(params)
     state = device_slice(device_slice(opt_state))
-    loss, grads = jax.value_and_grad(pipeline_loss)(to_varying(local, (stage, data)))
+    gradients = _gpipe if cfg.schedule == "gpipe" else _one_forward_one_backward
+    loss, grads = gradients(cfg, mbs, to_varying(local, (stage, data)))
     grads, dense_wire = mean_leaves(grads, dense_paths, data)
     updates, state, wire = compress(
         cfg.tx, grads, state, local, {}, data, "make_pipeline_train_step"
     )
     local = optax.apply_updates(local, updates)
-    itemsize = jnp.dtype(act_dtype).itemsize
+    sent = stage_bytes(
+        n_stages, m, mbs.size, mbs.width, jnp.dtype(mbs.dtype).itemsize, cfg.schedule
+    )
     metrics = {
         # Only the last stage has a loss: the sum over stages is its value.
         "loss": lax.pmean(lax.psum(loss, stage), data),
-        "stage_bytes": jnp.float32(stage_bytes(n_stages, m, mb, width, itemsize)),
+        "stage_bytes": jnp.float32(sent),
     }
     if wire is not None or dense_paths:
         wire = dense_wire if wire is None else wire + dense_wire
@@ -660,12 +844,18 @@ def _unpad(received, like: jax.ShapeDtypeStruct):
 
 
 def stage_bytes(
-    num_stages: int, num_microbatches: int, microbatch: int, width: int, itemsize: int
+    num_stages: int,
+    num_microbatches: int,
+    microbatch: int,
+    width: int,
+    itemsize: int,
+    schedule: str = "gpipe",
 ) -> float:
-    """Bytes one device sends between stages per GPipe step, mean over the devices.
+    """Bytes one device sends between stages per step, mean over the devices.
 
-    ``2 T (S - 1) m A b / S`` with ``T = M + S - 1`` ticks, micro-batches of
-    ``m`` examples, activations padded to ``A`` elements of ``b`` bytes (see
+    ``2 T (S - 1) m A b / S`` for the schedule's ``T`` ticks
+    (:func:`schedule_ticks`), micro-batches of ``m`` examples, activations
+    padded to ``A`` elements of ``b`` bytes (see
     :mod:`jaxcomp.distributed.pipeline`): the forward activations and the
     backward cotangents, bubble ticks included.
 
@@ -674,5 +864,5 @@ def stage_bytes(
       >>> stage_bytes(2, 4, microbatch=8, width=16, itemsize=4)  # 2 * 5 * 1 * 512 / 2
       2560.0
     """
-    ticks = num_microbatches + num_stages - 1
+    ticks = schedule_ticks(schedule, num_stages, num_microbatches)
     return 2 * ticks * (num_stages - 1) * microbatch * width * itemsize / num_stages
