@@ -169,6 +169,16 @@ class PipelineStages:
       flat: False for homogeneous stages (stacked leaf by leaf); True when
         each stage is ravelled to one vector padded to ``length``.
       length: the padded vector's length (flat form; 0 otherwise).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxcomp import distributed as dist
+      >>> mesh = jax.make_mesh((1, 1), ("stage", "data"))
+      >>> _, stages = dist.stack_stages([{"w": jnp.ones((2, 3))}], mesh)
+      >>> stages.num_stages, stages.flat, stages.length  # one stage: stacked leaf by leaf
+      (1, False, 0)
+      >>> stages.structures[0]["w"].shape
+      (2, 3)
     """
 
     structures: tuple
