@@ -194,6 +194,51 @@ def test_top_k_per_stage_error_feedback_matches_numpy(schedule):
     assert all(m["wire_bytes"] > 0 for m in metrics)
 
 
+def test_bfloat16_activations_between_stages():
+    """A stage sending bfloat16: padded and sent in bfloat16 (2 bytes), the result unchanged."""
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    params = blocks_params(2, seed=3)
+    fns = [
+        lambda p, x: block(p, x).astype(jnp.bfloat16),
+        lambda p, h: block(p, h.astype(jnp.float32)),
+    ]
+    x, t = data(4)
+    tx = optax.chain(dist.dense_exchange("data"), optax.sgd(LR))
+    got, _, (m,) = run_pipeline(tx, mesh, params, fns, [(x, t)], microbatches=2)
+    assert m["stage_bytes"] == expected_stage_bytes(2, 2, BATCH // 4, WIDTH) / 2
+
+    def whole(ps):  # one device, the same functions on the whole batch
+        return mse(fns[1](ps[1], fns[0](ps[0], x)), t)
+
+    loss, grads = jax.value_and_grad(whole)(params)
+    np.testing.assert_allclose(m["loss"], loss, rtol=1e-6)
+    for p, q, g in zip(got, params, grads, strict=True):
+        for k in p:
+            np.testing.assert_allclose(p[k], q[k] - LR * g[k], rtol=1e-5, atol=1e-6)
+
+
+def test_multisteps_accumulates_before_the_exchange():
+    """optax.MultiSteps around the exchange: every 2nd step applies the mean of 2 gradients."""
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    params = blocks_params(2, seed=4)
+    batches = [data(5), data(6), data(7), data(8)]
+    inner = optax.chain(dist.dense_exchange("data"), optax.sgd(LR))
+    tx = optax.MultiSteps(inner, every_k_schedule=2)
+    got, _, metrics = run_pipeline(tx, mesh, params, [block, block], batches, microbatches=2)
+    ref = [{k: v.astype(np.float64) for k, v in p.items()} for p in params]
+    for pair in (batches[:2], batches[2:]):
+        grads = [np_loss_and_grads(ref, x, t)[1] for x, t in pair]
+        ref = [
+            {k: p[k] - LR * (g0[k] + g1[k]) / 2 for k in p}
+            for p, g0, g1 in zip(ref, *grads, strict=True)
+        ]
+    for p, r in zip(got, ref, strict=True):
+        for k in p:
+            np.testing.assert_allclose(p[k], r[k], rtol=1e-5, atol=1e-6)
+    # The exchange ran on every mini-step (MultiSteps runs its inner update each time).
+    assert all(m["wire_bytes"] > 0 for m in metrics)
+
+
 def test_masked_compressor_and_dense_mean_of_the_rest_4x2():
     """top_k on the kernels only (optax.masked): the biases are averaged densely before tx."""
     n_stages, n_data, ratio = 4, 2, 0.4

@@ -363,6 +363,9 @@ def test_main_rejects_bad_flags_before_training(tmp_path, capsys):
         ),
         (["--compressor=qsgd", "--levels=3000000000"], "levels must be an integer"),
         (["--batch_size=100000"], "exceeds the 1438 training examples"),  # digits
+        (["--pipeline_stages=3", "--num_devices=8"], "pipeline_stages=3 must divide"),
+        (["--pipeline_stages=2", "--model=cnn"], "does not work with a model other than mlp"),
+        (["--microbatches=2"], "microbatches (--microbatches) needs --pipeline_stages"),
     ]:
         with _logging_levels_kept(), pytest.raises(SystemExit) as exit_:
             main.main(["main", f"--workdir={tmp_path}", *args])
