@@ -110,6 +110,15 @@ an all-reduce every step: ``bytes_per_step_per_device`` adds its bytes
 of the other parameters' gradients, which ``message_bytes`` and
 ``density`` describe (the kernel slices are not compressed); their time
 split counts that all-reduce as communication.
+
+Pipeline runs (``pipeline_stages``, :func:`experiments.steps.pipeline_mode`)
+record besides ``stage_bytes_per_step_per_device`` (activations and
+cotangents a device sent between stages, mean over devices) and
+``pipeline_bubble_fraction``; ``bytes_per_step_per_device`` stays the
+gradient exchange, and ``message_bytes`` and ``density`` are a device's
+stage's (its compressor sees its stage's parameters only). Their time split's
+forward and backward is the pipeline without exchanges (bubble included), so
+its communication is the stages' transfers and the gradient exchange.
 """
 
 from __future__ import annotations
