@@ -36,6 +36,8 @@ from jaxcomp.comm.quantized import QUANTIZER_EXCHANGES as _QUANTIZER_EXCHANGES
 __all__ = [
     "ADAPTIVE",
     "AXIS",
+    "MLP_LAYERS",
+    "STAGE_AXIS",
     "CODED_EXCHANGES",
     "CODED_FIELDS",
     "COMPRESSED_OPTIMIZERS",
@@ -65,6 +67,9 @@ __all__ = [
 ]
 
 AXIS = "data"
+# The mesh axis of the pipeline stages (--pipeline_stages) and the mlp's layers split over it.
+STAGE_AXIS = "stage"
+MLP_LAYERS = 6
 # The mesh axes of a two-level run (``mesh="NODESxLOCAL"``): the slow axis first.
 TWO_LEVEL_AXES = ("node", "local")
 SPARSIFIERS = (
@@ -296,6 +301,17 @@ class TrainConfig:
         compressor and its exchange as in data-parallel runs. ``model="mlp"``
         only, one process, not with ``merge``, ``fit_check_epochs`` or a
         CSSGD exchange; ``batch_size`` need not divide by ``num_devices``.
+      pipeline_stages: ``S``, pipeline (layer-wise) model parallelism
+        (:mod:`jaxcomp.distributed.pipeline`): the mesh is ``(S,
+        num_devices / S)`` over ``("stage", "data")``, the mlp's six layers
+        (flatten, dense, relu, dense, relu, dense) split by index into ``S``
+        consecutive stages, and the compressor exchanges each stage's
+        gradients over ``"data"``. None: data parallelism only. ``model="mlp"``,
+        global sampling, one process; not with ``mesh``, ``merge``, CSSGD,
+        ``fit_check_epochs`` or ``coded_bytes_every``.
+      microbatches: ``M``, the GPipe micro-batches per data replica and step
+        (``pipeline_stages`` only; None: ``S``); must divide ``batch_size /
+        (num_devices / S)``.
     """
 
     compressor: str = "ldte_bs"
@@ -337,6 +353,8 @@ class TrainConfig:
     norm: str = "group"
     augment: bool = False
     eval_examples: int | None = None
+    pipeline_stages: int | None = None
+    microbatches: int | None = None
 
 
 def is_coded(config: TrainConfig) -> bool:
@@ -667,6 +685,7 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
     _validate_sampling(c)
     n = c.num_devices or device_count
     _validate_mesh(c, n)
+    _validate_pipeline(c, n)
     if n is not None and c.compressor in SPARSIFIERS and c.exchange is not None:
         # The exchange's own trace-time check, before anything is written.
         try:
@@ -677,6 +696,8 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
         _validate_coded_devices(c, n)
     elif c.sampling == "feature":
         pass  # every device sees the whole batch; features vs devices is checked on the data
+    elif c.pipeline_stages is not None:
+        pass  # the batch is split over the data replicas only (_validate_pipeline)
     elif n is not None and c.batch_size % n:
         invalid(f"batch_size={c.batch_size} is not divisible by num_devices={n}")
     mp = (c.coordinator_address, c.num_processes, c.process_id)
@@ -687,6 +708,47 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
             invalid(f"need 0 <= process_id < num_processes, got {c.process_id}, {c.num_processes}")
         if c.batch_size % c.num_processes:
             invalid(f"batch_size={c.batch_size} not divisible by num_processes={c.num_processes}")
+
+
+def _validate_pipeline(c: TrainConfig, n: int | None) -> None:
+    """``pipeline_stages`` and ``microbatches``: their ranges and the modes they work with."""
+    if c.pipeline_stages is None:
+        if c.microbatches is not None:
+            invalid("microbatches (--microbatches) needs --pipeline_stages")
+        return
+    if not isinstance(c.pipeline_stages, int) or not 1 <= c.pipeline_stages <= MLP_LAYERS:
+        invalid(
+            f"pipeline_stages must be an int in [1, {MLP_LAYERS}] (the mlp's layers), "
+            f"got {c.pipeline_stages!r}"
+        )
+    if c.microbatches is not None and (not isinstance(c.microbatches, int) or c.microbatches < 1):
+        invalid(
+            f"microbatches must be an int >= 1 (or unset: pipeline_stages), got {c.microbatches!r}"
+        )
+    others = {
+        "a model other than mlp": c.model != "mlp",
+        f"sampling={c.sampling!r}": c.sampling != "global",
+        "mesh (--mesh)": c.mesh is not None,
+        f"exchange={c.exchange!r} (CSSGD)": is_coded(c),
+        "merge": c.merge not in (None, "none"),
+        "fit_check_epochs": bool(c.fit_check_epochs),
+        "coded_bytes_every": c.coded_bytes_every is not None,
+        "several processes": c.num_processes not in (None, 1),
+    }
+    bad = [name for name, on in others.items() if on]
+    if bad:
+        invalid(f"pipeline_stages (--pipeline_stages) does not work with {bad[0]}")
+    if n is None:
+        return
+    s = c.pipeline_stages
+    if n % s:
+        invalid(f"pipeline_stages={s} must divide num_devices={n}")
+    per_replica, m = c.batch_size // (n // s), c.microbatches or s
+    if c.batch_size % (n // s) or per_replica % m:
+        invalid(
+            f"microbatches={m} (--microbatches) must divide each data replica's batch "
+            f"(batch_size={c.batch_size} / {n // s} replicas)"
+        )
 
 
 def _validate_kwargs(c: TrainConfig) -> None:

@@ -152,6 +152,16 @@ _HELP = {
     "coded_bits": (
         "CSSGD's integer width on the wire (default 32, the paper's; coded/uncoded only)."
     ),
+    "pipeline_stages": (
+        "S: pipeline (layer-wise) model parallelism, the mesh (S, num_devices/S) over (stage, "
+        "data), the mlp's 6 layers split into S consecutive stages, the compressor exchanging "
+        "each stage's gradients over data (metrics: stage_bytes_per_step_per_device); default: "
+        "data parallelism only."
+    ),
+    "microbatches": (
+        "M: GPipe micro-batches per data replica and step (with --pipeline_stages; default S); "
+        "the bubble is (S-1)/(M+S-1)."
+    ),
     "sampling": (
         "How the devices share the data (jaxcomp.sampling): global (one shuffle of the "
         "training set per epoch), replacement (each device draws i.i.d. from the whole set), "

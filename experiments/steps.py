@@ -10,7 +10,10 @@
   replicated; its own step, since ``make_train_step`` takes replicated (or
   FSDP) parameters whose every update is averaged over the axis;
 - CSSGD (:func:`coded_mode`, ``exchange`` coded or uncoded): the step of
-  :func:`jaxcomp.cssgd.make_train_step`.
+  :func:`jaxcomp.cssgd.make_train_step`;
+- pipeline parallelism (:func:`pipeline_mode`, ``pipeline_stages``): the
+  mlp's layers split into stages over the ``"stage"`` mesh axis, the step of
+  :func:`jaxcomp.distributed.make_pipeline_train_step`.
 
 A :class:`Mode` places the initial state, compiles the step, times its parts
 (:func:`jaxcomp.distributed.split_step_time` of the step, the step without
@@ -26,6 +29,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +42,7 @@ import jaxcomp
 from experiments import timing
 from experiments.config import (
     AXIS,
+    STAGE_AXIS,
     TrainConfig,
     data_axis,
     learning_rate,
@@ -68,6 +73,8 @@ __all__ = [
     "init_feature_opt_state",
     "make_feature_train_step",
     "make_mode",
+    "mlp_layers",
+    "pipeline_mode",
     "step_stats",
 ]
 
@@ -603,6 +610,109 @@ def coded_mode(config: TrainConfig, model, tx, mesh, init_params) -> Mode:
     )
 
 
+# --pipeline_stages: the mlp as six layers (flatten, Dense_0, relu, Dense_1, relu,
+# Dense_2) split by index into the stages; Dense_k is layer 2k + 1.
+
+
+def mlp_layers(model) -> list:
+    """The experiment's mlp (:class:`experiments.models.MLP`) as a list of layers.
+
+    Its ``Dense_k`` parameters are those of layer ``2k + 1`` (``layers_{2k+1}``
+    of :func:`jaxcomp.distributed.split_layers`).
+    """
+    dense = [*model.hidden, model.num_classes]
+    layers = [lambda x: x.reshape(x.shape[0], -1)]
+    for k, width in enumerate(dense):
+        layers.append(nn.Dense(width))
+        if k < len(dense) - 1:
+            layers.append(nn.relu)
+    return layers
+
+
+def pipeline_mode(config: TrainConfig, model, tx, mesh, init_params) -> Mode:
+    """``pipeline_stages``: the mlp split into stages (``make_pipeline_train_step``).
+
+    The step is :func:`jaxcomp.distributed.make_pipeline_train_step` on the
+    ``(STAGE_AXIS, AXIS)`` mesh. The time split's ``forward_backward`` is the
+    same pipeline with plain SGD and no communication (the micro-batches'
+    forward and backward, bubble included); its communication is what the
+    step's exchanges expose, the activations between stages and the
+    gradients together.
+    """
+    c = config
+    dist = jaxcomp.distributed
+    n_stages, n_data = mesh.shape[STAGE_AXIS], mesh.shape[AXIS]
+    m = c.microbatches or n_stages
+    layers = mlp_layers(model)
+    # Dense_k is the mlp's layer 2k + 1 (mlp_layers).
+    as_layers = {f"layers_{2 * k + 1}": init_params[f"Dense_{k}"] for k in range(len(init_params))}
+    fns, stage_params = dist.split_layers(layers, as_layers, n_stages)
+    stacked, stages = dist.stack_stages(stage_params, mesh, STAGE_AXIS)
+    # What one device's compressor sees: its stage's (padded) parameters.
+    per_stage = stages.length or sum(int(np.size(x)) for x in jax.tree.leaves(stages.structures[0]))
+    make = functools.partial(
+        dist.make_pipeline_train_step, fns, stages, _cross_entropy, mesh=mesh, num_microbatches=m
+    )
+    stats = jax.jit(
+        lambda s: jax.tree.map(
+            jnp.mean, jax.vmap(jax.vmap(lambda d: step_stats(d, max(per_stage, 1))))(s)
+        )
+    )
+    compiled = {}
+
+    def compile(carry, batch):
+        step = compiled["step"] = make(tx).lower(*carry, batch).compile()
+
+        def run(carry, batch):
+            params, opt_state, metrics = step(*carry, batch)
+            s = stats(opt_state)
+            return (params, opt_state), {
+                "loss": metrics["loss"],
+                "wire_bytes": metrics.get("wire_bytes", jnp.float32(0)),
+                "stage_bytes": metrics["stage_bytes"],
+                "message_bytes": s["message_bytes"],
+                "density": s["density"],
+            }
+
+        return run
+
+    local = _lazy(lambda: make(tx, communicate=False))
+    forward_backward = _lazy(lambda: make(optax.sgd(0.0), communicate=False))
+
+    def time_split(carry, batch):
+        args = (*carry, batch)
+        return _median_split(
+            ((compiled["step"], args), (local(), args), (forward_backward(), args))
+        )
+
+    def host_params(params):
+        merged = {k: v for stage in dist.unstack_stages(params, stages) for k, v in stage.items()}
+        return {
+            f"Dense_{(int(k.split('_')[1]) - 1) // 2}": jax.tree.map(np.asarray, v)
+            for k, v in merged.items()
+        }
+
+    bubble = dist.bubble_fraction(n_stages, m)
+    return Mode(
+        carry=(stacked, dist.init_pipeline_opt_state(tx, stacked, mesh)),
+        place=lambda xb, yb: dist.shard_batch((xb, yb), mesh, AXIS),
+        compile=compile,
+        time_split=time_split,
+        host_params=host_params,
+        compressed=init_params,
+        batch_devices=n_data,
+        sums=(*STEP_SUMS, "stage_bytes"),
+        record=lambda opt_state, sums, steps: {
+            "stage_bytes_per_step_per_device": sums["stage_bytes"] / steps,
+            "pipeline_bubble_fraction": bubble,
+        },
+    )
+
+
+def _cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
 def make_mode(config: TrainConfig, model, tx, mesh, variables, steps_per_epoch: int) -> Mode:
     """The run's :class:`Mode`, chosen from ``config`` (resolved) once.
 
@@ -616,6 +726,8 @@ def make_mode(config: TrainConfig, model, tx, mesh, variables, steps_per_epoch: 
       steps_per_epoch: steps per epoch (the feature slices' schedule).
     """
     init_params = variables["params"]
+    if config.pipeline_stages is not None:
+        return pipeline_mode(config, model, tx, mesh, init_params)
     if config.sampling == "feature":
         return feature_mode(config, tx, mesh, init_params, steps_per_epoch)
     if config.exchange in cssgd.EXCHANGES:

@@ -110,6 +110,15 @@ an all-reduce every step: ``bytes_per_step_per_device`` adds its bytes
 of the other parameters' gradients, which ``message_bytes`` and
 ``density`` describe (the kernel slices are not compressed); their time
 split counts that all-reduce as communication.
+
+Pipeline runs (``pipeline_stages``, :func:`experiments.steps.pipeline_mode`)
+record besides ``stage_bytes_per_step_per_device`` (activations and
+cotangents a device sent between stages, mean over devices) and
+``pipeline_bubble_fraction``; ``bytes_per_step_per_device`` stays the
+gradient exchange, and ``message_bytes`` and ``density`` are a device's
+stage's (its compressor sees its stage's parameters only). Their time split's
+forward and backward is the pipeline without exchanges (bubble included), so
+its communication is the stages' transfers and the gradient exchange.
 """
 
 from __future__ import annotations
@@ -140,6 +149,7 @@ from experiments.config import (
     QUANTIZERS,
     SAMPLINGS,
     SPARSIFIERS,
+    STAGE_AXIS,
     TWO_LEVEL_AXES,
     ConfigError,
     TrainConfig,
@@ -415,7 +425,11 @@ def _write_plots(run: _Run, workdir: str) -> None:
 
 
 def _mesh(c: TrainConfig, n_dev: int):
-    """The run's mesh: flat over ``AXIS``, or two-level ``(nodes, local)`` with ``mesh``."""
+    """The run's mesh: flat over ``AXIS``, two-level ``(nodes, local)`` with ``mesh``,
+    or ``(stages, replicas)`` over ``(STAGE_AXIS, AXIS)`` with ``pipeline_stages``."""
+    if c.pipeline_stages is not None:
+        shape = (c.pipeline_stages, n_dev // c.pipeline_stages)
+        return jax.make_mesh(shape, (STAGE_AXIS, AXIS), devices=jax.devices()[:n_dev])
     shape = mesh_shape(c)
     if shape is None:
         return jax.make_mesh((n_dev,), (AXIS,), devices=jax.devices()[:n_dev])

@@ -52,6 +52,28 @@ def test_bench_selection_data_sets():
     assert abs(lap.mean() - 5e-4) < 1e-4 and abs(lap.std() - 5e-3) < 1e-4
 
 
+def test_bench_pipeline_writes_json_and_png(tmp_path):
+    from experiments import bench_pipeline  # noqa: PLC0415
+
+    result = bench_pipeline.run(8, 2, 16, 0.25, [(2, 2)], 5, str(tmp_path), ("gpipe", "1f1b"))
+    data = json.loads((tmp_path / "bench_pipeline.json").read_text())
+    assert (tmp_path / "bench_pipeline.png").stat().st_size > 0
+    rows = data["results"]
+    pipelined = {"pp2x4_m2_dense", "pp2x4_m2_top_k"}
+    assert set(rows) == {"dp_dense", "dp_top_k", *pipelined, *(f"{p}_1f1b" for p in pipelined)}
+    assert rows == result["results"]
+    row = rows["pp2x4_m2_dense"]
+    # 3 ticks, micro-batches of 16 / 4 / 2 = 2 examples of 8 floats, both ways, over 2 stages.
+    assert row["stage_bytes"] == 2 * 3 * 1 * 2 * 8 * 4 / 2 and row["bubble"] == 1 / 3
+    # Ring all-reduce of one stage's 8 x 8 + 8 floats among its 4 replicas.
+    assert row["wire_bytes"] == 2 * 3 / 4 * 72 * 4
+    assert row["vs_dp_dense"] == row["step_ms"] / rows["dp_dense"]["step_ms"]
+    # 1F1B: 2 + 2 * 2 - 2 = 4 ticks, each both ways; the same gradient exchange.
+    row = rows["pp2x4_m2_dense_1f1b"]
+    assert row["stage_bytes"] == 2 * 4 * 1 * 2 * 8 * 4 / 2 and row["bubble"] == 2 / 4
+    assert row["wire_bytes"] == 2 * 3 / 4 * 72 * 4
+
+
 def test_demo_prints_every_compressor(capsys):
     demo.main(["demo", "--size", "8192", "--ratio", "0.01"])
     out = capsys.readouterr().out
@@ -61,9 +83,9 @@ def test_demo_prints_every_compressor(capsys):
 
 PROGRAMS = (
     "bench_allreduce", "bench_coding", "bench_cssgd", "bench_exchange", "bench_merge",
-    "bench_model", "bench_powersgd", "bench_reuse", "bench_selection", "bench_train_step",
-    "bench_update", "compare", "demo", "demo_training", "fit_check", "qsvrg", "scalability",
-    "staleness",
+    "bench_model", "bench_pipeline", "bench_powersgd", "bench_reuse", "bench_selection",
+    "bench_train_step", "bench_update", "compare", "demo", "demo_training", "fit_check", "qsvrg",
+    "scalability", "staleness",
 )  # fmt: skip
 
 

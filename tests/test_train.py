@@ -122,6 +122,43 @@ def test_resume_gives_identical_parameters(tmp_path):
         train.train_and_evaluate(dataclasses.replace(config, epochs=3), str(tmp_path / "b"))
 
 
+def test_pipeline_stages_run_resume_and_time_split(tmp_path):
+    """--pipeline_stages: 2 stages x 2 replicas, top-k per stage; a resumed run is the same run."""
+    config = dataclasses.replace(
+        TINY,
+        compressor="top_k",
+        compressor_kwargs={"ratio": 0.05},
+        num_devices=4,
+        pipeline_stages=2,
+        microbatches=4,
+        epochs=2,
+        checkpoint=True,
+        time_split=False,
+    )
+    straight = train.train_and_evaluate(
+        dataclasses.replace(config, time_split=True), str(tmp_path / "a")
+    )
+    train.train_and_evaluate(config, str(tmp_path / "b"), stop_after_epoch=1)
+    resumed = train.train_and_evaluate(config, str(tmp_path / "b"))
+    assert [r["epoch"] for r in resumed["records"]] == [1, 2]
+    for a, b in zip(_leaves(straight["params"]), _leaves(resumed["params"]), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    record = straight["final"]
+    # GPipe: S = 2, M = 4 micro-batches of 16 / 2 / 4 = 2 examples; the widest boundary
+    # after the mlp's layers 0-2 is its first hidden layer (256 floats), over 5 ticks.
+    assert record["pipeline_bubble_fraction"] == 1 / 5
+    assert record["stage_bytes_per_step_per_device"] == 2 * 5 * 1 * 2 * 256 * 4 / 2
+    assert 0 < record["density"] < 0.2 and record["bytes_per_step_per_device"] > 0
+    assert record["time_step"] > 0 and record["time_forward_backward"] > 0
+    assert set(straight["params"]) == {"Dense_0", "Dense_1", "Dense_2"}
+    with pytest.raises(ValueError, match="pipeline_stages=3 must divide num_devices=4"):
+        train.train_and_evaluate(dataclasses.replace(config, pipeline_stages=3), str(tmp_path))
+    with pytest.raises(ValueError, match="microbatches=3 .* must divide"):
+        train.train_and_evaluate(dataclasses.replace(config, microbatches=3), str(tmp_path))
+    with pytest.raises(ValueError, match="needs --pipeline_stages"):
+        train.train_and_evaluate(dataclasses.replace(TINY, microbatches=2), str(tmp_path))
+
+
 @pytest.mark.parametrize("compressor", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
 def test_compressed_adam_checkpoints_and_resumes(tmp_path, compressor):
     # Their state holds a zero-size leaf (the server error of the all-gather
@@ -326,6 +363,9 @@ def test_main_rejects_bad_flags_before_training(tmp_path, capsys):
         ),
         (["--compressor=qsgd", "--levels=3000000000"], "levels must be an integer"),
         (["--batch_size=100000"], "exceeds the 1438 training examples"),  # digits
+        (["--pipeline_stages=3", "--num_devices=8"], "pipeline_stages=3 must divide"),
+        (["--pipeline_stages=2", "--model=cnn"], "does not work with a model other than mlp"),
+        (["--microbatches=2"], "microbatches (--microbatches) needs --pipeline_stages"),
     ]:
         with _logging_levels_kept(), pytest.raises(SystemExit) as exit_:
             main.main(["main", f"--workdir={tmp_path}", *args])

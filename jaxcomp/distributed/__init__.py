@@ -22,7 +22,9 @@ parameter layouts), :mod:`~jaxcomp.distributed.fsdp` (``sharded_optimizer``),
 :mod:`~jaxcomp.distributed.step` (``make_train_step``, ``init_opt_state``),
 :mod:`~jaxcomp.distributed.timing` (``time_split``, ``make_time_split``),
 :mod:`~jaxcomp.distributed.pmap` (the ``pmap`` path),
-:mod:`~jaxcomp.distributed.qsvrg` (the QSVRG epoch driver) and
+:mod:`~jaxcomp.distributed.qsvrg` (the QSVRG epoch driver),
+:mod:`~jaxcomp.distributed.pipeline` (pipeline parallelism: stages over a
+``"stage"`` mesh axis, compressed data parallelism within each) and
 :mod:`~jaxcomp.distributed.processes` (several processes). Their public names
 are re-exported here.
 
@@ -51,6 +53,18 @@ from jaxcomp.distributed.fsdp import (
 from jaxcomp.distributed.grads import (
     per_device_grad,
     per_device_value_and_grad,
+)
+from jaxcomp.distributed.pipeline import (
+    SCHEDULES,
+    PipelineStages,
+    bubble_fraction,
+    init_pipeline_opt_state,
+    make_pipeline_train_step,
+    schedule_ticks,
+    split_layers,
+    stack_stages,
+    stage_bytes,
+    unstack_stages,
 )
 from jaxcomp.distributed.placement import (
     flax_param_specs,
@@ -82,14 +96,19 @@ from jaxcomp.distributed.timing import (
 __all__ = [
     "AccumulateState",
     "DenseExchangeState",
+    "PipelineStages",
+    "SCHEDULES",
     "ShardedOptimizerState",
     "TimeSplit",
     "accumulate_then_compress",
     "apply_if_finite",
+    "bubble_fraction",
     "dense_exchange",
     "flax_param_specs",
     "init_opt_state",
+    "init_pipeline_opt_state",
     "initialize_multiprocess",
+    "make_pipeline_train_step",
     "make_pmap_train_step",
     "make_qsvrg_epoch",
     "make_time_split",
@@ -98,12 +117,17 @@ __all__ = [
     "per_device_value_and_grad",
     "place_params",
     "replicate",
+    "schedule_ticks",
     "shard_batch",
     "sharded_optimizer",
     "skip_not_finite",
+    "split_layers",
     "split_step_time",
     "stack_for_pmap",
+    "stack_stages",
+    "stage_bytes",
     "time_split",
     "two_level_mesh",
     "unexchanged_leaves",
+    "unstack_stages",
 ]
