@@ -255,3 +255,78 @@ def test_bad_servers_raise(mesh):
         grads = put(mesh, {"w": np.ones((N, 64), np.float32)})
         with pytest.raises(ValueError, match=r"servers must be an integer in \[1, 8\], got 9"):
             mesh_update(tx, mesh)(grads, state)
+
+
+F16_MAX = 65504.0
+
+
+def test_float16_saturation_cut_is_kept_by_each_leafs_server():
+    """Two servers, one leaf each: what float16 saturation cuts off a leaf's mean stays in
+    the residual of that leaf's server (nothing lost), the mean saturated as numpy's."""
+    n_dev = 4
+    mesh4 = jax.make_mesh((n_dev,), ("data",), devices=jax.devices()[:n_dev])
+    col = np.array(
+        [[98304, -98304, 3], [98304, -98304, -1000], [65536, -65536, 7], [32768, -32768, 1]],
+        np.float32,
+    )  # every value / 4 is exact in float16
+    g = {"v": col, "w": -col[:, ::-1].copy()}
+    tx = jaxcomp.cast(
+        jnp.float16,
+        accumulation_dtype=jnp.float16,
+        axis_name="data",
+        exchange="server",
+        servers=2,
+        error_feedback=True,
+    )
+    state = put(mesh4, jax.vmap(tx.init)(g))
+    u, state = jax.device_get(mesh_update(tx, mesh4)(put(mesh4, g), state))
+    owners = dict(zip("vw", comm.server_devices(n_dev, 2), strict=True))  # v: 0, w: 2
+    for name, x in g.items():
+        total = np.zeros(x.shape[1])
+        for row in x.astype(np.float64):  # each message / N, partial sums saturated
+            total = np.clip(total + row / n_dev, -F16_MAX, F16_MAX).astype(np.float16)
+            total = total.astype(np.float64)
+        upd = np.asarray(u[name], np.float64)
+        np.testing.assert_array_equal(upd, np.broadcast_to(total, upd.shape))
+        res = np.asarray(state.residual[name], np.float64)
+        np.testing.assert_array_equal(res.sum(0) + n_dev * upd[0], x.astype(np.float64).sum(0))
+        others = [d for d in range(n_dev) if d != owners[name]]
+        np.testing.assert_array_equal(res[others], 0)  # the cut is the server's alone
+        assert np.abs(res[owners[name]]).max() > 0
+
+
+def test_sparsifier_server_group_edge_leaves_and_a_nan_device(mesh):
+    """bfloat16, scalar and empty leaves and a device with a NaN gradient (skipped): the
+    group of 4 servers gives the single server's update bit for bit, and the skipped
+    device keeps its residual."""
+    rng = np.random.default_rng(7)
+    g = {
+        "a": rng.standard_normal((N, 203)).astype(jnp.bfloat16),
+        "b": rng.standard_normal((N,)).astype(np.float32),
+        "c": np.zeros((N, 0), np.float32),
+        "d": rng.standard_normal((N, 64)).astype(np.float32),
+    }
+    g["d"][3, 5] = np.nan  # device 3 sends nothing this step
+    out = {}
+    for m in (1, 4):
+        tx = jaxcomp.top_k(0.1, axis_name="data", exchange="server", servers=m)
+        state = _stacked_state(tx, mesh, jax.tree.map(lambda x: x[0], g))
+        out[m] = jax.device_get(mesh_update(tx, mesh)(put(mesh, g), state))
+    for name in g:
+        np.testing.assert_array_equal(
+            np.asarray(out[4][0][name], np.float32), np.asarray(out[1][0][name], np.float32)
+        )
+        np.testing.assert_array_equal(
+            np.asarray(out[4][1].residual[name], np.float32),
+            np.asarray(out[1][1].residual[name], np.float32),
+        )
+    # The skipped device's residual is what it had (zeros): its gradient is not kept.
+    assert all(np.all(np.asarray(out[4][1].residual[n])[3] == 0) for n in g)
+    # The mean is over the 8 devices, device 3 contributing zeros (numpy, float64).
+    acc = g["d"].astype(np.float64)
+    sent = np.zeros_like(acc)
+    for d in range(N):
+        if d != 3:
+            top = np.argsort(-np.abs(acc[d]), kind="stable")[: math.ceil(0.1 * 64)]
+            sent[d, top] = acc[d, top]
+    np.testing.assert_allclose(out[4][0]["d"][0], sent.mean(0), rtol=1e-6, atol=1e-7)

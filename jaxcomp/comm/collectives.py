@@ -771,12 +771,12 @@ def _check_root(root, n_dev):
 
 def _server_group(size: int, axis_name, root: int, servers: int):
     """``(N, [(server device, (lo, hi)), ...])``: the group's servers and their key
-    ranges, empty ranges left out (a one-server group keeps its range even if empty)."""
+    ranges, empty ranges left out (an empty buffer keeps the first server's)."""
     n_dev = axis_size(axis_name)
     _check_root(root, n_dev)
     devices = server_devices(n_dev, servers, root=root)
     pairs = list(zip(devices, server_ranges(size, servers), strict=True))
-    return n_dev, [pair for pair in pairs if pair[1][1] > pair[1][0] or servers == 1]
+    return n_dev, [pair for pair in pairs if pair[1][1] > pair[1][0]] or pairs[:1]
 
 
 def server_mean(
