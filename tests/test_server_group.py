@@ -198,6 +198,20 @@ def test_sparsifier_server_group_equals_one_server_and_global_granularity(mesh):
     np.testing.assert_array_equal(updates[4], updates[1])
 
 
+def test_fewer_elements_than_servers_pushes_only_to_servers_with_a_range(mesh):
+    # 3 elements over 4 servers: ranges of 1, 1, 1 and 0 positions; k = 2, capacity 3.
+    g = np.random.default_rng(4).standard_normal((N, 3)).astype(np.float32)
+    tx = jaxcomp.top_k(0.5, axis_name="data", exchange="server", servers=4)
+    state = _stacked_state(tx, mesh, {"w": np.zeros(3, np.float32)})
+    update, state = jax.device_get(mesh_update(tx, mesh)(put(mesh, {"w": g}), state))
+    sent = np.zeros_like(g)
+    for d in range(N):
+        top = np.argsort(-np.abs(g[d]), kind="stable")[:2]
+        sent[d, top] = g[d, top]
+    np.testing.assert_allclose(update["w"][0], sent.mean(0), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(state.wire_bytes, 3 * 3 * 8 + 3 * 4)
+
+
 QUANT_SIZES = {"a": 300, "b": 100, "c": 100, "d": 40, "e": 8}  # e: sent dense
 
 

@@ -1857,8 +1857,12 @@ def _exchange_packed(
                     flat_res = flat_res.at[back_idx].add(back, mode="drop")
             mean = mean.reshape(update.shape)
             update = mean if len(of_kind) == 1 else jnp.where(rows(kind), mean, update)
+        # Servers whose key range of the server segments' compact buffer is not
+        # empty: the ones that receive the pushes (server_sparse_mean).
+        served = sum(int(sizes[s]) for s in of_kind.get("server", []))
+        pushed_to = sum(hi > lo for lo, hi in collectives.server_ranges(served, cfg.servers)) or 1
         wires = _packed_wire_bytes(
-            kinds, caps[p], sizes, item, n_dev, include is not None, cfg.servers
+            kinds, caps[p], sizes, item, n_dev, include is not None, pushed_to
         )
         wires = jnp.asarray(wires).at[0].add(extra_wire)
         out = update, wires, flat_res.reshape(residual.shape)
@@ -1915,8 +1919,8 @@ def _packed_wire_bytes(
 
     ``flagged``: with ``include=`` each exchange alone would also count its
     psum of the flags. SparCML reports one total for all its segments: the
-    caller adds it to the first. ``servers``: a group of servers receives
-    the whole message each (:func:`jaxcomp.comm.server_sparse_mean`).
+    caller adds it to the first. ``servers``: how many servers of a group
+    receive the whole message each (:func:`jaxcomp.comm.server_sparse_mean`).
     """
     flags = 4 if flagged else 0
     rounds = sparse_allreduce.gtopk_rounds(n_dev) if n_dev > 1 else 0
