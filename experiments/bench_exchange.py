@@ -21,6 +21,17 @@ the gradient as a ``(size / 1024, 1024)`` matrix, 1-bit Adam with the
 single-stage and the two-stage exchange), its bytes per device and its
 message, against the same run's dense all-reduce.
 
+A group of parameter servers (``--servers=1,2,4``, per size): the update
+step of ``top_k`` (ratio 0.01, sparse push, dense pull) and of ``qsgd``
+(4-bit, buckets of 512) with ``exchange="server"`` and ``servers=M``, on a
+gradient of ``SERVER_LEAVES`` equal leaves (the quantizer's servers take whole
+leaves): the median step time against ``M = 1`` timed in the same run, a
+worker's bytes, and per server the bytes its link carries in and out
+(:func:`jaxcomp.comm.server_link_bytes`, the busiest server against the
+single one), with the sparsifier's pushes split into what is moved (the whole
+message to every server) and what is meaningful (the entries in the server's
+key range, :func:`jaxcomp.comm.server_message_counts`).
+
 Times are medians after warm-up with every step blocked on (several collective
 steps in flight deadlock simulated devices); the optimizer state is donated
 and threaded from step to step, as in a training loop. Bytes are per device per step as
@@ -86,6 +97,12 @@ QUANTIZERS = {
 }
 # Rows timed (and their bytes read) from the state after one step: the dense warm-up.
 WARM_UP = ("onebit_adam", "onebit_adam_two_stage")
+# The server-group rows: the compressors, and the leaves the gradient is cut into.
+SERVER_ROWS = {
+    "top_k_0.01": spec("top_k", ratio=0.01, exchange="server"),
+    "qsgd_4bit_512": spec("qsgd", bits=4, bucket_size=512, exchange="server", min_dense_size=0),
+}
+SERVER_LEAVES = 8
 # The leaf shape a row compresses (default: the flat gradient).
 LEAF_SHAPES = {"powersgd_rank4": lambda size: (size // 1024, 1024)}
 
@@ -227,6 +244,109 @@ def bench_quantizers(size: int, mesh, repeats: int, names) -> list[dict]:
     return rows
 
 
+def _leaves_step(tx, mesh):
+    """jit(shard_map(tx.update)) on a tree of per-device leaves, state donated."""
+
+    def body(state, grads):
+        state, grads = jax.tree.map(lambda x: x[0], (state, grads))
+        upd, state = tx.update(grads, state)
+        return jax.tree.map(lambda x: x[None], (state, upd))
+
+    spec_ = P(AXIS)
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=spec_, out_specs=spec_, check_vma=False),
+        donate_argnums=0,
+    )
+
+
+def bench_servers(size: int, mesh, repeats: int, groups) -> list[dict]:
+    """Per compressor of ``SERVER_ROWS`` and group size ``M``: time and bytes per server."""
+    sh = NamedSharding(mesh, P(AXIS))
+    leaf = size // SERVER_LEAVES
+    keys = jax.random.split(jax.random.key(size + 2), SERVER_LEAVES)
+    grads = {
+        f"l{i}": jax.device_put(jax.random.laplace(k, (N_DEVICES, leaf), jnp.float32), sh)
+        for i, k in enumerate(keys)
+    }
+    zeros = {name: jnp.zeros((leaf,), jnp.float32) for name in grads}
+    rows = []
+    for name, preset in SERVER_ROWS.items():
+        for m in groups:
+            tx = build(preset, AXIS, servers=m)
+            step = _leaves_step(tx, mesh)
+            ms = median_ms_threaded(
+                step, dist.init_opt_state(tx, zeros, mesh), grads,
+                next_state=lambda out: out[0], repeats=repeats,
+            )  # fmt: skip
+            state, _ = jax.block_until_ready(step(dist.init_opt_state(tx, zeros, mesh), grads))
+            message = [
+                float(b)
+                for leaf_bytes in jax.tree.leaves(state.message_bytes)
+                for b in np.atleast_1d(np.asarray(leaf_bytes)[0])
+            ]
+            row = {"compressor": name, "size": size, "servers": m, "ms": ms}
+            if name.startswith("top_k"):
+                # Key ranges of the packed buffer; every server gets the whole message.
+                ranges = comm.server_ranges(size, m)
+                capacity = min(leaf, math.ceil(UPPER * selectors.target_count(0.01, leaf)))
+                push = [8.0 * capacity * SERVER_LEAVES] * m  # moved, not message_bytes (sent)
+                pull = [4.0 * (hi - lo) for lo, hi in ranges]
+                # What is meaningful: device 0's entries in each range (its sent
+                # positions are where its residual is exactly zero).
+                res = np.concatenate([np.asarray(r)[0] for r in jax.tree.leaves(state.residual)])
+                sent = np.flatnonzero(res == 0)
+                row["meaningful_push_bytes"] = [
+                    8.0 * int(np.sum((sent >= lo) & (sent < hi))) for lo, hi in ranges
+                ]
+            else:  # whole leaves per server
+                shares = comm.assign_to_servers(message, m)
+                push = [sum(message[i] for i in share) for share in shares]
+                pull = [4.0 * leaf * len(share) for share in shares]
+            link = comm.server_link_bytes(push, pull, N_DEVICES)
+            busiest = max(a + b for a, b in zip(link["server_in"], link["server_out"], strict=True))
+            row.update(
+                worker_bytes=_wire_bytes(state),
+                worker_bytes_formula=link["worker"],
+                push_bytes=push,
+                pull_bytes=pull,
+                server_in_bytes=list(link["server_in"]),
+                server_out_bytes=list(link["server_out"]),
+                busiest_server_bytes=busiest,
+            )
+            rows.append(row)
+        one = next(r for r in rows if r["compressor"] == name and r["servers"] == groups[0])
+        for r in rows:
+            if r["compressor"] == name:
+                r["time_vs_first"] = r["ms"] / one["ms"]
+                r["busiest_server_vs_first"] = (
+                    r["busiest_server_bytes"] / one["busiest_server_bytes"]
+                )
+    return rows
+
+
+def _plot_servers(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (name, size) in enumerate(dict.fromkeys((r["compressor"], r["size"]) for r in rows)):
+        sel = [r for r in rows if (r["compressor"], r["size"]) == (name, size)]
+        ms = [r["servers"] for r in sel]
+        label = f"{name}, 2^{int(math.log2(size))}"
+        ax_t.plot(ms, [r["time_vs_first"] for r in sel], f"C{i}-o", label=label)
+        ax_b.plot(ms, [r["busiest_server_vs_first"] for r in sel], f"C{i}-o", label=label)
+        ax_b.plot(ms, [r["worker_bytes"] / sel[0]["worker_bytes"] for r in sel], f"C{i}:x")
+    ax_t.set_title(f"step time / the first group size's ({N_DEVICES} CPU devices)")
+    ax_b.set_title("busiest server's link (o) and a worker's (x) / the first's")
+    for ax in (ax_t, ax_b):
+        ax.set_xlabel("parameter servers M")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def _plot(rows, path, qrows=()):
     import matplotlib
 
@@ -293,6 +413,15 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
     cli.check_choices("quantizers", list(QUANTIZERS), flag_values)
     flags.DEFINE_bool("no_sparse", False, "skip the sparsifier rows (quantizers only)", **fv)
+    flags.DEFINE_list(
+        "servers", [], "parameter-server group sizes to run, e.g. 1,2,4 (empty: skip)", **fv
+    )
+    flags.register_validator(
+        "servers",
+        lambda v: all(m.strip().isdigit() and 1 <= int(m) <= N_DEVICES for m in v),
+        message=f"--servers: a comma list of group sizes in [1, {N_DEVICES}]",
+        flag_values=flag_values,
+    )
 
 
 def main(argv):
@@ -303,8 +432,18 @@ def main(argv):
             f"need {N_DEVICES} devices, have {jax.device_count()} (XLA_FLAGS set late?)"
         )
     mesh = jax.make_mesh((N_DEVICES,), (AXIS,))
-    rows, qrows = [], []
+    rows, qrows, srows = [], [], []
+    groups = [int(m) for m in args.servers]
     for log2 in range(args.min_log2, args.max_log2 + 1):
+        for row in bench_servers(2**log2, mesh, args.repeats, groups) if groups else ():
+            srows.append(row)
+            print(
+                f"2^{log2} {row['compressor']} servers={row['servers']}: {row['ms']:.1f} ms "
+                f"({row['time_vs_first']:.2f}x), worker {row['worker_bytes'] / 1e6:.3f} MB, "
+                f"busiest server {row['busiest_server_bytes'] / 1e6:.3f} MB "
+                f"({row['busiest_server_vs_first']:.2f}x)",
+                flush=True,
+            )
         if args.quantizers:
             for row in bench_quantizers(2**log2, mesh, args.repeats, args.quantizers):
                 qrows.append(row)
@@ -335,10 +474,15 @@ def main(argv):
         "repeats": args.repeats,
     }
     (out / "bench_exchange.json").write_text(
-        jsonio.dumps({"meta": meta, "rows": rows, "quantizer_rows": qrows}, indent=2)
+        jsonio.dumps(
+            {"meta": meta, "rows": rows, "quantizer_rows": qrows, "server_rows": srows}, indent=2
+        )
     )
-    _plot(rows, out / "bench_exchange.png", qrows)
-    print(f"wrote {out / 'bench_exchange.json'} and {out / 'bench_exchange.png'}")
+    if rows or qrows:
+        _plot(rows, out / "bench_exchange.png", qrows)
+    if srows:
+        _plot_servers(srows, out / "bench_exchange_servers.png")
+    print(f"wrote {out / 'bench_exchange.json'} and the figures")
 
 
 if __name__ == "__main__":

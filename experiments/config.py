@@ -127,6 +127,8 @@ QUANTIZER_EXCHANGES = tuple(e for e in _QUANTIZER_EXCHANGES if e not in _RUN_EXC
 EXCHANGES = tuple(
     dict.fromkeys(("default", *CODED_EXCHANGES, *SPARSIFIER_EXCHANGES, *QUANTIZER_EXCHANGES))
 )
+# The compressors whose factories take servers= (with exchange="server").
+_SERVED = (*SPARSIFIERS, *QUANTIZERS)
 # Fields only CSSGD runs read (must stay None otherwise).
 CODED_FIELDS = ("redundancy", "coded_value_range", "coded_bits")
 # --sampling: the by-sample modes of jaxcomp.sampling, and "feature" (the
@@ -272,6 +274,11 @@ class TrainConfig:
         ``"sparcml"``, ``"gtopk"``, ``"oktopk"``, ``"scalecom"``, ``"auto"``,
         ``"auto_topk"``) or a quantizer's (``"allgather"``, ``"server"``):
         passed to the compressor.
+      servers: with ``exchange="server"``, the size of the group of
+        parameter servers, in ``[1, num_devices]`` (the factories'
+        ``servers``: key ranges of the packed buffer, a quantizer's coded
+        leaves by leaf; docs/distributed.md). None: the compressor's default,
+        one server.
       redundancy: CSSGD's ``r``, devices per block, in ``[1, num_devices]``
         (coded/uncoded only, required there).
       coded_value_range: the integers cover ``[-v, v]`` (None: 10.0, the
@@ -343,6 +350,7 @@ class TrainConfig:
     process_id: int | None = None
     fit_check_epochs: tuple[int, ...] = ()
     exchange: str | None = None
+    servers: int | None = None
     redundancy: int | None = None
     coded_value_range: float | None = None
     coded_bits: int | None = None
@@ -686,6 +694,13 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
     n = c.num_devices or device_count
     _validate_mesh(c, n)
     _validate_pipeline(c, n)
+    servers = c.servers
+    if servers is not None and (
+        isinstance(servers, bool)
+        or not isinstance(servers, (int, np.integer))
+        or not 1 <= servers <= (n or servers)
+    ):
+        invalid(f"servers (--servers) must be an integer in [1, num_devices={n}], got {servers!r}")
     if n is not None and c.compressor in SPARSIFIERS and c.exchange is not None:
         # The exchange's own trace-time check, before anything is written.
         try:
@@ -895,6 +910,12 @@ def _validate_exchange(c: TrainConfig) -> None:
                 f"{_kind(c.compressor)} {c.compressor!r}: it takes "
                 f"{', '.join(('default', *CODED_EXCHANGES) if not allowed else allowed)}"
             )
+    if c.servers is not None and (c.exchange != "server" or c.compressor not in _SERVED):
+        invalid(
+            f"servers (--servers) is the size of a group of parameter servers: it needs "
+            f"--exchange=server and a sparsifier or quantizer, got exchange={c.exchange!r}, "
+            f"compressor={c.compressor!r}"
+        )
     if not is_coded(c):
         # Like the per-compressor flags: a CSSGD flag is never silently ignored.
         for name in CODED_FIELDS:
@@ -1067,6 +1088,7 @@ OWNED_KWARGS = {
     "steps_per_epoch": "--warmup_epochs and the data",
     "groups": "--merge",
     "exchange": "--exchange",
+    "servers": "--servers",
     "keep_message": "--coded_bytes_every",
     "reshape": "the flax kernels' layout ('last')",
     "learning_rate": "--lr and --schedule",
@@ -1078,6 +1100,8 @@ OWNED_KWARGS = {
 def _owned(c: TrainConfig, lr, on_compressor: bool, steps_per_epoch: int, groups) -> dict:
     """The keyword arguments of :data:`OWNED_KWARGS` that ``c.compressor``'s factory takes."""
     exchange = {} if c.exchange is None else {"exchange": c.exchange}
+    if c.servers is not None:
+        exchange["servers"] = c.servers
     if c.compressor in SPARSIFIERS:
         warmup = tuple(jaxcomp.DGC_WARMUP[: c.warmup_epochs]) or None
         return dict(

@@ -141,6 +141,11 @@ _HELP = {
         "sparse, dense, server, sparcml, gtopk, oktopk, scalecom, auto, auto_topk; quantizers: "
         "allgather, allreduce, server (signum: majority, its default)."
     ),
+    "servers": (
+        "With --exchange=server: the size of the group of parameter servers, in [1, "
+        "num_devices], spread over the devices; each owns a key range of the packed gradient "
+        "(a quantizer's coded leaves: whole leaves). Default: one server."
+    ),
     "redundancy": (
         "CSSGD's r: devices per block, in [1, num_devices] (coded/uncoded only; batch_size a "
         "multiple of C(num_devices, r))."

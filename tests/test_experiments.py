@@ -777,3 +777,29 @@ def test_accuracy_plot_of_a_run_that_sends_nothing(tmp_path, with_dense):
     fig = train.accuracy_figure({"dense": _records([1e6, 2e6])}, plt)
     assert fig.axes[1].get_xscale() == "log"
     plt.close(fig)
+
+
+def test_bench_exchange_server_rows_write_json_and_png(tmp_path):
+    """The parameter-server group rows only: bytes per server from the formulas match the
+    bytes the compressors report; the busiest server's link shrinks as 1 / M."""
+    from experiments import bench_exchange  # noqa: PLC0415
+
+    argv = ["prog", f"--out={tmp_path}", "--min_log2=12", "--max_log2=12", "--quantizers="]
+    bench_exchange.main([*argv, "--no_sparse", "--servers=1,2", "--repeats=1"])
+    data = json.loads((tmp_path / "bench_exchange.json").read_text())
+    assert (tmp_path / "bench_exchange_servers.png").stat().st_size > 0
+    rows = data["server_rows"]
+    assert {(r["compressor"], r["servers"]) for r in rows} == {
+        (c, m) for c in bench_exchange.SERVER_ROWS for m in (1, 2)
+    }
+    for r in rows:
+        assert r["worker_bytes"] == r["worker_bytes_formula"]
+        assert len(r["server_in_bytes"]) == r["servers"]
+        assert r["server_out_bytes"] == [7 * b for b in r["pull_bytes"]]
+        if r["servers"] == 2:  # equal leaves and ranges: half of the single server's pull
+            one = next(o for o in rows if (o["compressor"], o["servers"]) == (r["compressor"], 1))
+            assert r["pull_bytes"] == [one["pull_bytes"][0] / 2] * 2
+        if "meaningful_push_bytes" in r:  # top-k: exactly k entries of each leaf are sent
+            assert sum(r["meaningful_push_bytes"]) == 8 * 8 * math.ceil(0.01 * 512)
+            pairs = zip(r["meaningful_push_bytes"], r["push_bytes"], strict=True)
+            assert all(m <= p for m, p in pairs)

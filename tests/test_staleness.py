@@ -138,10 +138,17 @@ def test_dense_delays_match_reference(mesh, data, delay, max_delay):
     assert int(state.step) == steps
 
 
-def test_top_k_error_feedback_with_fixed_delay_matches_reference(mesh, data):
+@pytest.mark.parametrize(
+    "exchange",
+    [{}, {"exchange": "server", "servers": 2}, {"exchange": "server", "servers": 4}],
+    ids=["auto", "servers2", "servers4"],
+)
+def test_top_k_error_feedback_with_fixed_delay_matches_reference(mesh, data, exchange):
+    # A group of parameter servers (key ranges of DIM = 6: 2 + 2 + 2 with M = 4,
+    # the fourth empty) averages exactly as the all-gather: the same reference.
     ratio, max_delay, steps = 0.34, 1, 5
     k = math.ceil(ratio * DIM)
-    tx = optax.chain(jaxcomp.top_k(ratio, axis_name="data"), optax.sgd(LR))
+    tx = optax.chain(jaxcomp.top_k(ratio, axis_name="data", **exchange), optax.sgd(LR))
     state, metrics = run_stale(mesh, data, tx, max_delay, steps)
     history = [np.zeros(DIM)]
     residual = np.zeros((N, DIM))

@@ -1371,3 +1371,43 @@ def test_bad_two_level_mesh_is_an_invalid_config(overrides, message):
     config = dataclasses.replace(TINY, num_devices=8, **overrides)
     with pytest.raises(train.ConfigError, match=message):
         train.validate_config(config, 8)
+
+
+def test_server_group_run_splits_time_resumes_and_checks_servers(tmp_path, capsys):
+    """--exchange=server --servers=2: a group of parameter servers, time split, resumable."""
+    from experiments import cli, main  # noqa: PLC0415
+
+    argv = ["main", "--compressor=top_k", "--ratio=0.1", "--exchange=server", "--servers=2"]
+    flagged = main.config_from_flags(cli.parse(main.define_flags, argv))
+    assert (flagged.exchange, flagged.servers) == ("server", 2)
+    config = dataclasses.replace(
+        TINY,
+        compressor="top_k",
+        compressor_kwargs={"ratio": 0.1, "granularity": "global"},
+        exchange="server",
+        servers=2,
+        epochs=2,
+        checkpoint=True,
+    )
+    first = train.train_and_evaluate(config, str(tmp_path), stop_after_epoch=1)
+    resumed = train.train_and_evaluate(config, str(tmp_path))
+    assert [r["epoch"] for r in resumed["records"]] == [1, 2]
+    assert resumed["records"][0] == first["records"][0]
+    record = resumed["records"][-1]
+    assert np.isfinite(record["train_loss"]) and record["time_step"] > 0
+    assert record["time_communication"] >= 0 and (tmp_path / "time_split.png").exists()
+    # A worker's link: the global selection's whole message to each of the 2 servers,
+    # the dense pull of every parameter.
+    n = sum(np.size(x) for x in jax.tree.leaves(resumed["params"]))
+    cap = -(-3 * -(-n // 10) // 2)  # ceil(1.5 k), k = ceil(0.1 n)
+    assert record["bytes_per_step_per_device"] == pytest.approx(2 * cap * 8 + n * 4)
+    # One server is another run.
+    with pytest.raises(train.WorkdirError, match="servers=2 there, 1 now"):
+        train.train_and_evaluate(dataclasses.replace(config, servers=1), str(tmp_path))
+    for args, message in [
+        (["--exchange=server", "--servers=3", "--num_devices=2"], "servers (--servers) must"),
+        (["--servers=2", "--num_devices=2"], "needs --exchange=server"),
+    ]:
+        with _logging_levels_kept(), pytest.raises(SystemExit):
+            main.main(["main", f"--workdir={tmp_path / 'bad'}", "--compressor=top_k", *args])
+        assert message in capsys.readouterr().err

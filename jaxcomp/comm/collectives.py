@@ -46,8 +46,10 @@ __all__ = [
     "all_gather_invariant",
     "allgather_bytes",
     "allreduce_bytes",
+    "assign_to_servers",
     "axis_size",
     "canonical_exchange",
+    "check_servers",
     "dense_mean",
     "exchange_mean",
     "fastest_mask",
@@ -58,8 +60,11 @@ __all__ = [
     "prefer_sparse",
     "pull_from_root",
     "push_to_root",
+    "server_devices",
     "server_link_bytes",
     "server_mean",
+    "server_message_counts",
+    "server_ranges",
     "server_sparse_mean",
     "sparse_mean",
     "weighted_mean",
@@ -570,30 +575,138 @@ def include_fastest(delays, num_backup: int, axis_name) -> jax.Array:
 # --- parameter server --------------------------------------------------------
 
 
-def server_link_bytes(push_nbytes: float, pull_nbytes: float, n_devices: int) -> dict:
+def check_servers(servers, n_devices: int) -> int:
+    """Validates ``servers``, the size of a parameter-server group: an int in ``[1, N]``.
+
+    Example:
+      >>> check_servers(2, n_devices=8)
+      2
+    """
+    return V.check_int("servers", servers, 1, max(int(n_devices), 1))
+
+
+def server_devices(n_devices: int, servers: int = 1, *, root: int = 0) -> tuple[int, ...]:
+    """The devices of a group of ``M`` parameter servers: spread evenly over the axis.
+
+    Server ``j`` is device ``(root + j * N // M) % N`` (with ``N = 8``:
+    ``M = 2`` gives devices 0 and 4, ``M = 4`` devices 0, 2, 4, 6), so the
+    servers sit in different parts of the axis (on a multi-host mesh,
+    different hosts where ``M`` divides the host count) rather than crowding
+    its first hosts. ``M = 1`` is ``root`` alone, the single server.
+
+    Example:
+      >>> server_devices(8, 4), server_devices(8, 1)
+      ((0, 2, 4, 6), (0,))
+    """
+    n_devices = int(n_devices)
+    servers = check_servers(servers, n_devices)
+    V.check_int("root", root, 0, max(n_devices - 1, 0))
+    return tuple((root + j * n_devices // servers) % n_devices for j in range(servers))
+
+
+def server_ranges(size: int, servers: int = 1) -> tuple[tuple[int, int], ...]:
+    """The key ranges of ``M`` servers over a flat buffer of ``size`` elements.
+
+    Server ``j`` owns the flat positions ``[lo_j, hi_j)``: equal contiguous
+    slices of ``ceil(size / M)`` elements (the last shorter, empty ones past
+    the end when ``size < M``). Static: they depend on shapes only.
+
+    Example:
+      >>> server_ranges(10, 4)
+      ((0, 3), (3, 6), (6, 9), (9, 10))
+    """
+    size, servers = int(size), V.check_int("servers", servers, 1)
+    chunk = -(-size // servers)
+    return tuple((min(j * chunk, size), min((j + 1) * chunk, size)) for j in range(servers))
+
+
+def assign_to_servers(nbytes: Sequence[int], servers: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Which messages each of ``M`` servers takes, when they are sharded whole (by leaf).
+
+    Greedy balancing of the bytes: the largest message first (ties: the
+    lower index) to the server with the fewest bytes so far (ties: the
+    lower server); each server's share listed in message order. Static (it
+    depends on message sizes only); servers beyond the number of messages
+    get none. With ``M = 1`` the one server takes every message.
+
+    Example:
+      >>> assign_to_servers([100, 10, 60, 50], servers=2)
+      ((0, 1), (2, 3))
+    """
+    servers = V.check_int("servers", servers, 1)
+    loads, shares = [0] * servers, [[] for _ in range(servers)]
+    for i in sorted(range(len(nbytes)), key=lambda i: (-int(nbytes[i]), i)):
+        j = min(range(servers), key=lambda j: (loads[j], j))
+        loads[j] += int(nbytes[i])
+        shares[j].append(i)
+    return tuple(tuple(sorted(share)) for share in shares)
+
+
+def server_link_bytes(push_nbytes, pull_nbytes, n_devices: int) -> dict:
     """Per-step bytes of the parameter-server pattern, by link.
 
     Args:
-      push_nbytes: bytes of one worker's push (its gradient message).
-      pull_nbytes: bytes of the averaged result each worker pulls.
-      n_devices: ``N``, the workers (the server is co-located with one of them
-        in :func:`server_mean`, whose own push and pull stay local).
+      push_nbytes: bytes of one worker's push (its gradient message); for a
+        group of ``M`` servers, a sequence: what one worker pushes to each.
+      pull_nbytes: bytes of the averaged result each worker pulls (a
+        sequence for a group: what it pulls from each server).
+      n_devices: ``N``, the workers (each server is co-located with one of
+        them, whose own push and pull stay local).
 
     Returns:
-      dict with ``worker`` (push + pull on one worker's link) and
-      ``server_in`` / ``server_out`` (what the server's link carries: the
-      ``N - 1`` remote pushes in, ``N - 1`` pulls out).
+      dict with ``worker`` (push + pull on the link of a worker that serves
+      nothing: the sums over the servers) and ``server_in`` /
+      ``server_out`` (what a server's link carries in its server role: the
+      ``N - 1`` remote pushes in, ``N - 1`` pulls out), floats for scalar
+      arguments, tuples of one float per server for sequences.
 
     Example:
       >>> server_link_bytes(push_nbytes=10, pull_nbytes=40, n_devices=4)
       {'worker': 50.0, 'server_in': 30.0, 'server_out': 120.0}
+      >>> server_link_bytes([10, 10], [20, 20], n_devices=4)
+      {'worker': 60.0, 'server_in': (30.0, 30.0), 'server_out': (60.0, 60.0)}
     """
+    group = isinstance(push_nbytes, Sequence) or isinstance(pull_nbytes, Sequence)
+    pushes = [float(b) for b in (push_nbytes if group else [push_nbytes])]
+    pulls = [float(b) for b in (pull_nbytes if group else [pull_nbytes])]
+    if len(pushes) != len(pulls):
+        raise ValueError(
+            f"push_nbytes and pull_nbytes must have one entry per server, got {len(pushes)} "
+            f"and {len(pulls)}"
+        )
     remote = max(n_devices - 1, 0)
+    server_in = tuple(float(remote * b) for b in pushes)
+    server_out = tuple(float(remote * b) for b in pulls)
     return {
-        "worker": float(push_nbytes + pull_nbytes) if n_devices > 1 else 0.0,
-        "server_in": float(remote * push_nbytes),
-        "server_out": float(remote * pull_nbytes),
+        "worker": float(sum(pushes) + sum(pulls)) if n_devices > 1 else 0.0,
+        "server_in": server_in if group else server_in[0],
+        "server_out": server_out if group else server_out[0],
     }
+
+
+def server_message_counts(indices: jax.Array, size: int, servers: int = 1) -> jax.Array:
+    """Per server, how many of a sparse message's entries fall in its key range.
+
+    With ``M > 1`` servers a worker pushes its whole fixed-capacity message
+    to every server (static shapes: how many entries fall in a range is
+    data-dependent), and each server keeps the entries of its range
+    (:func:`server_sparse_mean`). These counts are the meaningful part of
+    those pushes: ``counts[j] * (index + value bytes)`` of the
+    ``capacity * (index + value bytes)`` moved to server ``j``. Padding
+    entries (index ``>= size``) count nowhere.
+
+    Returns:
+      int32 ``[M]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> server_message_counts(jnp.array([0, 1, 7, 10]), 10, servers=2).tolist()
+      [2, 1]
+    """
+    bounds = jnp.asarray([lo for lo, _ in server_ranges(size, servers)] + [size], jnp.int32)
+    idx = indices.astype(jnp.int32)[:, None]
+    inside = (idx >= bounds[None, :-1]) & (idx < bounds[None, 1:])
+    return jnp.sum(inside, axis=0, dtype=jnp.int32)
 
 
 def _push(x, axis_name, root, n_dev):
@@ -656,7 +769,19 @@ def _check_root(root, n_dev):
     V.check_int("root", root, 0, n_dev - 1)
 
 
-def server_mean(x: jax.Array, axis_name, *, root: int = 0) -> tuple[jax.Array, jax.Array]:
+def _server_group(size: int, axis_name, root: int, servers: int):
+    """``(N, [(server device, (lo, hi)), ...])``: the group's servers and their key
+    ranges, empty ranges left out (an empty buffer keeps the first server's)."""
+    n_dev = axis_size(axis_name)
+    _check_root(root, n_dev)
+    devices = server_devices(n_dev, servers, root=root)
+    pairs = list(zip(devices, server_ranges(size, servers), strict=True))
+    return n_dev, [pair for pair in pairs if pair[1][1] > pair[1][0]] or pairs[:1]
+
+
+def server_mean(
+    x: jax.Array, axis_name, *, root: int = 0, servers: int = 1
+) -> tuple[jax.Array, jax.Array]:
     """Parameter-server averaging (DLGS): workers push, the server averages, workers pull.
 
     Device ``root`` plays the server: every other device pushes its ``x`` to it
@@ -664,10 +789,18 @@ def server_mean(x: jax.Array, axis_name, *, root: int = 0) -> tuple[jax.Array, j
     sums the pushes in device order and divides by ``N``, and sends the mean
     back to every worker. All devices end with the root's bit-identical mean.
 
+    A group of ``servers = M`` servers (devices :func:`server_devices`) shards
+    the flattened ``x`` by key range (:func:`server_ranges`): server ``j``
+    receives only its slice of every worker's ``x``, averages it and sends
+    that slice of the mean back. Each element is averaged exactly as by one
+    server (the same additions in the same order); a worker's link carries
+    the same bytes, and each server's link ``1 / M`` of the single server's.
+
     Args:
       x: this worker's tensor.
       axis_name: mesh axis.
-      root: index of the server device along the axis.
+      root: index of the (first) server device along the axis.
+      servers: ``M`` in ``[1, N]``, the servers of the group (1: ``root`` alone).
 
     Returns:
       ``(mean, bytes)``: ``bytes`` is one worker's link per step, push + pull
@@ -684,19 +817,29 @@ def server_mean(x: jax.Array, axis_name, *, root: int = 0) -> tuple[jax.Array, j
       >>> f(jnp.arange(2.0)).tolist()
       [0.0, 1.0]
     """
-    n_dev = axis_size(axis_name)
-    _check_root(root, n_dev)
-    pushed = _push(x, axis_name, root, n_dev)
-    total = pushed[0]
-    for term in pushed[1:]:
-        total = total + term
-    mean = _pull(total / n_dev, axis_name, root, n_dev)
-    nbytes = array_nbytes(x)
+    flat = x.reshape(-1)
+    n_dev, group = _server_group(flat.size, axis_name, root, servers)
+    parts = []
+    for device, (lo, hi) in group:
+        pushed = _push(flat[lo:hi], axis_name, device, n_dev)
+        total = pushed[0]
+        for term in pushed[1:]:
+            total = total + term
+        parts.append(_pull(total / n_dev, axis_name, device, n_dev))
+    mean = (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(x.shape)
+    item = jnp.dtype(x.dtype).itemsize
+    nbytes = [(hi - lo) * item for _, (lo, hi) in group]
     return mean, jnp.float32(server_link_bytes(nbytes, nbytes, n_dev)["worker"])
 
 
 def server_sparse_mean(
-    indices: jax.Array, values: jax.Array, size: int, axis_name, *, root: int = 0
+    indices: jax.Array,
+    values: jax.Array,
+    size: int,
+    axis_name,
+    *,
+    root: int = 0,
+    servers: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """Parameter server with sparse pushes (DLGS): push (index, value), pull dense.
 
@@ -704,9 +847,19 @@ def server_sparse_mean(
     the server ``root``, which scatter-adds them in device order, divides by
     ``N`` and sends the dense mean back.
 
+    A group of ``servers = M`` servers (devices :func:`server_devices`) owns
+    the key ranges :func:`server_ranges` of ``[0, size)``: server ``j``
+    scatter-adds the entries of every message that fall in its range (in
+    device order, as one server does) and sends that slice of the dense mean
+    back. How many of a message's entries fall in a range is data-dependent,
+    so with static shapes each worker pushes its whole message to every
+    server (``M`` times the message on the wire; the meaningful part is
+    :func:`server_message_counts`); the dense pull is split, ``1 / M`` per
+    server.
+
     Returns:
-      ``(mean, bytes)``: a worker's push ``capacity * (4 + itemsize)`` plus its
-      pull ``size * itemsize``.
+      ``(mean, bytes)``: a worker's push ``M * capacity * (4 + itemsize)``
+      plus its pull ``size * itemsize``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -718,15 +871,22 @@ def server_sparse_mean(
       >>> f(jnp.array([1, 3]), jnp.array([2.0, -4.0])).tolist()
       [0.0, 2.0, 0.0, -4.0, 0.0]
     """
-    n_dev = axis_size(axis_name)
-    _check_root(root, n_dev)
-    all_idx = jnp.concatenate(_push(indices, axis_name, root, n_dev))
-    all_val = jnp.concatenate(_push(values, axis_name, root, n_dev))
-    all_val = all_val / jnp.asarray(n_dev, values.dtype)
-    total = jnp.zeros((size,), values.dtype).at[all_idx].add(all_val, mode="drop")
-    mean = _pull(total, axis_name, root, n_dev)
+    n_dev, group = _server_group(size, axis_name, root, servers)
+    parts = []
+    for device, (lo, hi) in group:
+        all_idx = jnp.concatenate(_push(indices, axis_name, device, n_dev))
+        all_val = jnp.concatenate(_push(values, axis_name, device, n_dev))
+        all_val = all_val / jnp.asarray(n_dev, values.dtype)
+        if (lo, hi) != (0, size):  # this server's range; the rest (and padding) dropped
+            all_idx = jnp.where((all_idx >= lo) & (all_idx < hi), all_idx - lo, hi - lo)
+        total = jnp.zeros((hi - lo,), values.dtype).at[all_idx].add(all_val, mode="drop")
+        parts.append(_pull(total, axis_name, device, n_dev))
+    mean = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     push = array_nbytes(indices) + array_nbytes(values)
-    link = server_link_bytes(push, size * jnp.dtype(values.dtype).itemsize, n_dev)
+    item = jnp.dtype(values.dtype).itemsize
+    link = server_link_bytes(
+        [push] * len(group), [(hi - lo) * item for _, (lo, hi) in group], n_dev
+    )
     return mean, jnp.float32(link["worker"])
 
 

@@ -16,7 +16,14 @@ number of leaves:
   decodes and averages them in device order and sends the dense mean back
   (:func:`jaxcomp.comm.server_mean`'s pattern; bytes per worker link: its
   message plus the dense pull; ``N - 1`` single-pair ppermutes per buffer
-  each way).
+  each way). A group of ``servers = M`` servers
+  (:func:`jaxcomp.comm.server_devices`) shards the coded leaves by leaf
+  (:func:`jaxcomp.comm.assign_to_servers`: a leaf's codes and bucket
+  scales decode only together, so a key range cannot cut them): server
+  ``j`` receives, decodes and averages the messages of its leaves and sends
+  their dense means back; leaves sent dense are sharded by key range
+  (:func:`jaxcomp.comm.server_mean`). Each leaf's mean is the one server's,
+  bit for bit.
 - ``"gossip"``: decentralized, not an average: each device sends its message
   to its two ring neighbours and its update is the mix (1/3 each) of its own
   and their decoded messages (:func:`jaxcomp.comm.gossip_mean`'s ring),
@@ -95,6 +102,7 @@ class QuantizedExchange:
       acc_dtype: the float dtype the decoded messages are summed in.
       error_feedback: whether the caller keeps a residual (then what float16
         saturation cuts off an update is returned, to be kept in it).
+      servers: ``"server"``: the parameter servers of the group (1: one).
 
     Example:
       >>> import jax.numpy as jnp
@@ -110,6 +118,7 @@ class QuantizedExchange:
     exchange: str
     acc_dtype: Any
     error_feedback: bool
+    servers: int = 1
 
 
 def to_dtype(x: jax.Array, dtype) -> jax.Array:
@@ -397,7 +406,7 @@ def _exchange_dense(ex: QuantizedExchange, leaves, include):
     means, wire = {}, jnp.float32(0)
     for dt, b in packing.pack(values).items():
         if ex.exchange == "server":
-            means[dt], w = collectives.server_mean(b, ex.axis_name)
+            means[dt], w = collectives.server_mean(b, ex.axis_name, servers=ex.servers)
         elif ex.exchange == "majority":
             means[dt], w = _gather_vote_dense(ex, b)
         else:
@@ -431,19 +440,11 @@ def _exchange_messages(ex: QuantizedExchange, leaves, include):
     groups = _same_size(leaves)
     if ex.exchange == "allreduce":
         return _allreduce(ex, leaves, groups, include)
-    messages = [jnp.stack([leaves[j].message[p] for j in idx]) for p in (0, 1) for _, idx in groups]
-    packing = _Packing(messages)
-    buffers = packing.pack(messages)
-    decode = _stacked_decoder(ex, packing, [n for n, _ in groups])
-    push = sum(array_nbytes(m) for m in messages)
-    split = functools.partial(_ungroup, groups)
-    excess = [None] * len(leaves)
     if ex.exchange == "server":
-        pull = sum(leaf.sent.size * jnp.dtype(leaf.out_dtype).itemsize for leaf in leaves)
-        means, wire, cuts = _server_mean(ex, buffers, decode, split, push, pull)
-        count = jnp.float32(collectives.axis_size(ex.axis_name))
-        excess = _kept_excess(ex, means, leaves, include, owner_cuts=cuts, count=count)
-    elif ex.exchange == "gossip":
+        return _server_group(ex, leaves, include)
+    buffers, decode, push, split = _stacked_messages(ex, leaves, groups)
+    excess = [None] * len(leaves)
+    if ex.exchange == "gossip":
         means, wire = _gossip_mix(ex, buffers, decode, split, leaves, push)
     elif ex.exchange == "majority":
         means, wire = _gather_mean(ex, buffers, decode, split, include, push)
@@ -452,6 +453,20 @@ def _exchange_messages(ex: QuantizedExchange, leaves, include):
         excess = _kept_excess(ex, means, leaves, include, cuts=cuts)
     updates = [to_dtype(m, leaf.out_dtype) for m, leaf in zip(means, leaves, strict=True)]
     return updates, wire, excess
+
+
+def _stacked_messages(ex: QuantizedExchange, leaves, groups):
+    """``leaves``' messages stacked by size and packed in one buffer per dtype.
+
+    Returns ``(buffers, decode, push, split)``: the buffers, the decoder of
+    one device's row of them, the bytes of one device's messages and the map
+    from per-size stacks back to leaves.
+    """
+    messages = [jnp.stack([leaves[j].message[p] for j in idx]) for p in (0, 1) for _, idx in groups]
+    packing = _Packing(messages)
+    decode = _stacked_decoder(ex, packing, [n for n, _ in groups])
+    push = sum(array_nbytes(m) for m in messages)
+    return packing.pack(messages), decode, push, functools.partial(_ungroup, groups)
 
 
 def _stacked_decoder(ex: QuantizedExchange, packing, sizes):
@@ -584,18 +599,54 @@ def _gossip_mix(ex: QuantizedExchange, buffers, decode, split, leaves, push):
     return mixed, jnp.float32(2 * push)
 
 
-def _server_mean(ex: QuantizedExchange, buffers, decode, split, push, pull):
+def _server_group(ex: QuantizedExchange, leaves, include):
+    """The parameter servers' exchange of coded leaves: each server its share of the leaves.
+
+    Server ``j`` (device ``server_devices(N, M)[j]``) receives the messages
+    of the leaves :func:`jaxcomp.comm.assign_to_servers` gives it, decodes
+    and averages them in device order and sends the dense means back; one
+    server (``M = 1``) takes every leaf. Returns the updates, the bytes on a
+    worker's link (:func:`jaxcomp.comm.server_link_bytes` over the servers)
+    and what saturation cut off each mean (kept by its server).
+    """
     n_dev = collectives.axis_size(ex.axis_name)
-    # The root decodes the N messages it received, in device order.
-    pushed = {dt: jnp.stack(collectives.push_to_root(b, ex.axis_name)) for dt, b in buffers.items()}
+    devices = collectives.server_devices(n_dev, ex.servers)
+    nbytes = [sum(array_nbytes(m) for m in leaf.message) for leaf in leaves]
+    updates, excess = [None] * len(leaves), [None] * len(leaves)
+    pushes, pulls = [], []
+    for device, share in zip(
+        devices, collectives.assign_to_servers(nbytes, ex.servers), strict=True
+    ):
+        part = [leaves[j] for j in share]
+        push = pull = 0
+        if part:
+            buffers, decode, push, split = _stacked_messages(ex, part, _same_size(part))
+            pull = sum(leaf.sent.size * jnp.dtype(leaf.out_dtype).itemsize for leaf in part)
+            means, cuts = _server_mean(ex, buffers, decode, split, device)
+            kept = _kept_excess(ex, means, part, include, owner_cuts=cuts, count=jnp.float32(n_dev))
+            for j, mean, cut in zip(share, means, kept, strict=True):
+                updates[j], excess[j] = to_dtype(mean, leaves[j].out_dtype), cut
+        pushes.append(push)
+        pulls.append(pull)
+    link = collectives.server_link_bytes(pushes, pulls, n_dev)
+    return updates, jnp.float32(link["worker"]), excess
+
+
+def _server_mean(ex: QuantizedExchange, buffers, decode, split, root):
+    n_dev = collectives.axis_size(ex.axis_name)
+    # The server decodes the N messages it received, in device order.
+    pushed = {
+        dt: jnp.stack(collectives.push_to_root(b, ex.axis_name, root=root))
+        for dt, b in buffers.items()
+    }
     means, cuts = _mean_of_messages(decode, pushed, n_dev, ex.acc_dtype, split, cut=True)
     packing = _Packing(means)
     pulled = {
-        dt: collectives.pull_from_root(b, ex.axis_name) for dt, b in packing.pack(means).items()
+        dt: collectives.pull_from_root(b, ex.axis_name, root=root)
+        for dt, b in packing.pack(means).items()
     }
-    link = collectives.server_link_bytes(push, pull, n_dev)
-    # Only the root's means (and what saturation cut off them) are the server's.
+    # Only the server's means (and what saturation cut off them) are the server's.
     if cuts is not None:
-        root = lax.axis_index(ex.axis_name) == 0
-        cuts = [jnp.where(root, c, 0) for c in cuts]
-    return packing.unpack(pulled), jnp.float32(link["worker"]), cuts
+        on_server = lax.axis_index(ex.axis_name) == root
+        cuts = [jnp.where(on_server, c, 0) for c in cuts]
+    return packing.unpack(pulled), cuts

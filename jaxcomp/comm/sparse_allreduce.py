@@ -247,6 +247,7 @@ def exchange(
     dense=None,
     include=None,
     sum_dtype=None,
+    servers: int = 1,
 ) -> Exchanged:
     """Runs the named exchange (not ``"scalecom"``, which needs the accumulator).
 
@@ -268,6 +269,8 @@ def exchange(
         the mean is returned in, the all-gather's sum computed in it (see
         :func:`jaxcomp.comm.sparse_mean`). ``indices`` may be 16-bit
         (``uint16``) for those three when ``size < 2^16``.
+      servers: ``"server"`` only: the size of the group of parameter
+        servers, by key range (:func:`jaxcomp.comm.server_sparse_mean`).
 
     Returns:
       :class:`Exchanged`.
@@ -306,7 +309,9 @@ def exchange(
             "sum_dtype and 16-bit indices need 'allgather', 'dense' or 'auto'"
         )
     if name == "server":
-        return Exchanged(*collectives.server_sparse_mean(indices, values, size, axis_name))
+        return Exchanged(
+            *collectives.server_sparse_mean(indices, values, size, axis_name, servers=servers)
+        )
     if name == "sparcml":
         return sparcml_mean(indices, values, size, axis_name, dense=dense)
     if name == "gtopk":

@@ -92,6 +92,7 @@ from jaxcomp.transforms.base import (
     apply_nonfinite_policy,
     check_common_options,
     check_residual_scaling,
+    check_server_group,
     resolve_residual_dtype,
     scaled_accumulation,
 )
@@ -200,6 +201,7 @@ def quantize(
     *,
     axis_name: Any = None,
     exchange: str = "allgather",
+    servers: int | None = None,
     error_feedback: bool = True,
     residual_scale: float | jax.Array | None = None,
     gradient_scale: float | jax.Array | None = None,
@@ -238,6 +240,12 @@ def quantize(
         per buffer, with the results of exchanging each leaf on its own, bit
         for bit; with ``include=`` the included-device count (a float32) is
         all-reduced once per buffer and counted so in ``wire_bytes``.
+      servers: ``exchange="server"`` only: ``M``, a group of parameter
+        servers in ``[1, N]`` (checked when the update is traced), spread over
+        the axis (:func:`jaxcomp.comm.server_devices`); the coded leaves are
+        sharded by leaf (:func:`jaxcomp.comm.assign_to_servers`), the leaves
+        sent dense by key range. Each leaf's mean is the one server's.
+        None: 1.
       error_feedback: keep ``residual = R - decoded`` and add it to the next
         gradient (1-bit SGD, EF-signSGD). ``False``: send the quantized
         gradient itself (unbiased QSGD, signSGD); no residual is allocated
@@ -317,6 +325,7 @@ def quantize(
             seed=seed,
         ),
         exchange=exchange,
+        servers=servers,
         error_feedback=error_feedback,
         scaling=check_residual_scaling(
             residual_scale,
@@ -391,6 +400,7 @@ def _make_config(
     keep_message,
     beta,
     accumulation_dtype,
+    servers=None,
 ) -> _Config:
     """Validates :func:`quantize`'s arguments (each error names its argument)."""
     if not isinstance(quantizer, Quantizer):
@@ -402,6 +412,7 @@ def _make_config(
             f"exchange={exchange!r} votes with signs: it needs a sign codec "
             f"(Quantizer.signs, e.g. sign_quantizer), got {quantizer.name}"
         )
+    servers = check_server_group(servers, exchange)
     acc_dtype = jnp.dtype(
         jnp.float32
         if accumulation_dtype is None
@@ -420,7 +431,7 @@ def _make_config(
         beta = V.check_real("beta", beta, 0.0, 1.0, high_open=True, allow_traced=True)
     return _Config(
         exchange=QuantizedExchange(
-            quantizer, common.axis_name, exchange, acc_dtype, error_feedback
+            quantizer, common.axis_name, exchange, acc_dtype, error_feedback, servers
         ),
         common=common,
         scaling=scaling,

@@ -73,6 +73,7 @@ def qsgd(
     gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
+    servers: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
     seed: int | jax.Array = 0,
@@ -104,7 +105,7 @@ def qsgd(
       min_dense_size: leaves with at most this many elements are sent dense
         (None: 10_000, the paper's).
       error_feedback: off by default (QSGD is unbiased).
-      axis_name, exchange, residual_dtype, nonfinite, seed: as in
+      axis_name, exchange, servers, residual_dtype, nonfinite, seed: as in
         :func:`jaxcomp.transforms.quantize.quantize` (``seed`` traceable).
       keep_message: keep this step's packed message per leaf in the state
         (``state.message``), for :func:`jaxcomp.coding.coded_message_bytes`
@@ -126,6 +127,7 @@ def qsgd(
         quantizer,
         axis_name=axis_name,
         exchange=exchange,
+        servers=servers,
         error_feedback=error_feedback,
         residual_scale=residual_scale,
         gradient_scale=gradient_scale,
@@ -145,6 +147,7 @@ def onebit(
     gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
+    servers: int | None = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -173,6 +176,7 @@ def onebit(
         gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
+        servers=servers,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -188,6 +192,7 @@ def sign_sgd(
     gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
+    servers: int | None = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -213,6 +218,7 @@ def sign_sgd(
         gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
+        servers=servers,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -228,6 +234,7 @@ def ef_sign_sgd(
     gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
+    servers: int | None = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -253,6 +260,7 @@ def ef_sign_sgd(
         gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
+        servers=servers,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -270,6 +278,7 @@ def bounded_sign(
     gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
+    servers: int | None = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -306,6 +315,7 @@ def bounded_sign(
         gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
+        servers=servers,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -322,6 +332,7 @@ def terngrad(
     gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
+    servers: int | None = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -341,6 +352,7 @@ def terngrad(
       bucket_size: values sharing one scale (None: the whole leaf, the
         paper's per-layer scale).
       error_feedback: off by default (TernGrad is unbiased).
+      servers: as in :func:`jaxcomp.transforms.quantize.quantize`.
       axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed, keep_message: as
         in :func:`jaxcomp.transforms.quantize.quantize`.
 
@@ -359,6 +371,7 @@ def terngrad(
         gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
+        servers=servers,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -377,6 +390,7 @@ def natural_compression(
     gradient_scale: float | jax.Array | None = None,
     axis_name: Any = None,
     exchange: str = "allgather",
+    servers: int | None = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -403,6 +417,7 @@ def natural_compression(
         paper's ``p = 2``, or ``"max"``); natural compression has neither
         (passing them raises).
       error_feedback: off by default (both are unbiased).
+      servers: as in :func:`jaxcomp.transforms.quantize.quantize`.
       axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed, keep_message: as
         in :func:`jaxcomp.transforms.quantize.quantize`.
 
@@ -430,6 +445,7 @@ def natural_compression(
         gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
+        servers=servers,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -445,6 +461,7 @@ def signum(
     bucket_size: int | None = None,
     axis_name: Any = None,
     exchange: str = "majority",
+    servers: int | None = None,
     error_feedback: bool = False,
     residual_scale: float | jax.Array | None = None,
     gradient_scale: float | jax.Array | None = None,
@@ -484,6 +501,7 @@ def signum(
       bucket_size: values sharing one abstain/vote scale (None: the whole
         leaf). Set it to an embedding's row length so that rows not in the
         batch abstain rather than vote ``+``.
+      servers: as in :func:`jaxcomp.transforms.quantize.quantize`.
       axis_name, exchange, error_feedback, min_dense_size, residual_dtype, nonfinite, seed: as
         in :func:`jaxcomp.transforms.quantize.quantize`.
 
@@ -511,6 +529,7 @@ def signum(
         gradient_scale=gradient_scale,
         axis_name=axis_name,
         exchange=exchange,
+        servers=servers,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,
@@ -527,6 +546,7 @@ def cast(
     accumulation_dtype: Any = jnp.float32,
     axis_name: Any = None,
     exchange: str = "allgather",
+    servers: int | None = None,
     min_dense_size: int | None = None,
     residual_dtype: Any = None,
     nonfinite: str = "skip",
@@ -554,6 +574,7 @@ def cast(
         by the device count, partial sums rounded). A float16 sum past 65504
         saturates there, never inf; with ``error_feedback=True`` the excess
         stays in the residuals (see :func:`jaxcomp.transforms.quantize.quantize`).
+      servers: as in :func:`jaxcomp.transforms.quantize.quantize`.
       axis_name, exchange, min_dense_size, residual_dtype, nonfinite, seed, keep_message: as
         in :func:`jaxcomp.transforms.quantize.quantize`.
         ``exchange="allgather"`` (default): every device receives the ``N``
@@ -584,6 +605,7 @@ def cast(
         accumulation_dtype=accumulation_dtype,
         axis_name=axis_name,
         exchange=exchange,
+        servers=servers,
         min_dense_size=min_dense_size,
         residual_dtype=residual_dtype,
         nonfinite=nonfinite,

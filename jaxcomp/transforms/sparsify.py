@@ -96,6 +96,7 @@ from jaxcomp.transforms.base import (
     apply_nonfinite_policy,
     check_common_options,
     check_residual_scaling,
+    check_server_group,
     resolve_residual_dtype,
     scaled_accumulation,
 )
@@ -318,6 +319,7 @@ class _Config:
     residual_dtype: Any  # None: per group, see resolve_residual_dtype
     axis_name: Any
     exchange: str
+    servers: int  # exchange="server": the parameter servers of the group, by key range
     error_feedback: bool  # False: memory-less, the residual written as zeros
     nonfinite: str
     granularity: str
@@ -576,6 +578,7 @@ def sparsify(
     reuse_period: int | None = None,
     nonfinite: str = "skip",
     exchange: str = "auto",
+    servers: int | None = None,
     error_feedback: bool = True,
     low_pass: float | jax.Array | None = None,
     residual_scale: float | jax.Array | None = None,
@@ -660,6 +663,16 @@ def sparsify(
         alias of ``"allgather"`` (the same collective, the same results).
         ``include=`` works with ``"allgather"``, ``"dense"`` and ``"auto"``
         only.
+      servers: ``exchange="server"`` only: ``M``, a group of parameter
+        servers in ``[1, N]`` (``N`` devices on ``axis_name``, checked when
+        the update is traced), spread over the axis
+        (:func:`jaxcomp.comm.server_devices`), each owning one key range of
+        the flat (packed) buffer (:func:`jaxcomp.comm.server_ranges`): a
+        worker pushes its whole (index, value) message to every server (static
+        shapes), each server averages its range and sends that slice of the
+        dense mean back. The same mean as one server; per server ``1 / M`` of
+        the dense pull (docs/distributed.md, "A group of parameter servers").
+        None: 1, the single server.
       error_feedback: True (default, every sparsifier paper): what is not
         sent stays in the residual and is sent later. False: memory-less
         sparsification (GRACE's ``TopKCompressor`` with ``NoneMemory``): the
@@ -751,6 +764,7 @@ def sparsify(
         groups=groups,
         reuse_period=reuse_period,
         exchange=exchange,
+        servers=servers,
         error_feedback=error_feedback,
         low_pass=low_pass,
         residual_scale=residual_scale,
@@ -832,6 +846,7 @@ def _make_config(
     value_dtype=None,
     index_dtype=None,
     shared_indices=False,
+    servers=None,
 ) -> _Config:
     """Validates :func:`sparsify`'s arguments (each error names its argument)."""
     # Static options default to None (the documented value) so that
@@ -921,6 +936,7 @@ def _make_config(
             sparse_allreduce.EXCHANGES + tuple(sparse_allreduce.EXCHANGE_ALIASES),
         )
     )
+    servers = check_server_group(servers, exchange)
     if exchange == "scatter" and (groups is not None or granularity != "layer"):
         raise ValueError(
             "exchange='scatter' reduce-scatters each leaf over the devices that own its slices: "
@@ -990,6 +1006,7 @@ def _make_config(
         residual_dtype=common.residual_dtype,
         axis_name=common.axis_name,
         exchange=exchange,
+        servers=servers,
         error_feedback=error_feedback,
         nonfinite=common.nonfinite,
         granularity=granularity,
@@ -1801,7 +1818,9 @@ def _exchange_packed(
             # The server adds into, and sends back, the segments' own elements
             # (no padding rows on the wire): packed positions in compact order.
             idx, n_compact = _compact_positions(layout, of_kind["server"], slots("server"), idx)
-            mean, _ = collectives.server_sparse_mean(idx, vals, n_compact, cfg.axis_name)
+            mean, _ = collectives.server_sparse_mean(
+                idx, vals, n_compact, cfg.axis_name, servers=cfg.servers
+            )
             update = segmented.expand(layout, mean, of_kind["server"], update)
         if "sparcml" in of_kind:
             segs = of_kind["sparcml"]
@@ -1873,7 +1892,13 @@ def _exchange_packed(
                     flat_res = flat_res.at[back_idx].add(back, mode="drop")
             mean = mean.reshape(update.shape)
             update = mean if len(of_kind) == 1 else jnp.where(rows(kind), mean, update)
-        wires = _packed_wire_bytes(kinds, caps[p], sizes, item, n_dev, include is not None)
+        # Servers whose key range of the server segments' compact buffer is not
+        # empty: the ones that receive the pushes (server_sparse_mean).
+        served = sum(int(sizes[s]) for s in of_kind.get("server", []))
+        pushed_to = sum(hi > lo for lo, hi in collectives.server_ranges(served, cfg.servers)) or 1
+        wires = _packed_wire_bytes(
+            kinds, caps[p], sizes, item, n_dev, include is not None, pushed_to
+        )
         wires = jnp.asarray(wires).at[0].add(extra_wire)
         out = update, wires, flat_res.reshape(residual.shape)
         return out if cfg.exchange != "scatter" else (*out, shards)
@@ -1922,12 +1947,15 @@ def _packed_kinds(
     return kinds
 
 
-def _packed_wire_bytes(kinds, caps, sizes, item: int, n_dev: int, flagged: bool) -> np.ndarray:
+def _packed_wire_bytes(
+    kinds, caps, sizes, item: int, n_dev: int, flagged: bool, servers: int = 1
+) -> np.ndarray:
     """Each segment's wire bytes (float32), the formula its group's own exchange reports.
 
     ``flagged``: with ``include=`` each exchange alone would also count its
     psum of the flags. SparCML reports one total for all its segments: the
-    caller adds it to the first.
+    caller adds it to the first. ``servers``: how many servers of a group
+    receive the whole message each (:func:`jaxcomp.comm.server_sparse_mean`).
     """
     flags = 4 if flagged else 0
     rounds = sparse_allreduce.gtopk_rounds(n_dev) if n_dev > 1 else 0
@@ -1942,9 +1970,9 @@ def _packed_wire_bytes(kinds, caps, sizes, item: int, n_dev: int, flagged: bool)
         ),
         "shared": lambda c, n: collectives.allreduce_bytes(c * item, n_dev),
         "dense": lambda c, n: collectives.allreduce_bytes(n * item + flags, n_dev),
-        "server": lambda c, n: collectives.server_link_bytes(c * (4 + item), n * item, n_dev)[
-            "worker"
-        ],
+        "server": lambda c, n: collectives.server_link_bytes(
+            servers * c * (4 + item), n * item, n_dev
+        )["worker"],
         "gossip_sparse": lambda c, n: 2 * c * (4 + item) if n_dev > 1 else 0,
         "gossip_dense": lambda c, n: 2 * n * item if n_dev > 1 else 0,
         "gtopk": lambda c, n: rounds * c * (4 + item),
@@ -2431,7 +2459,7 @@ def _send_dense(cfg: _Config, acc, u, out_dtype, ctx, segments) -> _FlatOut:
         if ctx.include is not None:  # server_mean divides by N; gossip mixes neighbours
             sparse_allreduce.check_include(cfg.exchange)
         if cfg.exchange == "server":
-            update, wire = collectives.server_mean(sent_out, cfg.axis_name)
+            update, wire = collectives.server_mean(sent_out, cfg.axis_name, servers=cfg.servers)
         else:  # this device's ring mix, not the mean
             update, wire = collectives.gossip_mean(sent_out, cfg.axis_name)
     elif cfg.exchange == "scatter":
@@ -2580,8 +2608,9 @@ def _exchange_pairs(cfg: _Config, idx, vals, n, dense, include, residual):
     # value_dtype: the mean in the residual's dtype, the all-gather adding there.
     wide = residual.dtype if cfg.value_dtype is not None else None
     ex = sparse_allreduce.exchange(
-        cfg.exchange, idx, vals, n, cfg.axis_name, dense=dense, include=include, sum_dtype=wide
-    )
+        cfg.exchange, idx, vals, n, cfg.axis_name, dense=dense, include=include, sum_dtype=wide,
+        servers=cfg.servers,
+    )  # fmt: skip
     if ex.returned_indices is None:
         return ex.update, ex.wire_bytes, None
     return ex.update, ex.wire_bytes, _returned_pairs(cfg, ex, residual.dtype)
