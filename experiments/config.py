@@ -695,12 +695,17 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
     _validate_mesh(c, n)
     _validate_pipeline(c, n)
     servers = c.servers
+    # The servers are replicas on the "data" axis: a pipeline's stages take their share of n.
+    replicas = n // c.pipeline_stages if n and c.pipeline_stages else n
     if servers is not None and (
         isinstance(servers, bool)
         or not isinstance(servers, (int, np.integer))
-        or not 1 <= servers <= (n or servers)
+        or not 1 <= servers <= (replicas or servers)
     ):
-        invalid(f"servers (--servers) must be an integer in [1, num_devices={n}], got {servers!r}")
+        invalid(
+            f"servers (--servers) must be an integer in [1, {replicas}] (the data replicas), "
+            f"got {servers!r}"
+        )
     if n is not None and c.compressor in SPARSIFIERS and c.exchange is not None:
         # The exchange's own trace-time check, before anything is written.
         try:
