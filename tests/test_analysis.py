@@ -335,6 +335,11 @@ def test_fit_check_paper_list_and_table():
     assert fit_check._models("mlp,paper") == [
         "mlp", "alexnet", "vgg19", "resnet50", "densenet121", "senet18"
     ]  # fmt: skip
+    from experiments import data
+
+    ds = data.load_dataset("synthetic_cifar")  # what --models=paper runs on without CIFAR
+    n, shape, classes = data.DATASET_SPECS["synthetic_cifar"]
+    assert ds.train_x.shape == (n, *shape) == (2048, 32, 32, 3) and ds.num_classes == classes
     # 8x8 digits would pool VGG-19 and AlexNet down to nothing: refused before training.
     with pytest.raises(ValueError, match="need 32x32 images"):
         fit_check.main(["fit_check", "--models=paper", "--dataset=digits"])

@@ -217,7 +217,7 @@ def fit_distances(x, *, bins: int = EMD_BINS) -> dict:
       >>> print(f"{float(d['laplace']):.1e} vs {float(d['gaussian']):.1e}")
       4.1e-05 vs 2.1e-03
       >>> print(f"{float(d['laplace_emd']):.2f} vs {float(d['gaussian_emd']):.2f} bins")
-      0.28 vs 6.81 bins
+      0.18 vs 8.92 bins
     """
     bins = V.check_int("bins", bins, 1)
     if jnp.size(x) == 0:
