@@ -197,10 +197,10 @@ def fit_distances(x, *, bins: int = EMD_BINS) -> dict:
       bins: the histogram's bin count for the EMD, >= 1 (static).
 
     Returns:
-      ``{"laplace": d_laplace, "gaussian": d_gaussian, "laplace_emd": e_laplace,
-      "gaussian_emd": e_gaussian}``, scalar arrays: the W1 distances to the
-      Laplace fit and to the Gaussian fit in the units of ``x``, and the
-      histogram EMDs in bins.
+      A dict of scalar arrays: ``"laplace"`` and ``"gaussian"``, the W1
+      distances to the Laplace fit and to the Gaussian fit in the units of
+      ``x``; ``"laplace_emd"`` and ``"gaussian_emd"``, the histogram EMDs in
+      bins.
 
     Raises:
       ValueError: ``x`` is empty, ``bins < 1``; or, outside ``jax.jit``, ``x``
