@@ -106,7 +106,7 @@ COMPRESSORS = (
 SCHEDULES = ("constant", "cosine", "step")
 NORMS = models.NORMS
 MERGES = ("none", "greedy", "optimal")
-DATASETS = ("digits", "synthetic", "cifar10", "cifar100")
+DATASETS = ("digits", "synthetic", "synthetic_cifar", "cifar10", "cifar100")
 # --exchange: "default" (None) is the compressor's own exchange; the others are CSSGD.
 CODED_EXCHANGES = cssgd.EXCHANGES
 # A sparsifier's exchange= (jaxcomp.comm.sparse_allreduce) and a quantizer's.
@@ -205,11 +205,13 @@ class TrainConfig:
         default): the flat 1-D mesh over ``"data"``. Data-parallel runs
         only (not ``sampling="feature"``, CSSGD, ``merge``,
         ``fit_check_epochs`` or ``coded_bytes_every``).
-      dataset: ``digits``, ``synthetic``, ``cifar10``, ``cifar100``.
+      dataset: ``digits``, ``synthetic``, ``synthetic_cifar`` (32x32x3), ``cifar10``,
+        ``cifar100``.
       data_dir: CIFAR directory or ``.tar.gz`` archive.
       download: download CIFAR when ``data_dir`` does not exist.
-      model: ``mlp``, ``cnn``, ``resnet20``, ``vgg16``, ``resnet50``,
-        ``resnet101``, ``densenet121``, ``densenet169`` (:mod:`experiments.models`).
+      model: ``mlp``, ``cnn``, ``alexnet``, ``resnet20``, ``vgg16``, ``vgg19``,
+        ``senet18``, ``resnet50``, ``resnet101``, ``densenet121``,
+        ``densenet169`` (:mod:`experiments.models`).
       epochs: total epochs (a resumed run continues up to this number).
       batch_size: global batch size (divisible by ``num_devices``).
       lr: peak learning rate.

@@ -51,6 +51,8 @@ CIFAR_URLS = {
 DATASET_SPECS = {
     "digits": (1438, (8, 8, 1), 10),  # 1797 images, a fifth of them for testing
     "synthetic": (2048, (8, 8, 1), 10),  # load_synthetic's defaults
+    # The same teacher task on CIFAR-shaped images: the CIFAR models without CIFAR.
+    "synthetic_cifar": (2048, (32, 32, 3), 10),
     "cifar10": (50000, (32, 32, 3), 10),
     "cifar100": (50000, (32, 32, 3), 100),
 }
@@ -251,7 +253,7 @@ def dataset_path(name: str, data_dir: str | None = None) -> str | None:
 
 
 def load_dataset(name: str, data_dir: str | None = None, download: bool = False) -> Dataset:
-    """Loads ``digits``, ``synthetic``, ``cifar10`` or ``cifar100``.
+    """Loads ``digits``, ``synthetic``, ``synthetic_cifar``, ``cifar10`` or ``cifar100``.
 
     For CIFAR, ``data_dir`` is the directory or archive (default
     ``~/.cache/jaxcomp/<name>-python.tar.gz``).
@@ -260,9 +262,13 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
         return load_digits()
     if name == "synthetic":
         return load_synthetic()
+    if name == "synthetic_cifar":
+        return load_synthetic(shape=DATASET_SPECS[name][1])
     if name in CIFAR_URLS:
         return load_cifar(name, dataset_path(name, data_dir), download=download)
-    raise ValueError(f"unknown dataset {name!r}; expected digits, synthetic, cifar10, cifar100")
+    raise ValueError(
+        f"unknown dataset {name!r}; expected digits, synthetic, synthetic_cifar, cifar10, cifar100"
+    )
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:

@@ -1,4 +1,5 @@
-"""Flax (linen) models for the training runs: MLP, CNN, ResNet-20/50/101, VGG-16, DenseNet.
+"""Flax (linen) models for the training runs: MLP, CNN, AlexNet, ResNet-20/50/101, VGG-16/19,
+SENet-18, DenseNet.
 
 The CIFAR models (``NORMALIZED``) take ``norm=``:
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 __all__ = [
     "CNN",
     "MLP",
+    "AlexNet",
     "MODELS",
     "NORMALIZED",
     "NORMS",
@@ -41,7 +43,9 @@ __all__ = [
     "ResNet20",
     "ResNet50",
     "ResNet101",
+    "SENet18",
     "VGG16",
+    "VGG19",
     "make_model",
 ]
 
@@ -97,6 +101,33 @@ class CNN(nn.Module):
             x = nn.relu(nn.Conv(width, (3, 3))(x))
         x = jnp.mean(x, axis=(1, 2))
         x = nn.relu(nn.Dense(128)(x))
+        return nn.Dense(self.num_classes)(x)
+
+
+class AlexNet(nn.Module):
+    """CIFAR AlexNet: five conv layers, one dense classifier (2.47M parameters, 10 classes).
+
+    The CIFAR variant of the ldte_bs paper's era, bearpaw/pytorch-classification's
+    ``models/cifar/alexnet.py`` (Wei Yang): AlexNet's 64-192-384-256-256
+    convolutions (11x11 stride 4 padding 5, 5x5, 3x3 x3) with biases and
+    ReLU, 2x2 max-pools after the first, second and fifth, and the three dense
+    layers replaced by one ``256 -> num_classes`` (a 32x32 image is 1x1 after
+    the last pool). No normalisation layers, as that file.
+    """
+
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        del train
+        x = nn.relu(nn.Conv(64, (11, 11), strides=4, padding=5)(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = nn.relu(nn.Conv(192, (5, 5), padding=2)(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        for width in (384, 256, 256):
+            x = nn.relu(nn.Conv(width, (3, 3), padding=1)(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = x.reshape(x.shape[0], -1)
         return nn.Dense(self.num_classes)(x)
 
 
@@ -236,6 +267,72 @@ class VGG16(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+class VGG19(VGG16):
+    """CIFAR VGG-19 (16 3x3 conv layers in 5 stages), kuangliu/pytorch-cifar's ``VGG('VGG19')``.
+
+    Configuration E with one dense classifier: 20.04M parameters with 10
+    classes and BatchNorm (ours: 20.04M less the 5,504 conv biases, replaced
+    by the norm's shift as in :class:`VGG16`).
+    """
+
+    stages: tuple[tuple[int, int], ...] = ((64, 2), (128, 2), (256, 4), (512, 4), (512, 4))
+
+
+class _SEPreActBlock(nn.Module):
+    """kuangliu/pytorch-cifar's ``senet.PreActBlock``: pre-activation block, squeeze-excite."""
+
+    features: int
+    strides: int
+    norm: str
+    axis_name: str | None
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        def norm_relu(y):
+            return nn.relu(_norm(self.norm, train, self.axis_name, min(32, y.shape[-1]))(y))
+
+        out = norm_relu(x)
+        shortcut = x
+        if self.strides != 1 or x.shape[-1] != self.features:
+            shortcut = nn.Conv(self.features, (1, 1), strides=self.strides, use_bias=False)(out)
+        out = nn.Conv(self.features, (3, 3), strides=self.strides, use_bias=False)(out)
+        out = nn.Conv(self.features, (3, 3), use_bias=False)(norm_relu(out))
+        # Squeeze (global average) and excite: two 1x1 convs with biases on the
+        # pooled vector (PyTorch's Conv2d(planes, planes // 16, 1) and back).
+        w = jnp.mean(out, axis=(1, 2), keepdims=True)
+        w = nn.relu(nn.Conv(self.features // 16, (1, 1))(w))
+        w = nn.sigmoid(nn.Conv(self.features, (1, 1))(w))
+        return out * w + shortcut
+
+
+class SENet18(nn.Module):
+    """CIFAR SENet-18, kuangliu/pytorch-cifar's ``SENet18``: 11.26M parameters, 10 classes.
+
+    A 3x3 stem of 64 filters with norm and ReLU, four stages of two
+    pre-activation basic blocks with squeeze-and-excitation (reduction 16),
+    64/128/256/512 filters, strides 1/2/2/2, a 1x1 convolution on the
+    pre-activated input where a block changes the shape; then global average
+    pooling (no final norm, as that file) and one dense classifier.
+    """
+
+    num_classes: int
+    blocks_per_stage: int = 2
+    norm: str = "group"
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        _check_norm(self.norm)
+        x = nn.Conv(64, (3, 3), use_bias=False)(x)
+        x = nn.relu(_norm(self.norm, train, self.axis_name, 32)(x))
+        for stage, width in enumerate((64, 128, 256, 512)):
+            for block in range(self.blocks_per_stage):
+                strides = 2 if stage > 0 and block == 0 else 1
+                x = _SEPreActBlock(width, strides, self.norm, self.axis_name)(x, train)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes)(x)
+
+
 class DenseNet(nn.Module):
     """CIFAR DenseNet-BC (kuangliu/pytorch-cifar's ``DenseNet``), pre-activation layers.
 
@@ -291,15 +388,27 @@ class DenseNet169(DenseNet):
 MODELS = {
     "mlp": MLP,
     "cnn": CNN,
+    "alexnet": AlexNet,
     "resnet20": ResNet20,
     "vgg16": VGG16,
+    "vgg19": VGG19,
+    "senet18": SENet18,
     "resnet50": ResNet50,
     "resnet101": ResNet101,
     "densenet121": DenseNet121,
     "densenet169": DenseNet169,
 }
 # The models with normalisation layers (the ones that take norm= and axis_name=).
-NORMALIZED = ("resnet20", "vgg16", "resnet50", "resnet101", "densenet121", "densenet169")
+NORMALIZED = (
+    "resnet20",
+    "vgg16",
+    "vgg19",
+    "senet18",
+    "resnet50",
+    "resnet101",
+    "densenet121",
+    "densenet169",
+)
 
 
 def make_model(
@@ -308,8 +417,9 @@ def make_model(
     """Builds a model by name (a key of ``MODELS``).
 
     Args:
-      name: ``mlp``, ``cnn``, ``resnet20``, ``vgg16``, ``resnet50``,
-        ``resnet101``, ``densenet121`` or ``densenet169``.
+      name: ``mlp``, ``cnn``, ``alexnet``, ``resnet20``, ``vgg16``,
+        ``vgg19``, ``senet18``, ``resnet50``, ``resnet101``, ``densenet121`` or
+        ``densenet169``.
       num_classes: size of the classifier.
       norm: ``"group"`` or ``"batch"`` (models of ``NORMALIZED`` only; the
         others have no normalisation and take only ``"group"``, the default).

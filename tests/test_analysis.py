@@ -246,3 +246,124 @@ def test_fit_check_smoke(tmp_path):
     assert table.count("\n") == 2 and "| mlp | 2 |" in table
     with pytest.raises(ValueError, match="fit_check_epochs must be in"):
         train.validate_config(train.TrainConfig(epochs=2, fit_check_epochs=(3,)))
+
+
+# Issue 39 item 1: the paper's Table 1 units (histogram EMD in bins) beside W1.
+
+
+def _numpy_histogram_emd(x, family, bins):
+    """EMD in bins between numpy's histogram of x and the fit's bin masses (renormalised)."""
+    x = np.asarray(x, np.float64).ravel()
+    mu, sd = x.mean(), x.std()
+    counts, edges = np.histogram(x, bins=bins)
+    if family == "gaussian":
+        cdf = _norm_cdf((edges - mu) / sd).astype(np.float64)
+    else:
+        e = 0.5 * np.exp(-np.abs(edges - mu) / (sd / math.sqrt(2)))
+        cdf = np.where(edges < mu, e, 1 - e)
+    fitted = np.diff(cdf)
+    # W1 between two distributions on the bin positions 0..bins-1: the sum of
+    # the absolute differences of their cumulative masses.
+    gap = np.cumsum(counts / counts.sum() - fitted / fitted.sum())
+    return float(np.sum(np.abs(gap[:-1])))
+
+
+@pytest.mark.parametrize(
+    "kind,n,bins,loc,std",
+    [
+        ("laplace", 20000, 1000, 5e-4, 5e-3),
+        ("gaussian", 3000, 1000, 0.0, 1.0),
+        ("laplace", 5000, 10, 10.0, 0.01),  # offset 1000x the spread
+        ("gaussian", 1000, 1, 0.0, 1.0),  # one bin: nothing moves
+    ],
+)
+def test_histogram_emd_against_numpy(kind, n, bins, loc, std):
+    x = _sample(kind, n, seed=n, loc=loc, std=std)
+    d = fit_distances(x, bins=bins)
+    for family in ("laplace", "gaussian"):
+        ref = _numpy_histogram_emd(x, family, bins)
+        np.testing.assert_allclose(float(d[family + "_emd"]), ref, rtol=2e-4, atol=1e-5)
+        # W1 is unchanged by the new fields.
+        np.testing.assert_allclose(float(d[family]), _brute_w1(x, family), rtol=1e-4)
+    # Each family's EMD is smallest for its own samples.
+    other = "gaussian" if kind == "laplace" else "laplace"
+    if bins > 1:
+        assert float(d[kind + "_emd"]) < float(d[other + "_emd"])
+
+
+def test_histogram_emd_is_scale_and_shift_free_and_jit_matches():
+    x = _sample("laplace", 4000, seed=5)
+    d = fit_distances(x)
+    moved = fit_distances((x * 1e4 - 3.0).astype(np.float32))
+    jitted = jax.jit(fit_distances)(x)
+    for family in ("laplace", "gaussian"):
+        key = family + "_emd"
+        np.testing.assert_allclose(float(moved[key]), float(d[key]), rtol=5e-3)
+        np.testing.assert_allclose(float(jitted[key]), float(d[key]), rtol=1e-6)
+        np.testing.assert_allclose(float(d[key]), _numpy_histogram_emd(x, family, 1000), rtol=2e-4)
+
+
+def test_histogram_emd_degenerate_and_bad_bins():
+    for x in (jnp.full((1000,), 2.5), jnp.asarray(1.0)):
+        d = fit_distances(x)
+        assert float(d["laplace_emd"]) == 0.0 and float(d["gaussian_emd"]) == 0.0
+    x = np.ones(1000, np.float32)
+    x[3] = np.nan
+    assert np.isnan(float(jax.jit(fit_distances)(x)["laplace_emd"]))
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="bins must be an integer"):
+            fit_distances(np.arange(10.0), bins=bad)
+    with pytest.raises(ValueError, match="bins must be an integer"):
+        tree_fit_distances({"a": np.arange(10.0)}, min_size=1, bins=0)
+
+
+def test_tree_geometric_mean_of_histogram_emd():
+    tree = {"a": _sample("laplace", 2000, 0), "b": _sample("gaussian", 1500, 1)}
+    per_leaf, summary = tree_fit_distances(tree, bins=50)
+    for family in ("laplace", "gaussian"):
+        refs = [_numpy_histogram_emd(x, family, 50) for x in tree.values()]
+        for name, ref in zip(tree, refs, strict=True):
+            np.testing.assert_allclose(float(per_leaf[name][family + "_emd"]), ref, rtol=2e-4)
+        np.testing.assert_allclose(
+            float(summary[family + "_emd"]), np.exp(np.mean(np.log(refs))), rtol=2e-4
+        )
+
+
+def test_fit_check_paper_list_and_table():
+    from experiments import fit_check, gradient_fit
+
+    assert fit_check._models("mlp,paper") == [
+        "mlp", "alexnet", "vgg19", "resnet50", "densenet121", "senet18"
+    ]  # fmt: skip
+    from experiments import data
+
+    ds = data.load_dataset("synthetic_cifar")  # what --models=paper runs on without CIFAR
+    n, shape, classes = data.DATASET_SPECS["synthetic_cifar"]
+    assert ds.train_x.shape == (n, *shape) == (2048, 32, 32, 3) and ds.num_classes == classes
+    # 8x8 digits would pool VGG-19 and AlexNet down to nothing: refused before training.
+    with pytest.raises(ValueError, match="need 32x32 images"):
+        fit_check.main(["fit_check", "--models=paper", "--dataset=digits"])
+
+    def row(model, epoch, kind, scale):
+        return {
+            "model": model, "epoch": epoch, "kind": kind, "laplace": 1e-3 * scale,
+            "gaussian": 2e-3 * scale, "laplace_emd": 3.0 * scale, "gaussian_emd": 5.0 * scale,
+            "laplace_closer": 2, "num_leaves": 3,
+        }  # fmt: skip
+
+    rows = [
+        row("vgg19", 1, "residual", 1.0),
+        row("vgg19", 2, "gradient", 2.0),
+        row("vgg19", 2, "residual", 4.0),  # the last epoch's residual is compared
+        row("mlp", 2, "residual", 8.0),  # not in the paper's table
+        row("alexnet", 1, "gradient", 16.0),  # no residual (dense): the gradient
+    ]
+    table = fit_check.format_paper_table(rows).splitlines()
+    assert len(table) == 4
+    assert table[2].startswith("| alexnet | 1 | gradient | 19.273 | 80.000 | 13.248 | 48.000 |")
+    assert table[3].startswith("| vgg19 | 2 | residual | 28.810 | 20.000 | 13.628 | 12.000 |")
+    assert "Laplace 2/3 | 8.000e-03 | 4.000e-03 |" in table[3]
+    assert fit_check.format_paper_table([row("mlp", 1, "residual", 1.0)]) == ""
+    # Rows written before the EMD existed still format.
+    old = {k: v for k, v in row("mlp", 1, "residual", 1.0).items() if "emd" not in k}
+    assert "1.000e-03 (-)" in gradient_fit.format_table([old])

@@ -460,6 +460,56 @@ def test_vgg16_size():
     assert sum("Conv" in p for p in paths) == 13
 
 
+def _param_count(name):
+    from experiments import models  # noqa: PLC0415
+
+    model = models.make_model(name, 10)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 32, 32, 3), np.float32))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+
+
+def test_ldte_bs_table1_model_sizes():
+    # Shapes only. AlexNet: bearpaw/pytorch-classification's CIFAR variant
+    # (conv 11x11/4 64, 5x5 192, 3x3 384, 256, 256, all with biases; one
+    # dense 256 -> 10): its README's 2.47M.
+    convs = [(11, 3, 64), (5, 64, 192), (3, 192, 384), (3, 384, 256), (3, 256, 256)]
+    alexnet = sum(k * k * i * o + o for k, i, o in convs) + 256 * 10 + 10
+    assert _param_count("alexnet") == alexnet == 2_472_266
+    # VGG-19 (kuangliu/pytorch-cifar): 16 3x3 convs, a norm (scale, shift) after
+    # each in place of the conv bias, one dense 512 -> 10. With the 5,504 conv
+    # biases it is kuangliu's 20,040,522.
+    widths = [64] * 2 + [128] * 2 + [256] * 4 + [512] * 8
+    ins = [3, *widths[:-1]]
+    vgg19 = sum(9 * i * o + 2 * o for i, o in zip(ins, widths, strict=True)) + 512 * 10 + 10
+    assert _param_count("vgg19") == vgg19 == 20_040_522 - sum(widths)
+    # SENet-18 (kuangliu's PreActBlock): stem conv + norm; per block norm(in),
+    # conv 3x3 in->p, norm(p), conv 3x3 p->p, 1x1 shortcut when the shape
+    # changes, SE p -> p/16 -> p with biases; one dense 512 -> 10: 11.26M.
+    senet, cin = 27 * 64 + 2 * 64, 64
+    for planes, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for s in (stride, 1):
+            senet += 2 * cin + 9 * cin * planes + 2 * planes + 9 * planes * planes
+            senet += cin * planes if (s != 1 or cin != planes) else 0
+            r = planes // 16
+            senet += planes * r + r + r * planes + planes
+            cin = planes
+    assert _param_count("senet18") == senet + 512 * 10 + 10 == 11_260_354
+
+
+@pytest.mark.parametrize("name", ["alexnet", "vgg19", "senet18"])
+def test_ldte_bs_table1_models_forward(name):
+    from experiments import models  # noqa: PLC0415
+
+    norm = "batch" if name in models.NORMALIZED else "group"
+    model = models.make_model(name, 10, norm=norm)
+    x = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x[:1])
+    logits = model.apply(variables, x)
+    assert logits.shape == (2, 10) and np.all(np.isfinite(logits))
+    # The two images give different logits: the features reach the classifier.
+    assert not np.allclose(logits[0], logits[1])
+
+
 # Issue 8 item 4: a workdir only ever resumes its own configuration.
 
 
