@@ -260,6 +260,20 @@ def test_bad_servers_raise(mesh):
         jaxcomp.qsgd(bits=4, axis_name="data", servers=2)
     with pytest.raises(ValueError, match=r"servers must be an integer in \[1, "):
         jaxcomp.onebit(axis_name="data", exchange="server", servers=1.5)
+    # One device (axis_name=None): no group to spread the servers over.
+    for factory in (lambda **k: jaxcomp.top_k(0.1, **k), lambda **k: jaxcomp.qsgd(bits=4, **k)):
+        with pytest.raises(ValueError, match="servers must be 1 with axis_name=None"):
+            factory(exchange="server", servers=2)
+        factory(exchange="server", servers=1)
+    # The group's static helpers name the argument they refuse.
+    with pytest.raises(ValueError, match=r"n_devices must be an integer in \[1, "):
+        comm.server_devices(0, 1)
+    with pytest.raises(ValueError, match=r"size must be an integer in \[0, "):
+        comm.server_ranges(-5, 2)
+    with pytest.raises(ValueError, match=r"nbytes\[0\] must be an integer in \[0, "):
+        comm.assign_to_servers([-1, 2], 2)
+    with pytest.raises(ValueError, match=r"servers must be an integer in \[1, "):
+        comm.assign_to_servers([1, 2], 0)
     # More servers than devices: known when the update is traced on the mesh.
     for tx in (
         jaxcomp.top_k(0.1, axis_name="data", exchange="server", servers=N + 1),

@@ -575,14 +575,45 @@ def include_fastest(delays, num_backup: int, axis_name) -> jax.Array:
 # --- parameter server --------------------------------------------------------
 
 
-def check_servers(servers, n_devices: int) -> int:
-    """Validates ``servers``, the size of a parameter-server group: an int in ``[1, N]``.
+def check_servers(
+    servers: Any,
+    n_devices: int | None = None,
+    *,
+    exchange: str = "server",
+    axis_name: Any = "",
+) -> int:
+    """Validates ``servers``, the size of a parameter-server group (the one check of it).
+
+    An int in ``[1, N]`` (``None``: 1), ``N`` the devices of the axis
+    (``n_devices``; ``None`` where they are not known yet, as at a
+    compressor's construction: bounded by ``2**31 - 1`` there, by ``N`` when
+    the update is traced). A compressor passes its ``exchange`` and
+    ``axis_name``: more than one server needs ``exchange="server"`` and an
+    axis to spread them over (``axis_name=None``: one device, no servers).
+
+    Raises:
+      ValueError: naming ``servers`` and its range, or the ``exchange`` /
+        ``axis_name`` it needs.
 
     Example:
-      >>> check_servers(2, n_devices=8)
-      2
+      >>> check_servers(2, n_devices=8), check_servers(None)
+      (2, 1)
+      >>> check_servers(2, exchange="allgather")
+      Traceback (most recent call last):
+        ...
+      ValueError: servers must be 1 unless exchange='server', got 2 with exchange='allgather'
     """
-    return V.check_int("servers", servers, 1, max(int(n_devices), 1))
+    bound = 2**31 - 1 if n_devices is None else max(int(n_devices), 1)
+    servers = V.check_int("servers", 1 if servers is None else servers, 1, bound)
+    if servers > 1 and exchange != "server":
+        raise ValueError(
+            f"servers must be 1 unless exchange='server', got {servers} with exchange={exchange!r}"
+        )
+    if servers > 1 and axis_name is None:
+        raise ValueError(
+            f"servers must be 1 with axis_name=None (one device: nothing to serve), got {servers}"
+        )
+    return servers
 
 
 def server_devices(n_devices: int, servers: int = 1, *, root: int = 0) -> tuple[int, ...]:
@@ -598,7 +629,7 @@ def server_devices(n_devices: int, servers: int = 1, *, root: int = 0) -> tuple[
       >>> server_devices(8, 4), server_devices(8, 1)
       ((0, 2, 4, 6), (0,))
     """
-    n_devices = int(n_devices)
+    n_devices = V.check_int("n_devices", n_devices, 1)
     servers = check_servers(servers, n_devices)
     V.check_int("root", root, 0, max(n_devices - 1, 0))
     return tuple((root + j * n_devices // servers) % n_devices for j in range(servers))
@@ -615,7 +646,7 @@ def server_ranges(size: int, servers: int = 1) -> tuple[tuple[int, int], ...]:
       >>> server_ranges(10, 4)
       ((0, 3), (3, 6), (6, 9), (9, 10))
     """
-    size, servers = int(size), V.check_int("servers", servers, 1)
+    size, servers = V.check_int("size", size, 0), check_servers(servers)
     chunk = -(-size // servers)
     return tuple((min(j * chunk, size), min((j + 1) * chunk, size)) for j in range(servers))
 
@@ -633,7 +664,9 @@ def assign_to_servers(nbytes: Sequence[int], servers: int = 1) -> tuple[tuple[in
       >>> assign_to_servers([100, 10, 60, 50], servers=2)
       ((0, 1), (2, 3))
     """
-    servers = V.check_int("servers", servers, 1)
+    servers = check_servers(servers)
+    for i, b in enumerate(nbytes):
+        V.check_int(f"nbytes[{i}]", b, 0)
     loads, shares = [0] * servers, [[] for _ in range(servers)]
     for i in sorted(range(len(nbytes)), key=lambda i: (-int(nbytes[i]), i)):
         j = min(range(servers), key=lambda j: (loads[j], j))
@@ -769,7 +802,7 @@ def _check_root(root, n_dev):
     V.check_int("root", root, 0, n_dev - 1)
 
 
-def _server_group(size: int, axis_name, root: int, servers: int):
+def _server_key_ranges(size: int, axis_name, root: int, servers: int):
     """``(N, [(server device, (lo, hi)), ...])``: the group's servers and their key
     ranges, empty ranges left out (an empty buffer keeps the first server's)."""
     n_dev = axis_size(axis_name)
@@ -818,7 +851,7 @@ def server_mean(
       [0.0, 1.0]
     """
     flat = x.reshape(-1)
-    n_dev, group = _server_group(flat.size, axis_name, root, servers)
+    n_dev, group = _server_key_ranges(flat.size, axis_name, root, servers)
     parts = []
     for device, (lo, hi) in group:
         pushed = _push(flat[lo:hi], axis_name, device, n_dev)
@@ -871,7 +904,7 @@ def server_sparse_mean(
       >>> f(jnp.array([1, 3]), jnp.array([2.0, -4.0])).tolist()
       [0.0, 2.0, 0.0, -4.0, 0.0]
     """
-    n_dev, group = _server_group(size, axis_name, root, servers)
+    n_dev, group = _server_key_ranges(size, axis_name, root, servers)
     parts = []
     for device, (lo, hi) in group:
         all_idx = jnp.concatenate(_push(indices, axis_name, device, n_dev))

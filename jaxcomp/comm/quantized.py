@@ -441,7 +441,7 @@ def _exchange_messages(ex: QuantizedExchange, leaves, include):
     if ex.exchange == "allreduce":
         return _allreduce(ex, leaves, groups, include)
     if ex.exchange == "server":
-        return _server_group(ex, leaves, include)
+        return _server_exchange(ex, leaves, include)
     buffers, decode, push, split = _stacked_messages(ex, leaves, groups)
     excess = [None] * len(leaves)
     if ex.exchange == "gossip":
@@ -599,7 +599,7 @@ def _gossip_mix(ex: QuantizedExchange, buffers, decode, split, leaves, push):
     return mixed, jnp.float32(2 * push)
 
 
-def _server_group(ex: QuantizedExchange, leaves, include):
+def _server_exchange(ex: QuantizedExchange, leaves, include):
     """The parameter servers' exchange of coded leaves: each server its share of the leaves.
 
     Server ``j`` (device ``server_devices(N, M)[j]``) receives the messages
