@@ -129,10 +129,17 @@ def test_server_group_collectives_match_numpy(mesh, m):
     assert counts.sum(1).tolist() == [cap - pad] * N  # padding counts nowhere
     # The servers are the spread devices: every transfer has a server at one end.
     text = fn.lower(*args).as_text()
-    pairs = {tuple(map(int, p)) for p in re.findall(r"dense<\[\[(\d+), (\d+)\]\]>", text)}
+    perms = re.findall(r"source_target_pairs = dense<\[((?:\[\d+, \d+\](?:, )?)+)\]>", text)
+    per_op = [[tuple(map(int, p)) for p in re.findall(r"\[(\d+), (\d+)\]", op)] for op in perms]
+    pairs = {p for op in per_op for p in op}
     servers = set(range(0, N, N // m))
     assert pairs and all(a in servers or b in servers for a, b in pairs)
     assert {b for a, b in pairs if b in servers} == servers
+    # One ppermute per round and buffer whatever M (server s_j paired with
+    # device s_j + r): dense push + pull, sparse indices + values push + pull.
+    assert text.count("collective_permute") == len(per_op) == 5 * (N - 1)
+    for op in per_op:  # a round: distinct sources, distinct destinations
+        assert len({a for a, _ in op}) == len({b for _, b in op}) == len(op)
     if m == 1:  # the single server, bit for bit
         one = jax.jit(
             jax.shard_map(

@@ -803,13 +803,73 @@ def _check_root(root, n_dev):
 
 
 def _server_key_ranges(size: int, axis_name, root: int, servers: int):
-    """``(N, [(server device, (lo, hi)), ...])``: the group's servers and their key
-    ranges, empty ranges left out (an empty buffer keeps the first server's)."""
+    """``(N, devices, chunk)``: the servers that own a key range of ``[0, size)``
+    (empty ranges left out; an empty buffer keeps the first server) and the
+    range length ``ceil(size / M)`` (the last range is shorter; its shard padded)."""
     n_dev = axis_size(axis_name)
     _check_root(root, n_dev)
     devices = server_devices(n_dev, servers, root=root)
-    pairs = list(zip(devices, server_ranges(size, servers), strict=True))
-    return n_dev, [pair for pair in pairs if pair[1][1] > pair[1][0]] or pairs[:1]
+    ranges = server_ranges(size, servers)
+    used = sum(hi > lo for lo, hi in ranges) or 1
+    return n_dev, devices[:used], ranges[0][1] - ranges[0][0]
+
+
+def _server_of(devices, n_dev: int) -> np.ndarray:
+    """Each device's server index in ``devices`` (0 for a device that serves nothing)."""
+    table = np.zeros(n_dev, np.int32)
+    table[list(devices)] = np.arange(len(devices), dtype=np.int32)
+    return table
+
+
+def _group_push(send, axis_name, devices, n_dev, *, per_server: bool):
+    """Every worker's message to each server of the group, one ppermute per round.
+
+    ``send``: what this device sends; with ``per_server`` a ``(M, ...)``
+    array whose row ``j`` goes to server ``j``, else the same message to all.
+    Round ``r`` (``1 <= r < N``) is ONE ppermute: server ``s_j`` receives
+    from device ``(s_j + r) mod N`` (distinct sources, as the servers are
+    distinct), so the count is ``N - 1`` whatever ``M``. Returns ``(N, ...)``:
+    on server ``j``'s device, row ``d`` is what device ``d`` sent it (device
+    order); rows are meaningless on other devices.
+    """
+    me = lax.axis_index(axis_name)
+    if per_server and len(devices) == 1:
+        send, per_server = send[0], False
+    if per_server:
+        owner = jnp.asarray(_server_of(devices, n_dev))
+        # The sender of round r to server s_j is the device s_j + r: it sends row j.
+        row = lambda r: send[owner[(me - r) % n_dev]]  # noqa: E731
+    else:
+        row = lambda r: send  # noqa: E731
+    rounds = [row(0)] + [
+        lax.ppermute(row(r), axis_name, perm=[((s + r) % n_dev, s) for s in devices])
+        for r in range(1, n_dev)
+    ]
+    # On server s, round r came from device s + r: device d's message is round d - s.
+    return jnp.take(jnp.stack(rounds), (jnp.arange(n_dev) - me) % n_dev, axis=0)
+
+
+def _group_pull(shards, axis_name, devices, n_dev):
+    """Every device gets each server's shard, one ppermute per round.
+
+    ``shards``: ``(M, ...)``, row ``j`` meaningful on server ``j``'s device.
+    Round ``r`` is ONE ppermute: server ``s_j`` sends to device ``(s_j + r)
+    mod N`` (distinct destinations). Returns ``(M, ...)``, the same on every
+    device.
+    """
+    me = lax.axis_index(axis_name)
+    mine = shards[0] if len(devices) == 1 else shards[jnp.asarray(_server_of(devices, n_dev))[me]]
+    rounds = [mine] + [
+        lax.ppermute(mine, axis_name, perm=[(s, (s + r) % n_dev) for s in devices])
+        for r in range(1, n_dev)
+    ]
+    # On device d, server s_j's shard arrived in round d - s_j.
+    got = jnp.take(jnp.stack(rounds), (me - jnp.asarray(devices)) % n_dev, axis=0)
+    return _vma.device_identical(got, axis_name)
+
+
+def _pad_to(flat, length):
+    return flat if flat.size == length else jnp.pad(flat, (0, length - flat.size))
 
 
 def server_mean(
@@ -818,7 +878,7 @@ def server_mean(
     """Parameter-server averaging (DLGS): workers push, the server averages, workers pull.
 
     Device ``root`` plays the server: every other device pushes its ``x`` to it
-    (single-pair ``ppermute`` calls, so nothing moves between workers), the server
+    (``ppermute`` calls, so nothing moves between workers), the server
     sums the pushes in device order and divides by ``N``, and sends the mean
     back to every worker. All devices end with the root's bit-identical mean.
 
@@ -828,6 +888,9 @@ def server_mean(
     that slice of the mean back. Each element is averaged exactly as by one
     server (the same additions in the same order); a worker's link carries
     the same bytes, and each server's link ``1 / M`` of the single server's.
+    The group's traffic moves in ``N - 1`` push and ``N - 1`` pull rounds,
+    one ``ppermute`` each (server ``s_j`` paired with device ``s_j + r``):
+    the compiled program does not grow with ``M``.
 
     Args:
       x: this worker's tensor.
@@ -851,17 +914,17 @@ def server_mean(
       [0.0, 1.0]
     """
     flat = x.reshape(-1)
-    n_dev, group = _server_key_ranges(flat.size, axis_name, root, servers)
-    parts = []
-    for device, (lo, hi) in group:
-        pushed = _push(flat[lo:hi], axis_name, device, n_dev)
-        total = pushed[0]
-        for term in pushed[1:]:
-            total = total + term
-        parts.append(_pull(total / n_dev, axis_name, device, n_dev))
-    mean = (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(x.shape)
+    n_dev, devices, chunk = _server_key_ranges(flat.size, axis_name, root, servers)
+    m = len(devices)
+    send = _pad_to(flat, m * chunk).reshape(m, chunk)
+    pushed = _group_push(send, axis_name, devices, n_dev, per_server=True)
+    total = pushed[0]
+    for d in range(1, n_dev):
+        total = total + pushed[d]
+    shards = _group_pull((total / n_dev)[None], axis_name, devices, n_dev)
+    mean = shards.reshape(-1)[: flat.size].reshape(x.shape)
     item = jnp.dtype(x.dtype).itemsize
-    nbytes = [(hi - lo) * item for _, (lo, hi) in group]
+    nbytes = [(hi - lo) * item for lo, hi in server_ranges(flat.size, servers)[:m]]
     return mean, jnp.float32(server_link_bytes(nbytes, nbytes, n_dev)["worker"])
 
 
@@ -888,7 +951,8 @@ def server_sparse_mean(
     so with static shapes each worker pushes its whole message to every
     server (``M`` times the message on the wire; the meaningful part is
     :func:`server_message_counts`); the dense pull is split, ``1 / M`` per
-    server.
+    server. Push and pull move in ``N - 1`` rounds each, one ``ppermute``
+    per round and buffer whatever ``M`` (see :func:`server_mean`).
 
     Returns:
       ``(mean, bytes)``: a worker's push ``M * capacity * (4 + itemsize)``
@@ -904,21 +968,21 @@ def server_sparse_mean(
       >>> f(jnp.array([1, 3]), jnp.array([2.0, -4.0])).tolist()
       [0.0, 2.0, 0.0, -4.0, 0.0]
     """
-    n_dev, group = _server_key_ranges(size, axis_name, root, servers)
-    parts = []
-    for device, (lo, hi) in group:
-        all_idx = jnp.concatenate(_push(indices, axis_name, device, n_dev))
-        all_val = jnp.concatenate(_push(values, axis_name, device, n_dev))
-        all_val = all_val / jnp.asarray(n_dev, values.dtype)
-        if (lo, hi) != (0, size):  # this server's range; the rest (and padding) dropped
-            all_idx = jnp.where((all_idx >= lo) & (all_idx < hi), all_idx - lo, hi - lo)
-        total = jnp.zeros((hi - lo,), values.dtype).at[all_idx].add(all_val, mode="drop")
-        parts.append(_pull(total, axis_name, device, n_dev))
-    mean = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    n_dev, devices, chunk = _server_key_ranges(size, axis_name, root, servers)
+    m = len(devices)
+    all_idx = _group_push(indices, axis_name, devices, n_dev, per_server=False).reshape(-1)
+    all_val = _group_push(values, axis_name, devices, n_dev, per_server=False).reshape(-1)
+    all_val = all_val / jnp.asarray(n_dev, values.dtype)
+    if m > 1:  # this server's range; the rest (and padding) dropped
+        lo = jnp.asarray(_server_of(devices, n_dev) * chunk)[lax.axis_index(axis_name)]
+        inside = (all_idx >= lo) & (all_idx < jnp.minimum(lo + chunk, size))
+        all_idx = jnp.where(inside, all_idx - lo.astype(all_idx.dtype), chunk)
+    total = jnp.zeros((chunk,), values.dtype).at[all_idx].add(all_val, mode="drop")
+    mean = _group_pull(total[None], axis_name, devices, n_dev).reshape(-1)[:size]
     push = array_nbytes(indices) + array_nbytes(values)
     item = jnp.dtype(values.dtype).itemsize
     link = server_link_bytes(
-        [push] * len(group), [(hi - lo) * item for _, (lo, hi) in group], n_dev
+        [push] * m, [(hi - lo) * item for lo, hi in server_ranges(size, servers)[:m]], n_dev
     )
     return mean, jnp.float32(link["worker"])
 
