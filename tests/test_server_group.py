@@ -256,6 +256,11 @@ def test_quantizer_server_group_matches_numpy(mesh, m):
         N,
     )
     assert link["server_out"] == tuple((N - 1) * sum(QUANT_SIZES[n] * 4 for n in s) for s in shares)
+    # Round r of the group is ONE ppermute per buffer whatever M (the shares
+    # padded to the largest): signs (uint8) and scales (float32) pushed, the
+    # float32 means pulled, and the dense leaf e pushed and pulled.
+    text = step.lower(put(mesh, g), state).as_text()
+    assert text.count("collective_permute") == 5 * (N - 1)
 
 
 def test_bad_servers_raise(mesh):

@@ -59,7 +59,9 @@ __all__ = [
     "include_fastest",
     "prefer_sparse",
     "pull_from_root",
+    "pull_from_servers",
     "push_to_root",
+    "push_to_servers",
     "server_devices",
     "server_link_bytes",
     "server_mean",
@@ -742,78 +744,6 @@ def server_message_counts(indices: jax.Array, size: int, servers: int = 1) -> ja
     return jnp.sum(inside, axis=0, dtype=jnp.int32)
 
 
-def _push(x, axis_name, root, n_dev):
-    """Root receives every device's ``x``: one single-pair ppermute per worker.
-
-    Returns ``[x_0, ..., x_{N-1}]`` as seen on the root (zeros elsewhere for
-    remote entries). A ppermute pairs each source with one destination, so a
-    many-to-one gather takes ``N - 1`` of them; only worker -> root moves data.
-    """
-    return [x if d == root else lax.ppermute(x, axis_name, perm=[(d, root)]) for d in range(n_dev)]
-
-
-def _pull(x, axis_name, root, n_dev):
-    """Every device gets the root's ``x`` (``N - 1`` single-pair ppermutes)."""
-    received = [lax.ppermute(x, axis_name, perm=[(root, d)]) for d in range(n_dev) if d != root]
-    # Each device receives from exactly one of the ppermutes, zeros from the rest.
-    got = sum(received[1:], received[0]) if received else x
-    # The same on every device: typed so for make_train_step's probe.
-    return _vma.device_identical(jnp.where(lax.axis_index(axis_name) == root, x, got), axis_name)
-
-
-def push_to_root(x: jax.Array, axis_name, *, root: int = 0) -> list:
-    """Every device's ``x`` sent to ``root`` (single-pair ``ppermute`` calls), in device order.
-
-    The list's entries are meaningful on ``root`` only (zeros elsewhere for
-    remote entries); the parameter server's push.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.make_mesh((1,), ("data",))
-      >>> f = jax.jit(jax.shard_map(
-      ...     lambda x: push_to_root(x, "data")[0], mesh=mesh, in_specs=P(), out_specs=P("data")))
-      >>> f(jnp.arange(3.0)).tolist()  # entry 0: device 0's x, as received on the root
-      [0.0, 1.0, 2.0]
-    """
-    n_dev = axis_size(axis_name)
-    _check_root(root, n_dev)
-    return _push(x, axis_name, root, n_dev)
-
-
-def pull_from_root(x: jax.Array, axis_name, *, root: int = 0) -> jax.Array:
-    """``root``'s ``x`` on every device (the parameter server's pull).
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.make_mesh((1,), ("data",))
-      >>> f = jax.jit(jax.shard_map(
-      ...     lambda x: pull_from_root(x, "data"), mesh=mesh, in_specs=P(), out_specs=P("data")))
-      >>> f(jnp.arange(3.0)).tolist()
-      [0.0, 1.0, 2.0]
-    """
-    n_dev = axis_size(axis_name)
-    _check_root(root, n_dev)
-    return _pull(x, axis_name, root, n_dev)
-
-
-def _check_root(root, n_dev):
-    V.check_int("root", root, 0, n_dev - 1)
-
-
-def _server_key_ranges(size: int, axis_name, root: int, servers: int):
-    """``(N, devices, chunk)``: the servers that own a key range of ``[0, size)``
-    (empty ranges left out; an empty buffer keeps the first server) and the
-    range length ``ceil(size / M)`` (the last range is shorter; its shard padded)."""
-    n_dev = axis_size(axis_name)
-    _check_root(root, n_dev)
-    devices = server_devices(n_dev, servers, root=root)
-    ranges = server_ranges(size, servers)
-    used = sum(hi > lo for lo, hi in ranges) or 1
-    return n_dev, devices[:used], ranges[0][1] - ranges[0][0]
-
-
 def _server_of(devices, n_dev: int) -> np.ndarray:
     """Each device's server index in ``devices`` (0 for a device that serves nothing)."""
     table = np.zeros(n_dev, np.int32)
@@ -821,7 +751,7 @@ def _server_of(devices, n_dev: int) -> np.ndarray:
     return table
 
 
-def _group_push(send, axis_name, devices, n_dev, *, per_server: bool):
+def push_to_servers(send, axis_name, servers: Sequence[int], *, per_server: bool = False):
     """Every worker's message to each server of the group, one ppermute per round.
 
     ``send``: what this device sends; with ``per_server`` a ``(M, ...)``
@@ -831,7 +761,25 @@ def _group_push(send, axis_name, devices, n_dev, *, per_server: bool):
     distinct), so the count is ``N - 1`` whatever ``M``. Returns ``(N, ...)``:
     on server ``j``'s device, row ``d`` is what device ``d`` sent it (device
     order); rows are meaningless on other devices.
+
+    Args:
+      send: this device's message (``per_server``: one row per server).
+      axis_name: mesh axis.
+      servers: the servers' devices along the axis, distinct
+        (:func:`server_devices`).
+      per_server: whether ``send`` holds one row per server.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: push_to_servers(x, "data", (0,)), mesh=mesh, in_specs=P(),
+      ...     out_specs=P("data")))
+      >>> f(jnp.arange(3.0)).tolist()  # row d: device d's x, as received on the server
+      [[0.0, 1.0, 2.0]]
     """
+    n_dev, devices = axis_size(axis_name), tuple(servers)
     me = lax.axis_index(axis_name)
     if per_server and len(devices) == 1:
         send, per_server = send[0], False
@@ -849,14 +797,25 @@ def _group_push(send, axis_name, devices, n_dev, *, per_server: bool):
     return jnp.take(jnp.stack(rounds), (jnp.arange(n_dev) - me) % n_dev, axis=0)
 
 
-def _group_pull(shards, axis_name, devices, n_dev):
+def pull_from_servers(shards, axis_name, servers: Sequence[int]):
     """Every device gets each server's shard, one ppermute per round.
 
     ``shards``: ``(M, ...)``, row ``j`` meaningful on server ``j``'s device.
     Round ``r`` is ONE ppermute: server ``s_j`` sends to device ``(s_j + r)
     mod N`` (distinct destinations). Returns ``(M, ...)``, the same on every
     device.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: pull_from_servers(x[None], "data", (0,))[0], mesh=mesh,
+      ...     in_specs=P(), out_specs=P("data")))
+      >>> f(jnp.arange(3.0)).tolist()
+      [0.0, 1.0, 2.0]
     """
+    n_dev, devices = axis_size(axis_name), tuple(servers)
     me = lax.axis_index(axis_name)
     mine = shards[0] if len(devices) == 1 else shards[jnp.asarray(_server_of(devices, n_dev))[me]]
     rounds = [mine] + [
@@ -866,6 +825,57 @@ def _group_pull(shards, axis_name, devices, n_dev):
     # On device d, server s_j's shard arrived in round d - s_j.
     got = jnp.take(jnp.stack(rounds), (me - jnp.asarray(devices)) % n_dev, axis=0)
     return _vma.device_identical(got, axis_name)
+
+
+def push_to_root(x: jax.Array, axis_name, *, root: int = 0) -> list:
+    """Every device's ``x`` sent to ``root`` (single-pair ``ppermute`` calls), in device order.
+
+    The list's entries are meaningful on ``root`` only; the parameter
+    server's push (:func:`push_to_servers` with one server).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: push_to_root(x, "data")[0], mesh=mesh, in_specs=P(), out_specs=P("data")))
+      >>> f(jnp.arange(3.0)).tolist()  # entry 0: device 0's x, as received on the root
+      [0.0, 1.0, 2.0]
+    """
+    _check_root(root, axis_size(axis_name))
+    return list(push_to_servers(x, axis_name, (root,)))
+
+
+def pull_from_root(x: jax.Array, axis_name, *, root: int = 0) -> jax.Array:
+    """``root``'s ``x`` on every device (the parameter server's pull).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: pull_from_root(x, "data"), mesh=mesh, in_specs=P(), out_specs=P("data")))
+      >>> f(jnp.arange(3.0)).tolist()
+      [0.0, 1.0, 2.0]
+    """
+    _check_root(root, axis_size(axis_name))
+    return pull_from_servers(x[None], axis_name, (root,))[0]
+
+
+def _check_root(root, n_dev):
+    V.check_int("root", root, 0, n_dev - 1)
+
+
+def _server_key_ranges(size: int, axis_name, root: int, servers: int):
+    """``(N, devices, chunk)``: the servers that own a key range of ``[0, size)``
+    (empty ranges left out; an empty buffer keeps the first server) and the
+    range length ``ceil(size / M)`` (the last range is shorter; its shard padded)."""
+    n_dev = axis_size(axis_name)
+    _check_root(root, n_dev)
+    devices = server_devices(n_dev, servers, root=root)
+    ranges = server_ranges(size, servers)
+    used = sum(hi > lo for lo, hi in ranges) or 1
+    return n_dev, devices[:used], ranges[0][1] - ranges[0][0]
 
 
 def _pad_to(flat, length):
@@ -917,11 +927,11 @@ def server_mean(
     n_dev, devices, chunk = _server_key_ranges(flat.size, axis_name, root, servers)
     m = len(devices)
     send = _pad_to(flat, m * chunk).reshape(m, chunk)
-    pushed = _group_push(send, axis_name, devices, n_dev, per_server=True)
+    pushed = push_to_servers(send, axis_name, devices, per_server=True)
     total = pushed[0]
     for d in range(1, n_dev):
         total = total + pushed[d]
-    shards = _group_pull((total / n_dev)[None], axis_name, devices, n_dev)
+    shards = pull_from_servers((total / n_dev)[None], axis_name, devices)
     mean = shards.reshape(-1)[: flat.size].reshape(x.shape)
     item = jnp.dtype(x.dtype).itemsize
     nbytes = [(hi - lo) * item for lo, hi in server_ranges(flat.size, servers)[:m]]
@@ -970,15 +980,15 @@ def server_sparse_mean(
     """
     n_dev, devices, chunk = _server_key_ranges(size, axis_name, root, servers)
     m = len(devices)
-    all_idx = _group_push(indices, axis_name, devices, n_dev, per_server=False).reshape(-1)
-    all_val = _group_push(values, axis_name, devices, n_dev, per_server=False).reshape(-1)
+    all_idx = push_to_servers(indices, axis_name, devices).reshape(-1)
+    all_val = push_to_servers(values, axis_name, devices).reshape(-1)
     all_val = all_val / jnp.asarray(n_dev, values.dtype)
     if m > 1:  # this server's range; the rest (and padding) dropped
         lo = jnp.asarray(_server_of(devices, n_dev) * chunk)[lax.axis_index(axis_name)]
         inside = (all_idx >= lo) & (all_idx < jnp.minimum(lo + chunk, size))
         all_idx = jnp.where(inside, all_idx - lo.astype(all_idx.dtype), chunk)
     total = jnp.zeros((chunk,), values.dtype).at[all_idx].add(all_val, mode="drop")
-    mean = _group_pull(total[None], axis_name, devices, n_dev).reshape(-1)[:size]
+    mean = pull_from_servers(total[None], axis_name, devices).reshape(-1)[:size]
     push = array_nbytes(indices) + array_nbytes(values)
     item = jnp.dtype(values.dtype).itemsize
     link = server_link_bytes(
