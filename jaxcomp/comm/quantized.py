@@ -15,8 +15,8 @@ number of leaves:
 - ``"server"``: a parameter server (device 0) receives every message,
   decodes and averages them in device order and sends the dense mean back
   (:func:`jaxcomp.comm.server_mean`'s pattern; bytes per worker link: its
-  message plus the dense pull; ``N - 1`` single-pair ppermutes per buffer
-  each way). A group of ``servers = M`` servers
+  message plus the dense pull; ``N - 1`` ppermutes per buffer each way,
+  whatever the group's size). A group of ``servers = M`` servers
   (:func:`jaxcomp.comm.server_devices`) shards the coded leaves by leaf
   (:func:`jaxcomp.comm.assign_to_servers`: a leaf's codes and bucket
   scales decode only together, so a key range cannot cut them): server
