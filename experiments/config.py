@@ -699,15 +699,14 @@ def _validate_fields(config: TrainConfig, device_count: int | None = None) -> No
     servers = c.servers
     # The servers are replicas on the "data" axis: a pipeline's stages take their share of n.
     replicas = n // c.pipeline_stages if n and c.pipeline_stages else n
-    if servers is not None and (
-        isinstance(servers, bool)
-        or not isinstance(servers, (int, np.integer))
-        or not 1 <= servers <= (replicas or servers)
-    ):
-        invalid(
-            f"servers (--servers) must be an integer in [1, {replicas}] (the data replicas), "
-            f"got {servers!r}"
-        )
+    if servers is not None:
+        try:  # the library's one check of servers, bounded by the data replicas
+            jaxcomp.comm.check_servers(servers, replicas or None)
+        except ValueError:
+            invalid(
+                f"servers (--servers) must be an integer in [1, {replicas or 2**31 - 1}] "
+                f"(the data replicas), got {servers!r}"
+            )
     if n is not None and c.compressor in SPARSIFIERS and c.exchange is not None:
         # The exchange's own trace-time check, before anything is written.
         try:

@@ -405,6 +405,18 @@ def test_bad_capacity_factor(value):
         jaxcomp.top_k(0.1, reuse_period=2, capacity_factor=value)
 
 
+@pytest.mark.parametrize("exchange", ["gtopk", "oktopk", "scalecom", "auto_topk"])
+def test_uncapped_is_refused_by_the_global_selections(exchange):
+    """Their global keep count is the capacity: uncapped would keep every summed entry."""
+    with pytest.raises(ValueError, match=rf"capacity_factor='uncapped'.*exchange='{exchange}'"):
+        jaxcomp.top_k(
+            0.1, axis_name="data", exchange=exchange, reuse_period=2, capacity_factor="uncapped"
+        )
+    # A finite capacity keeps their global top-k; the exact exchanges take uncapped.
+    jaxcomp.top_k(0.1, axis_name="data", exchange=exchange, capacity_factor=2.0)
+    jaxcomp.top_k(0.1, axis_name="data", exchange="server", capacity_factor="uncapped")
+
+
 # ---------------------------------------------------------------------------
 # selector_options hint="previous": the stored threshold as the selector's hint.
 # ---------------------------------------------------------------------------

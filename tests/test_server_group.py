@@ -129,10 +129,17 @@ def test_server_group_collectives_match_numpy(mesh, m):
     assert counts.sum(1).tolist() == [cap - pad] * N  # padding counts nowhere
     # The servers are the spread devices: every transfer has a server at one end.
     text = fn.lower(*args).as_text()
-    pairs = {tuple(map(int, p)) for p in re.findall(r"dense<\[\[(\d+), (\d+)\]\]>", text)}
+    perms = re.findall(r"source_target_pairs = dense<\[((?:\[\d+, \d+\](?:, )?)+)\]>", text)
+    per_op = [[tuple(map(int, p)) for p in re.findall(r"\[(\d+), (\d+)\]", op)] for op in perms]
+    pairs = {p for op in per_op for p in op}
     servers = set(range(0, N, N // m))
     assert pairs and all(a in servers or b in servers for a, b in pairs)
     assert {b for a, b in pairs if b in servers} == servers
+    # One ppermute per round and buffer whatever M (server s_j paired with
+    # device s_j + r): dense push + pull, sparse indices + values push + pull.
+    assert text.count("collective_permute") == len(per_op) == 5 * (N - 1)
+    for op in per_op:  # a round: distinct sources, distinct destinations
+        assert len({a for a, _ in op}) == len({b for _, b in op}) == len(op)
     if m == 1:  # the single server, bit for bit
         one = jax.jit(
             jax.shard_map(
@@ -249,6 +256,11 @@ def test_quantizer_server_group_matches_numpy(mesh, m):
         N,
     )
     assert link["server_out"] == tuple((N - 1) * sum(QUANT_SIZES[n] * 4 for n in s) for s in shares)
+    # Round r of the group is ONE ppermute per buffer whatever M (the shares
+    # padded to the largest): signs (uint8) and scales (float32) pushed, the
+    # float32 means pulled, and the dense leaf e pushed and pulled.
+    text = step.lower(put(mesh, g), state).as_text()
+    assert text.count("collective_permute") == 5 * (N - 1)
 
 
 def test_bad_servers_raise(mesh):
@@ -260,6 +272,20 @@ def test_bad_servers_raise(mesh):
         jaxcomp.qsgd(bits=4, axis_name="data", servers=2)
     with pytest.raises(ValueError, match=r"servers must be an integer in \[1, "):
         jaxcomp.onebit(axis_name="data", exchange="server", servers=1.5)
+    # One device (axis_name=None): no group to spread the servers over.
+    for factory in (lambda **k: jaxcomp.top_k(0.1, **k), lambda **k: jaxcomp.qsgd(bits=4, **k)):
+        with pytest.raises(ValueError, match="servers must be 1 with axis_name=None"):
+            factory(exchange="server", servers=2)
+        factory(exchange="server", servers=1)
+    # The group's static helpers name the argument they refuse.
+    with pytest.raises(ValueError, match=r"n_devices must be an integer in \[1, "):
+        comm.server_devices(0, 1)
+    with pytest.raises(ValueError, match=r"size must be an integer in \[0, "):
+        comm.server_ranges(-5, 2)
+    with pytest.raises(ValueError, match=r"nbytes\[0\] must be an integer in \[0, "):
+        comm.assign_to_servers([-1, 2], 2)
+    with pytest.raises(ValueError, match=r"servers must be an integer in \[1, "):
+        comm.assign_to_servers([1, 2], 0)
     # More servers than devices: known when the update is traced on the mesh.
     for tx in (
         jaxcomp.top_k(0.1, axis_name="data", exchange="server", servers=N + 1),

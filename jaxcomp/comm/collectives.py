@@ -59,7 +59,9 @@ __all__ = [
     "include_fastest",
     "prefer_sparse",
     "pull_from_root",
+    "pull_from_servers",
     "push_to_root",
+    "push_to_servers",
     "server_devices",
     "server_link_bytes",
     "server_mean",
@@ -575,14 +577,45 @@ def include_fastest(delays, num_backup: int, axis_name) -> jax.Array:
 # --- parameter server --------------------------------------------------------
 
 
-def check_servers(servers, n_devices: int) -> int:
-    """Validates ``servers``, the size of a parameter-server group: an int in ``[1, N]``.
+def check_servers(
+    servers: Any,
+    n_devices: int | None = None,
+    *,
+    exchange: str = "server",
+    axis_name: Any = "",
+) -> int:
+    """Validates ``servers``, the size of a parameter-server group (the one check of it).
+
+    An int in ``[1, N]`` (``None``: 1), ``N`` the devices of the axis
+    (``n_devices``; ``None`` where they are not known yet, as at a
+    compressor's construction: bounded by ``2**31 - 1`` there, by ``N`` when
+    the update is traced). A compressor passes its ``exchange`` and
+    ``axis_name``: more than one server needs ``exchange="server"`` and an
+    axis to spread them over (``axis_name=None``: one device, no servers).
+
+    Raises:
+      ValueError: naming ``servers`` and its range, or the ``exchange`` /
+        ``axis_name`` it needs.
 
     Example:
-      >>> check_servers(2, n_devices=8)
-      2
+      >>> check_servers(2, n_devices=8), check_servers(None)
+      (2, 1)
+      >>> check_servers(2, exchange="allgather")
+      Traceback (most recent call last):
+        ...
+      ValueError: servers must be 1 unless exchange='server', got 2 with exchange='allgather'
     """
-    return V.check_int("servers", servers, 1, max(int(n_devices), 1))
+    bound = 2**31 - 1 if n_devices is None else max(int(n_devices), 1)
+    servers = V.check_int("servers", 1 if servers is None else servers, 1, bound)
+    if servers > 1 and exchange != "server":
+        raise ValueError(
+            f"servers must be 1 unless exchange='server', got {servers} with exchange={exchange!r}"
+        )
+    if servers > 1 and axis_name is None:
+        raise ValueError(
+            f"servers must be 1 with axis_name=None (one device: nothing to serve), got {servers}"
+        )
+    return servers
 
 
 def server_devices(n_devices: int, servers: int = 1, *, root: int = 0) -> tuple[int, ...]:
@@ -598,7 +631,7 @@ def server_devices(n_devices: int, servers: int = 1, *, root: int = 0) -> tuple[
       >>> server_devices(8, 4), server_devices(8, 1)
       ((0, 2, 4, 6), (0,))
     """
-    n_devices = int(n_devices)
+    n_devices = V.check_int("n_devices", n_devices, 1)
     servers = check_servers(servers, n_devices)
     V.check_int("root", root, 0, max(n_devices - 1, 0))
     return tuple((root + j * n_devices // servers) % n_devices for j in range(servers))
@@ -615,7 +648,7 @@ def server_ranges(size: int, servers: int = 1) -> tuple[tuple[int, int], ...]:
       >>> server_ranges(10, 4)
       ((0, 3), (3, 6), (6, 9), (9, 10))
     """
-    size, servers = int(size), V.check_int("servers", servers, 1)
+    size, servers = V.check_int("size", size, 0), check_servers(servers)
     chunk = -(-size // servers)
     return tuple((min(j * chunk, size), min((j + 1) * chunk, size)) for j in range(servers))
 
@@ -633,7 +666,9 @@ def assign_to_servers(nbytes: Sequence[int], servers: int = 1) -> tuple[tuple[in
       >>> assign_to_servers([100, 10, 60, 50], servers=2)
       ((0, 1), (2, 3))
     """
-    servers = V.check_int("servers", servers, 1)
+    servers = check_servers(servers)
+    for i, b in enumerate(nbytes):
+        V.check_int(f"nbytes[{i}]", b, 0)
     loads, shares = [0] * servers, [[] for _ in range(servers)]
     for i in sorted(range(len(nbytes)), key=lambda i: (-int(nbytes[i]), i)):
         j = min(range(servers), key=lambda j: (loads[j], j))
@@ -709,30 +744,94 @@ def server_message_counts(indices: jax.Array, size: int, servers: int = 1) -> ja
     return jnp.sum(inside, axis=0, dtype=jnp.int32)
 
 
-def _push(x, axis_name, root, n_dev):
-    """Root receives every device's ``x``: one single-pair ppermute per worker.
+def _server_of(devices, n_dev: int) -> np.ndarray:
+    """Each device's server index in ``devices`` (0 for a device that serves nothing)."""
+    table = np.zeros(n_dev, np.int32)
+    table[list(devices)] = np.arange(len(devices), dtype=np.int32)
+    return table
 
-    Returns ``[x_0, ..., x_{N-1}]`` as seen on the root (zeros elsewhere for
-    remote entries). A ppermute pairs each source with one destination, so a
-    many-to-one gather takes ``N - 1`` of them; only worker -> root moves data.
+
+def push_to_servers(send, axis_name, servers: Sequence[int], *, per_server: bool = False):
+    """Every worker's message to each server of the group, one ppermute per round.
+
+    ``send``: what this device sends; with ``per_server`` a ``(M, ...)``
+    array whose row ``j`` goes to server ``j``, else the same message to all.
+    Round ``r`` (``1 <= r < N``) is ONE ppermute: server ``s_j`` receives
+    from device ``(s_j + r) mod N`` (distinct sources, as the servers are
+    distinct), so the count is ``N - 1`` whatever ``M``. Returns ``(N, ...)``:
+    on server ``j``'s device, row ``d`` is what device ``d`` sent it (device
+    order); rows are meaningless on other devices.
+
+    Args:
+      send: this device's message (``per_server``: one row per server).
+      axis_name: mesh axis.
+      servers: the servers' devices along the axis, distinct
+        (:func:`server_devices`).
+      per_server: whether ``send`` holds one row per server.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: push_to_servers(x, "data", (0,)), mesh=mesh, in_specs=P(),
+      ...     out_specs=P("data")))
+      >>> f(jnp.arange(3.0)).tolist()  # row d: device d's x, as received on the server
+      [[0.0, 1.0, 2.0]]
     """
-    return [x if d == root else lax.ppermute(x, axis_name, perm=[(d, root)]) for d in range(n_dev)]
+    n_dev, devices = axis_size(axis_name), tuple(servers)
+    me = lax.axis_index(axis_name)
+    if per_server and len(devices) == 1:
+        send, per_server = send[0], False
+    if per_server:
+        owner = jnp.asarray(_server_of(devices, n_dev))
+        # The sender of round r to server s_j is the device s_j + r: it sends row j.
+        row = lambda r: send[owner[(me - r) % n_dev]]  # noqa: E731
+    else:
+        row = lambda r: send  # noqa: E731
+    rounds = [row(0)] + [
+        lax.ppermute(row(r), axis_name, perm=[((s + r) % n_dev, s) for s in devices])
+        for r in range(1, n_dev)
+    ]
+    # On server s, round r came from device s + r: device d's message is round d - s.
+    return jnp.take(jnp.stack(rounds), (jnp.arange(n_dev) - me) % n_dev, axis=0)
 
 
-def _pull(x, axis_name, root, n_dev):
-    """Every device gets the root's ``x`` (``N - 1`` single-pair ppermutes)."""
-    received = [lax.ppermute(x, axis_name, perm=[(root, d)]) for d in range(n_dev) if d != root]
-    # Each device receives from exactly one of the ppermutes, zeros from the rest.
-    got = sum(received[1:], received[0]) if received else x
-    # The same on every device: typed so for make_train_step's probe.
-    return _vma.device_identical(jnp.where(lax.axis_index(axis_name) == root, x, got), axis_name)
+def pull_from_servers(shards, axis_name, servers: Sequence[int]):
+    """Every device gets each server's shard, one ppermute per round.
+
+    ``shards``: ``(M, ...)``, row ``j`` meaningful on server ``j``'s device.
+    Round ``r`` is ONE ppermute: server ``s_j`` sends to device ``(s_j + r)
+    mod N`` (distinct destinations). Returns ``(M, ...)``, the same on every
+    device.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: pull_from_servers(x[None], "data", (0,))[0], mesh=mesh,
+      ...     in_specs=P(), out_specs=P("data")))
+      >>> f(jnp.arange(3.0)).tolist()
+      [0.0, 1.0, 2.0]
+    """
+    n_dev, devices = axis_size(axis_name), tuple(servers)
+    me = lax.axis_index(axis_name)
+    mine = shards[0] if len(devices) == 1 else shards[jnp.asarray(_server_of(devices, n_dev))[me]]
+    rounds = [mine] + [
+        lax.ppermute(mine, axis_name, perm=[(s, (s + r) % n_dev) for s in devices])
+        for r in range(1, n_dev)
+    ]
+    # On device d, server s_j's shard arrived in round d - s_j.
+    got = jnp.take(jnp.stack(rounds), (me - jnp.asarray(devices)) % n_dev, axis=0)
+    return _vma.device_identical(got, axis_name)
 
 
 def push_to_root(x: jax.Array, axis_name, *, root: int = 0) -> list:
     """Every device's ``x`` sent to ``root`` (single-pair ``ppermute`` calls), in device order.
 
-    The list's entries are meaningful on ``root`` only (zeros elsewhere for
-    remote entries); the parameter server's push.
+    The list's entries are meaningful on ``root`` only; the parameter
+    server's push (:func:`push_to_servers` with one server).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -743,9 +842,8 @@ def push_to_root(x: jax.Array, axis_name, *, root: int = 0) -> list:
       >>> f(jnp.arange(3.0)).tolist()  # entry 0: device 0's x, as received on the root
       [0.0, 1.0, 2.0]
     """
-    n_dev = axis_size(axis_name)
-    _check_root(root, n_dev)
-    return _push(x, axis_name, root, n_dev)
+    _check_root(root, axis_size(axis_name))
+    return list(push_to_servers(x, axis_name, (root,)))
 
 
 def pull_from_root(x: jax.Array, axis_name, *, root: int = 0) -> jax.Array:
@@ -760,23 +858,28 @@ def pull_from_root(x: jax.Array, axis_name, *, root: int = 0) -> jax.Array:
       >>> f(jnp.arange(3.0)).tolist()
       [0.0, 1.0, 2.0]
     """
-    n_dev = axis_size(axis_name)
-    _check_root(root, n_dev)
-    return _pull(x, axis_name, root, n_dev)
+    _check_root(root, axis_size(axis_name))
+    return pull_from_servers(x[None], axis_name, (root,))[0]
 
 
 def _check_root(root, n_dev):
     V.check_int("root", root, 0, n_dev - 1)
 
 
-def _server_group(size: int, axis_name, root: int, servers: int):
-    """``(N, [(server device, (lo, hi)), ...])``: the group's servers and their key
-    ranges, empty ranges left out (an empty buffer keeps the first server's)."""
+def _server_key_ranges(size: int, axis_name, root: int, servers: int):
+    """``(N, devices, chunk)``: the servers that own a key range of ``[0, size)``
+    (empty ranges left out; an empty buffer keeps the first server) and the
+    range length ``ceil(size / M)`` (the last range is shorter; its shard padded)."""
     n_dev = axis_size(axis_name)
     _check_root(root, n_dev)
     devices = server_devices(n_dev, servers, root=root)
-    pairs = list(zip(devices, server_ranges(size, servers), strict=True))
-    return n_dev, [pair for pair in pairs if pair[1][1] > pair[1][0]] or pairs[:1]
+    ranges = server_ranges(size, servers)
+    used = sum(hi > lo for lo, hi in ranges) or 1
+    return n_dev, devices[:used], ranges[0][1] - ranges[0][0]
+
+
+def _pad_to(flat, length):
+    return flat if flat.size == length else jnp.pad(flat, (0, length - flat.size))
 
 
 def server_mean(
@@ -785,7 +888,7 @@ def server_mean(
     """Parameter-server averaging (DLGS): workers push, the server averages, workers pull.
 
     Device ``root`` plays the server: every other device pushes its ``x`` to it
-    (single-pair ``ppermute`` calls, so nothing moves between workers), the server
+    (``ppermute`` calls, so nothing moves between workers), the server
     sums the pushes in device order and divides by ``N``, and sends the mean
     back to every worker. All devices end with the root's bit-identical mean.
 
@@ -795,6 +898,9 @@ def server_mean(
     that slice of the mean back. Each element is averaged exactly as by one
     server (the same additions in the same order); a worker's link carries
     the same bytes, and each server's link ``1 / M`` of the single server's.
+    The group's traffic moves in ``N - 1`` push and ``N - 1`` pull rounds,
+    one ``ppermute`` each (server ``s_j`` paired with device ``s_j + r``):
+    the compiled program does not grow with ``M``.
 
     Args:
       x: this worker's tensor.
@@ -818,17 +924,17 @@ def server_mean(
       [0.0, 1.0]
     """
     flat = x.reshape(-1)
-    n_dev, group = _server_group(flat.size, axis_name, root, servers)
-    parts = []
-    for device, (lo, hi) in group:
-        pushed = _push(flat[lo:hi], axis_name, device, n_dev)
-        total = pushed[0]
-        for term in pushed[1:]:
-            total = total + term
-        parts.append(_pull(total / n_dev, axis_name, device, n_dev))
-    mean = (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(x.shape)
+    n_dev, devices, chunk = _server_key_ranges(flat.size, axis_name, root, servers)
+    m = len(devices)
+    send = _pad_to(flat, m * chunk).reshape(m, chunk)
+    pushed = push_to_servers(send, axis_name, devices, per_server=True)
+    total = pushed[0]
+    for d in range(1, n_dev):
+        total = total + pushed[d]
+    shards = pull_from_servers((total / n_dev)[None], axis_name, devices)
+    mean = shards.reshape(-1)[: flat.size].reshape(x.shape)
     item = jnp.dtype(x.dtype).itemsize
-    nbytes = [(hi - lo) * item for _, (lo, hi) in group]
+    nbytes = [(hi - lo) * item for lo, hi in server_ranges(flat.size, servers)[:m]]
     return mean, jnp.float32(server_link_bytes(nbytes, nbytes, n_dev)["worker"])
 
 
@@ -855,7 +961,8 @@ def server_sparse_mean(
     so with static shapes each worker pushes its whole message to every
     server (``M`` times the message on the wire; the meaningful part is
     :func:`server_message_counts`); the dense pull is split, ``1 / M`` per
-    server.
+    server. Push and pull move in ``N - 1`` rounds each, one ``ppermute``
+    per round and buffer whatever ``M`` (see :func:`server_mean`).
 
     Returns:
       ``(mean, bytes)``: a worker's push ``M * capacity * (4 + itemsize)``
@@ -871,21 +978,21 @@ def server_sparse_mean(
       >>> f(jnp.array([1, 3]), jnp.array([2.0, -4.0])).tolist()
       [0.0, 2.0, 0.0, -4.0, 0.0]
     """
-    n_dev, group = _server_group(size, axis_name, root, servers)
-    parts = []
-    for device, (lo, hi) in group:
-        all_idx = jnp.concatenate(_push(indices, axis_name, device, n_dev))
-        all_val = jnp.concatenate(_push(values, axis_name, device, n_dev))
-        all_val = all_val / jnp.asarray(n_dev, values.dtype)
-        if (lo, hi) != (0, size):  # this server's range; the rest (and padding) dropped
-            all_idx = jnp.where((all_idx >= lo) & (all_idx < hi), all_idx - lo, hi - lo)
-        total = jnp.zeros((hi - lo,), values.dtype).at[all_idx].add(all_val, mode="drop")
-        parts.append(_pull(total, axis_name, device, n_dev))
-    mean = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    n_dev, devices, chunk = _server_key_ranges(size, axis_name, root, servers)
+    m = len(devices)
+    all_idx = push_to_servers(indices, axis_name, devices).reshape(-1)
+    all_val = push_to_servers(values, axis_name, devices).reshape(-1)
+    all_val = all_val / jnp.asarray(n_dev, values.dtype)
+    if m > 1:  # this server's range; the rest (and padding) dropped
+        lo = jnp.asarray(_server_of(devices, n_dev) * chunk)[lax.axis_index(axis_name)]
+        inside = (all_idx >= lo) & (all_idx < jnp.minimum(lo + chunk, size))
+        all_idx = jnp.where(inside, all_idx - lo.astype(all_idx.dtype), chunk)
+    total = jnp.zeros((chunk,), values.dtype).at[all_idx].add(all_val, mode="drop")
+    mean = pull_from_servers(total[None], axis_name, devices).reshape(-1)[:size]
     push = array_nbytes(indices) + array_nbytes(values)
     item = jnp.dtype(values.dtype).itemsize
     link = server_link_bytes(
-        [push] * len(group), [(hi - lo) * item for _, (lo, hi) in group], n_dev
+        [push] * m, [(hi - lo) * item for lo, hi in server_ranges(size, servers)[:m]], n_dev
     )
     return mean, jnp.float32(link["worker"])
 

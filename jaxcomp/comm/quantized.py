@@ -15,8 +15,8 @@ number of leaves:
 - ``"server"``: a parameter server (device 0) receives every message,
   decodes and averages them in device order and sends the dense mean back
   (:func:`jaxcomp.comm.server_mean`'s pattern; bytes per worker link: its
-  message plus the dense pull; ``N - 1`` single-pair ppermutes per buffer
-  each way). A group of ``servers = M`` servers
+  message plus the dense pull; ``N - 1`` ppermutes per buffer each way,
+  whatever the group's size). A group of ``servers = M`` servers
   (:func:`jaxcomp.comm.server_devices`) shards the coded leaves by leaf
   (:func:`jaxcomp.comm.assign_to_servers`: a leaf's codes and bucket
   scales decode only together, so a key range cannot cut them): server
@@ -441,7 +441,7 @@ def _exchange_messages(ex: QuantizedExchange, leaves, include):
     if ex.exchange == "allreduce":
         return _allreduce(ex, leaves, groups, include)
     if ex.exchange == "server":
-        return _server_group(ex, leaves, include)
+        return _server_exchange(ex, leaves, include)
     buffers, decode, push, split = _stacked_messages(ex, leaves, groups)
     excess = [None] * len(leaves)
     if ex.exchange == "gossip":
@@ -599,54 +599,90 @@ def _gossip_mix(ex: QuantizedExchange, buffers, decode, split, leaves, push):
     return mixed, jnp.float32(2 * push)
 
 
-def _server_group(ex: QuantizedExchange, leaves, include):
+def _server_exchange(ex: QuantizedExchange, leaves, include):
     """The parameter servers' exchange of coded leaves: each server its share of the leaves.
 
     Server ``j`` (device ``server_devices(N, M)[j]``) receives the messages
     of the leaves :func:`jaxcomp.comm.assign_to_servers` gives it, decodes
     and averages them in device order and sends the dense means back; one
-    server (``M = 1``) takes every leaf. Returns the updates, the bytes on a
-    worker's link (:func:`jaxcomp.comm.server_link_bytes` over the servers)
-    and what saturation cut off each mean (kept by its server).
+    server (``M = 1``) takes every leaf. The shares differ in size: each
+    dtype's buffer is padded to the largest share's, so that round ``r`` of
+    the push and of the pull is one ``ppermute`` per dtype whatever ``M``
+    (:func:`jaxcomp.comm.collectives.push_to_servers`). Returns the updates,
+    the bytes on a worker's link (:func:`jaxcomp.comm.server_link_bytes`
+    over the servers, padding not counted) and what saturation cut off each
+    mean (kept by its server).
     """
     n_dev = collectives.axis_size(ex.axis_name)
     devices = collectives.server_devices(n_dev, ex.servers)
     nbytes = [sum(array_nbytes(m) for m in leaf.message) for leaf in leaves]
-    updates, excess = [None] * len(leaves), [None] * len(leaves)
-    pushes, pulls = [], []
-    for device, share in zip(
-        devices, collectives.assign_to_servers(nbytes, ex.servers), strict=True
-    ):
+    shares = collectives.assign_to_servers(nbytes, ex.servers)
+    # The servers with leaves to serve (a server without any is left out).
+    served = [(d, share) for d, share in zip(devices, shares, strict=True) if share]
+    group = tuple(d for d, _ in served)
+    stacked = []
+    for _, share in served:
         part = [leaves[j] for j in share]
-        push = pull = 0
-        if part:
-            buffers, decode, push, split = _stacked_messages(ex, part, _same_size(part))
-            pull = sum(leaf.sent.size * jnp.dtype(leaf.out_dtype).itemsize for leaf in part)
-            means, cuts = _server_mean(ex, buffers, decode, split, device)
-            kept = _kept_excess(ex, means, part, include, owner_cuts=cuts, count=jnp.float32(n_dev))
-            for j, mean, cut in zip(share, means, kept, strict=True):
-                updates[j], excess[j] = to_dtype(mean, leaves[j].out_dtype), cut
-        pushes.append(push)
-        pulls.append(pull)
+        stacked.append(_stacked_messages(ex, part, _same_size(part)))
+    pushed = _to_servers(ex, [buffers for buffers, *_ in stacked], group)
+    updates, excess, served_means = [None] * len(leaves), [None] * len(leaves), []
+    for (device, share), (buffers, decode, _, split) in zip(served, stacked, strict=True):
+        mine = {dt: pushed[dt][:, : b.shape[-1]] for dt, b in buffers.items()}
+        means, cuts = _mean_of_messages(decode, mine, n_dev, ex.acc_dtype, split, cut=True)
+        if cuts is not None:  # only the server's means (and their cut) are the server's
+            on_server = lax.axis_index(ex.axis_name) == device
+            cuts = [jnp.where(on_server, c, 0) for c in cuts]
+        part = [leaves[j] for j in share]
+        kept = _kept_excess(ex, means, part, include, owner_cuts=cuts, count=jnp.float32(n_dev))
+        for j, cut in zip(share, kept, strict=True):
+            excess[j] = cut
+        served_means.append(means)
+    packings = [_Packing(means) for means in served_means]
+    packed = [p.pack(m) for p, m in zip(packings, served_means, strict=True)]
+    for (_, share), packing, buffers in zip(
+        served, packings, _from_servers(ex, packed, group), strict=True
+    ):
+        for j, mean in zip(share, packing.unpack(buffers), strict=True):
+            updates[j] = to_dtype(mean, leaves[j].out_dtype)
+    idle = [0] * (len(devices) - len(served))
+    pushes = [push for _, _, push, _ in stacked] + idle
+    pulls = [
+        sum(leaves[j].sent.size * jnp.dtype(leaves[j].out_dtype).itemsize for j in share)
+        for _, share in served
+    ] + idle
     link = collectives.server_link_bytes(pushes, pulls, n_dev)
     return updates, jnp.float32(link["worker"]), excess
 
 
-def _server_mean(ex: QuantizedExchange, buffers, decode, split, root):
-    n_dev = collectives.axis_size(ex.axis_name)
-    # The server decodes the N messages it received, in device order.
-    pushed = {
-        dt: jnp.stack(collectives.push_to_root(b, ex.axis_name, root=root))
-        for dt, b in buffers.items()
+def _padded_rows(per_server: list) -> dict:
+    """Per dtype, the servers' flat buffers padded to the longest: ``(M, L)``."""
+    dtypes = {dt: b.dtype for buffers in per_server for dt, b in buffers.items()}
+    rows = {}
+    for dt, dtype in dtypes.items():
+        length = max(buffers[dt].shape[-1] if dt in buffers else 0 for buffers in per_server)
+        rows[dt] = jnp.stack([
+            jnp.pad(buffers[dt], (0, length - buffers[dt].shape[-1]))
+            if dt in buffers else jnp.zeros((length,), dtype)
+            for buffers in per_server
+        ])  # fmt: skip
+    return rows
+
+
+def _to_servers(ex: QuantizedExchange, per_server: list, group) -> dict:
+    """Each server's buffers from every worker, ``(N, L)`` per dtype (padded)."""
+    return {
+        dt: collectives.push_to_servers(rows, ex.axis_name, group, per_server=True)
+        for dt, rows in _padded_rows(per_server).items()
     }
-    means, cuts = _mean_of_messages(decode, pushed, n_dev, ex.acc_dtype, split, cut=True)
-    packing = _Packing(means)
+
+
+def _from_servers(ex: QuantizedExchange, per_server: list, group) -> list:
+    """Each server's packed means on every device, cut back to their lengths."""
     pulled = {
-        dt: collectives.pull_from_root(b, ex.axis_name, root=root)
-        for dt, b in packing.pack(means).items()
+        dt: collectives.pull_from_servers(rows, ex.axis_name, group)
+        for dt, rows in _padded_rows(per_server).items()
     }
-    # Only the server's means (and what saturation cut off them) are the server's.
-    if cuts is not None:
-        on_server = lax.axis_index(ex.axis_name) == root
-        cuts = [jnp.where(on_server, c, 0) for c in cuts]
-    return packing.unpack(pulled), cuts
+    return [
+        {dt: pulled[dt][j, : b.shape[-1]] for dt, b in buffers.items()}
+        for j, buffers in enumerate(per_server)
+    ]

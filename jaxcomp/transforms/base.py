@@ -53,7 +53,6 @@ __all__ = [
     "apply_nonfinite_policy",
     "check_common_options",
     "check_residual_scaling",
-    "check_server_group",
     "indices_by_dtype",
     "resolve_residual_dtype",
     "scaled_accumulation",
@@ -196,34 +195,6 @@ def check_residual_scaling(
         low_open=True, allow_traced=True,
     )  # fmt: skip
     return ResidualScaling(beta, gamma)
-
-
-def check_server_group(servers: Any, exchange: str) -> int:
-    """Validates a compressor's ``servers`` (the size of a parameter-server group), once.
-
-    ``servers`` is an int >= 1 (None: 1); more than one needs
-    ``exchange="server"``. Its upper bound, the ``N`` devices of the axis, is
-    known when the update is traced: :func:`jaxcomp.comm.check_servers`
-    checks it there.
-
-    Raises:
-      ValueError: naming ``servers`` and its range.
-
-    Example:
-      >>> from jaxcomp.transforms.base import check_server_group
-      >>> check_server_group(None, "allgather"), check_server_group(4, "server")
-      (1, 4)
-      >>> check_server_group(2, "allgather")
-      Traceback (most recent call last):
-        ...
-      ValueError: servers must be 1 unless exchange='server', got 2 with exchange='allgather'
-    """
-    servers = V.check_int("servers", 1 if servers is None else servers, 1, 2**31 - 1)
-    if servers > 1 and exchange != "server":
-        raise ValueError(
-            f"servers must be 1 unless exchange='server', got {servers} with exchange={exchange!r}"
-        )
-    return servers
 
 
 def scaled_accumulation(scaling: ResidualScaling, residual, increment, rounded=None):

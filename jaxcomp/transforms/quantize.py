@@ -92,7 +92,6 @@ from jaxcomp.transforms.base import (
     apply_nonfinite_policy,
     check_common_options,
     check_residual_scaling,
-    check_server_group,
     resolve_residual_dtype,
     scaled_accumulation,
 )
@@ -412,7 +411,7 @@ def _make_config(
             f"exchange={exchange!r} votes with signs: it needs a sign codec "
             f"(Quantizer.signs, e.g. sign_quantizer), got {quantizer.name}"
         )
-    servers = check_server_group(servers, exchange)
+    servers = collectives.check_servers(servers, exchange=exchange, axis_name=common.axis_name)
     acc_dtype = jnp.dtype(
         jnp.float32
         if accumulation_dtype is None

@@ -96,7 +96,6 @@ from jaxcomp.transforms.base import (
     apply_nonfinite_policy,
     check_common_options,
     check_residual_scaling,
-    check_server_group,
     resolve_residual_dtype,
     scaled_accumulation,
 )
@@ -617,7 +616,9 @@ def sparsify(
         size ``n`` (static shapes: a reused threshold can pass any number of
         elements), so ``exchange="auto"`` all-reduces it dense and
         ``"allgather"`` moves ``n`` pairs per device; ``message_bytes`` and
-        ``sent_count`` still report what passed.
+        ``sent_count`` still report what passed. Refused with the global
+        selections (``"gtopk"``, ``"oktopk"``, ``"scalecom"``,
+        ``"auto_topk"``), whose global keep count is the capacity.
       momentum: DGC momentum correction factor ``m`` in [0, 1) (then use
         plain SGD after the compressor); may be traced. None: no velocity.
       momentum_masking: DGC momentum factor masking (zero ``u`` where sent).
@@ -936,7 +937,16 @@ def _make_config(
             sparse_allreduce.EXCHANGES + tuple(sparse_allreduce.EXCHANGE_ALIASES),
         )
     )
-    servers = check_server_group(servers, exchange)
+    servers = collectives.check_servers(servers, exchange=exchange, axis_name=common.axis_name)
+    if math.isinf(capacity_factor) and exchange in _GLOBAL_SELECTION_EXCHANGES:
+        # Their global keep count is the capacity: uncapped would keep every
+        # summed entry (a plain mean sent as pairs, more bytes than dense).
+        raise ValueError(
+            f"capacity_factor={_UNCAPPED!r} cannot be used with exchange={exchange!r}: its global "
+            "selection keeps the capacity's count of the summed entries, so uncapped would keep "
+            f"them all; use a finite capacity_factor, or an exact exchange "
+            f"(not one of {_GLOBAL_SELECTION_EXCHANGES})"
+        )
     if exchange == "scatter" and (groups is not None or granularity != "layer"):
         raise ValueError(
             "exchange='scatter' reduce-scatters each leaf over the devices that own its slices: "
@@ -1019,6 +1029,11 @@ def _make_config(
         shared_indices=shared_indices,
     )
 
+
+# The exchanges whose global selection keeps ``capacity`` entries of the summed
+# messages (gTop-k, Ok-Topk, ScaleCom's leader; auto_topk picks among them):
+# refused with an uncapped capacity.
+_GLOBAL_SELECTION_EXCHANGES = ("gtopk", "oktopk", "scalecom", "auto_topk")
 
 # capacity_factor's one named value: messages as large as their group (a float
 # inf in _Config), DLGS's "everything above the threshold" on reuse steps.
