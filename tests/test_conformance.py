@@ -502,9 +502,12 @@ def test_overflowing_accumulator_sends_inf_and_keeps_the_rest(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("policy", ["skip", "zero"])
-def test_apply_if_finite_protects_residual(name, policy):
-    tx = optax.apply_if_finite(FACTORIES[name](RATIO, nonfinite=policy), 3)
+def test_apply_if_finite_protects_residual(name):
+    # optax skips the inner update on a non-finite gradient, so the compressor's
+    # own `nonfinite` policy never runs here (test_nonfinite_* cover it): what this
+    # checks is that the compressor's state survives the wrapper's select of
+    # old and new state (its dtypes, counters and keys) and is kept bit for bit.
+    tx = optax.apply_if_finite(FACTORIES[name](RATIO), 3)
     f = jax.jit(tx.update)
     rng = np.random.default_rng(7)
     spec = {"w": ((200,), jnp.float32)}
