@@ -211,11 +211,11 @@ class PipelineStages:
         if not self.flat:
             return local
         leaves, treedef = jax.tree.flatten(self.structures[s])
-        out, start = [], 0
-        for leaf in leaves:
-            size = math.prod(leaf.shape)
-            out.append(local[start : start + size].reshape(leaf.shape).astype(leaf.dtype))
-            start += size
+        sizes = [math.prod(leaf.shape) for leaf in leaves]
+        # One split (its transpose, in the backward, is one concatenate; slices would add
+        # a padded full-length cotangent per leaf).
+        parts = jnp.split(local[: sum(sizes)], np.cumsum(sizes)[:-1]) if leaves else []
+        out = [x.reshape(v.shape).astype(v.dtype) for x, v in zip(parts, leaves, strict=True)]
         return jax.tree.unflatten(treedef, out)
 
     def _round_to_leaf_dtypes(self, s, local):
