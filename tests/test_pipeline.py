@@ -445,3 +445,44 @@ def test_bad_stage_functions_and_loss():
         step(stacked, state, data())
     with pytest.raises(ValueError, match=r"stage_params\[1\] leaf \['n'\] has dtype int32"):
         dist.stack_stages([{"w": np.ones(3, np.float32)}, {"n": np.ones(2, np.int32)}], mesh)
+
+
+def test_mixed_dtype_stage_rounds_each_leaf_to_its_dtype():
+    """A stage mixing bfloat16 and float32 leaves (two bfloat16 runs around a float32 one).
+
+    One SGD step against jax.grad on one device: each leaf is ``p - lr g``
+    rounded once to its own dtype (bfloat16 within one ulp: the gradients
+    summed per micro-batch), and the stored vector holds exactly those values.
+    """
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    rng = np.random.default_rng(16)
+    first = {
+        "a": jnp.asarray(rng.standard_normal((WIDTH, WIDTH)), jnp.bfloat16),
+        "b": jnp.asarray(rng.standard_normal(WIDTH), jnp.float32),
+        "c": jnp.asarray(rng.standard_normal(WIDTH), jnp.bfloat16),
+    }
+    params = [first, {"w": jnp.asarray(rng.standard_normal((WIDTH, WIDTH)), jnp.float32)}]
+    fns = [
+        lambda p, x: jnp.tanh(x @ p["a"].astype(jnp.float32) + p["b"] * p["c"].astype(jnp.float32)),
+        lambda p, x: x @ p["w"],
+    ]
+    x, t = data(17)
+    tx = optax.chain(dist.dense_exchange("data"), optax.sgd(LR))
+    stacked, stages = dist.stack_stages(params, mesh)
+    state = dist.init_pipeline_opt_state(tx, stacked, mesh)
+    step = dist.make_pipeline_train_step(fns, stages, mse, tx, mesh, 2)
+    stacked, _, _ = step(stacked, state, (x, t))
+    got = dist.unstack_stages(stacked, stages)
+    grads = jax.grad(lambda ps: mse(fns[1](ps[1], fns[0](ps[0], x)), t))(params)
+    for p, q, g in zip(got, params, grads, strict=True):
+        for k in p:
+            assert p[k].dtype == q[k].dtype
+            exact = np.asarray(q[k], np.float64) - LR * np.asarray(g[k], np.float64)
+            want = np.asarray(exact.astype(np.dtype(q[k].dtype)), np.float64)
+            ulp = 2**-7 if q[k].dtype == jnp.bfloat16 else 1e-6
+            np.testing.assert_allclose(np.asarray(p[k], np.float64), want, rtol=ulp, atol=1e-6)
+    # The stored vector (float32) holds exactly the values unstack_stages returns.
+    rows = np.asarray(jax.device_get(stacked))
+    for row, p in zip(rows, got, strict=True):
+        leaves = [np.asarray(a, np.float32).ravel() for a in jax.tree.leaves(p)]
+        np.testing.assert_array_equal(row[: sum(a.size for a in leaves)], np.concatenate(leaves))

@@ -223,30 +223,44 @@ class PipelineStages:
 
         After an update in the vector's common dtype, a narrower leaf (bfloat16
         in a float32 vector) holds only values of its own dtype again, so the
-        vector is what :meth:`stage_params` returns. One ``where`` per narrower
-        dtype, from a static mask per stage. Identity for the stacked form.
+        vector is what :meth:`stage_params` returns. Per narrower dtype: one
+        ``where`` over the element ranges of its leaves (consecutive leaves
+        merged; a small static table of ranges per stage, no per-element
+        constant). Identity for the stacked form.
         """
         if not self.flat:
             return local
-        for dtype, mask in self._narrow_masks(jnp.result_type(local)).items():
-            rounded = local.astype(dtype).astype(local.dtype)
-            local = jnp.where(jnp.asarray(mask)[s], rounded, local)
+        index = jnp.arange(self.length)
+        for dtype, (starts, ends) in self._narrow_runs(jnp.result_type(local)).items():
+            start, end = jnp.asarray(starts)[s], jnp.asarray(ends)[s]
+            mask = jnp.any((index >= start[:, None]) & (index < end[:, None]), axis=0)
+            local = jnp.where(mask, local.astype(dtype).astype(local.dtype), local)
         return local
 
-    def _narrow_masks(self, common) -> dict:
-        """``{dtype: (S, length) bool mask}`` of the elements whose leaf dtype is not ``common``."""
-        masks = {}
+    def _narrow_runs(self, common) -> dict:
+        """``{dtype: (starts, ends)}``: ``(S, R)`` ranges of the elements of a narrower dtype."""
+        runs = {}  # dtype -> per stage, a list of [start, end)
         for s, structure in enumerate(self.structures):
             start = 0
             for leaf in jax.tree.leaves(structure):
-                size = math.prod(leaf.shape)
-                if jnp.dtype(leaf.dtype) != jnp.dtype(common):
-                    mask = masks.setdefault(
-                        jnp.dtype(leaf.dtype), np.zeros((self.num_stages, self.length), bool)
-                    )
-                    mask[s, start : start + size] = True
-                start += size
-        return masks
+                end = start + math.prod(leaf.shape)
+                dtype = jnp.dtype(leaf.dtype)
+                if dtype != jnp.dtype(common):
+                    stage_runs = runs.setdefault(dtype, [[] for _ in self.structures])[s]
+                    if stage_runs and stage_runs[-1][1] == start:
+                        stage_runs[-1][1] = end  # merged with the previous leaf
+                    else:
+                        stage_runs.append([start, end])
+                start = end
+        out = {}
+        for dtype, per_stage in runs.items():
+            width = max(len(r) for r in per_stage)
+            table = np.zeros((self.num_stages, width, 2), np.int32)  # padding: empty [0, 0)
+            for s, r in enumerate(per_stage):
+                if r:
+                    table[s, : len(r)] = r
+            out[dtype] = (table[..., 0], table[..., 1])
+        return out
 
 
 def _zeros(structure):
