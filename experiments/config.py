@@ -737,12 +737,20 @@ def _validate_pipeline(c: TrainConfig, n: int | None) -> None:
         if c.microbatches is not None:
             invalid("microbatches (--microbatches) needs --pipeline_stages")
         return
-    if not isinstance(c.pipeline_stages, int) or not 1 <= c.pipeline_stages <= MLP_LAYERS:
+    if (
+        isinstance(c.pipeline_stages, bool)
+        or not isinstance(c.pipeline_stages, (int, np.integer))
+        or not 1 <= c.pipeline_stages <= MLP_LAYERS
+    ):
         invalid(
             f"pipeline_stages must be an int in [1, {MLP_LAYERS}] (the mlp's layers), "
             f"got {c.pipeline_stages!r}"
         )
-    if c.microbatches is not None and (not isinstance(c.microbatches, int) or c.microbatches < 1):
+    if c.microbatches is not None and (
+        isinstance(c.microbatches, bool)
+        or not isinstance(c.microbatches, (int, np.integer))
+        or c.microbatches < 1
+    ):
         invalid(
             f"microbatches must be an int >= 1 (or unset: pipeline_stages), got {c.microbatches!r}"
         )

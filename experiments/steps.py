@@ -84,6 +84,20 @@ TIME_SPLIT_FIELDS = jaxcomp.distributed.TimeSplit._fields
 STEP_SUMS = ("loss", "wire_bytes", "message_bytes", "density")
 
 
+def _no_record(opt_state, sums, steps) -> dict:
+    """:attr:`Mode.record`'s default: a mode with no fields of its own in an epoch's record.
+
+    Args:
+      opt_state: the run's optimizer state at the epoch's end (unused).
+      sums: the step metrics summed over the epoch (unused).
+      steps: the epoch's steps (unused).
+
+    Returns:
+      ``{}``: the record holds only the loop's common fields.
+    """
+    return {}
+
+
 @dataclasses.dataclass
 class Mode:
     """One way of training, chosen once per run: its state, step, timing and read-back.
@@ -117,7 +131,7 @@ class Mode:
     batch_devices: int
     sampling: str | None = None
     sums: tuple = STEP_SUMS
-    record: Callable = lambda opt_state, sums, steps: {}
+    record: Callable = _no_record
 
 
 def get_field(state, name):

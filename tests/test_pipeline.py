@@ -330,3 +330,159 @@ def test_bad_arguments():
         dist.split_layers([nn.Dense(2)] * 3, {}, 2, boundaries=[3])
     with pytest.raises(ValueError, match="num_stages"):
         dist.split_layers([nn.Dense(2)] * 3, {}, 4)
+
+
+def normalized(p, x):
+    """An L2 normalisation, then a linear map: finite on every real input, NaN on zeros."""
+    return (x / jnp.linalg.norm(x, axis=-1, keepdims=True)) @ p["w"]
+
+
+def test_gpipe_skips_the_bubble_for_stages_not_finite_on_zeros():
+    """Stages NaN on the bubble's zero padding: GPipe runs a stage on its M real ticks only.
+
+    4 stages x 2 replicas, the middle and last stages normalising their input;
+    the reference is jax.grad of the same functions on one device, whole batch.
+    """
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    rng = np.random.default_rng(12)
+    params = [{"w": rng.standard_normal((WIDTH, WIDTH)).astype(np.float32)} for _ in range(4)]
+    fns = [lambda p, x: x @ p["w"], normalized, normalized, normalized]
+    x, t = data(13)
+    tx = optax.chain(dist.dense_exchange("data"), optax.sgd(LR))
+    got, _, (m,) = run_pipeline(tx, mesh, params, fns, [(x, t)], microbatches=2)
+
+    def whole(ps):
+        h = x
+        for fn, p in zip(fns, ps, strict=True):
+            h = fn(p, h)
+        return mse(h, t)
+
+    loss, grads = jax.value_and_grad(whole)(params)
+    np.testing.assert_allclose(m["loss"], loss, rtol=1e-6)
+    for p, q, g in zip(got, params, grads, strict=True):
+        np.testing.assert_allclose(p["w"], q["w"] - LR * g["w"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_bfloat16_stage_next_to_float32_stage(schedule):
+    """A Flax model whose first layer has bfloat16 parameters, split in 2 stages (flat form).
+
+    The stage function sees bfloat16 parameters and ``unstack_stages`` returns
+    them; the update runs in the flat vector's float32 and each bfloat16 element
+    is rounded back to bfloat16. Reference: the Flax model trained with SGD on
+    one device (its bfloat16 update rounded twice, ``lr * g`` then ``p + u``;
+    ours once), so the bfloat16 kernel may differ by one bfloat16 ulp per step
+    (relative 2**-8 .. 2**-7); the float32 stage then follows within that.
+    """
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    layers = [nn.Dense(5, param_dtype=jnp.bfloat16), nn.tanh, nn.Dense(2)]
+    model = nn.Sequential(layers)
+    batches = [data(14, width_in=3, width_out=2), data(15, width_in=3, width_out=2)]
+    params = model.init(jax.random.key(1), batches[0][0])["params"]
+    fns, stage_params = dist.split_layers(layers, params, 2)
+    seen = []
+
+    def first(p, x):
+        seen.append(p["layers_0"]["kernel"].dtype)
+        return fns[0](p, x)
+
+    stacked, stages = dist.stack_stages(stage_params, mesh)
+    assert stages.flat and stacked.dtype == jnp.float32
+    tx = optax.chain(dist.dense_exchange("data"), optax.sgd(LR))
+    state = dist.init_pipeline_opt_state(tx, stacked, mesh)
+    step = dist.make_pipeline_train_step(
+        [first, fns[1]], stages, mse, tx, mesh, 2, schedule=schedule
+    )
+    ref = params
+    for i, (x, t) in enumerate(batches):
+        stacked, state, m = step(stacked, state, (x, t))
+        loss, grads = jax.value_and_grad(lambda p, x=x, t=t: mse(model.apply({"params": p}, x), t))(
+            ref
+        )
+        # The same parameters at step 0; then the bfloat16 kernel up to an ulp apart.
+        np.testing.assert_allclose(m["loss"], loss, rtol=1e-6 if i == 0 else 2e-3)
+        ref = optax.apply_updates(ref, jax.tree.map(lambda g: -LR * g, grads))
+    assert set(map(str, seen)) == {"bfloat16"}
+    got = dist.unstack_stages(stacked, stages)
+    dtypes = [jax.tree.map(lambda a: str(a.dtype), p) for p in got]
+    assert dtypes == [
+        {"layers_0": {"bias": "bfloat16", "kernel": "bfloat16"}},
+        {"layers_2": {"bias": "float32", "kernel": "float32"}},
+    ]
+    assert ref["layers_0"]["kernel"].dtype == jnp.bfloat16
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    for name, (rtol, atol) in (("layers_0", (2 * 2**-7, 1e-4)), ("layers_2", (2e-3, 1e-4))):
+        for k in ("kernel", "bias"):
+            np.testing.assert_allclose(
+                f32(got[name != "layers_0"][name][k]), f32(ref[name][k]), rtol=rtol, atol=atol
+            )
+    # The stored vector holds exactly the bfloat16 values unstack_stages returns.
+    row = np.asarray(jax.device_get(stacked))[0]
+    leaves = jax.tree.leaves(got[0])
+    np.testing.assert_array_equal(
+        row[: sum(a.size for a in leaves)], np.concatenate([f32(a).ravel() for a in leaves])
+    )
+
+
+def test_bad_stage_functions_and_loss():
+    """Wrong stage functions or loss: a ValueError naming the argument, at the step's trace."""
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    params = blocks_params(2)
+    tx = optax.chain(dist.dense_exchange("data"), optax.sgd(LR))
+    stacked, stages = dist.stack_stages(params, mesh)
+    state = dist.init_pipeline_opt_state(tx, stacked, mesh)
+    with pytest.raises(ValueError, match=r"stage_fns\[1\] must be a function"):
+        dist.make_pipeline_train_step([block, 2], stages, mse, tx, mesh, 2)
+    with pytest.raises(ValueError, match="loss_fn must be a function"):
+        dist.make_pipeline_train_step([block, block], stages, "mse", tx, mesh, 2)
+    elementwise = lambda y, t: (y - t) ** 2  # noqa: E731
+    step = dist.make_pipeline_train_step([block, block], stages, elementwise, tx, mesh, 2)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar .* got shape \(2, 4\)"):
+        step(stacked, state, data())
+    doubled = lambda p, x: block(p, jnp.concatenate([x, x]))  # noqa: E731
+    step = dist.make_pipeline_train_step([doubled, block], stages, mse, tx, mesh, 2)
+    with pytest.raises(ValueError, match=r"stage_fns\[0\] must return one array keeping .* 2 ex"):
+        step(stacked, state, data())
+    with pytest.raises(ValueError, match=r"stage_params\[1\] leaf \['n'\] has dtype int32"):
+        dist.stack_stages([{"w": np.ones(3, np.float32)}, {"n": np.ones(2, np.int32)}], mesh)
+
+
+def test_mixed_dtype_stage_rounds_each_leaf_to_its_dtype():
+    """A stage mixing bfloat16 and float32 leaves (two bfloat16 runs around a float32 one).
+
+    One SGD step against jax.grad on one device: each leaf is ``p - lr g``
+    rounded once to its own dtype (bfloat16 within one ulp: the gradients
+    summed per micro-batch), and the stored vector holds exactly those values.
+    """
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    rng = np.random.default_rng(16)
+    first = {
+        "a": jnp.asarray(rng.standard_normal((WIDTH, WIDTH)), jnp.bfloat16),
+        "b": jnp.asarray(rng.standard_normal(WIDTH), jnp.float32),
+        "c": jnp.asarray(rng.standard_normal(WIDTH), jnp.bfloat16),
+    }
+    params = [first, {"w": jnp.asarray(rng.standard_normal((WIDTH, WIDTH)), jnp.float32)}]
+    fns = [
+        lambda p, x: jnp.tanh(x @ p["a"].astype(jnp.float32) + p["b"] * p["c"].astype(jnp.float32)),
+        lambda p, x: x @ p["w"],
+    ]
+    x, t = data(17)
+    tx = optax.chain(dist.dense_exchange("data"), optax.sgd(LR))
+    stacked, stages = dist.stack_stages(params, mesh)
+    state = dist.init_pipeline_opt_state(tx, stacked, mesh)
+    step = dist.make_pipeline_train_step(fns, stages, mse, tx, mesh, 2)
+    stacked, _, _ = step(stacked, state, (x, t))
+    got = dist.unstack_stages(stacked, stages)
+    grads = jax.grad(lambda ps: mse(fns[1](ps[1], fns[0](ps[0], x)), t))(params)
+    for p, q, g in zip(got, params, grads, strict=True):
+        for k in p:
+            assert p[k].dtype == q[k].dtype
+            exact = np.asarray(q[k], np.float64) - LR * np.asarray(g[k], np.float64)
+            want = np.asarray(exact.astype(np.dtype(q[k].dtype)), np.float64)
+            ulp = 2**-7 if q[k].dtype == jnp.bfloat16 else 1e-6
+            np.testing.assert_allclose(np.asarray(p[k], np.float64), want, rtol=ulp, atol=1e-6)
+    # The stored vector (float32) holds exactly the values unstack_stages returns.
+    rows = np.asarray(jax.device_get(stacked))
+    for row, p in zip(rows, got, strict=True):
+        leaves = [np.asarray(a, np.float32).ravel() for a in jax.tree.leaves(p)]
+        np.testing.assert_array_equal(row[: sum(a.size for a in leaves)], np.concatenate(leaves))

@@ -157,6 +157,11 @@ def test_pipeline_stages_run_resume_and_time_split(tmp_path):
         train.train_and_evaluate(dataclasses.replace(config, microbatches=3), str(tmp_path))
     with pytest.raises(ValueError, match="needs --pipeline_stages"):
         train.train_and_evaluate(dataclasses.replace(TINY, microbatches=2), str(tmp_path))
+    # A bool is not a count (True == 1 would pass an int check).
+    with pytest.raises(ValueError, match="pipeline_stages must be an int .* got True"):
+        train.validate_config(dataclasses.replace(config, pipeline_stages=True), 4)
+    with pytest.raises(ValueError, match="microbatches must be an int >= 1 .* got True"):
+        train.validate_config(dataclasses.replace(config, microbatches=True), 4)
 
 
 @pytest.mark.parametrize("compressor", ["onebit_adam", "zero_one_adam", "onebit_lamb"])

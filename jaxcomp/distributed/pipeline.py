@@ -50,19 +50,31 @@ are stacked with a leading axis of ``S`` sharded over ``"stage"``
   matrices);
 - *heterogeneous* stages (different layers per stage): each stage's
   parameters are ravelled into one flat vector
-  (``jax.flatten_util.ravel_pytree``, in their common dtype) zero-padded to
-  the longest stage's length. The compressor then sees **one flat leaf per
-  stage** (a ``ratio`` applies to the padded length; a low-rank compressor
-  sees a vector). The padding's gradient is zero and stays zero.
+  (``jax.flatten_util.ravel_pytree``, in the common dtype of all stages)
+  zero-padded to the longest stage's length. The compressor then sees **one
+  flat leaf per stage** (a ``ratio`` applies to the padded length; a low-rank
+  compressor sees a vector). The padding's gradient is zero and stays zero.
+  Each leaf keeps its own dtype where it is used: the stage function (and
+  :func:`unstack_stages`) gets it cut from the vector and cast back (a
+  bfloat16 stage next to a float32 one sees bfloat16 parameters). ``tx``
+  (the compressor, its error feedback, the optimizer) runs in the vector's
+  common dtype; after the update each element of a narrower leaf is rounded
+  to that leaf's dtype, so the vector holds exactly the leaves' values (one
+  rounding of ``p + u``, where ``optax.sgd`` on bfloat16 parameters
+  rounds ``u`` and then ``p + u``).
+
+Every stage parameter is trained: integer, bool or complex leaves are
+refused (``ValueError``); close over such constants in the stage function.
 
 Each stage's function runs in a ``lax.switch`` on ``lax.axis_index("stage")``;
 activations between stages are flattened per example and zero-padded to the
 widest boundary's size, in their common dtype. Every collective (the
 ``ppermute`` between stages, the compressor's exchange over ``"data"``) is
 outside the switch's branches, so every device runs the same collectives.
-On bubble ticks a stage runs on padding (zeros, or its last micro-batch
-again) and its cotangent there is zero: the stage functions must be finite
-on such inputs; the loss is computed on real micro-batches only.
+A stage runs (forward, backward and loss) only on the ticks that carry one of
+its micro-batches: on the bubble's ticks a ``lax.cond`` skips it, so a stage
+function need not be finite on the padding (e.g. ``x / norm(x)`` on zeros,
+whose NaN Jacobian times a zero cotangent would be NaN).
 
 **Bytes.** ``metrics["wire_bytes"]``: the gradient exchange (what ``tx``
 sent, mean over devices, as :func:`~jaxcomp.distributed.make_train_step`).
@@ -187,15 +199,68 @@ class PipelineStages:
 
     @property
     def num_stages(self) -> int:
+        """``S``, the number of stages (one parameter tree each)."""
         return len(self.structures)
 
     def stage_params(self, s: int, local):
-        """Stage ``s``'s parameter tree from its stacked entry (one row, leading axis gone)."""
+        """Stage ``s``'s parameter tree from its stacked entry (one row, leading axis gone).
+
+        In the flat form each leaf is cut from the vector and cast back to its
+        own dtype (a bfloat16 stage next to a float32 one gets bfloat16 leaves).
+        """
         if not self.flat:
             return local
-        structure = self.structures[s]
-        flat, unravel = ravel_pytree(_zeros(structure))
-        return unravel(local[: flat.size])
+        leaves, treedef = jax.tree.flatten(self.structures[s])
+        sizes = [math.prod(leaf.shape) for leaf in leaves]
+        # One split (its transpose, in the backward, is one concatenate; slices would add
+        # a padded full-length cotangent per leaf).
+        parts = jnp.split(local[: sum(sizes)], np.cumsum(sizes)[:-1]) if leaves else []
+        out = [x.reshape(v.shape).astype(v.dtype) for x, v in zip(parts, leaves, strict=True)]
+        return jax.tree.unflatten(treedef, out)
+
+    def _round_to_leaf_dtypes(self, s, local):
+        """Stage ``s``'s flat vector (``s`` traced), each element rounded to its leaf's dtype.
+
+        After an update in the vector's common dtype, a narrower leaf (bfloat16
+        in a float32 vector) holds only values of its own dtype again, so the
+        vector is what :meth:`stage_params` returns. Per narrower dtype: one
+        ``where`` over the element ranges of its leaves (consecutive leaves
+        merged; a small static table of ranges per stage, no per-element
+        constant). Identity for the stacked form.
+        """
+        if not self.flat:
+            return local
+        index = jnp.arange(self.length)
+        for dtype, (starts, ends) in self._narrow_runs(jnp.result_type(local)).items():
+            start, end = jnp.asarray(starts)[s], jnp.asarray(ends)[s]
+            mask = jnp.any((index >= start[:, None]) & (index < end[:, None]), axis=0)
+            local = jnp.where(mask, local.astype(dtype).astype(local.dtype), local)
+        return local
+
+    def _narrow_runs(self, common) -> dict:
+        """``{dtype: (starts, ends)}``: ``(S, R)`` ranges of the elements of a narrower dtype."""
+        runs = {}  # dtype -> per stage, a list of [start, end)
+        for s, structure in enumerate(self.structures):
+            start = 0
+            for leaf in jax.tree.leaves(structure):
+                end = start + math.prod(leaf.shape)
+                dtype = jnp.dtype(leaf.dtype)
+                if dtype != jnp.dtype(common):
+                    stage_runs = runs.setdefault(dtype, [[] for _ in self.structures])[s]
+                    if stage_runs and stage_runs[-1][1] == start:
+                        stage_runs[-1][1] = end  # merged with the previous leaf
+                    else:
+                        stage_runs.append([start, end])
+                start = end
+        out = {}
+        for dtype, per_stage in runs.items():
+            width = max(len(r) for r in per_stage)
+            table = np.zeros((self.num_stages, width, 2), np.int32)  # padding: empty [0, 0)
+            for s, r in enumerate(per_stage):
+                if r:
+                    table[s, : len(r)] = r
+            out[dtype] = (table[..., 0], table[..., 1])
+        return out
 
 
 def _zeros(structure):
@@ -215,6 +280,15 @@ def _stages_of(stage_params: Sequence) -> PipelineStages:
     if not stage_params:
         raise ValueError("stage_params must hold at least one stage, got an empty list")
     structures = tuple(_abstract(p) for p in stage_params)
+    for s, structure in enumerate(structures):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(structure)[0]:
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise ValueError(
+                    f"stage_params[{s}] leaf {jax.tree_util.keystr(path)} has dtype "
+                    f"{leaf.dtype}: every stage parameter is trained (jax.grad), so it must be "
+                    "a real floating-point array; pass integer/bool/complex constants to the "
+                    "stage function another way (e.g. close over them)"
+                )
     first = jax.tree.structure(structures[0])
     homogeneous = all(
         jax.tree.structure(s) == first and jax.tree.leaves(s) == jax.tree.leaves(structures[0])
@@ -245,7 +319,9 @@ def stack_stages(stage_params: Sequence, mesh: Mesh, stage_axis: str = "stage"):
       :func:`make_pipeline_train_step` need).
 
     Raises:
-      ValueError: when the number of stages is not the size of ``stage_axis``.
+      ValueError: when the number of stages is not the size of ``stage_axis``;
+        a parameter leaf that is not a real floating-point array (every stage
+        parameter is trained).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -505,9 +581,12 @@ def make_pipeline_train_step(
       ``make_train_step``'s.
 
     Raises:
-      ValueError: a mesh without the two axes; ``len(stage_fns)`` or the
-        stacked stages not the stage axis' size; ``num_microbatches`` < 1 or
-        not dividing a replica's batch (when the step is called).
+      ValueError: a mesh without the two axes; a ``stage_fns`` entry or
+        ``loss_fn`` not callable; ``len(stage_fns)`` or the stacked stages not
+        the stage axis' size; ``num_microbatches`` < 1. When the step is
+        called: ``num_microbatches`` not dividing a replica's batch; a stage
+        not returning one array with the micro-batch's examples on its leading
+        axis; ``loss_fn`` not returning a scalar.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxcomp
@@ -525,7 +604,22 @@ def make_pipeline_train_step(
       (4.0, 0.0)
     """
     _check_mesh(mesh, stage_axis, data_axis)
+    if isinstance(stage_fns, str) or not isinstance(stage_fns, Sequence):
+        raise ValueError(
+            f"stage_fns must be a list of functions, one per stage, got {type(stage_fns).__name__}"
+        )
     stage_fns = tuple(stage_fns)
+    for s, fn in enumerate(stage_fns):
+        if not callable(fn):
+            raise ValueError(
+                f"stage_fns[{s}] must be a function stage_fn(params, x) -> y, "
+                f"got {type(fn).__name__}"
+            )
+    if not callable(loss_fn):
+        raise ValueError(
+            f"loss_fn must be a function loss_fn(outputs, targets) -> scalar, "
+            f"got {type(loss_fn).__name__}"
+        )
     if not isinstance(stages, PipelineStages):
         raise ValueError(
             f"stages must be the PipelineStages of stack_stages, got {type(stages).__name__}"
@@ -628,13 +722,33 @@ def _run(cfg: _PipelineConfig, params, opt_state, batch):
     return sharded(params, opt_state, batch)
 
 
-def _activation_shapes(cfg: _PipelineConfig, inputs):
-    """A micro-batch's shapes entering each stage (``S + 1``: the last is the model's output)."""
+def _activation_shapes(cfg: _PipelineConfig, inputs, targets):
+    """A micro-batch's shapes entering each stage (``S + 1``: the last is the model's output).
+
+    Checks what the schedule relies on: each stage returns one array with the
+    micro-batch's examples on its leading axis, and ``loss_fn`` a scalar.
+    """
     shapes = [inputs]
     x = inputs
     for s, fn in enumerate(cfg.stage_fns):
-        x = jax.eval_shape(fn, cfg.stages.structures[s], x)
-        shapes.append(x)
+        y = jax.eval_shape(fn, cfg.stages.structures[s], x)
+        if not isinstance(y, jax.ShapeDtypeStruct) or y.shape[:1] != inputs.shape[:1]:
+            got = f"shape {y.shape}" if isinstance(y, jax.ShapeDtypeStruct) else type(y).__name__
+            raise ValueError(
+                f"stage_fns[{s}] must return one array keeping the micro-batch's "
+                f"{inputs.shape[0]} examples on its leading axis (it got shape {x.shape}), "
+                f"got {got}"
+            )
+        shapes.append(x := y)
+    loss = jax.eval_shape(cfg.loss_fn, x, targets)
+    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+        got = (
+            f"shape {loss.shape}" if isinstance(loss, jax.ShapeDtypeStruct) else type(loss).__name__
+        )
+        raise ValueError(
+            "loss_fn must return a scalar (the micro-batch's mean loss), got "
+            f"{got} for outputs of shape {x.shape}"
+        )
     return shapes
 
 
@@ -645,6 +759,7 @@ class _Microbatches:
     xs: Any  # (M, m, ...) inputs
     ys: Any  # (M, m, ...) targets
     boundary: list  # the activation stage s sends to s + 1 (per micro-batch)
+    output: jax.ShapeDtypeStruct  # the last stage's output (per micro-batch)
     width: int  # padded activation elements per example
     dtype: Any  # the activations' common dtype
 
@@ -661,11 +776,15 @@ def _microbatches(cfg: _PipelineConfig, batch) -> _Microbatches:
     inputs, targets = batch
     xs = inputs.reshape(m, inputs.shape[0] // m, *inputs.shape[1:])
     ys = targets.reshape(m, targets.shape[0] // m, *targets.shape[1:])
-    shapes = _activation_shapes(cfg, jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype))
+    shapes = _activation_shapes(
+        cfg,
+        jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype),
+        jax.ShapeDtypeStruct(ys.shape[1:], ys.dtype),
+    )
     boundary = shapes[1:-1]
     width = max([math.prod(a.shape[1:]) for a in boundary] or [1])
     dtype = jnp.result_type(*[a.dtype for a in boundary]) if boundary else jnp.float32
-    return _Microbatches(xs, ys, boundary, width, dtype)
+    return _Microbatches(xs, ys, boundary, shapes[-1], width, dtype)
 
 
 def _gpipe(cfg: _PipelineConfig, mbs: _Microbatches, local):
@@ -676,15 +795,29 @@ def _gpipe(cfg: _PipelineConfig, mbs: _Microbatches, local):
     def loss_of(out, y):
         return jnp.asarray(cfg.loss_fn(out, y), jnp.float32)
 
+    output = mbs.output
+
     def branch(s):
-        def run(local, received, x, y, valid):
+        def forward(local, received, x):
             inp = x if s == 0 else _unpad(received, mbs.boundary[s - 1])
-            out = cfg.stage_fns[s](cfg.stages.stage_params(s, local), inp)
+            return cfg.stage_fns[s](cfg.stages.stage_params(s, local), inp)
+
+        def run(local, received, x, y, valid):
+            # Only on this stage's M real ticks: a stage need not be finite on the bubble's
+            # padding (a zero cotangent times a NaN Jacobian is NaN), nor the loss.
             if s == n_stages - 1:
-                # Not on the bubble's padding (a loss may not be finite there, nor its gradient).
+                out = lax.cond(valid, forward, lambda *_: _zeros(output), local, received, x)
                 loss = lax.cond(valid, loss_of, lambda *_: jnp.float32(0), out, y)
                 return mbs.zeros(), loss
-            return _pad(out, mbs.width, mbs.dtype), jnp.float32(0)
+            out = lax.cond(
+                valid,
+                lambda *a: _pad(forward(*a), mbs.width, mbs.dtype),
+                lambda *_: mbs.zeros(),
+                local,
+                received,
+                x,
+            )
+            return out, jnp.float32(0)
 
         return run
 
@@ -695,9 +828,9 @@ def _gpipe(cfg: _PipelineConfig, mbs: _Microbatches, local):
         def tick(carry, t):
             received, total = carry
             x = mbs.xs[jnp.clip(t, 0, m - 1)]
-            last_mb = t - (n_stages - 1)
-            y = mbs.ys[jnp.clip(last_mb, 0, m - 1)]
-            valid = (last_mb >= 0) & (last_mb < m)  # the last stage holds a micro-batch
+            y = mbs.ys[jnp.clip(t - (n_stages - 1), 0, m - 1)]
+            j = t - s_index  # this stage's micro-batch at tick t
+            valid = (j >= 0) & (j < m)
             out, loss = lax.switch(s_index, branches, local, received, x, y, valid)
             if n_stages > 1:
                 out = lax.ppermute(out, cfg.stage_axis, forward_perm)
@@ -827,6 +960,7 @@ def _per_device_step(cfg: _PipelineConfig, params, opt_state, batch, dense_paths
         cfg.tx, grads, state, local, {}, data, "make_pipeline_train_step"
     )
     local = optax.apply_updates(local, updates)
+    local = cfg.stages._round_to_leaf_dtypes(lax.axis_index(stage), local)
     sent = stage_bytes(
         n_stages, m, mbs.size, mbs.width, jnp.dtype(mbs.dtype).itemsize, cfg.schedule
     )
