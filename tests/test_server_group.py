@@ -282,8 +282,10 @@ def test_bad_servers_raise(mesh):
         comm.server_devices(0, 1)
     with pytest.raises(ValueError, match=r"size must be an integer in \[0, "):
         comm.server_ranges(-5, 2)
-    with pytest.raises(ValueError, match=r"nbytes\[0\] must be an integer in \[0, "):
+    with pytest.raises(ValueError, match=r"nbytes\[0\] must be a finite real number in \[0, "):
         comm.assign_to_servers([-1, 2], 2)
+    # A formula's float byte counts are balanced as the integers are.
+    assert comm.assign_to_servers([42.0, 17.5, 17.5, 9.0], 2) == ((0,), (1, 2, 3))
     with pytest.raises(ValueError, match=r"servers must be an integer in \[1, "):
         comm.assign_to_servers([1, 2], 0)
     # More servers than devices: known when the update is traced on the mesh.

@@ -653,7 +653,7 @@ def server_ranges(size: int, servers: int = 1) -> tuple[tuple[int, int], ...]:
     return tuple((min(j * chunk, size), min((j + 1) * chunk, size)) for j in range(servers))
 
 
-def assign_to_servers(nbytes: Sequence[int], servers: int = 1) -> tuple[tuple[int, ...], ...]:
+def assign_to_servers(nbytes: Sequence[float], servers: int = 1) -> tuple[tuple[int, ...], ...]:
     """Which messages each of ``M`` servers takes, when they are sharded whole (by leaf).
 
     Greedy balancing of the bytes: the largest message first (ties: the
@@ -667,12 +667,12 @@ def assign_to_servers(nbytes: Sequence[int], servers: int = 1) -> tuple[tuple[in
       ((0, 1), (2, 3))
     """
     servers = check_servers(servers)
-    for i, b in enumerate(nbytes):
-        V.check_int(f"nbytes[{i}]", b, 0)
-    loads, shares = [0] * servers, [[] for _ in range(servers)]
-    for i in sorted(range(len(nbytes)), key=lambda i: (-int(nbytes[i]), i)):
+    # A byte count may be a formula's float (a benchmark's): any finite number >= 0.
+    sizes = [V.check_real(f"nbytes[{i}]", b, 0.0) for i, b in enumerate(nbytes)]
+    loads, shares = [0.0] * servers, [[] for _ in range(servers)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         j = min(range(servers), key=lambda j: (loads[j], j))
-        loads[j] += int(nbytes[i])
+        loads[j] += sizes[i]
         shares[j].append(i)
     return tuple(tuple(sorted(share)) for share in shares)
 
