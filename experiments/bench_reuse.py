@@ -289,8 +289,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
 def main(argv):
     """Runs the program; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
     args = cli.parse(define_flags, argv)
-    if args.repeats < 5:
-        cli.fail("--repeats must be >= 5 (medians of at least 5 runs)")
+    cli.check_repeats(args.repeats)
     run(
         args.log2_n,
         [int(s) for s in args.periods.split(",")],

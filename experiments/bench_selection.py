@@ -320,8 +320,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
 def main(argv):
     """Runs the program; ``argv``: a command line or parsed flags (:mod:`experiments.cli`)."""
     args = cli.parse(define_flags, argv)
-    if args.repeats < 5:
-        cli.fail("--repeats must be >= 5 (medians of at least 5 runs)")
+    cli.check_repeats(args.repeats)
     sizes = [int(s) for s in args.sizes.split(",")]
     methods = [m for m in args.methods.split(",") if m] or None
     run(sizes, args.data.split(","), args.repeats, args.out, methods)

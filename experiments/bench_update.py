@@ -830,8 +830,7 @@ def main(argv):
         env = {**os.environ, "GLIBC_TUNABLES": tunables}
         rest = cli.command(argv)[1:]
         os.execve(sys.executable, [sys.executable, "-m", "experiments.bench_update", *rest], env)
-    if args.repeats < 5:
-        cli.fail("--repeats must be >= 5 (medians of at least 5 runs)")
+    cli.check_repeats(args.repeats)
     run(
         [int(s) for s in args.sizes.split(",")],
         [m for m in args.methods.split(",") if m],

@@ -42,7 +42,7 @@ from typing import Any, NoReturn
 from absl import app, flags
 from absl import logging as absl_logging
 
-__all__ = ["check_choices", "command", "fail", "parse", "run", "values"]
+__all__ = ["check_choices", "check_repeats", "command", "fail", "parse", "run", "values"]
 
 DefineFlags = Callable[[flags.FlagValues], None]
 
@@ -97,6 +97,12 @@ def fail(message: str) -> NoReturn:
     """Stops the program over a bad setting: ``<program>: error: <message>``, exit status 2."""
     print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_repeats(repeats: int, least: int = 5) -> None:
+    """Stops the program (:func:`fail`) unless medians of ``repeats`` runs, ``least`` or more."""
+    if repeats < least:
+        fail(f"--repeats must be >= {least} (medians of at least {least} runs)")
 
 
 def run(main: Callable[[flags.FlagValues], Any], define_flags: DefineFlags) -> None:
